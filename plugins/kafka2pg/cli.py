@@ -1,0 +1,210 @@
+"""Command line: the local stack, migrations, sample events, each pipeline step, status, demo.
+
+Run through ./kafka2pg (which prepares the venv and environment) or `python -m kafka2pg`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kafka2pg.config import PROJECT_ROOT, Settings, get_pipeline, load_pipelines
+from kafka2pg.exceptions import Kafka2PgError
+
+log = logging.getLogger("kafka2pg")
+
+
+def _settings() -> Settings:
+    return Settings.from_env()
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    from kafka2pg import local_stack
+
+    cache = Path(os.environ.get("KAFKA2PG_STATE_DIR", PROJECT_ROOT / ".cache"))
+    if args.action == "install":
+        for name, path in local_stack.resolve_jars(cache).items():
+            print(f"{name} jars: {path}")
+        return 0
+    current = local_stack.load_stack(cache)
+    if args.action == "status":
+        if current is None:
+            print("no local stack recorded (start one with ./kafka2pg stack start)")
+            return 1
+        for name, line in local_stack.stack_status(current).items():
+            print(f"{name}: {line}")
+        return 0
+    if args.action == "stop":
+        if current is None:
+            print("no local stack recorded: nothing to stop")
+            return 0
+        local_stack.stop_stack(current)
+        local_stack.forget_stack(cache)
+        print("local stack stopped")
+        return 0
+    if current is not None and all("running" in s for s in local_stack.stack_status(current).values()):
+        print(f"local stack already running; environment in {local_stack.stack_dir(cache) / 'stack.env'}")
+        return 0
+    if current is not None:
+        local_stack.stop_stack(current)
+        local_stack.forget_stack(cache)
+    stack = local_stack.start_stack(local_stack.stack_dir(cache), cache)
+    env_file = local_stack.save_stack(stack, cache)
+    for name, line in local_stack.stack_status(stack).items():
+        print(f"{name}: {line}")
+    print(f"environment: source {env_file}")
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from kafka2pg.migrations import migrate
+
+    settings = _settings()
+    applied = migrate(settings.database_url, list(load_pipelines(settings.pipelines_file).values()))
+    print(f"migrations applied: {', '.join(applied) or 'none pending'}; pipeline tables ensured")
+    return 0
+
+
+def cmd_produce(args: argparse.Namespace) -> int:
+    from kafka2pg.kafka_offsets import ensure_topic
+    from kafka2pg.producer import produce_sample
+
+    settings = _settings()
+    if ensure_topic(settings.bootstrap_servers, args.topic, args.partitions, settings.kafka_timeout_s):
+        print(f"created topic {args.topic} with {args.partitions} partitions")
+    count = produce_sample(settings.bootstrap_servers, args.topic, args.count, seed=args.seed)
+    print(f"produced {count} events to {args.topic}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kafka2pg.ledger import open_batch
+
+    settings = _settings()
+    opened = open_batch(settings, get_pipeline(args.pipeline, settings.pipelines_file), dry_run=args.dry_run)
+    print(opened.message)
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    from kafka2pg.local_stack import spark_jars
+    from kafka2pg.staging import spark_session, stage_batch
+
+    settings = _settings()
+    pipeline = get_pipeline(args.pipeline, settings.pipelines_file)
+    spark = spark_session(settings.spark_master, app_name=f"kafka2pg-stage-{pipeline.name}", jars=spark_jars(settings.state_dir))
+    try:
+        print(stage_batch(spark, settings, pipeline, args.batch_id).message)
+    finally:
+        spark.stop()
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from kafka2pg.quality import validate_batch
+
+    settings = _settings()
+    print(validate_batch(settings, get_pipeline(args.pipeline, settings.pipelines_file), args.batch_id).message)
+    return 0
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from kafka2pg.promote import promote_batch
+
+    settings = _settings()
+    print(promote_batch(settings, get_pipeline(args.pipeline, settings.pipelines_file), args.batch_id).message)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from kafka2pg.report import ledger_report
+
+    settings = _settings()
+    names = [args.pipeline] if args.pipeline else list(load_pipelines(settings.pipelines_file))
+    for name in names:
+        print(ledger_report(settings, get_pipeline(name, settings.pipelines_file)))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kafka2pg import demo
+
+    return demo.run(events=args.events, keep=args.keep)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kafka2pg", description="Exactly-once Kafka -> PostgreSQL micro-batches.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="start the local stack, produce events, run the DAG twice, print the ledger")
+    p.add_argument("--events", type=int, default=10_000, help="sample events to produce (default 10000)")
+    p.add_argument("--keep", action="store_true", help="leave the stack running (stop it with `stack stop`)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("stack", help="the local Kafka + PostgreSQL stack")
+    p.add_argument("action", choices=["install", "start", "stop", "status"])
+    p.set_defaults(func=cmd_stack)
+
+    sub.add_parser("migrate", help="apply sql/ migrations and create pipeline tables").set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("produce", help="produce sample events with an idempotent producer")
+    p.add_argument("--topic", default="orders")
+    p.add_argument("--count", type=int, default=1000)
+    p.add_argument("--partitions", type=int, default=3, help="partitions if the topic is created")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_produce)
+
+    p = sub.add_parser("status", help="ledger heads, watermarks and lag per partition")
+    p.add_argument("--pipeline")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("plan", help="plan (or resume) the next batch of a pipeline")
+    p.add_argument("--pipeline", required=True)
+    p.add_argument("--dry-run", action="store_true")
+    p.set_defaults(func=cmd_plan)
+    for name, func, text in (
+        ("stage", cmd_stage, "read and stage a planned batch with a local Spark session"),
+        ("validate", cmd_validate, "run the quality checks of a staged batch"),
+        ("promote", cmd_promote, "promote a validated batch in one transaction"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--pipeline", required=True)
+        p.add_argument("--batch-id", type=int, required=True)
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except Kafka2PgError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+def airflow_command() -> list[str]:
+    airflow = shutil.which("airflow")
+    if airflow is None:
+        raise Kafka2PgError("the `airflow` command is not on PATH: run through ./kafka2pg, which sets up the venv")
+    return [airflow]
+
+
+def run_logged(command: list[str], log_file: Path, env: dict[str, str]) -> tuple[int, str, float]:
+    """Run a command with its output in `log_file`; return exit code, output and seconds."""
+    started = time.monotonic()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "w") as out:
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, check=False).returncode
+    return code, log_file.read_text(errors="replace"), time.monotonic() - started

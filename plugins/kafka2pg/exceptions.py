@@ -1,0 +1,80 @@
+"""Every error kafka2pg raises on purpose; each message says what, where and what to do.
+
+Kafka2PgError
+ ├── ConfigError              bad pipelines file / settings (names the field and the file)
+ │    └── UnknownPipelineError
+ ├── ServiceUnavailableError  transient: retrying may help
+ │    ├── KafkaUnavailableError
+ │    └── DatabaseUnavailableError
+ ├── TopicNotFoundError
+ ├── SchemaNotReadyError      migrations not applied
+ ├── RetentionLossError       ledger head below the partition's low watermark
+ ├── OffsetRegressionError    ledger head above the high watermark (topic recreated?)
+ ├── LedgerConflictError      compare-and-set on a ledger head failed (stale/concurrent run)
+ ├── BatchStateError          a batch is not in the state a step needs
+ ├── QualityGateFailed        validation blocked promotion
+ └── StackError               the local embedded Kafka/PostgreSQL stack failed
+"""
+
+from __future__ import annotations
+
+
+class Kafka2PgError(Exception):
+    """Base class of every deliberate kafka2pg error."""
+
+    #: True when retrying the same step cannot succeed (Airflow should not retry).
+    terminal = True
+
+
+class ConfigError(Kafka2PgError):
+    """The pipelines file or the settings are invalid."""
+
+
+class UnknownPipelineError(ConfigError):
+    """A pipeline name that is not in the pipelines file."""
+
+
+class ServiceUnavailableError(Kafka2PgError):
+    """A service could not be reached; a retry may succeed."""
+
+    terminal = False
+
+
+class KafkaUnavailableError(ServiceUnavailableError):
+    """The Kafka cluster did not answer within the timeout."""
+
+
+class DatabaseUnavailableError(ServiceUnavailableError):
+    """PostgreSQL could not be reached."""
+
+
+class TopicNotFoundError(Kafka2PgError):
+    """The pipeline's topic does not exist on the cluster."""
+
+
+class SchemaNotReadyError(Kafka2PgError):
+    """The database lacks kafka2pg's tables: run `kafka2pg migrate`."""
+
+
+class RetentionLossError(Kafka2PgError):
+    """Records expired or were deleted before the pipeline read them."""
+
+
+class OffsetRegressionError(Kafka2PgError):
+    """The ledger is ahead of the topic: it was recreated, shrunk or restored."""
+
+
+class LedgerConflictError(Kafka2PgError):
+    """A ledger head moved under a batch: another run promoted first."""
+
+
+class BatchStateError(Kafka2PgError):
+    """A batch is not in a state the requested step accepts."""
+
+
+class QualityGateFailed(Kafka2PgError):
+    """The quality gate rejected a batch; nothing was promoted."""
+
+
+class StackError(Kafka2PgError):
+    """The local embedded stack could not be installed, started or stopped."""

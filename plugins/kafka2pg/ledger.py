@@ -1,0 +1,189 @@
+"""The offset ledger and the batch records: heads, committed ranges, batch states.
+
+Opening a batch (DESIGN step 1) happens here: ledger heads + broker offsets -> planner -> row.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from psycopg import Connection
+from psycopg.types.json import Jsonb
+
+from kafka2pg.config import Pipeline, Settings
+from kafka2pg.database import transaction
+from kafka2pg.exceptions import BatchStateError
+from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets
+from kafka2pg.planner import BatchPlan, PartitionState, plan_batch
+
+log = logging.getLogger(__name__)
+
+OPEN_STATES = ("planned", "staged", "validated")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One row of kafka2pg.batches with its plan."""
+
+    batch_id: int
+    pipeline: str
+    topic: str
+    state: str
+    plan: BatchPlan
+    records_read: int | None = None
+    rows_staged: int | None = None
+    rows_quarantined: int | None = None
+    rows_promoted: int | None = None
+
+
+@dataclass(frozen=True)
+class OpenedBatch:
+    """The outcome of the plan step: the batch to work on (None: nothing new), and why."""
+
+    batch: Batch | None
+    resumed: bool
+    message: str
+
+
+def read_heads(conn: Connection, pipeline: str) -> dict[int, int]:
+    rows = conn.execute(
+        "SELECT kafka_partition, next_offset FROM kafka2pg.ledger_heads WHERE pipeline = %s",
+        (pipeline,),
+    ).fetchall()
+    return {partition: offset for partition, offset in rows}
+
+
+def load_batch(conn: Connection, batch_id: int, *, for_update: bool = False) -> Batch:
+    query = (
+        "SELECT batch_id, pipeline, topic, state, plan, records_read, rows_staged,"
+        " rows_quarantined, rows_promoted FROM kafka2pg.batches WHERE batch_id = %s"
+    )
+    row = conn.execute(query + (" FOR UPDATE" if for_update else ""), (batch_id,)).fetchone()
+    if row is None:
+        raise BatchStateError(f"batch {batch_id} does not exist in kafka2pg.batches")
+    return Batch(row[0], row[1], row[2], row[3], BatchPlan.from_json(row[4]), *row[5:])
+
+
+def set_state(conn: Connection, batch: Batch, to_state: str, **counts: int | str | None) -> None:
+    assignments = "".join(f", {name} = %({name})s" for name in counts)
+    conn.execute(
+        f"UPDATE kafka2pg.batches SET state = %(state)s, updated_at = now(){assignments}"  # noqa: S608 - names are code constants
+        " WHERE batch_id = %(batch_id)s",
+        {"state": to_state, "batch_id": batch.batch_id, **counts},
+    )
+    log.info("pipeline=%s batch_id=%s state %s -> %s", batch.pipeline, batch.batch_id, batch.state, to_state)
+
+
+def open_batch(
+    settings: Settings,
+    pipeline: Pipeline,
+    *,
+    max_records_per_batch: int | None = None,
+    run_id: str | None = None,
+    dry_run: bool = False,
+) -> OpenedBatch:
+    """Resume the pipeline's unfinished batch, or plan and record the next one.
+
+    Rule: an unfinished live batch (planned/staged/validated) is resumed with its exact
+    ranges while every head it expects is still in place; otherwise it is marked `abandoned`
+    (it never promoted anything, so nothing is undone) and a fresh batch is planned.
+    """
+    offsets = partition_offsets(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
+    with transaction(settings.database_url) as conn:
+        # One planner per pipeline at a time; promotion is still fenced by compare-and-set.
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
+        heads = read_heads(conn, pipeline.name)
+        resumed = _resume_or_abandon(conn, pipeline, heads)
+        if resumed is not None:
+            return OpenedBatch(resumed, True, f"resuming unfinished batch {resumed.batch_id} ({resumed.state})")
+        plan = plan_batch(
+            pipeline.name,
+            pipeline.topic,
+            _states(offsets, heads),
+            max_records_per_batch=max_records_per_batch or pipeline.max_records_per_batch,
+            max_records_per_partition=pipeline.max_records_per_partition,
+            on_retention_loss=pipeline.on_retention_loss,
+            new_partition_start=pipeline.new_partition_start,
+        )
+        if plan.is_empty:
+            return OpenedBatch(None, False, _nothing_new(pipeline, offsets, heads))
+        if dry_run:
+            draft = Batch(0, pipeline.name, pipeline.topic, "dry-run", plan)
+            return OpenedBatch(draft, False, f"dry run: would read {plan.record_budget} offsets; nothing recorded")
+        batch = _insert_batch(conn, pipeline, plan, run_id)
+    return OpenedBatch(batch, False, f"planned batch {batch.batch_id}: {plan.record_budget} offsets")
+
+
+def _states(offsets: list[PartitionOffsets], heads: dict[int, int]) -> list[PartitionState]:
+    return [PartitionState(o.partition, heads.get(o.partition), o.low, o.last_stable, o.high) for o in offsets]
+
+
+def _nothing_new(pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]) -> str:
+    parts = ", ".join(f"p{o.partition}@{heads.get(o.partition, o.low)}/{o.last_stable}" for o in offsets)
+    return f"nothing new on topic {pipeline.topic!r} ({parts}): no batch planned, Spark not launched"
+
+
+def _resume_or_abandon(conn: Connection, pipeline: Pipeline, heads: dict[int, int]) -> Batch | None:
+    row = conn.execute(
+        "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live'"
+        " AND state = ANY(%s) FOR UPDATE",
+        (pipeline.name, list(OPEN_STATES)),
+    ).fetchone()
+    if row is None:
+        return None
+    batch = load_batch(conn, row[0])
+    stale = [
+        p.partition for p in batch.plan.partitions if heads.get(p.partition) != p.expected_head
+    ]
+    if not stale:
+        return batch
+    log.warning(
+        "pipeline=%s batch_id=%s abandoned: ledger heads of partitions %s moved since it was planned",
+        pipeline.name,
+        batch.batch_id,
+        stale,
+    )
+    set_state(conn, batch, "abandoned", error=f"heads of partitions {stale} moved before promotion")
+    return None
+
+
+def _insert_batch(conn: Connection, pipeline: Pipeline, plan: BatchPlan, run_id: str | None) -> Batch:
+    batch_id = conn.execute(
+        "INSERT INTO kafka2pg.batches (pipeline, topic, state, plan, run_id, records_planned)"
+        " VALUES (%s, %s, 'planned', %s, %s, %s) RETURNING batch_id",
+        (pipeline.name, pipeline.topic, Jsonb(plan.to_json()), run_id, plan.record_budget),
+    ).fetchone()[0]
+    with conn.cursor() as cur:
+        cur.executemany(
+            "INSERT INTO kafka2pg.batch_partitions (batch_id, kafka_partition, start_offset, end_offset)"
+            " VALUES (%s, %s, %s, %s)",
+            [(batch_id, r.partition, r.start, r.end) for r in plan.ranges],
+        )
+    log.info("pipeline=%s batch_id=%s planned %s", pipeline.name, batch_id, _describe(plan))
+    return Batch(batch_id, pipeline.name, pipeline.topic, "planned", plan)
+
+
+def _describe(plan: BatchPlan) -> str:
+    parts = [f"p{r.partition}[{r.start},{r.end})" for r in plan.ranges]
+    parts += [f"p{g.partition} {g.kind}[{g.start},{g.end})" for g in plan.gaps]
+    return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class HeadStatus:
+    """One partition of the status report."""
+
+    partition: int
+    next_offset: int | None
+    low: int
+    high: int
+    lag: int
+
+
+def head_status(conn: Connection, pipeline: Pipeline, offsets: list[PartitionOffsets]) -> list[HeadStatus]:
+    heads = read_heads(conn, pipeline.name)
+    return [
+        HeadStatus(o.partition, heads.get(o.partition), o.low, o.high, o.last_stable - heads.get(o.partition, o.low))
+        for o in offsets
+    ]

@@ -1,0 +1,223 @@
+"""Offset arithmetic of one micro-batch: which half-open ranges [start, end) to read next.
+
+Pure code on plain values; no Kafka, PostgreSQL or Spark import. Every `+1`/exclusive-end
+decision lives here: a range's `end` is the next offset to read after the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kafka2pg.exceptions import OffsetRegressionError, RetentionLossError
+
+GapKind = Literal["retention_gap", "skipped_new_partition"]
+
+
+@dataclass(frozen=True)
+class OffsetRange:
+    """Offsets [start, end) of one partition; `end` is exclusive."""
+
+    partition: int
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.end < self.start:
+            raise ValueError(f"invalid offset range [{self.start}, {self.end}) on p{self.partition}")
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Offsets [start, end) the ledger skips on purpose, with the reason."""
+
+    partition: int
+    start: int
+    end: int
+    kind: GapKind
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class PartitionState:
+    """What the ledger and the broker say about one partition right now.
+
+    `head` is the ledger's next offset to read (None: never read). `last_stable` is the
+    read_committed end (LSO); `high` the high watermark; `low` the first retained offset.
+    """
+
+    partition: int
+    head: int | None
+    low: int
+    last_stable: int
+    high: int
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """One partition's part of a batch: the head it expects, then an optional gap and range."""
+
+    partition: int
+    expected_head: int | None
+    gap: Gap | None
+    range: OffsetRange | None
+
+    @property
+    def new_head(self) -> int:
+        if self.range is not None:
+            return self.range.end
+        if self.gap is not None:
+            return self.gap.end
+        assert self.expected_head is not None
+        return self.expected_head
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The ranges one batch reads and the gaps it records, per partition."""
+
+    pipeline: str
+    topic: str
+    partitions: tuple[PartitionPlan, ...] = field(default_factory=tuple)
+
+    @property
+    def ranges(self) -> tuple[OffsetRange, ...]:
+        return tuple(p.range for p in self.partitions if p.range is not None)
+
+    @property
+    def gaps(self) -> tuple[Gap, ...]:
+        return tuple(p.gap for p in self.partitions if p.gap is not None)
+
+    @property
+    def record_budget(self) -> int:
+        return sum(r.size for r in self.ranges)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.partitions
+
+    def to_json(self) -> dict:
+        return {
+            "pipeline": self.pipeline,
+            "topic": self.topic,
+            "partitions": [
+                {
+                    "partition": p.partition,
+                    "expected_head": p.expected_head,
+                    "gap": None
+                    if p.gap is None
+                    else {"start": p.gap.start, "end": p.gap.end, "kind": p.gap.kind},
+                    "range": None if p.range is None else {"start": p.range.start, "end": p.range.end},
+                }
+                for p in self.partitions
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> BatchPlan:
+        parts = []
+        for p in data["partitions"]:
+            gap = p.get("gap")
+            rng = p.get("range")
+            parts.append(
+                PartitionPlan(
+                    partition=p["partition"],
+                    expected_head=p["expected_head"],
+                    gap=None if gap is None else Gap(p["partition"], gap["start"], gap["end"], gap["kind"]),
+                    range=None if rng is None else OffsetRange(p["partition"], rng["start"], rng["end"]),
+                )
+            )
+        return cls(data["pipeline"], data["topic"], tuple(parts))
+
+
+def plan_batch(
+    pipeline: str,
+    topic: str,
+    states: list[PartitionState],
+    *,
+    max_records_per_batch: int,
+    max_records_per_partition: int | None = None,
+    on_retention_loss: Literal["fail", "skip"] = "fail",
+    new_partition_start: Literal["earliest", "latest"] = "earliest",
+) -> BatchPlan:
+    """Plan the next batch; raise on retention loss (unless skipped) or offset regression.
+
+    The record budget is shared fairly: every partition with new records gets an equal share,
+    and what a small partition leaves over goes to the others (deterministic for equal input).
+    """
+    starts: dict[int, tuple[int | None, int, Gap | None]] = {}
+    for state in sorted(states, key=lambda s: s.partition):
+        starts[state.partition] = _start_of(pipeline, topic, state, on_retention_loss, new_partition_start)
+    available = {
+        s.partition: max(0, s.last_stable - starts[s.partition][1]) for s in states
+    }
+    if max_records_per_partition is not None:
+        available = {p: min(n, max_records_per_partition) for p, n in available.items()}
+    allotted = _share(available, max_records_per_batch)
+    plans = []
+    for partition, (expected_head, start, gap) in sorted(starts.items()):
+        count = allotted.get(partition, 0)
+        rng = OffsetRange(partition, start, start + count) if count else None
+        if rng is None and gap is None:
+            continue  # nothing new (or a new, empty partition): nothing to record
+        plans.append(PartitionPlan(partition, expected_head, gap, rng))
+    return BatchPlan(pipeline, topic, tuple(plans))
+
+
+def _start_of(
+    pipeline: str,
+    topic: str,
+    state: PartitionState,
+    on_retention_loss: str,
+    new_partition_start: str,
+) -> tuple[int | None, int, Gap | None]:
+    """(expected head, first offset to read, gap to record before it) for one partition."""
+    if state.head is None:
+        if new_partition_start == "latest" and state.last_stable > state.low:
+            gap = Gap(state.partition, state.low, state.last_stable, "skipped_new_partition")
+            return None, state.last_stable, gap
+        return None, state.low, None
+    if state.head > state.high:
+        raise OffsetRegressionError(
+            f"pipeline {pipeline!r}, topic {topic!r}, partition {state.partition}: the ledger head "
+            f"{state.head} is beyond the high watermark {state.high}. The topic was probably "
+            "deleted and recreated, shrunk, or restored from a backup. Nothing was read. "
+            "Inspect the topic, then realign the partition explicitly with a ledger reset."
+        )
+    if state.head < state.low:
+        lost = state.low - state.head
+        if on_retention_loss == "skip":
+            return state.head, state.low, Gap(state.partition, state.head, state.low, "retention_gap")
+        raise RetentionLossError(
+            f"pipeline {pipeline!r}, topic {topic!r}, partition {state.partition}: offsets "
+            f"[{state.head}, {state.low}) ({lost} records) expired or were deleted before they "
+            "were read. Nothing was read. To accept the loss and record it in the ledger, set "
+            "on_retention_loss: skip for this pipeline; otherwise restore the records upstream."
+        )
+    return state.head, state.head, None
+
+
+def _share(available: dict[int, int], budget: int) -> dict[int, int]:
+    """Water-filling split of `budget` over partitions capped by `available`."""
+    allotted = {p: 0 for p in available}
+    open_parts = sorted(p for p, n in available.items() if n > 0)
+    while budget > 0 and open_parts:
+        share, extra = divmod(budget, len(open_parts))
+        next_open = []
+        for index, partition in enumerate(open_parts):
+            want = share + (1 if index < extra else 0)
+            room = available[partition] - allotted[partition]
+            take = min(want, room)
+            allotted[partition] += take
+            budget -= take
+            if allotted[partition] < available[partition]:
+                next_open.append(partition)
+        open_parts = next_open
+    return allotted

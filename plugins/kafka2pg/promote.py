@@ -1,0 +1,142 @@
+"""Promotion (DESIGN step 4): data, quarantine and ledger move together in ONE transaction.
+
+Each partition's head advances only by compare-and-set from the head the batch was planned
+at; any other outcome raises `LedgerConflictError` and the transaction rolls back whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import Connection, sql
+
+from kafka2pg.config import Pipeline, Settings
+from kafka2pg.database import transaction
+from kafka2pg.exceptions import BatchStateError, LedgerConflictError, QualityGateFailed
+from kafka2pg.ledger import Batch, load_batch, set_state
+from kafka2pg.planner import PartitionPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromoteResult:
+    batch_id: int
+    promoted: int
+    quarantined: int
+    already_promoted: bool
+    message: str
+
+
+def promote_batch(settings: Settings, pipeline: Pipeline, batch_id: int) -> PromoteResult:
+    """Promote a validated batch; a second call for a promoted batch changes nothing."""
+    with transaction(settings.database_url) as conn:
+        batch = load_batch(conn, batch_id, for_update=True)
+        if batch.state == "promoted":
+            message = f"batch {batch_id} was already promoted: nothing changed"
+            return PromoteResult(batch_id, batch.rows_promoted or 0, batch.rows_quarantined or 0, True, message)
+        if batch.state != "validated":
+            raise BatchStateError(
+                f"batch {batch_id} of pipeline {pipeline.name!r} is {batch.state}; only a validated "
+                "batch can be promoted (the quality gate fails closed)"
+            )
+        reads = _records_read(conn, batch_id)
+        for part in batch.plan.partitions:
+            _advance_head(conn, pipeline, batch, part)
+            _record_ranges(conn, pipeline, batch, part, reads)
+        promoted = _insert_target(conn, pipeline, batch)
+        quarantined = _insert_quarantine(conn, pipeline, batch)
+        conn.execute(
+            sql.SQL("DELETE FROM {} WHERE batch_id = %s").format(sql.Identifier("kafka2pg", pipeline.staging_table)),
+            (batch_id,),
+        )
+        set_state(conn, batch, "promoted", rows_promoted=promoted, rows_quarantined=quarantined)
+    message = f"batch {batch_id} promoted: {promoted} rows to {pipeline.target_schema}.{pipeline.target_table}, {quarantined} to quarantine"
+    log.info("pipeline=%s %s", pipeline.name, message)
+    return PromoteResult(batch_id, promoted, quarantined, False, message)
+
+
+def _records_read(conn: Connection, batch_id: int) -> dict[int, int]:
+    rows = conn.execute(
+        "SELECT kafka_partition, records_read FROM kafka2pg.batch_partitions WHERE batch_id = %s", (batch_id,)
+    ).fetchall()
+    return {p: n or 0 for p, n in rows}
+
+
+def _advance_head(conn: Connection, pipeline: Pipeline, batch: Batch, part: PartitionPlan) -> None:
+    if part.expected_head is None:
+        moved = conn.execute(
+            "INSERT INTO kafka2pg.ledger_heads (pipeline, topic, kafka_partition, next_offset, last_batch_id)"
+            " VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+            (pipeline.name, pipeline.topic, part.partition, part.new_head, batch.batch_id),
+        ).rowcount
+    else:
+        moved = conn.execute(
+            "UPDATE kafka2pg.ledger_heads SET next_offset = %s, last_batch_id = %s, updated_at = now()"
+            " WHERE pipeline = %s AND kafka_partition = %s AND next_offset = %s",
+            (part.new_head, batch.batch_id, pipeline.name, part.partition, part.expected_head),
+        ).rowcount
+    if moved == 1:
+        return
+    current = conn.execute(
+        "SELECT next_offset, last_batch_id FROM kafka2pg.ledger_heads WHERE pipeline = %s AND kafka_partition = %s",
+        (pipeline.name, part.partition),
+    ).fetchone()
+    found = "no head" if current is None else f"head {current[0]} (moved by batch {current[1]})"
+    raise LedgerConflictError(
+        f"pipeline {pipeline.name!r} batch {batch.batch_id}, partition {part.partition}: planned from "
+        f"head {part.expected_head} but the ledger has {found}. Another run promoted these offsets "
+        "first; nothing from this batch was written. Trigger a new run to plan from the current head."
+    )
+
+
+def _record_ranges(conn: Connection, pipeline: Pipeline, batch: Batch, part: PartitionPlan, reads: dict[int, int]) -> None:
+    rows = []
+    if part.gap is not None:
+        rows.append((part.gap.start, part.gap.end, part.gap.kind, 0))
+    if part.range is not None:
+        rows.append((part.range.start, part.range.end, "batch", reads.get(part.partition, 0)))
+    with conn.cursor() as cur:
+        cur.executemany(
+            "INSERT INTO kafka2pg.ledger_ranges (pipeline, topic, kafka_partition, start_offset, end_offset,"
+            " kind, batch_id, records) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+            [(pipeline.name, pipeline.topic, part.partition, s, e, k, batch.batch_id, n) for s, e, k, n in rows],
+        )
+
+
+def _insert_target(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
+    columns = [sql.Identifier(c.name) for c in pipeline.columns] + [
+        sql.Identifier(n) for n in ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "batch_id")
+    ]
+    query = sql.SQL(
+        "INSERT INTO {target} ({cols}) SELECT {cols} FROM {staging}"
+        " WHERE batch_id = %s AND quarantine_reason IS NULL"
+    ).format(
+        target=sql.Identifier(pipeline.target_schema, pipeline.target_table),
+        cols=sql.SQL(", ").join(columns),
+        staging=sql.Identifier("kafka2pg", pipeline.staging_table),
+    )
+    try:
+        return conn.execute(query, (batch.batch_id,)).rowcount
+    except psycopg.errors.UniqueViolation as exc:
+        raise QualityGateFailed(
+            f"pipeline {pipeline.name!r} batch {batch.batch_id}: promotion hit a unique key already in the "
+            f"target ({exc.diag.message_detail}); nothing was promoted. A concurrent run or a manual write "
+            "loaded it; run `./kafka2pg status` and trigger a new run."
+        ) from exc
+
+
+def _insert_quarantine(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
+    record = sql.SQL("jsonb_build_object({})").format(
+        sql.SQL(", ").join(sql.SQL("{}, s.{}").format(sql.Literal(c.name), sql.Identifier(c.name)) for c in pipeline.columns)
+    )
+    query = sql.SQL(
+        "INSERT INTO kafka2pg.quarantine (pipeline, batch_id, kafka_topic, kafka_partition, kafka_offset,"
+        " kafka_timestamp, reason, raw_value, record)"
+        " SELECT %s, s.batch_id, s.kafka_topic, s.kafka_partition, s.kafka_offset, s.kafka_timestamp,"
+        " s.quarantine_reason, s.raw_value, {record} FROM {staging} s"
+        " WHERE s.batch_id = %s AND s.quarantine_reason IS NOT NULL"
+    ).format(record=record, staging=sql.Identifier("kafka2pg", pipeline.staging_table))
+    return conn.execute(query, (pipeline.name, batch.batch_id)).rowcount

@@ -1,0 +1,227 @@
+"""The quality gate (DESIGN step 3): checks a staged batch and flags duplicates before promotion.
+
+Plain SQL checks in one transaction; results are stored in kafka2pg.batch_checks. It fails
+closed: a batch is promoted only from `validated`, which only this module sets.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from psycopg import Connection, sql
+
+from kafka2pg.config import Pipeline, Settings
+from kafka2pg.database import transaction
+from kafka2pg.exceptions import BatchStateError, QualityGateFailed
+from kafka2pg.ledger import Batch, load_batch, set_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check's outcome; `flagged` rows were moved to quarantine instead of failing."""
+
+    name: str
+    success: bool
+    unexpected: int
+    details: str
+    flagged: int = 0
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    batch_id: int
+    state: str
+    checks: tuple[Check, ...]
+    message: str
+
+    @property
+    def success(self) -> bool:
+        return all(c.success for c in self.checks)
+
+
+def validate_batch(settings: Settings, pipeline: Pipeline, batch_id: int) -> ValidationResult:
+    """Run every check on the staged batch; mark it `validated` or `rejected` (and raise)."""
+    with transaction(settings.database_url) as conn:
+        batch = load_batch(conn, batch_id, for_update=True)
+        if batch.state in ("validated", "promoted"):
+            return ValidationResult(batch_id, batch.state, (), f"batch {batch_id} is already {batch.state}")
+        if batch.state != "staged":
+            raise BatchStateError(
+                f"batch {batch_id} of pipeline {pipeline.name!r} is {batch.state}, not staged: "
+                "run the stage step first (or trigger a new run)"
+            )
+        checks = _run_checks(conn, pipeline, batch)
+        conn.execute("DELETE FROM kafka2pg.batch_checks WHERE batch_id = %s", (batch_id,))
+        with conn.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO kafka2pg.batch_checks (batch_id, check_name, success, unexpected_count, details)"
+                " VALUES (%s, %s, %s, %s, %s)",
+                [(batch_id, c.name, c.success, c.unexpected, c.details) for c in checks],
+            )
+        failed = [c for c in checks if not c.success]
+        quarantined = _count(conn, pipeline, batch_id, "quarantine_reason IS NOT NULL")
+        if failed:
+            summary = "; ".join(f"{c.name}: {c.details}" for c in failed)
+            set_state(conn, batch, "rejected", rows_quarantined=quarantined, error=summary[:2000])
+    if failed:
+        raise QualityGateFailed(
+            f"pipeline {pipeline.name!r} batch {batch_id} rejected, nothing promoted, ledger unchanged: "
+            f"{summary}. Inspect kafka2pg.batch_checks and the staging table kafka2pg.{pipeline.staging_table}; "
+            "fix the data or the pipeline config, then trigger a new run."
+        )
+    with transaction(settings.database_url) as conn:
+        batch = load_batch(conn, batch_id, for_update=True)
+        set_state(conn, batch, "validated", rows_quarantined=quarantined)
+    flagged = sum(c.flagged for c in checks)
+    message = f"batch {batch_id}: {len(checks)} checks passed, {flagged} duplicate(s) flagged to quarantine"
+    log.info("pipeline=%s %s", pipeline.name, message)
+    return ValidationResult(batch_id, "validated", tuple(checks), message)
+
+
+def _staging(pipeline: Pipeline) -> sql.Identifier:
+    return sql.Identifier("kafka2pg", pipeline.staging_table)
+
+
+def _target(pipeline: Pipeline) -> sql.Identifier:
+    return sql.Identifier(pipeline.target_schema, pipeline.target_table)
+
+
+def _count(conn: Connection, pipeline: Pipeline, batch_id: int, where: str) -> int:
+    query = sql.SQL("SELECT count(*) FROM {} WHERE batch_id = %s AND " + where).format(_staging(pipeline))
+    return conn.execute(query, (batch_id,)).fetchone()[0]
+
+
+def _run_checks(conn: Connection, pipeline: Pipeline, batch: Batch) -> list[Check]:
+    checks = [
+        _completeness(conn, pipeline, batch),
+        _provenance_unique(conn, pipeline, batch),
+        _not_already_promoted(conn, pipeline, batch),
+        _required_not_null(conn, pipeline, batch),
+    ]
+    if pipeline.business_key:
+        checks.append(_business_key_unique_in_batch(conn, pipeline, batch))
+        checks.append(_business_key_not_promoted(conn, pipeline, batch))
+    return checks
+
+
+def _completeness(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT bp.kafka_partition, bp.records_read, count(s.kafka_offset)"
+            " FROM kafka2pg.batch_partitions bp LEFT JOIN {} s"
+            "   ON s.batch_id = bp.batch_id AND s.kafka_partition = bp.kafka_partition"
+            " WHERE bp.batch_id = %s GROUP BY bp.kafka_partition, bp.records_read"
+        ).format(_staging(pipeline)),
+        (batch.batch_id,),
+    ).fetchall()
+    bad = [(p, read, staged) for p, read, staged in rows if read is None or read != staged]
+    details = "; ".join(f"p{p}: read {read}, staged {staged}" for p, read, staged in bad)
+    return Check("staged_rows_equal_records_read", not bad, len(bad), details or "every record read is staged")
+
+
+def _provenance_unique(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
+    dupes = conn.execute(
+        sql.SQL(
+            "SELECT count(*) - count(DISTINCT (kafka_topic, kafka_partition, kafka_offset)) FROM {} WHERE batch_id = %s"
+        ).format(_staging(pipeline)),
+        (batch.batch_id,),
+    ).fetchone()[0]
+    return Check("provenance_unique", dupes == 0, dupes, f"{dupes} provenance duplicates in staging")
+
+
+def _not_already_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
+    overlap = conn.execute(
+        sql.SQL(
+            "SELECT count(*) FROM {} s JOIN {} t USING (kafka_topic, kafka_partition, kafka_offset)"
+            " WHERE s.batch_id = %s"
+        ).format(_staging(pipeline), _target(pipeline)),
+        (batch.batch_id,),
+    ).fetchone()[0]
+    return Check(
+        "provenance_not_already_promoted", overlap == 0, overlap, f"{overlap} staged offsets already in the target"
+    )
+
+
+def _required_not_null(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
+    required = [*pipeline.required_columns, *(k for k in pipeline.business_key if k not in pipeline.required_columns)]
+    if not required:
+        return Check("required_columns_not_null", True, 0, "no required columns")
+    any_null = sql.SQL(" OR ").join(sql.SQL("{} IS NULL").format(sql.Identifier(c)) for c in required)
+    nulls = conn.execute(
+        sql.SQL("SELECT count(*) FROM {} WHERE batch_id = %s AND quarantine_reason IS NULL AND ({})").format(
+            _staging(pipeline), any_null
+        ),
+        (batch.batch_id,),
+    ).fetchone()[0]
+    return Check("required_columns_not_null", nulls == 0, nulls, f"{nulls} accepted rows with a null in {required}")
+
+
+def _key_columns(pipeline: Pipeline, alias: str) -> sql.Composed:
+    return sql.SQL(", ").join(sql.Identifier(alias, k) for k in pipeline.business_key)
+
+
+def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
+    """Producer retries: keep the first occurrence (by timestamp, partition, offset), flag the rest."""
+    ranked = sql.SQL(
+        "SELECT s.kafka_partition, s.kafka_offset,"
+        " first_value(s.kafka_partition) OVER w AS kept_partition,"
+        " first_value(s.kafka_offset) OVER w AS kept_offset,"
+        " row_number() OVER w AS n"
+        " FROM {staging} s WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL"
+        " WINDOW w AS (PARTITION BY {keys} ORDER BY s.kafka_timestamp, s.kafka_partition, s.kafka_offset)"
+    ).format(staging=_staging(pipeline), keys=_key_columns(pipeline, "s"))
+    return _flag_duplicates(
+        conn,
+        pipeline,
+        batch,
+        "business_key_unique_in_batch",
+        ranked,
+        "'duplicate business key within batch ' || %(batch)s || ': kept partition ' || d.kept_partition"
+        " || ' offset ' || d.kept_offset",
+    )
+
+
+def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
+    join = sql.SQL(" AND ").join(
+        sql.SQL("t.{k} = s.{k}").format(k=sql.Identifier(k)) for k in pipeline.business_key
+    )
+    ranked = sql.SQL(
+        "SELECT s.kafka_partition, s.kafka_offset, t.kafka_partition AS kept_partition,"
+        " t.kafka_offset AS kept_offset, t.batch_id AS kept_batch, 2 AS n"
+        " FROM {staging} s JOIN {target} t ON {join}"
+        " WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL"
+    ).format(staging=_staging(pipeline), target=_target(pipeline), join=join)
+    return _flag_duplicates(
+        conn,
+        pipeline,
+        batch,
+        "business_key_not_already_promoted",
+        ranked,
+        "'business key already promoted by batch ' || d.kept_batch || ' at partition ' || d.kept_partition"
+        " || ' offset ' || d.kept_offset",
+    )
+
+
+def _flag_duplicates(
+    conn: Connection, pipeline: Pipeline, batch: Batch, name: str, ranked: sql.Composed, reason: str
+) -> Check:
+    count = conn.execute(
+        sql.SQL("SELECT count(*) FROM ({}) d WHERE d.n > 1").format(ranked), {"batch": batch.batch_id}
+    ).fetchone()[0]
+    if count == 0:
+        return Check(name, True, 0, "no duplicates")
+    if pipeline.duplicate_policy == "fail":
+        return Check(name, False, count, f"{count} duplicate business key(s) (duplicate_policy: fail)")
+    conn.execute(
+        sql.SQL(
+            "UPDATE {staging} s SET quarantine_reason = " + reason + " FROM ({ranked}) d"
+            " WHERE d.n > 1 AND s.batch_id = %(batch)s"
+            " AND s.kafka_partition = d.kafka_partition AND s.kafka_offset = d.kafka_offset"
+        ).format(staging=_staging(pipeline), ranked=ranked),
+        {"batch": batch.batch_id},
+    )
+    log.warning("pipeline=%s batch_id=%s %s: %s duplicates flagged to quarantine", pipeline.name, batch.batch_id, name, count)
+    return Check(name, True, count, f"{count} duplicate(s) flagged to quarantine", flagged=count)

@@ -1,0 +1,70 @@
+"""Human-readable summaries: what landed, the ledger per partition, a batch's counts.
+
+Used by the promote task's log, `./kafka2pg status` and the demo command.
+"""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+from kafka2pg.config import Pipeline, Settings
+from kafka2pg.database import connect
+from kafka2pg.kafka_offsets import partition_offsets
+from kafka2pg.ledger import head_status
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str("-" if v is None else v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
+    offsets = partition_offsets(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
+    with connect(settings.database_url) as conn:
+        heads = head_status(conn, pipeline, offsets)
+        landed = conn.execute(
+            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(pipeline.target_schema, pipeline.target_table))
+        ).fetchone()[0]
+        quarantined = conn.execute(
+            "SELECT count(*) FROM kafka2pg.quarantine WHERE pipeline = %s", (pipeline.name,)
+        ).fetchone()[0]
+        batches = conn.execute(
+            "SELECT state, count(*) FROM kafka2pg.batches WHERE pipeline = %s GROUP BY state ORDER BY state",
+            (pipeline.name,),
+        ).fetchall()
+    rows = [[h.partition, h.next_offset, h.low, h.high, h.lag] for h in heads]
+    return "\n".join(
+        [
+            f"pipeline {pipeline.name}: topic {pipeline.topic} -> {pipeline.target_schema}.{pipeline.target_table}",
+            f"rows landed in target: {landed}; records in quarantine: {quarantined}",
+            "batches: " + (", ".join(f"{n} {s}" for s, n in batches) or "none"),
+            "ledger:",
+            _table(["partition", "next_offset", "low_watermark", "high_watermark", "lag"], rows),
+        ]
+    )
+
+
+def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
+    with connect(settings.database_url) as conn:
+        batch = conn.execute(
+            "SELECT state, records_planned, records_read, rows_promoted, rows_quarantined FROM kafka2pg.batches"
+            " WHERE batch_id = %s",
+            (batch_id,),
+        ).fetchone()
+        parts = conn.execute(
+            "SELECT kafka_partition, start_offset, end_offset, records_read, min_offset_read, max_offset_read"
+            " FROM kafka2pg.batch_partitions WHERE batch_id = %s ORDER BY kafka_partition",
+            (batch_id,),
+        ).fetchall()
+    if batch is None:
+        return f"batch {batch_id}: not found"
+    state, planned, read, promoted, quarantined = batch
+    lines = [
+        f"batch {batch_id} ({state}): planned {planned} offsets, read {read}, promoted {promoted}, quarantined {quarantined}",
+        _table(["partition", "start", "end", "read", "min_offset", "max_offset"], [list(p) for p in parts]),
+        ledger_report(settings, pipeline),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,283 @@
+"""Read + stage (DESIGN step 2): Spark reads exactly a batch's planned ranges and stages them.
+
+Every Spark task COPYs its rows in one transaction that first deletes its own chunk, so a
+task retry or a whole-job retry replaces rows instead of duplicating them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyspark.sql import Column as SparkColumn
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.types import StringType, StructField, StructType, _parse_datatype_string
+
+from kafka2pg.config import Pipeline, Settings
+from kafka2pg.database import transaction
+from kafka2pg.exceptions import BatchStateError
+from kafka2pg.ledger import Batch, load_batch, set_state
+from kafka2pg.planner import BatchPlan
+
+log = logging.getLogger(__name__)
+
+CORRUPT = "_corrupt_record"
+STATS_SCHEMA = "kafka_partition int, records long, quarantined long, min_offset long, max_offset long"
+
+
+@dataclass(frozen=True)
+class PartitionRead:
+    """What Spark actually read from one partition of a batch."""
+
+    partition: int
+    records: int
+    quarantined: int
+    min_offset: int | None
+    max_offset: int | None
+
+
+@dataclass(frozen=True)
+class StageResult:
+    batch_id: int
+    state: str
+    reads: tuple[PartitionRead, ...]
+    message: str
+
+    @property
+    def records_read(self) -> int:
+        return sum(r.records for r in self.reads)
+
+    @property
+    def quarantined(self) -> int:
+        return sum(r.quarantined for r in self.reads)
+
+
+def kafka_read_options(settings: Settings, plan: BatchPlan) -> dict[str, str]:
+    """Spark Kafka source options reading exactly the plan's ranges, committed records only."""
+    ranges = plan.ranges
+    return {
+        "kafka.bootstrap.servers": settings.bootstrap_servers,
+        "assign": json.dumps({plan.topic: [r.partition for r in ranges]}),
+        "startingOffsets": json.dumps({plan.topic: {str(r.partition): r.start for r in ranges}}),
+        "endingOffsets": json.dumps({plan.topic: {str(r.partition): r.end for r in ranges}}),
+        "kafka.isolation.level": "read_committed",
+        "failOnDataLoss": "true",
+    }
+
+
+def decode(raw: DataFrame, pipeline: Pipeline) -> DataFrame:
+    """Kafka rows -> provenance + typed columns + raw value and quarantine reason (or null)."""
+    schema = StructType(
+        [StructField(c.field, _parse_datatype_string(c.spark_type)) for c in pipeline.columns]
+        + [StructField(CORRUPT, StringType())]
+    )
+    parsed = raw.select(
+        F.col("topic").alias("kafka_topic"),
+        F.col("partition").alias("kafka_partition"),
+        F.col("offset").alias("kafka_offset"),
+        F.col("timestamp").alias("kafka_timestamp"),
+        F.col("value").isNull().alias("_is_null"),
+        F.col("value").cast("string").alias("raw_value"),
+    ).withColumn(
+        "_parsed",
+        F.from_json(
+            "raw_value", schema, {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT}
+        ),
+    )
+    reason = _reason(pipeline)
+    return parsed.select(
+        "kafka_topic",
+        "kafka_partition",
+        "kafka_offset",
+        "kafka_timestamp",
+        *[F.col("_parsed").getField(c.field).alias(c.name) for c in pipeline.columns],
+        F.when(reason.isNotNull(), F.col("raw_value")).alias("raw_value"),
+        reason.alias("quarantine_reason"),
+    )
+
+
+def _reason(pipeline: Pipeline) -> SparkColumn:
+    parsed = F.col("_parsed")
+    reason = F.when(F.col("_is_null"), F.lit("null value (tombstone or empty record)"))
+    reason = reason.when(parsed.isNull(), F.lit("value is not a JSON object"))
+    reason = reason.when(
+        parsed.getField(CORRUPT).isNotNull(), F.lit("malformed JSON or a field of the wrong type")
+    )
+    for column in pipeline.columns:
+        if column.required or column.name in pipeline.business_key:
+            reason = reason.when(
+                parsed.getField(column.field).isNull(),
+                F.lit(f"required field {column.field!r} is missing or null"),
+            )
+    return reason
+
+
+def stage_batch(spark: SparkSession, settings: Settings, pipeline: Pipeline, batch_id: int) -> StageResult:
+    """Read the batch's ranges from Kafka and (re)write its staging rows; idempotent."""
+    with transaction(settings.database_url) as conn:
+        batch = load_batch(conn, batch_id, for_update=True)
+        _check_stageable(batch, pipeline)
+        if batch.state in ("validated", "promoted"):
+            return StageResult(batch_id, batch.state, (), f"batch {batch_id} is already {batch.state}: nothing to stage")
+        conn.execute(
+            _staging_sql("DELETE FROM {} WHERE batch_id = %s", pipeline), (batch_id,)
+        )
+    raw = spark.read.format("kafka").options(**kafka_read_options(settings, batch.plan)).load()
+    columns = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp"]
+    columns += [c.name for c in pipeline.columns] + ["raw_value", "quarantine_reason"]
+    writer = _chunk_writer(settings.database_url, pipeline.staging_table, columns, batch_id)
+    if batch.plan.ranges:
+        rows = decode(raw, pipeline).select(*columns).mapInArrow(writer, STATS_SCHEMA).collect()
+    else:
+        rows = []
+    reads = _merge_stats(rows, batch)
+    with transaction(settings.database_url) as conn:
+        batch = load_batch(conn, batch_id, for_update=True)
+        _check_stageable(batch, pipeline)
+        with conn.cursor() as cur:
+            cur.executemany(
+                "UPDATE kafka2pg.batch_partitions SET records_read = %s, min_offset_read = %s,"
+                " max_offset_read = %s WHERE batch_id = %s AND kafka_partition = %s",
+                [(r.records, r.min_offset, r.max_offset, batch_id, r.partition) for r in reads],
+            )
+        total = sum(r.records for r in reads)
+        quarantined = sum(r.quarantined for r in reads)
+        set_state(conn, batch, "staged", records_read=total, rows_staged=total, rows_quarantined=quarantined)
+    message = f"batch {batch_id}: read {total} records, {quarantined} to quarantine"
+    log.info("pipeline=%s %s", pipeline.name, message)
+    return StageResult(batch_id, "staged", reads, message)
+
+
+def _check_stageable(batch: Batch, pipeline: Pipeline) -> None:
+    if batch.pipeline != pipeline.name:
+        raise BatchStateError(f"batch {batch.batch_id} belongs to pipeline {batch.pipeline!r}, not {pipeline.name!r}")
+    if batch.state in ("rejected", "abandoned"):
+        raise BatchStateError(
+            f"batch {batch.batch_id} of pipeline {pipeline.name!r} is {batch.state}; it cannot be "
+            "staged. Trigger a new run: it plans a fresh batch."
+        )
+
+
+def _staging_sql(template: str, pipeline: Pipeline):
+    from psycopg import sql
+
+    return sql.SQL(template).format(sql.Identifier("kafka2pg", pipeline.staging_table))
+
+
+def _merge_stats(rows: list, batch: Batch) -> tuple[PartitionRead, ...]:
+    planned = {r.partition: r for r in batch.plan.ranges}
+    merged: dict[int, list] = {p: [0, 0, None, None] for p in planned}
+    for row in rows:
+        acc = merged.setdefault(row.kafka_partition, [0, 0, None, None])
+        acc[0] += row.records
+        acc[1] += row.quarantined
+        acc[2] = row.min_offset if acc[2] is None else min(acc[2], row.min_offset)
+        acc[3] = row.max_offset if acc[3] is None else max(acc[3], row.max_offset)
+    reads = []
+    for partition, (records, quarantined, low, high) in sorted(merged.items()):
+        rng = planned.get(partition)
+        outside = rng is None or (records and (low < rng.start or high >= rng.end or records > rng.size))
+        if outside:
+            raise BatchStateError(
+                f"batch {batch.batch_id}: Spark returned offsets [{low}, {high}] ({records} records) "
+                f"of partition {partition}, outside the planned range; nothing was staged as final"
+            )
+        reads.append(PartitionRead(partition, records, quarantined, low, high))
+    return tuple(reads)
+
+
+def _chunk_writer(database_url: str, staging_table: str, columns: list[str], batch_id: int):
+    """A mapInArrow function: COPY one Spark partition into staging, yield its read stats."""
+
+    def write(batches):
+        import psycopg
+        import pyarrow as pa
+        from psycopg import sql
+        from pyspark import TaskContext
+
+        chunk = TaskContext.get().partitionId()
+        table = sql.Identifier("kafka2pg", staging_table)
+        copy_sql = sql.SQL("COPY {} ({}) FROM STDIN").format(
+            table, sql.SQL(", ").join(map(sql.Identifier, ["batch_id", "chunk", *columns]))
+        )
+        stats: dict[int, list] = {}
+        partition_at = columns.index("kafka_partition")
+        offset_at = columns.index("kafka_offset")
+        reason_at = columns.index("quarantine_reason")
+        with psycopg.connect(database_url) as conn:
+            conn.execute(sql.SQL("DELETE FROM {} WHERE batch_id = %s AND chunk = %s").format(table), (batch_id, chunk))
+            with conn.cursor() as cur, cur.copy(copy_sql) as copy:
+                for record_batch in batches:
+                    for row in zip(*(col.to_pylist() for col in record_batch.columns)):
+                        copy.write_row((batch_id, chunk, *row))
+                        acc = stats.setdefault(row[partition_at], [0, 0, row[offset_at], row[offset_at]])
+                        acc[0] += 1
+                        acc[1] += row[reason_at] is not None
+                        acc[2] = min(acc[2], row[offset_at])
+                        acc[3] = max(acc[3], row[offset_at])
+        yield pa.RecordBatch.from_pylist(
+            [
+                {"kafka_partition": p, "records": a[0], "quarantined": a[1], "min_offset": a[2], "max_offset": a[3]}
+                for p, a in stats.items()
+            ],
+            schema=pa.schema(
+                [("kafka_partition", pa.int32()), ("records", pa.int64()), ("quarantined", pa.int64()),
+                 ("min_offset", pa.int64()), ("max_offset", pa.int64())]
+            ),
+        )
+
+    return write
+
+
+def package_zip(state_dir: Path) -> Path:
+    """Zip of the kafka2pg package for Spark executors (`addPyFile`), rebuilt each run."""
+    package = Path(__file__).resolve().parent
+    state_dir.mkdir(parents=True, exist_ok=True)
+    target = state_dir / f"kafka2pg-{os.getpid()}.zip"
+    with zipfile.ZipFile(target, "w") as archive:
+        for path in sorted(package.rglob("*.py")):
+            archive.write(path, Path("kafka2pg") / path.relative_to(package))
+    return target
+
+
+def spark_session(master: str, *, app_name: str, jars: list[Path] | None = None, conf: dict[str, str] | None = None) -> SparkSession:
+    """A Spark session with the Kafka source on the classpath (for tests and `kafka2pg stage`)."""
+    builder = SparkSession.builder.master(master).appName(app_name)
+    for key, value in {**SPARK_DEFAULTS, **(conf or {})}.items():
+        builder = builder.config(key, value)
+    if jars:
+        builder = builder.config("spark.jars", ",".join(str(j) for j in jars))
+    return builder.getOrCreate()
+
+
+SPARK_DEFAULTS = {
+    "spark.sql.session.timeZone": "UTC",
+    "spark.ui.enabled": "false",
+    "spark.sql.shuffle.partitions": "4",
+    "spark.sql.execution.arrow.maxRecordsPerBatch": "20000",
+}
+
+
+def run_job(pipeline_name: str, batch_id: int) -> StageResult:
+    """Entry point of jobs/stage_batch.py (spark-submit supplies master and jars)."""
+    from kafka2pg.config import get_pipeline
+
+    settings = Settings.from_env()
+    pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
+    builder = SparkSession.builder.appName(f"kafka2pg-stage-{pipeline.name}-{batch_id}")
+    for key, value in {**SPARK_DEFAULTS, **pipeline.spark_conf}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    archive = package_zip(settings.state_dir / "spark")
+    try:
+        spark.sparkContext.addPyFile(str(archive))
+        return stage_batch(spark, settings, pipeline, batch_id)
+    finally:
+        spark.stop()
+        archive.unlink(missing_ok=True)

@@ -1,0 +1,69 @@
+"""The callables behind each Airflow task: plan, validate, promote (staging is a Spark job).
+
+They are imported lazily inside the tasks; kafka2pg errors are translated here into Airflow's
+terms: a broken invariant fails without retry, an unreachable service stays retryable.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kafka2pg.config import Settings, get_pipeline
+from kafka2pg.exceptions import Kafka2PgError
+
+log = logging.getLogger("kafka2pg")
+
+
+@contextmanager
+def airflow_errors() -> Iterator[None]:
+    """Terminal kafka2pg errors -> AirflowFailException (no retry); others propagate."""
+    try:
+        yield
+    except Kafka2PgError as exc:
+        if not exc.terminal:
+            raise
+        from airflow.exceptions import AirflowFailException
+
+        raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+
+
+def plan(pipeline_name: str, *, max_records_per_batch: int | None = None, dry_run: bool = False, run_id: str | None = None) -> dict | None:
+    """Plan (or resume) the next batch; None when there is nothing to do (no Spark launched)."""
+    from kafka2pg.ledger import open_batch
+    from kafka2pg.migrations import migrate
+
+    with airflow_errors():
+        settings = Settings.from_env()
+        pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
+        migrate(settings.database_url, [pipeline])
+        opened = open_batch(settings, pipeline, max_records_per_batch=max_records_per_batch, run_id=run_id, dry_run=dry_run)
+    log.info("pipeline=%s %s", pipeline_name, opened.message)
+    if opened.batch is None or dry_run:
+        return None
+    return {"batch_id": opened.batch.batch_id, "resumed": opened.resumed, "records": opened.batch.plan.record_budget}
+
+
+def validate(pipeline_name: str, batch_id: int) -> dict:
+    from kafka2pg.quality import validate_batch
+
+    with airflow_errors():
+        settings = Settings.from_env()
+        result = validate_batch(settings, get_pipeline(pipeline_name, settings.pipelines_file), batch_id)
+    for check in result.checks:
+        log.info("batch_id=%s check %-36s %s  %s", batch_id, check.name, "ok" if check.success else "FAILED", check.details)
+    return {"batch_id": batch_id, "state": result.state}
+
+
+def promote(pipeline_name: str, batch_id: int) -> dict:
+    from kafka2pg.promote import promote_batch
+    from kafka2pg.report import batch_report
+
+    with airflow_errors():
+        settings = Settings.from_env()
+        pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
+        result = promote_batch(settings, pipeline, batch_id)
+        log.info("pipeline=%s %s", pipeline_name, result.message)
+        log.info("\n%s", batch_report(settings, pipeline, batch_id))
+    return {"batch_id": batch_id, "promoted": result.promoted, "quarantined": result.quarantined}
