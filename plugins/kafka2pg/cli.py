@@ -98,7 +98,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
     settings = _settings()
     pipeline = get_pipeline(args.pipeline, settings.pipelines_file)
-    spark = spark_session(settings.spark_master, app_name=f"kafka2pg-stage-{pipeline.name}", jars=spark_jars(settings.state_dir))
+    spark = spark_session(
+        settings.spark_master, app_name=f"kafka2pg-stage-{pipeline.name}", jars=spark_jars(settings.state_dir)
+    )
     try:
         print(stage_batch(spark, settings, pipeline, args.batch_id).message)
     finally:

@@ -112,11 +112,7 @@ class Settings:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
         env = dict(os.environ if env is None else env)
-        missing = [
-            name
-            for name in ("KAFKA2PG_BOOTSTRAP_SERVERS", "KAFKA2PG_DATABASE_URL")
-            if not env.get(name)
-        ]
+        missing = [name for name in ("KAFKA2PG_BOOTSTRAP_SERVERS", "KAFKA2PG_DATABASE_URL") if not env.get(name)]
         if missing:
             raise ConfigError(
                 f"environment variable(s) {', '.join(missing)} not set: set them to your Kafka "
@@ -127,9 +123,7 @@ class Settings:
         try:
             kafka_timeout_s = float(timeout)
         except ValueError as exc:
-            raise ConfigError(
-                f"KAFKA2PG_KAFKA_TIMEOUT_S must be a number of seconds, got {timeout!r}"
-            ) from exc
+            raise ConfigError(f"KAFKA2PG_KAFKA_TIMEOUT_S must be a number of seconds, got {timeout!r}") from exc
         return cls(
             bootstrap_servers=env["KAFKA2PG_BOOTSTRAP_SERVERS"],
             database_url=env["KAFKA2PG_DATABASE_URL"],
@@ -170,9 +164,7 @@ def get_pipeline(name: str, path: Path | None = None) -> Pipeline:
     pipelines = load_pipelines(path)
     if name not in pipelines:
         known = ", ".join(sorted(pipelines)) or "none"
-        raise UnknownPipelineError(
-            f"unknown pipeline {name!r} in {path or pipelines_file_from_env()} (known: {known})"
-        )
+        raise UnknownPipelineError(f"unknown pipeline {name!r} in {path or pipelines_file_from_env()} (known: {known})")
     return pipelines[name]
 
 
@@ -240,8 +232,7 @@ def _identifier(raw: dict, key: str, where: str) -> str:
     value = raw.get(key)
     if not isinstance(value, str) or not _IDENTIFIER.match(value):
         raise ConfigError(
-            f"{where}.{key}: expected a lower-case identifier "
-            f"([a-z_][a-z0-9_]*, at most 63 chars), got {value!r}"
+            f"{where}.{key}: expected a lower-case identifier ([a-z_][a-z0-9_]*, at most 63 chars), got {value!r}"
         )
     return value
 
@@ -251,9 +242,7 @@ def _target(value: Any, where: str) -> tuple[str, str]:
     if len(parts) == 1:
         parts = ["public", *parts]
     if len(parts) != 2 or not all(_IDENTIFIER.match(p) for p in parts):
-        raise ConfigError(
-            f"{where}.target_table: expected 'table' or 'schema.table' in lower case, got {value!r}"
-        )
+        raise ConfigError(f"{where}.target_table: expected 'table' or 'schema.table' in lower case, got {value!r}")
     return parts[0], parts[1]
 
 
@@ -274,10 +263,7 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
         pg_type = raw.get("type")
         if not isinstance(pg_type, str) or spark_type_for(pg_type) is None:
             supported = "text, bigint, integer, double precision, boolean, timestamptz, date, "
-            raise ConfigError(
-                f"{here}.type: unsupported type {pg_type!r} (supported: {supported}"
-                "jsonb, numeric(p,s))"
-            )
+            raise ConfigError(f"{here}.type: unsupported type {pg_type!r} (supported: {supported}jsonb, numeric(p,s))")
         json_field = raw.get("field", name)
         if not isinstance(json_field, str) or not json_field:
             raise ConfigError(f"{here}.field: expected the JSON field name, got {json_field!r}")

@@ -40,9 +40,14 @@ def build_dag(pipeline: Pipeline):
                 None,
                 type=["null", "integer"],
                 minimum=1,
-                description=f"Cap of records in this run's batch (default from config: {pipeline.max_records_per_batch}).",
+                description="Cap of records in this run's batch "
+                f"(default from config: {pipeline.max_records_per_batch}).",
             ),
-            "dry_run": Param(False, type="boolean", description="Plan and log the ranges only: nothing is recorded, Spark is not launched."),
+            "dry_run": Param(
+                False,
+                type="boolean",
+                description="Plan and log the ranges only: nothing is recorded, Spark is not launched.",
+            ),
         },
         doc_md=__doc__,
     ) as dag:

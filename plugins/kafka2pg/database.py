@@ -40,8 +40,7 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
             yield conn
     except psycopg.errors.UndefinedTable as exc:
         raise SchemaNotReadyError(
-            f"PostgreSQL at {describe(url)} lacks kafka2pg tables ({str(exc).strip()}): run "
-            "`./kafka2pg migrate`"
+            f"PostgreSQL at {describe(url)} lacks kafka2pg tables ({str(exc).strip()}): run `./kafka2pg migrate`"
         ) from exc
     finally:
         conn.close()

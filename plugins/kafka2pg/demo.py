@@ -111,7 +111,9 @@ def _run_with_stack(stack: local_stack.Stack, events: int, cache: Path) -> int:
     print()
     print(batch_report(settings, pipeline, last) if last else ledger_report(settings, pipeline))
     print()
-    print("quality report: check results per batch in kafka2pg.batch_checks (the Great Expectations report comes later)")
+    print(
+        "quality report: check results per batch in kafka2pg.batch_checks (the Great Expectations report comes later)"
+    )
     with connect(settings.database_url) as conn:
         target = sql.Identifier(pipeline.target_schema, pipeline.target_table)
         landed = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0]

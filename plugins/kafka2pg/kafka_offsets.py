@@ -50,13 +50,16 @@ def topic_partitions(admin: AdminClient, topic: str, bootstrap_servers: str, tim
     except KafkaException as exc:
         raise _unavailable(bootstrap_servers, timeout_s, exc) from exc
     if not metadata.brokers:
-        raise KafkaUnavailableError(
-            f"Kafka at {bootstrap_servers} returned no brokers within {timeout_s:.0f}s"
-        )
+        raise KafkaUnavailableError(f"Kafka at {bootstrap_servers} returned no brokers within {timeout_s:.0f}s")
     topic_meta = metadata.topics.get(topic)
-    if topic_meta is None or topic_meta.error is not None and topic_meta.error.code() in (
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
-        KafkaError._UNKNOWN_TOPIC,
+    if (
+        topic_meta is None
+        or topic_meta.error is not None
+        and topic_meta.error.code()
+        in (
+            KafkaError.UNKNOWN_TOPIC_OR_PART,
+            KafkaError._UNKNOWN_TOPIC,
+        )
     ):
         raise TopicNotFoundError(
             f"topic {topic!r} does not exist on Kafka at {bootstrap_servers}: create it, or fix "
@@ -73,9 +76,15 @@ def partition_offsets(bootstrap_servers: str, topic: str, timeout_s: float = 10.
     """Low watermark, last stable offset (read_committed) and high watermark per partition."""
     admin = admin_client(bootstrap_servers, timeout_s)
     partitions = topic_partitions(admin, topic, bootstrap_servers, timeout_s)
-    low = _list(admin, topic, partitions, OffsetSpec.earliest(), IsolationLevel.READ_UNCOMMITTED, bootstrap_servers, timeout_s)
-    stable = _list(admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED, bootstrap_servers, timeout_s)
-    high = _list(admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_UNCOMMITTED, bootstrap_servers, timeout_s)
+    low = _list(
+        admin, topic, partitions, OffsetSpec.earliest(), IsolationLevel.READ_UNCOMMITTED, bootstrap_servers, timeout_s
+    )
+    stable = _list(
+        admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED, bootstrap_servers, timeout_s
+    )
+    high = _list(
+        admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_UNCOMMITTED, bootstrap_servers, timeout_s
+    )
     return [PartitionOffsets(p, low[p], stable[p], high[p]) for p in partitions]
 
 

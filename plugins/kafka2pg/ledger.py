@@ -126,16 +126,13 @@ def _nothing_new(pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dic
 
 def _resume_or_abandon(conn: Connection, pipeline: Pipeline, heads: dict[int, int]) -> Batch | None:
     row = conn.execute(
-        "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live'"
-        " AND state = ANY(%s) FOR UPDATE",
+        "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live' AND state = ANY(%s) FOR UPDATE",
         (pipeline.name, list(OPEN_STATES)),
     ).fetchone()
     if row is None:
         return None
     batch = load_batch(conn, row[0])
-    stale = [
-        p.partition for p in batch.plan.partitions if heads.get(p.partition) != p.expected_head
-    ]
+    stale = [p.partition for p in batch.plan.partitions if heads.get(p.partition) != p.expected_head]
     if not stale:
         return batch
     log.warning(

@@ -90,8 +90,16 @@ def resolve_jars(cache: Path = DEFAULT_CACHE) -> dict[str, Path]:
         shutil.rmtree(target, ignore_errors=True)
         settings = os.environ.get("KAFKA2PG_MAVEN_SETTINGS", str(MAVEN_DIR / "settings.xml"))
         command = [
-            "mvn", "-B", "-q", "-s", settings, "-f", str(pom_path),
-            "dependency:copy-dependencies", f"-DoutputDirectory={target}", "-DincludeScope=runtime",
+            "mvn",
+            "-B",
+            "-q",
+            "-s",
+            settings,
+            "-f",
+            str(pom_path),
+            "dependency:copy-dependencies",
+            f"-DoutputDirectory={target}",
+            "-DincludeScope=runtime",
         ]
         log.info("resolving %s jars from Maven Central into %s", name, target)
         done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -234,7 +242,9 @@ def start_kafka(work_dir: Path, cache: Path = DEFAULT_CACHE, timeout_s: float = 
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         done = subprocess.run(
             [*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props_file)],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if done.returncode != 0:
             raise StackError(f"Kafka storage format failed:\n{done.stdout}\n{done.stderr}")
@@ -242,7 +252,10 @@ def start_kafka(work_dir: Path, cache: Path = DEFAULT_CACHE, timeout_s: float = 
     with open(log_file, "ab") as out:
         process = subprocess.Popen(
             [*java, "kafka.Kafka", str(props_file)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
     kafka = KafkaProcess(process.pid, port, controller_port, str(work_dir), str(log_file))
     _wait_for_kafka(kafka, timeout_s)
@@ -290,8 +303,13 @@ def stop_pid(pid: int, timeout_s: float = 30) -> None:
 
 def postgres_bin_dir() -> Path:
     explicit = os.environ.get("KAFKA2PG_PG_BINDIR")
-    candidates = [Path(explicit)] if explicit else sorted(
-        Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0
+    candidates = (
+        [Path(explicit)]
+        if explicit
+        else sorted(
+            Path("/usr/lib/postgresql").glob("*/bin"),
+            key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
+        )
     )
     for candidate in reversed(candidates):
         if (candidate / "initdb").exists():
@@ -305,16 +323,36 @@ def postgres_bin_dir() -> Path:
 def start_postgres(log_dir: Path, timeout_s: float = 60) -> PostgresProcess:
     """initdb a throwaway cluster in a temp folder and start it on a free 127.0.0.1 port."""
     bin_dir = postgres_bin_dir()
-    data_dir = Path(tempfile.mkdtemp(prefix="kafka2pg-pg-"))
-    _give_to_postgres(data_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_file = log_dir / "postgres.log"
+    # The cluster and its log live in a temp folder the `postgres` user can reach (a root-only
+    # parent such as pytest's tmp dir is not); log_dir gets a symlink to the log.
+    base = Path(tempfile.mkdtemp(prefix="kafka2pg-pg-"))
+    base.chmod(0o755)
+    data_dir = base / "data"
+    data_dir.mkdir()
+    log_file = base / "postgres.log"
     log_file.touch()
-    _give_to_postgres(log_file)
+    for path in (base, data_dir, log_file):
+        _give_to_postgres(path)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / "postgres.log").unlink(missing_ok=True)
+    (log_dir / "postgres.log").symlink_to(log_file)
     done = subprocess.run(
-        [*_as_postgres(), str(bin_dir / "initdb"), "-D", str(data_dir), "-A", "trust", "-U", "postgres",
-         "-E", "UTF8", "--no-sync"],
-        capture_output=True, text=True, check=False,
+        [
+            *_as_postgres(),
+            str(bin_dir / "initdb"),
+            "-D",
+            str(data_dir),
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         raise StackError(f"initdb failed:\n{done.stdout}\n{done.stderr}")
@@ -325,17 +363,48 @@ def start_postgres(log_dir: Path, timeout_s: float = 60) -> PostgresProcess:
         "-c shared_buffers=256MB -c max_wal_size=4GB"
     )
     done = subprocess.run(
-        [*_as_postgres(), str(bin_dir / "pg_ctl"), "-D", str(data_dir), "-l", str(log_file), "-o", options,
-         "-w", "-t", str(int(timeout_s)), "start"],
-        capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL,
+        [
+            *_as_postgres(),
+            str(bin_dir / "pg_ctl"),
+            "-D",
+            str(data_dir),
+            "-l",
+            str(log_file),
+            "-o",
+            options,
+            "-w",
+            "-t",
+            str(int(timeout_s)),
+            "start",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        stdin=subprocess.DEVNULL,
     )
     if done.returncode != 0:
         raise StackError(f"PostgreSQL did not start:\n{done.stdout}\n{done.stderr}\n{_tail(str(log_file))}")
     pid = int((data_dir / "postmaster.pid").read_text().splitlines()[0])
     subprocess.run(
-        [str(bin_dir / "psql") if (bin_dir / "psql").exists() else "psql", "-h", "127.0.0.1", "-p", str(port),
-         "-U", "postgres", "-d", "postgres", "-v", "ON_ERROR_STOP=1", "-q", "-c", "CREATE DATABASE kafka2pg"],
-        capture_output=True, text=True, check=True,
+        [
+            str(bin_dir / "psql") if (bin_dir / "psql").exists() else "psql",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-U",
+            "postgres",
+            "-d",
+            "postgres",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-q",
+            "-c",
+            "CREATE DATABASE kafka2pg",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return PostgresProcess(pid, port, str(data_dir), str(log_file), str(bin_dir))
 
@@ -344,24 +413,41 @@ def stop_postgres(pg: PostgresProcess, *, remove: bool = True) -> None:
     if _alive(pg.pid) and Path(pg.data_dir).exists():
         subprocess.run(
             [*_as_postgres(), str(Path(pg.bin_dir) / "pg_ctl"), "-D", pg.data_dir, "-m", "fast", "-w", "stop"],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
     stop_pid(pg.pid)
     if remove:
-        shutil.rmtree(pg.data_dir, ignore_errors=True)
+        shutil.rmtree(Path(pg.data_dir).parent, ignore_errors=True)
 
 
 def restart_postgres(pg: PostgresProcess, *, mode: str = "immediate") -> PostgresProcess:
     """Stop (immediate by default: a crash) and start the same cluster again on the same port."""
     subprocess.run(
         [*_as_postgres(), str(Path(pg.bin_dir) / "pg_ctl"), "-D", pg.data_dir, "-m", mode, "-w", "stop"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     options = f"-p {pg.port} -k {pg.data_dir} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
     subprocess.run(
-        [*_as_postgres(), str(Path(pg.bin_dir) / "pg_ctl"), "-D", pg.data_dir, "-l", pg.log_file, "-o", options,
-         "-w", "start"],
-        capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL,
+        [
+            *_as_postgres(),
+            str(Path(pg.bin_dir) / "pg_ctl"),
+            "-D",
+            pg.data_dir,
+            "-l",
+            pg.log_file,
+            "-o",
+            options,
+            "-w",
+            "start",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        stdin=subprocess.DEVNULL,
     )
     pid = int((Path(pg.data_dir) / "postmaster.pid").read_text().splitlines()[0])
     return PostgresProcess(pid, pg.port, pg.data_dir, pg.log_file, pg.bin_dir)

@@ -63,9 +63,7 @@ def _column_list(pipeline: Pipeline, *, not_null: bool) -> sql.Composed:
 def _create_pipeline_tables(conn, pipeline: Pipeline) -> None:
     target = sql.Identifier(pipeline.target_schema, pipeline.target_table)
     conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(pipeline.target_schema)))
-    conn.execute(
-        _template("target_table.sql").format(table=target, columns=_column_list(pipeline, not_null=True))
-    )
+    conn.execute(_template("target_table.sql").format(table=target, columns=_column_list(pipeline, not_null=True)))
     if pipeline.business_key:
         conn.execute(
             _template("target_business_key.sql").format(

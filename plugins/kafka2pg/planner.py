@@ -111,9 +111,7 @@ class BatchPlan:
                 {
                     "partition": p.partition,
                     "expected_head": p.expected_head,
-                    "gap": None
-                    if p.gap is None
-                    else {"start": p.gap.start, "end": p.gap.end, "kind": p.gap.kind},
+                    "gap": None if p.gap is None else {"start": p.gap.start, "end": p.gap.end, "kind": p.gap.kind},
                     "range": None if p.range is None else {"start": p.range.start, "end": p.range.end},
                 }
                 for p in self.partitions
@@ -155,9 +153,7 @@ def plan_batch(
     starts: dict[int, tuple[int | None, int, Gap | None]] = {}
     for state in sorted(states, key=lambda s: s.partition):
         starts[state.partition] = _start_of(pipeline, topic, state, on_retention_loss, new_partition_start)
-    available = {
-        s.partition: max(0, s.last_stable - starts[s.partition][1]) for s in states
-    }
+    available = {s.partition: max(0, s.last_stable - starts[s.partition][1]) for s in states}
     if max_records_per_partition is not None:
         available = {p: min(n, max_records_per_partition) for p, n in available.items()}
     allotted = _share(available, max_records_per_batch)
@@ -211,7 +207,8 @@ def _share(available: dict[int, int], budget: int) -> dict[int, int]:
     while budget > 0 and open_parts:
         share, extra = divmod(budget, len(open_parts))
         next_open = []
-        for index, partition in enumerate(open_parts):
+        # Extras go to the partitions that got least so far, so shares differ by at most one.
+        for index, partition in enumerate(sorted(open_parts, key=lambda p: (allotted[p], p))):
             want = share + (1 if index < extra else 0)
             room = available[partition] - allotted[partition]
             take = min(want, room)
@@ -219,5 +216,5 @@ def _share(available: dict[int, int], budget: int) -> dict[int, int]:
             budget -= take
             if allotted[partition] < available[partition]:
                 next_open.append(partition)
-        open_parts = next_open
+        open_parts = sorted(next_open)
     return allotted

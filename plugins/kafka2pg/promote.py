@@ -53,7 +53,8 @@ def promote_batch(settings: Settings, pipeline: Pipeline, batch_id: int) -> Prom
             (batch_id,),
         )
         set_state(conn, batch, "promoted", rows_promoted=promoted, rows_quarantined=quarantined)
-    message = f"batch {batch_id} promoted: {promoted} rows to {pipeline.target_schema}.{pipeline.target_table}, {quarantined} to quarantine"
+    table = f"{pipeline.target_schema}.{pipeline.target_table}"
+    message = f"batch {batch_id} promoted: {promoted} rows to {table}, {quarantined} to quarantine"
     log.info("pipeline=%s %s", pipeline.name, message)
     return PromoteResult(batch_id, promoted, quarantined, False, message)
 
@@ -92,7 +93,9 @@ def _advance_head(conn: Connection, pipeline: Pipeline, batch: Batch, part: Part
     )
 
 
-def _record_ranges(conn: Connection, pipeline: Pipeline, batch: Batch, part: PartitionPlan, reads: dict[int, int]) -> None:
+def _record_ranges(
+    conn: Connection, pipeline: Pipeline, batch: Batch, part: PartitionPlan, reads: dict[int, int]
+) -> None:
     rows = []
     if part.gap is not None:
         rows.append((part.gap.start, part.gap.end, part.gap.kind, 0))
@@ -111,8 +114,7 @@ def _insert_target(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
         sql.Identifier(n) for n in ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "batch_id")
     ]
     query = sql.SQL(
-        "INSERT INTO {target} ({cols}) SELECT {cols} FROM {staging}"
-        " WHERE batch_id = %s AND quarantine_reason IS NULL"
+        "INSERT INTO {target} ({cols}) SELECT {cols} FROM {staging} WHERE batch_id = %s AND quarantine_reason IS NULL"
     ).format(
         target=sql.Identifier(pipeline.target_schema, pipeline.target_table),
         cols=sql.SQL(", ").join(columns),
@@ -130,7 +132,9 @@ def _insert_target(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
 
 def _insert_quarantine(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
     record = sql.SQL("jsonb_build_object({})").format(
-        sql.SQL(", ").join(sql.SQL("{}, s.{}").format(sql.Literal(c.name), sql.Identifier(c.name)) for c in pipeline.columns)
+        sql.SQL(", ").join(
+            sql.SQL("{}, s.{}").format(sql.Literal(c.name), sql.Identifier(c.name)) for c in pipeline.columns
+        )
     )
     query = sql.SQL(
         "INSERT INTO kafka2pg.quarantine (pipeline, batch_id, kafka_topic, kafka_partition, kafka_offset,"

@@ -62,7 +62,7 @@ def validate_batch(settings: Settings, pipeline: Pipeline, batch_id: int) -> Val
                 [(batch_id, c.name, c.success, c.unexpected, c.details) for c in checks],
             )
         failed = [c for c in checks if not c.success]
-        quarantined = _count(conn, pipeline, batch_id, "quarantine_reason IS NOT NULL")
+        quarantined = _quarantined(conn, pipeline, batch_id)
         if failed:
             summary = "; ".join(f"{c.name}: {c.details}" for c in failed)
             set_state(conn, batch, "rejected", rows_quarantined=quarantined, error=summary[:2000])
@@ -89,9 +89,9 @@ def _target(pipeline: Pipeline) -> sql.Identifier:
     return sql.Identifier(pipeline.target_schema, pipeline.target_table)
 
 
-def _count(conn: Connection, pipeline: Pipeline, batch_id: int, where: str) -> int:
-    query = sql.SQL("SELECT count(*) FROM {} WHERE batch_id = %s AND " + where).format(_staging(pipeline))
-    return conn.execute(query, (batch_id,)).fetchone()[0]
+def _quarantined(conn: Connection, pipeline: Pipeline, batch_id: int) -> int:
+    query = sql.SQL("SELECT count(*) FROM {} WHERE batch_id = %s AND quarantine_reason IS NOT NULL")
+    return conn.execute(query.format(_staging(pipeline)), (batch_id,)).fetchone()[0]
 
 
 def _run_checks(conn: Connection, pipeline: Pipeline, batch: Batch) -> list[Check]:
@@ -185,9 +185,7 @@ def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: B
 
 
 def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
-    join = sql.SQL(" AND ").join(
-        sql.SQL("t.{k} = s.{k}").format(k=sql.Identifier(k)) for k in pipeline.business_key
-    )
+    join = sql.SQL(" AND ").join(sql.SQL("t.{k} = s.{k}").format(k=sql.Identifier(k)) for k in pipeline.business_key)
     ranked = sql.SQL(
         "SELECT s.kafka_partition, s.kafka_offset, t.kafka_partition AS kept_partition,"
         " t.kafka_offset AS kept_offset, t.batch_id AS kept_batch, 2 AS n"
@@ -217,11 +215,13 @@ def _flag_duplicates(
         return Check(name, False, count, f"{count} duplicate business key(s) (duplicate_policy: fail)")
     conn.execute(
         sql.SQL(
-            "UPDATE {staging} s SET quarantine_reason = " + reason + " FROM ({ranked}) d"
+            "UPDATE {staging} s SET quarantine_reason = {reason} FROM ({ranked}) d"
             " WHERE d.n > 1 AND s.batch_id = %(batch)s"
             " AND s.kafka_partition = d.kafka_partition AND s.kafka_offset = d.kafka_offset"
-        ).format(staging=_staging(pipeline), ranked=ranked),
+        ).format(staging=_staging(pipeline), reason=sql.SQL(reason), ranked=ranked),
         {"batch": batch.batch_id},
     )
-    log.warning("pipeline=%s batch_id=%s %s: %s duplicates flagged to quarantine", pipeline.name, batch.batch_id, name, count)
+    log.warning(
+        "pipeline=%s batch_id=%s %s: %s duplicates flagged to quarantine", pipeline.name, batch.batch_id, name, count
+    )
     return Check(name, True, count, f"{count} duplicate(s) flagged to quarantine", flagged=count)

@@ -63,7 +63,8 @@ def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
         return f"batch {batch_id}: not found"
     state, planned, read, promoted, quarantined = batch
     lines = [
-        f"batch {batch_id} ({state}): planned {planned} offsets, read {read}, promoted {promoted}, quarantined {quarantined}",
+        f"batch {batch_id} ({state}): planned {planned} offsets, read {read}, "
+        f"promoted {promoted}, quarantined {quarantined}",
         _table(["partition", "start", "end", "read", "min_offset", "max_offset"], [list(p) for p in parts]),
         ledger_report(settings, pipeline),
     ]

@@ -85,9 +85,7 @@ def decode(raw: DataFrame, pipeline: Pipeline) -> DataFrame:
         F.col("value").cast("string").alias("raw_value"),
     ).withColumn(
         "_parsed",
-        F.from_json(
-            "raw_value", schema, {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT}
-        ),
+        F.from_json("raw_value", schema, {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT}),
     )
     reason = _reason(pipeline)
     return parsed.select(
@@ -105,9 +103,7 @@ def _reason(pipeline: Pipeline) -> SparkColumn:
     parsed = F.col("_parsed")
     reason = F.when(F.col("_is_null"), F.lit("null value (tombstone or empty record)"))
     reason = reason.when(parsed.isNull(), F.lit("value is not a JSON object"))
-    reason = reason.when(
-        parsed.getField(CORRUPT).isNotNull(), F.lit("malformed JSON or a field of the wrong type")
-    )
+    reason = reason.when(parsed.getField(CORRUPT).isNotNull(), F.lit("malformed JSON or a field of the wrong type"))
     for column in pipeline.columns:
         if column.required or column.name in pipeline.business_key:
             reason = reason.when(
@@ -123,10 +119,10 @@ def stage_batch(spark: SparkSession, settings: Settings, pipeline: Pipeline, bat
         batch = load_batch(conn, batch_id, for_update=True)
         _check_stageable(batch, pipeline)
         if batch.state in ("validated", "promoted"):
-            return StageResult(batch_id, batch.state, (), f"batch {batch_id} is already {batch.state}: nothing to stage")
-        conn.execute(
-            _staging_sql("DELETE FROM {} WHERE batch_id = %s", pipeline), (batch_id,)
-        )
+            return StageResult(
+                batch_id, batch.state, (), f"batch {batch_id} is already {batch.state}: nothing to stage"
+            )
+        conn.execute(_staging_sql("DELETE FROM {} WHERE batch_id = %s", pipeline), (batch_id,))
     raw = spark.read.format("kafka").options(**kafka_read_options(settings, batch.plan)).load()
     columns = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp"]
     columns += [c.name for c in pipeline.columns] + ["raw_value", "quarantine_reason"]
@@ -213,7 +209,7 @@ def _chunk_writer(database_url: str, staging_table: str, columns: list[str], bat
             conn.execute(sql.SQL("DELETE FROM {} WHERE batch_id = %s AND chunk = %s").format(table), (batch_id, chunk))
             with conn.cursor() as cur, cur.copy(copy_sql) as copy:
                 for record_batch in batches:
-                    for row in zip(*(col.to_pylist() for col in record_batch.columns)):
+                    for row in zip(*(col.to_pylist() for col in record_batch.columns), strict=True):
                         copy.write_row((batch_id, chunk, *row))
                         acc = stats.setdefault(row[partition_at], [0, 0, row[offset_at], row[offset_at]])
                         acc[0] += 1
@@ -226,8 +222,13 @@ def _chunk_writer(database_url: str, staging_table: str, columns: list[str], bat
                 for p, a in stats.items()
             ],
             schema=pa.schema(
-                [("kafka_partition", pa.int32()), ("records", pa.int64()), ("quarantined", pa.int64()),
-                 ("min_offset", pa.int64()), ("max_offset", pa.int64())]
+                [
+                    ("kafka_partition", pa.int32()),
+                    ("records", pa.int64()),
+                    ("quarantined", pa.int64()),
+                    ("min_offset", pa.int64()),
+                    ("max_offset", pa.int64()),
+                ]
             ),
         )
 
@@ -245,7 +246,9 @@ def package_zip(state_dir: Path) -> Path:
     return target
 
 
-def spark_session(master: str, *, app_name: str, jars: list[Path] | None = None, conf: dict[str, str] | None = None) -> SparkSession:
+def spark_session(
+    master: str, *, app_name: str, jars: list[Path] | None = None, conf: dict[str, str] | None = None
+) -> SparkSession:
     """A Spark session with the Kafka source on the classpath (for tests and `kafka2pg stage`)."""
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in {**SPARK_DEFAULTS, **(conf or {})}.items():

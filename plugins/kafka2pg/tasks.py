@@ -29,7 +29,9 @@ def airflow_errors() -> Iterator[None]:
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
 
-def plan(pipeline_name: str, *, max_records_per_batch: int | None = None, dry_run: bool = False, run_id: str | None = None) -> dict | None:
+def plan(
+    pipeline_name: str, *, max_records_per_batch: int | None = None, dry_run: bool = False, run_id: str | None = None
+) -> dict | None:
     """Plan (or resume) the next batch; None when there is nothing to do (no Spark launched)."""
     from kafka2pg.ledger import open_batch
     from kafka2pg.migrations import migrate
@@ -38,7 +40,9 @@ def plan(pipeline_name: str, *, max_records_per_batch: int | None = None, dry_ru
         settings = Settings.from_env()
         pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
         migrate(settings.database_url, [pipeline])
-        opened = open_batch(settings, pipeline, max_records_per_batch=max_records_per_batch, run_id=run_id, dry_run=dry_run)
+        opened = open_batch(
+            settings, pipeline, max_records_per_batch=max_records_per_batch, run_id=run_id, dry_run=dry_run
+        )
     log.info("pipeline=%s %s", pipeline_name, opened.message)
     if opened.batch is None or dry_run:
         return None
@@ -52,7 +56,9 @@ def validate(pipeline_name: str, batch_id: int) -> dict:
         settings = Settings.from_env()
         result = validate_batch(settings, get_pipeline(pipeline_name, settings.pipelines_file), batch_id)
     for check in result.checks:
-        log.info("batch_id=%s check %-36s %s  %s", batch_id, check.name, "ok" if check.success else "FAILED", check.details)
+        log.info(
+            "batch_id=%s check %-36s %s  %s", batch_id, check.name, "ok" if check.success else "FAILED", check.details
+        )
     return {"batch_id": batch_id, "state": result.state}
 
 

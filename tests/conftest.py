@@ -1,0 +1,142 @@
+"""Shared fixtures: one real Kafka broker + PostgreSQL per test run, one Spark session, and
+a fresh topic, pipeline and target table per test so tests are independent."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COLUMNS = [
+    {"name": "event_id", "type": "text", "required": True},
+    {"name": "customer_id", "type": "bigint", "required": True},
+    {"name": "amount", "type": "numeric(12,2)"},
+    {"name": "currency", "type": "text"},
+    {"name": "event_time", "type": "timestamptz", "field": "ts"},
+    {"name": "payload", "type": "jsonb"},
+]
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        kind = Path(item.fspath).parent.name
+        if kind in ("unit", "integration", "e2e"):
+            item.add_marker(getattr(pytest.mark, kind))
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    from kafka2pg import local_stack
+
+    started = local_stack.start_stack(tmp_path_factory.mktemp("stack"))
+    yield started
+    local_stack.stop_stack(started)
+
+
+@pytest.fixture(scope="session")
+def base_settings(stack, tmp_path_factory):
+    from kafka2pg.config import Settings
+
+    return Settings(
+        bootstrap_servers=stack.kafka.bootstrap_servers,
+        database_url=stack.postgres.url,
+        pipelines_file=tmp_path_factory.mktemp("cfg") / "none.yaml",
+        kafka_timeout_s=10,
+        state_dir=tmp_path_factory.mktemp("state"),
+    )
+
+
+@pytest.fixture(scope="session")
+def spark(base_settings):
+    from kafka2pg.local_stack import spark_jars
+    from kafka2pg.staging import package_zip, spark_session
+
+    session = spark_session("local[2]", app_name="kafka2pg-tests", jars=spark_jars())
+    session.sparkContext.setLogLevel("ERROR")
+    session.sparkContext.addPyFile(str(package_zip(base_settings.state_dir)))
+    yield session
+    session.stop()
+
+
+@dataclasses.dataclass
+class PipelineEnv:
+    """A test's own topic, pipeline and settings (pipelines file written to tmp)."""
+
+    settings: object
+    pipeline: object
+    topic: str
+    partitions: int
+
+
+@pytest.fixture
+def make_pipeline(base_settings, tmp_path):
+    from kafka2pg.config import get_pipeline
+    from kafka2pg.kafka_offsets import ensure_topic
+    from kafka2pg.migrations import migrate
+
+    def make(partitions: int = 3, create_topic: bool = True, **overrides) -> PipelineEnv:
+        suffix = uuid.uuid4().hex[:8]
+        name = overrides.pop("name", f"p_{suffix}")
+        topic = overrides.pop("topic", f"t-{suffix}")
+        spec = {
+            "name": name,
+            "topic": topic,
+            "target_table": f"public.target_{suffix}",
+            "business_key": ["event_id"],
+            "columns": COLUMNS,
+            **overrides,
+        }
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"pipelines": [spec]}))
+        settings = dataclasses.replace(base_settings, pipelines_file=path)
+        pipeline = get_pipeline(name, path)
+        if create_topic:
+            ensure_topic(settings.bootstrap_servers, topic, partitions)
+        migrate(settings.database_url, [pipeline])
+        return PipelineEnv(settings, pipeline, topic, partitions)
+
+    return make
+
+
+@pytest.fixture
+def run_batch(spark):
+    """Plan, stage, validate and promote one batch with the same functions the DAG runs."""
+    from kafka2pg.ledger import open_batch
+    from kafka2pg.promote import promote_batch
+    from kafka2pg.quality import validate_batch
+    from kafka2pg.staging import stage_batch
+
+    def run(env: PipelineEnv, **plan_args):
+        opened = open_batch(env.settings, env.pipeline, **plan_args)
+        if opened.batch is None:
+            return None
+        batch_id = opened.batch.batch_id
+        stage_batch(spark, env.settings, env.pipeline, batch_id)
+        validate_batch(env.settings, env.pipeline, batch_id)
+        return promote_batch(env.settings, env.pipeline, batch_id)
+
+    return run
+
+
+@pytest.fixture
+def db(base_settings):
+    import psycopg
+
+    with psycopg.connect(base_settings.database_url, autocommit=True) as conn:
+        yield conn
+
+
+def pytest_configure(config):
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    for marker, text in (
+        ("unit", "pure logic, no services"),
+        ("integration", "real Kafka broker, PostgreSQL and Spark"),
+        ("e2e", "airflow dags test against the embedded stack (slow)"),
+    ):
+        config.addinivalue_line("markers", f"{marker}: {text}")

@@ -1,0 +1,68 @@
+"""`airflow dags test` on the real DAG file against the embedded stack: success, no-op, failure."""
+
+import os
+from pathlib import Path
+
+import pytest
+from psycopg import sql
+
+from kafka2pg.demo import dags_test, ensure_airflow_db
+from kafka2pg.kafka_offsets import partition_offsets
+from kafka2pg.producer import produce_sample
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def airflow_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("airflow")
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW_CONN_KAFKA2PG_SPARK": '{"conn_type": "spark", "host": "local[2]"}',
+    }
+    ensure_airflow_db(env)
+    return env
+
+
+def airflow_env(airflow_home, env):
+    return {
+        **airflow_home,
+        "KAFKA2PG_PIPELINES": str(env.settings.pipelines_file),
+        "KAFKA2PG_BOOTSTRAP_SERVERS": env.settings.bootstrap_servers,
+        "KAFKA2PG_DATABASE_URL": env.settings.database_url,
+    }
+
+
+def test_dag_run_lands_everything_then_second_run_is_a_noop_without_spark(airflow_home, make_pipeline, db, tmp_path):
+    env = make_pipeline()
+    produce_sample(env.settings.bootstrap_servers, env.topic, 400, seed=11)
+    code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(airflow_home, env), tmp_path / "run-1.log")
+    assert code == 0, output[-3000:]
+    assert "Spark-Submit cmd" in output or "spark-submit" in output
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 400
+    heads = dict(
+        db.execute(
+            "SELECT kafka_partition, next_offset FROM kafka2pg.ledger_heads WHERE pipeline = %s", (env.pipeline.name,)
+        ).fetchall()
+    )
+    watermarks = {o.partition: o.high for o in partition_offsets(env.settings.bootstrap_servers, env.topic)}
+    assert heads == watermarks
+
+    code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(airflow_home, env), tmp_path / "run-2.log")
+    assert code == 0, output[-3000:]
+    assert "no batch planned, Spark not launched" in output
+    assert "Spark-Submit cmd" not in output
+    batches = db.execute("SELECT count(*) FROM kafka2pg.batches WHERE pipeline = %s", (env.pipeline.name,)).fetchone()
+    assert batches[0] == 1
+
+
+def test_failing_task_makes_dags_test_exit_non_zero(airflow_home, make_pipeline, tmp_path):
+    env = make_pipeline(create_topic=False)
+    code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(airflow_home, env), tmp_path / "run.log")
+    assert code != 0
+    assert "TopicNotFoundError" in output and env.topic in output

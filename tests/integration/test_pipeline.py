@@ -1,0 +1,182 @@
+"""The walking skeleton against the real broker, PostgreSQL and Spark (same functions as the DAG)."""
+
+import dataclasses
+import time
+
+import pytest
+from psycopg import sql
+
+from kafka2pg.exceptions import (
+    DatabaseUnavailableError,
+    KafkaUnavailableError,
+    LedgerConflictError,
+    TopicNotFoundError,
+)
+from kafka2pg.ledger import open_batch
+from kafka2pg.producer import produce, produce_sample, sample_events
+from kafka2pg.promote import promote_batch
+from kafka2pg.quality import validate_batch
+from kafka2pg.staging import stage_batch
+
+
+def target(env):
+    return sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+
+
+def count(db, env):
+    return db.execute(sql.SQL("SELECT count(*) FROM {}").format(target(env))).fetchone()[0]
+
+
+def ledger_ranges(db, env):
+    return db.execute(
+        "SELECT kafka_partition, start_offset, end_offset, kind, batch_id FROM kafka2pg.ledger_ranges"
+        " WHERE pipeline = %s ORDER BY kafka_partition, start_offset",
+        (env.pipeline.name,),
+    ).fetchall()
+
+
+def heads(db, env):
+    return dict(
+        db.execute(
+            "SELECT kafka_partition, next_offset FROM kafka2pg.ledger_heads WHERE pipeline = %s", (env.pipeline.name,)
+        ).fetchall()
+    )
+
+
+def test_all_records_land_once_with_provenance(make_pipeline, run_batch, db):
+    env = make_pipeline()
+    produce_sample(env.settings.bootstrap_servers, env.topic, 500, seed=1)
+    result = run_batch(env)
+    assert result.promoted == 500
+    rows = db.execute(
+        sql.SQL("SELECT event_id, kafka_topic, kafka_partition, kafka_offset, payload->>'seq' FROM {}").format(
+            target(env)
+        )
+    ).fetchall()
+    assert len(rows) == 500
+    assert {r[1] for r in rows} == {env.topic}
+    assert len({(r[2], r[3]) for r in rows}) == 500
+    expected = {e["event_id"]: e["payload"]["seq"] for e in sample_events(500, seed=1)}
+    assert {r[0]: int(r[4]) for r in rows} == expected
+    per_partition = {}
+    for _, _, partition, offset, _ in rows:
+        per_partition.setdefault(partition, []).append(offset)
+    assert heads(db, env) == {p: max(o) + 1 for p, o in per_partition.items()}
+    for offsets in per_partition.values():
+        assert sorted(offsets) == list(range(len(offsets)))
+    assert run_batch(env) is None, "a second run with nothing new must plan nothing"
+
+
+def test_max_records_per_batch_splits_backlog_into_contiguous_ranges(make_pipeline, run_batch, db):
+    env = make_pipeline(max_records_per_batch=120)
+    produce_sample(env.settings.bootstrap_servers, env.topic, 500, seed=2)
+    runs = 0
+    while run_batch(env) is not None:
+        runs += 1
+        assert runs < 20
+    assert runs == 5
+    assert count(db, env) == 500
+    ranges = ledger_ranges(db, env)
+    for partition in range(env.partitions):
+        mine = [r for r in ranges if r[0] == partition]
+        assert mine[0][1] == 0
+        for before, after in zip(mine, mine[1:], strict=False):
+            assert before[2] == after[1], f"gap or overlap in partition {partition}: {before} {after}"
+        assert mine[-1][2] == heads(db, env)[partition]
+    sizes = db.execute(
+        "SELECT sum(end_offset - start_offset) FROM kafka2pg.ledger_ranges WHERE pipeline = %s GROUP BY batch_id",
+        (env.pipeline.name,),
+    ).fetchall()
+    assert all(s[0] <= 120 for s in sizes)
+
+
+def test_stale_promote_fails_with_ledger_conflict_and_changes_nothing(make_pipeline, spark, db):
+    env = make_pipeline()
+    produce_sample(env.settings.bootstrap_servers, env.topic, 90, seed=3)
+    first = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, first.batch_id)
+    validate_batch(env.settings, env.pipeline, first.batch_id)
+    # A zombie run moved partition 0's head after this batch was planned.
+    db.execute(
+        "INSERT INTO kafka2pg.ledger_heads (pipeline, topic, kafka_partition, next_offset) VALUES (%s, %s, 0, 7)",
+        (env.pipeline.name, env.topic),
+    )
+    before_heads = heads(db, env)
+    with pytest.raises(LedgerConflictError, match=r"partition 0: planned from head None but the ledger has head 7"):
+        promote_batch(env.settings, env.pipeline, first.batch_id)
+    assert count(db, env) == 0
+    assert heads(db, env) == before_heads
+    assert ledger_ranges(db, env) == []
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (first.batch_id,)).fetchone()[0]
+    assert state == "validated"
+
+
+def test_promote_rerun_of_a_promoted_batch_is_a_noop(make_pipeline, run_batch, db):
+    env = make_pipeline()
+    produce_sample(env.settings.bootstrap_servers, env.topic, 60, seed=4)
+    result = run_batch(env)
+    snapshot = (count(db, env), heads(db, env), ledger_ranges(db, env))
+    again = promote_batch(env.settings, env.pipeline, result.batch_id)
+    assert again.already_promoted
+    assert (count(db, env), heads(db, env), ledger_ranges(db, env)) == snapshot
+
+
+def test_bad_records_are_quarantined_with_reason_and_never_vanish(make_pipeline, run_batch, db):
+    env = make_pipeline(partitions=1)
+    good = list(sample_events(3, seed=5))
+    produce(
+        env.settings.bootstrap_servers,
+        env.topic,
+        [good[0], b"{not json", good[1], b'{"event_id": "x", "customer_id": "abc"}', None, {"customer_id": 1}, good[2]],
+        key_field=None,
+    )
+    result = run_batch(env)
+    assert result.promoted == 3 and result.quarantined == 4
+    rows = db.execute(
+        "SELECT kafka_offset, reason, raw_value FROM kafka2pg.quarantine WHERE pipeline = %s ORDER BY kafka_offset",
+        (env.pipeline.name,),
+    ).fetchall()
+    assert [(o, r) for o, r, _ in rows] == [
+        (1, "malformed JSON or a field of the wrong type"),
+        (3, "malformed JSON or a field of the wrong type"),
+        (4, "null value (tombstone or empty record)"),
+        (5, "required field 'event_id' is missing or null"),
+    ]
+    assert rows[0][2] == "{not json"
+    assert heads(db, env) == {0: 7}
+
+
+def test_producer_retry_duplicate_is_flagged_not_promoted(make_pipeline, run_batch, db):
+    env = make_pipeline(partitions=1)
+    events = list(sample_events(4, seed=6))
+    produce(env.settings.bootstrap_servers, env.topic, [*events, events[1]], key_field=None)
+    result = run_batch(env)
+    assert result.promoted == 4 and result.quarantined == 1
+    reason = db.execute(
+        "SELECT reason FROM kafka2pg.quarantine WHERE pipeline = %s AND kafka_offset = 4", (env.pipeline.name,)
+    ).fetchone()[0]
+    assert reason.startswith("duplicate business key within batch") and "kept partition 0 offset 1" in reason
+
+
+def test_missing_topic_fails_with_a_clear_error(make_pipeline):
+    env = make_pipeline(create_topic=False)
+    with pytest.raises(TopicNotFoundError, match=rf"topic '{env.topic}' does not exist"):
+        open_batch(env.settings, env.pipeline)
+
+
+def test_unreachable_kafka_fails_within_seconds_naming_the_servers(make_pipeline, capfd):
+    env = make_pipeline()
+    dead = dataclasses.replace(env.settings, bootstrap_servers="127.0.0.1:9", kafka_timeout_s=3)
+    started = time.monotonic()
+    with pytest.raises(KafkaUnavailableError, match=r"Kafka at 127\.0\.0\.1:9 did not answer within 3s"):
+        open_batch(dead, env.pipeline)
+    assert time.monotonic() - started < 15
+    assert capfd.readouterr().err.count("127.0.0.1:9") < 5, "librdkafka must not flood the log"
+
+
+def test_unreachable_postgres_names_the_server_without_password(make_pipeline):
+    env = make_pipeline()
+    dead = dataclasses.replace(env.settings, database_url="postgresql://u:secret@127.0.0.1:9/nowhere")
+    with pytest.raises(DatabaseUnavailableError, match=r"PostgreSQL at 127\.0\.0\.1:9/nowhere is unreachable") as info:
+        open_batch(dead, env.pipeline)
+    assert "secret" not in str(info.value)

@@ -1,0 +1,76 @@
+"""The pipelines file is validated with errors that name the file and the field."""
+
+import pytest
+import yaml
+
+from kafka2pg.config import DEFAULT_PIPELINES_FILE, Settings, get_pipeline, load_pipelines
+from kafka2pg.exceptions import ConfigError, UnknownPipelineError
+
+GOOD = {
+    "name": "orders",
+    "topic": "orders",
+    "target_table": "public.orders",
+    "business_key": ["event_id"],
+    "columns": [{"name": "event_id", "type": "text", "required": True}, {"name": "n", "type": "numeric(10,2)"}],
+}
+
+
+def write(tmp_path, **changes):
+    spec = {**GOOD, **changes}
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(yaml.safe_dump({"pipelines": [spec]}))
+    return path
+
+
+def test_shipped_pipelines_file_is_valid():
+    pipelines = load_pipelines(DEFAULT_PIPELINES_FILE)
+    assert "orders" in pipelines and pipelines["orders"].business_key == ("event_id",)
+
+
+def test_good_file_parses_with_defaults(tmp_path):
+    pipeline = get_pipeline("orders", write(tmp_path))
+    assert pipeline.max_records_per_batch == 100_000
+    assert pipeline.duplicate_policy == "quarantine" and pipeline.on_retention_loss == "fail"
+    assert pipeline.columns[1].spark_type == "decimal(10,2)"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"max_records_per_batch": 0},
+            r"pipelines\[0\] \(orders\)\.max_records_per_batch: expected a positive integer",
+        ),
+        ({"on_retention_loss": "ignore"}, r"on_retention_loss: expected one of fail, skip"),
+        ({"columns": [{"name": "x", "type": "money"}]}, r"columns\[0\]\.type: unsupported type 'money'"),
+        ({"business_key": ["nope"]}, r"business_key: 'nope' is not one of the columns"),
+        ({"target_table": "Bad-Name"}, r"target_table: expected 'table' or 'schema.table'"),
+        ({"colums": []}, r"unknown field\(s\) colums"),
+        ({"name": "Orders!"}, r"pipelines\[0\]\.name: expected a lower-case identifier"),
+        ({"columns": [{"name": "kafka_offset", "type": "bigint"}]}, r"'kafka_offset' is reserved"),
+    ],
+)
+def test_bad_field_is_named(tmp_path, changes, message):
+    path = write(tmp_path, **changes)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_pipelines(path)
+    assert str(path) in str(info.value)
+
+
+def test_unknown_pipeline_lists_known_ones(tmp_path):
+    with pytest.raises(UnknownPipelineError, match=r"unknown pipeline 'nope'.*known: orders"):
+        get_pipeline("nope", write(tmp_path))
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="pipelines file not found"):
+        load_pipelines(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pipelines: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_pipelines(bad)
+
+
+def test_settings_name_missing_environment_variables():
+    with pytest.raises(ConfigError, match="KAFKA2PG_BOOTSTRAP_SERVERS, KAFKA2PG_DATABASE_URL"):
+        Settings.from_env({})
