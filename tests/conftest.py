@@ -4,6 +4,7 @@ a fresh topic, pipeline and target table per test so tests are independent."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -57,6 +58,8 @@ def spark(base_settings):
     from kafka2pg.local_stack import spark_jars
     from kafka2pg.staging import package_zip, spark_session
 
+    # py4j logs at interpreter exit, after pytest closed its capture streams.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
     session = spark_session("local[2]", app_name="kafka2pg-tests", jars=spark_jars())
     session.sparkContext.setLogLevel("ERROR")
     session.sparkContext.addPyFile(str(package_zip(base_settings.state_dir)))

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PATHS = ["plugins", "dags", "jobs", "tests"]
+PATHS = ["plugins", "dags", "jobs", "tests", "bench"]
 
 
 def test_ruff_lint_and_format_are_clean():
