@@ -134,6 +134,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from kafka2pg.audit import audit_pipeline, format_audit
+
+    settings = _settings()
+    names = [args.pipeline] if args.pipeline else list(load_pipelines(settings.pipelines_file))
+    clean = True
+    for name in names:
+        pipeline = get_pipeline(name, settings.pipelines_file)
+        audits = audit_pipeline(settings, pipeline)
+        print(format_audit(pipeline, audits))
+        clean = clean and all(a.clean for a in audits)
+    return 0 if clean else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kafka2pg import demo
 
@@ -166,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="ledger heads, watermarks and lag per partition")
     p.add_argument("--pipeline")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("verify", help="audit: re-read Kafka for the ledgered ranges, compare with target + quarantine")
+    p.add_argument("--pipeline")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("plan", help="plan (or resume) the next batch of a pipeline")
     p.add_argument("--pipeline", required=True)
