@@ -18,6 +18,7 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect
 from kafka2pg.exceptions import KafkaUnavailableError
 from kafka2pg.kafka_offsets import client_config, partition_offsets
+from kafka2pg.ledger import read_heads
 
 SAMPLE = 20
 
@@ -124,11 +125,7 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
     watermarks = {o.partition: o for o in partition_offsets(settings.bootstrap_servers, pipeline.topic)}
     with connect(settings.database_url) as conn:
         ledger = _ledger(conn, pipeline)
-        heads = dict(
-            conn.execute(
-                "SELECT kafka_partition, next_offset FROM kafka2pg.ledger_heads WHERE pipeline = %s", (pipeline.name,)
-            ).fetchall()
-        )
+        heads = read_heads(conn, pipeline.name)
     audits = []
     for partition in sorted(set(watermarks) | set(ledger) | set(heads)):
         low = watermarks[partition].low if partition in watermarks else 0

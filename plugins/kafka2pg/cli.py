@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from kafka2pg.config import PROJECT_ROOT, Settings, get_pipeline, load_pipelines
+from kafka2pg.config import PROJECT_ROOT, Pipeline, Settings, get_pipeline, load_pipelines
 from kafka2pg.exceptions import Kafka2PgError
 
 log = logging.getLogger("kafka2pg")
@@ -22,6 +22,13 @@ log = logging.getLogger("kafka2pg")
 
 def _settings() -> Settings:
     return Settings.from_env()
+
+
+def _selected_pipelines(args: argparse.Namespace, settings: Settings) -> list[Pipeline]:
+    """The pipeline named by --pipeline, or every pipeline of the file."""
+    if args.pipeline:
+        return [get_pipeline(args.pipeline, settings.pipelines_file)]
+    return list(load_pipelines(settings.pipelines_file).values())
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
@@ -128,9 +135,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from kafka2pg.report import ledger_report
 
     settings = _settings()
-    names = [args.pipeline] if args.pipeline else list(load_pipelines(settings.pipelines_file))
-    for name in names:
-        print(ledger_report(settings, get_pipeline(name, settings.pipelines_file)))
+    for pipeline in _selected_pipelines(args, settings):
+        print(ledger_report(settings, pipeline))
     return 0
 
 
@@ -138,10 +144,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from kafka2pg.audit import audit_pipeline, format_audit
 
     settings = _settings()
-    names = [args.pipeline] if args.pipeline else list(load_pipelines(settings.pipelines_file))
     clean = True
-    for name in names:
-        pipeline = get_pipeline(name, settings.pipelines_file)
+    for pipeline in _selected_pipelines(args, settings):
         audits = audit_pipeline(settings, pipeline)
         print(format_audit(pipeline, audits))
         clean = clean and all(a.clean for a in audits)

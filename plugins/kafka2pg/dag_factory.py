@@ -74,7 +74,8 @@ def build_dag(pipeline: Pipeline):
             conn_id=SPARK_CONN_ID,
             name=f"kafka2pg-{name}",
             jars=spark_jars(),
-            conf={"spark.sql.session.timeZone": "UTC", "spark.ui.enabled": "false", **pipeline.spark_conf},
+            # kafka2pg's Spark defaults are applied by the job's session (staging.SPARK_DEFAULTS).
+            conf=dict(pipeline.spark_conf),
             application_args=["--pipeline", name, "--batch-id", "{{ ti.xcom_pull(task_ids='plan')['batch_id'] }}"],
             verbose=False,
         )

@@ -422,37 +422,6 @@ def stop_postgres(pg: PostgresProcess, *, remove: bool = True) -> None:
         shutil.rmtree(Path(pg.data_dir).parent, ignore_errors=True)
 
 
-def restart_postgres(pg: PostgresProcess, *, mode: str = "immediate") -> PostgresProcess:
-    """Stop (immediate by default: a crash) and start the same cluster again on the same port."""
-    subprocess.run(
-        [*_as_postgres(), str(Path(pg.bin_dir) / "pg_ctl"), "-D", pg.data_dir, "-m", mode, "-w", "stop"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    options = f"-p {pg.port} -k {pg.data_dir} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-    subprocess.run(
-        [
-            *_as_postgres(),
-            str(Path(pg.bin_dir) / "pg_ctl"),
-            "-D",
-            pg.data_dir,
-            "-l",
-            pg.log_file,
-            "-o",
-            options,
-            "-w",
-            "start",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        stdin=subprocess.DEVNULL,
-    )
-    pid = int((Path(pg.data_dir) / "postmaster.pid").read_text().splitlines()[0])
-    return PostgresProcess(pid, pg.port, pg.data_dir, pg.log_file, pg.bin_dir)
-
-
 # ---------------------------------------------------------------- the whole stack
 
 

@@ -1,4 +1,4 @@
-"""Human-readable summaries: what landed, the ledger per partition, a batch's counts.
+"""Human-readable summaries: what landed, the ledger per partition, a batch's counts and checks.
 
 Used by the promote task's log, `./kafka2pg status` and the demo command.
 """
@@ -59,6 +59,11 @@ def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
             " FROM kafka2pg.batch_partitions WHERE batch_id = %s ORDER BY kafka_partition",
             (batch_id,),
         ).fetchall()
+        checks = conn.execute(
+            "SELECT check_name, CASE WHEN success THEN 'ok' ELSE 'FAILED' END, unexpected_count, details"
+            " FROM kafka2pg.batch_checks WHERE batch_id = %s ORDER BY check_name",
+            (batch_id,),
+        ).fetchall()
     if batch is None:
         return f"batch {batch_id}: not found"
     state, planned, read, promoted, quarantined = batch
@@ -66,6 +71,8 @@ def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
         f"batch {batch_id} ({state}): planned {planned} offsets, read {read}, "
         f"promoted {promoted}, quarantined {quarantined}",
         _table(["partition", "start", "end", "read", "min_offset", "max_offset"], [list(p) for p in parts]),
+        f"quality checks of batch {batch_id} (table kafka2pg.batch_checks; Great Expectations Data Docs: issue 5):",
+        _table(["check", "result", "unexpected", "details"], [list(c) for c in checks]),
         ledger_report(settings, pipeline),
     ]
     return "\n".join(lines)

@@ -13,6 +13,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from psycopg import sql
 from pyspark.sql import Column as SparkColumn
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -159,9 +160,7 @@ def _check_stageable(batch: Batch, pipeline: Pipeline) -> None:
         )
 
 
-def _staging_sql(template: str, pipeline: Pipeline):
-    from psycopg import sql
-
+def _staging_sql(template: str, pipeline: Pipeline) -> sql.Composed:
     return sql.SQL(template).format(sql.Identifier("kafka2pg", pipeline.staging_table))
 
 
@@ -247,10 +246,12 @@ def package_zip(state_dir: Path) -> Path:
 
 
 def spark_session(
-    master: str, *, app_name: str, jars: list[Path] | None = None, conf: dict[str, str] | None = None
+    master: str | None, *, app_name: str, jars: list[Path] | None = None, conf: dict[str, str] | None = None
 ) -> SparkSession:
-    """A Spark session with the Kafka source on the classpath (for tests and `kafka2pg stage`)."""
-    builder = SparkSession.builder.master(master).appName(app_name)
+    """A Spark session with kafka2pg's defaults; `master=None` keeps what spark-submit set."""
+    builder = SparkSession.builder.appName(app_name)
+    if master is not None:
+        builder = builder.master(master)
     for key, value in {**SPARK_DEFAULTS, **(conf or {})}.items():
         builder = builder.config(key, value)
     if jars:
@@ -272,10 +273,7 @@ def run_job(pipeline_name: str, batch_id: int) -> StageResult:
 
     settings = Settings.from_env()
     pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
-    builder = SparkSession.builder.appName(f"kafka2pg-stage-{pipeline.name}-{batch_id}")
-    for key, value in {**SPARK_DEFAULTS, **pipeline.spark_conf}.items():
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    spark = spark_session(None, app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}", conf=pipeline.spark_conf)
     spark.sparkContext.setLogLevel("WARN")
     archive = package_zip(settings.state_dir / "spark")
     try:
