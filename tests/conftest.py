@@ -27,7 +27,7 @@ COLUMNS = [
 def pytest_collection_modifyitems(items):
     for item in items:
         kind = Path(item.fspath).parent.name
-        if kind in ("unit", "integration", "e2e"):
+        if kind in ("unit", "integration", "e2e", "fault"):
             item.add_marker(getattr(pytest.mark, kind))
 
 
@@ -141,5 +141,6 @@ def pytest_configure(config):
         ("unit", "pure logic, no services"),
         ("integration", "real Kafka broker, PostgreSQL and Spark"),
         ("e2e", "airflow dags test against the embedded stack (slow)"),
+        ("fault", "fault injection: kills, restarts and races on the real stack (slow)"),
     ):
         config.addinivalue_line("markers", f"{marker}: {text}")

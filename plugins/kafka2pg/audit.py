@@ -38,26 +38,49 @@ class PartitionAudit:
     missing_offsets: list[int] = field(default_factory=list)
     duplicated_offsets: list[int] = field(default_factory=list)
     unexplained_offsets: list[int] = field(default_factory=list)
+    ledger_breaks: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
-        return self.missing == 0 and self.duplicated == 0 and self.unexplained == 0
+        return self.missing == 0 and self.duplicated == 0 and self.unexplained == 0 and not self.ledger_breaks
 
 
-def _ledger(conn, pipeline: Pipeline) -> dict[int, list[tuple[int, int]]]:
+def ledger_breaks(ranges: list[tuple[int, int]], head: int | None) -> list[str]:
+    """Where a partition's ledger is not one contiguous, non-overlapping run ending at the head.
+
+    `ranges` are every ledgered range (batches and recorded gaps), sorted by start.
+    """
+    breaks = []
+    for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False):
+        if start < end:
+            breaks.append(f"ranges overlap at [{start}, {end})")
+        elif start > end:
+            breaks.append(f"unrecorded hole [{end}, {start})")
+    last = ranges[-1][1] if ranges else None
+    if last != head:
+        breaks.append(f"ledger ends at {last} but the head is {head}")
+    return breaks
+
+
+def _ledger(conn, pipeline: Pipeline) -> tuple[dict[int, list[tuple[int, int]]], dict[int, list[tuple[int, int]]]]:
+    """Per partition: every ledgered range as stored, and the batch ranges merged for reading."""
     rows = conn.execute(
-        "SELECT kafka_partition, start_offset, end_offset FROM kafka2pg.ledger_ranges"
-        " WHERE pipeline = %s AND kind = 'batch' ORDER BY kafka_partition, start_offset",
+        "SELECT kafka_partition, start_offset, end_offset, kind FROM kafka2pg.ledger_ranges"
+        " WHERE pipeline = %s ORDER BY kafka_partition, start_offset",
         (pipeline.name,),
     ).fetchall()
+    stored: dict[int, list[tuple[int, int]]] = {}
     ranges: dict[int, list[tuple[int, int]]] = {}
-    for partition, start, end in rows:
+    for partition, start, end, kind in rows:
+        stored.setdefault(partition, []).append((start, end))
+        if kind != "batch":
+            continue
         mine = ranges.setdefault(partition, [])
         if mine and mine[-1][1] == start:
             mine[-1] = (mine[-1][0], end)
         else:
             mine.append((start, end))
-    return ranges
+    return stored, ranges
 
 
 def _db_offsets(url: str, pipeline: Pipeline, partition: int) -> Iterator[int]:
@@ -124,13 +147,14 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
     """Compare every ledgered offset range with what the database holds, per partition."""
     watermarks = {o.partition: o for o in partition_offsets(settings.bootstrap_servers, pipeline.topic)}
     with connect(settings.database_url) as conn:
-        ledger = _ledger(conn, pipeline)
+        stored, ledger = _ledger(conn, pipeline)
         heads = read_heads(conn, pipeline.name)
     audits = []
-    for partition in sorted(set(watermarks) | set(ledger) | set(heads)):
+    for partition in sorted(set(watermarks) | set(stored) | set(heads)):
         low = watermarks[partition].low if partition in watermarks else 0
         ranges = [(max(s, low), e) for s, e in ledger.get(partition, []) if e > low]
         result = PartitionAudit(partition, heads.get(partition))
+        result.ledger_breaks = ledger_breaks(stored.get(partition, []), heads.get(partition))
         kafka = _kafka_offsets(settings, pipeline.topic, partition, ranges) if ranges else iter(())
         _merge(kafka, _db_offsets(settings.database_url, pipeline, partition), low, result)
         audits.append(result)
@@ -192,6 +216,8 @@ def format_audit(pipeline: Pipeline, audits: list[PartitionAudit]) -> str:
         ):
             if sample:
                 lines.append(f"          partition {a.partition} {label} offsets: {', '.join(map(str, sample))}")
+        for problem in a.ledger_breaks:
+            lines.append(f"          partition {a.partition} ledger: {problem}")
     clean = all(a.clean for a in audits)
     lines.append("result: clean" if clean else "result: DISCREPANCIES FOUND")
     return "\n".join(lines)

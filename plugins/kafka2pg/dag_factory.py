@@ -76,7 +76,14 @@ def build_dag(pipeline: Pipeline):
             jars=spark_jars(),
             # kafka2pg's Spark defaults are applied by the job's session (staging.SPARK_DEFAULTS).
             conf=dict(pipeline.spark_conf),
-            application_args=["--pipeline", name, "--batch-id", "{{ ti.xcom_pull(task_ids='plan')['batch_id'] }}"],
+            application_args=[
+                "--pipeline",
+                name,
+                "--batch-id",
+                "{{ ti.xcom_pull(task_ids='plan')['batch_id'] }}",
+                "--epoch",
+                "{{ ti.xcom_pull(task_ids='plan')['epoch'] }}",
+            ],
             verbose=False,
         )
 
@@ -84,13 +91,13 @@ def build_dag(pipeline: Pipeline):
         def validate_batch(planned: dict) -> dict:
             from kafka2pg import tasks
 
-            return tasks.validate(name, planned["batch_id"])
+            return tasks.validate(name, planned["batch_id"], planned["epoch"])
 
         @task(task_id="promote")
         def promote_batch(planned: dict) -> dict:
             from kafka2pg import tasks
 
-            return tasks.promote(name, planned["batch_id"])
+            return tasks.promote(name, planned["batch_id"], planned["epoch"])
 
         planned = plan_batch()
         validated = validate_batch(planned)

@@ -42,5 +42,13 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
         raise SchemaNotReadyError(
             f"PostgreSQL at {describe(url)} lacks kafka2pg tables ({str(exc).strip()}): run `./kafka2pg migrate`"
         ) from exc
+    except psycopg.OperationalError as exc:
+        if not conn.broken:
+            raise
+        raise DatabaseUnavailableError(
+            f"lost the connection to PostgreSQL at {describe(url)} inside a transaction ({str(exc).strip()}). "
+            "It was rolled back (or, if lost during COMMIT, may have committed); every kafka2pg step is "
+            "safe to retry and finds out which."
+        ) from exc
     finally:
         conn.close()

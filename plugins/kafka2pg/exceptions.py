@@ -12,6 +12,8 @@ Kafka2PgError
  ├── OffsetRegressionError    ledger head above the high watermark (topic recreated?)
  ├── LedgerConflictError      compare-and-set on a ledger head failed (stale/concurrent run)
  ├── BatchStateError          a batch is not in the state a step needs
+ │    └── StagingLostError     staged rows vanished (PostgreSQL crash); batch back to planned
+ ├── StageInterrupted         SIGTERM stopped the Spark job; the batch stays resumable
  ├── QualityGateFailed        validation blocked promotion
  └── StackError               the local embedded Kafka/PostgreSQL stack failed
 """
@@ -70,6 +72,16 @@ class LedgerConflictError(Kafka2PgError):
 
 class BatchStateError(Kafka2PgError):
     """A batch is not in a state the requested step accepts."""
+
+
+class StagingLostError(BatchStateError):
+    """A staged batch's rows are gone (crash recovery empties UNLOGGED tables); it must be re-staged."""
+
+
+class StageInterrupted(Kafka2PgError):
+    """The Spark job was asked to stop (SIGTERM) before it finished staging."""
+
+    terminal = False
 
 
 class QualityGateFailed(Kafka2PgError):

@@ -6,14 +6,14 @@ Opening a batch (DESIGN step 1) happens here: ledger heads + broker offsets -> p
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from psycopg import Connection
+from psycopg import Connection, sql
 from psycopg.types.json import Jsonb
 
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError
+from kafka2pg.exceptions import BatchStateError, LedgerConflictError, StagingLostError
 from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets
 from kafka2pg.planner import BatchPlan, PartitionState, plan_batch
 
@@ -31,6 +31,8 @@ class Batch:
     topic: str
     state: str
     plan: BatchPlan
+    epoch: int = 1
+    run_id: str | None = None
     records_read: int | None = None
     rows_staged: int | None = None
     rows_quarantined: int | None = None
@@ -56,13 +58,31 @@ def read_heads(conn: Connection, pipeline: str) -> dict[int, int]:
 
 def load_batch(conn: Connection, batch_id: int, *, for_update: bool = False) -> Batch:
     query = (
-        "SELECT batch_id, pipeline, topic, state, plan, records_read, rows_staged,"
+        "SELECT batch_id, pipeline, topic, state, plan, epoch, run_id, records_read, rows_staged,"
         " rows_quarantined, rows_promoted FROM kafka2pg.batches WHERE batch_id = %s"
     )
     row = conn.execute(query + (" FOR UPDATE" if for_update else ""), (batch_id,)).fetchone()
     if row is None:
         raise BatchStateError(f"batch {batch_id} does not exist in kafka2pg.batches")
     return Batch(row[0], row[1], row[2], row[3], BatchPlan.from_json(row[4]), *row[5:])
+
+
+def load_claimed(conn: Connection, pipeline: Pipeline, batch_id: int, epoch: int | None) -> Batch:
+    """Lock a batch for one step of a run; the run's claim (`epoch`) must still be the newest.
+
+    `epoch=None` (manual CLI use) accepts the current claim. A zombie run holding an older
+    epoch gets `LedgerConflictError` before it writes anything.
+    """
+    batch = load_batch(conn, batch_id, for_update=True)
+    if batch.pipeline != pipeline.name:
+        raise BatchStateError(f"batch {batch_id} belongs to pipeline {batch.pipeline!r}, not {pipeline.name!r}")
+    if epoch is not None and batch.epoch != epoch:
+        raise LedgerConflictError(
+            f"pipeline {pipeline.name!r} batch {batch_id}: this run holds claim epoch {epoch} but run "
+            f"{batch.run_id!r} claimed the batch since (epoch {batch.epoch}). This run stops without "
+            "writing anything; the newer run carries the batch on. Nothing to do unless it also failed."
+        )
+    return batch
 
 
 def set_state(conn: Connection, batch: Batch, to_state: str, **counts: int | str | None) -> None:
@@ -73,6 +93,39 @@ def set_state(conn: Connection, batch: Batch, to_state: str, **counts: int | str
         {"state": to_state, "batch_id": batch.batch_id, **counts},
     )
     log.info("pipeline=%s batch_id=%s state %s -> %s", batch.pipeline, batch.batch_id, batch.state, to_state)
+
+
+def staged_counts(conn: Connection, pipeline: Pipeline, batch_id: int) -> dict[int, int]:
+    """Rows per Kafka partition in the pipeline's staging table for one batch."""
+    query = sql.SQL("SELECT kafka_partition, count(*) FROM {} WHERE batch_id = %s GROUP BY 1").format(
+        sql.Identifier("kafka2pg", pipeline.staging_table)
+    )
+    return dict(conn.execute(query, (batch_id,)).fetchall())
+
+
+def staging_lost(conn: Connection, pipeline: Pipeline, batch: Batch) -> bool:
+    """True when a staged batch's rows are no longer all there (crash recovery empties UNLOGGED
+    tables); the batch is then put back to `planned` so the next run re-reads it from Kafka."""
+    read = dict(
+        conn.execute(
+            "SELECT kafka_partition, coalesce(records_read, 0) FROM kafka2pg.batch_partitions"
+            " WHERE batch_id = %s AND coalesce(records_read, 0) > 0",
+            (batch.batch_id,),
+        ).fetchall()
+    )
+    if staged_counts(conn, pipeline, batch.batch_id) == read:
+        return False
+    log.error("pipeline=%s batch_id=%s staging rows lost; batch reset to planned", pipeline.name, batch.batch_id)
+    set_state(conn, batch, "planned", error="staging rows lost (PostgreSQL crash recovery?); re-staged by next run")
+    return True
+
+
+def raise_staging_lost(pipeline: Pipeline, batch_id: int) -> None:
+    raise StagingLostError(
+        f"pipeline {pipeline.name!r} batch {batch_id}: its staged rows are gone (PostgreSQL crash recovery "
+        "empties UNLOGGED staging tables). Nothing was promoted; the batch is back to 'planned' and the "
+        "next run re-reads the same offsets from Kafka."
+    )
 
 
 def open_batch(
@@ -94,9 +147,12 @@ def open_batch(
         # One planner per pipeline at a time; promotion is still fenced by compare-and-set.
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
         heads = read_heads(conn, pipeline.name)
-        resumed = _resume_or_abandon(conn, pipeline, heads)
+        resumed = _resume_or_abandon(conn, pipeline, heads, run_id, dry_run=dry_run)
         if resumed is not None:
-            return OpenedBatch(resumed, True, f"resuming unfinished batch {resumed.batch_id} ({resumed.state})")
+            verb = "dry run: would resume" if dry_run else "resuming"
+            return OpenedBatch(
+                resumed, True, f"{verb} unfinished batch {resumed.batch_id} ({resumed.state}, epoch {resumed.epoch})"
+            )
         plan = plan_batch(
             pipeline.name,
             pipeline.topic,
@@ -124,7 +180,28 @@ def _nothing_new(pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dic
     return f"nothing new on topic {pipeline.topic!r} ({parts}): no batch planned, Spark not launched"
 
 
-def _resume_or_abandon(conn: Connection, pipeline: Pipeline, heads: dict[int, int]) -> Batch | None:
+def _claim(conn: Connection, batch: Batch, run_id: str | None) -> Batch:
+    """Take an unfinished batch over: bump its epoch so the previous run's later steps are fenced."""
+    epoch = conn.execute(
+        "UPDATE kafka2pg.batches SET epoch = epoch + 1, run_id = %s, claimed_at = now(), updated_at = now()"
+        " WHERE batch_id = %s RETURNING epoch",
+        (run_id, batch.batch_id),
+    ).fetchone()[0]
+    log.warning(
+        "pipeline=%s batch_id=%s resumed in state %s: claim epoch %s -> %s (previous run %s is fenced off)",
+        batch.pipeline,
+        batch.batch_id,
+        batch.state,
+        batch.epoch,
+        epoch,
+        batch.run_id,
+    )
+    return replace(batch, epoch=epoch, run_id=run_id)
+
+
+def _resume_or_abandon(
+    conn: Connection, pipeline: Pipeline, heads: dict[int, int], run_id: str | None, *, dry_run: bool
+) -> Batch | None:
     row = conn.execute(
         "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live' AND state = ANY(%s) FOR UPDATE",
         (pipeline.name, list(OPEN_STATES)),
@@ -134,7 +211,12 @@ def _resume_or_abandon(conn: Connection, pipeline: Pipeline, heads: dict[int, in
     batch = load_batch(conn, row[0])
     stale = [p.partition for p in batch.plan.partitions if heads.get(p.partition) != p.expected_head]
     if not stale:
-        return batch
+        return batch if dry_run else _claim(conn, batch, run_id)
+    if dry_run:
+        log.info(
+            "pipeline=%s dry run: would abandon batch %s (heads of %s moved)", pipeline.name, batch.batch_id, stale
+        )
+        return None
     log.warning(
         "pipeline=%s batch_id=%s abandoned: ledger heads of partitions %s moved since it was planned",
         pipeline.name,
@@ -158,7 +240,7 @@ def _insert_batch(conn: Connection, pipeline: Pipeline, plan: BatchPlan, run_id:
             [(batch_id, r.partition, r.start, r.end) for r in plan.ranges],
         )
     log.info("pipeline=%s batch_id=%s planned %s", pipeline.name, batch_id, _describe(plan))
-    return Batch(batch_id, pipeline.name, pipeline.topic, "planned", plan)
+    return Batch(batch_id, pipeline.name, pipeline.topic, "planned", plan, run_id=run_id)
 
 
 def _describe(plan: BatchPlan) -> str:

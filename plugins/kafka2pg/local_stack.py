@@ -357,6 +357,32 @@ def start_postgres(log_dir: Path, timeout_s: float = 60) -> PostgresProcess:
     if done.returncode != 0:
         raise StackError(f"initdb failed:\n{done.stdout}\n{done.stderr}")
     port = free_port()
+    pid = _pg_ctl_start(bin_dir, data_dir, log_file, port, timeout_s)
+    subprocess.run(
+        [
+            str(bin_dir / "psql") if (bin_dir / "psql").exists() else "psql",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-U",
+            "postgres",
+            "-d",
+            "postgres",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-q",
+            "-c",
+            "CREATE DATABASE kafka2pg",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return PostgresProcess(pid, port, str(data_dir), str(log_file), str(bin_dir))
+
+
+def _pg_ctl_start(bin_dir: Path, data_dir: Path, log_file: Path, port: int, timeout_s: float) -> int:
     options = (
         f"-p {port} -k {data_dir} -c listen_addresses=127.0.0.1 -c fsync=off "
         "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200 "
@@ -384,29 +410,27 @@ def start_postgres(log_dir: Path, timeout_s: float = 60) -> PostgresProcess:
     )
     if done.returncode != 0:
         raise StackError(f"PostgreSQL did not start:\n{done.stdout}\n{done.stderr}\n{_tail(str(log_file))}")
-    pid = int((data_dir / "postmaster.pid").read_text().splitlines()[0])
+    return int((data_dir / "postmaster.pid").read_text().splitlines()[0])
+
+
+def restart_postgres(pg: PostgresProcess, *, mode: str = "fast", timeout_s: float = 60) -> PostgresProcess:
+    """Stop the cluster (`fast`: clean shutdown; `immediate`: a crash, recovery on start) and start it
+    again on the same port and data; open connections are cut. Used by fault-injection tests."""
+    bin_dir, data_dir = Path(pg.bin_dir), Path(pg.data_dir)
     subprocess.run(
-        [
-            str(bin_dir / "psql") if (bin_dir / "psql").exists() else "psql",
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "-U",
-            "postgres",
-            "-d",
-            "postgres",
-            "-v",
-            "ON_ERROR_STOP=1",
-            "-q",
-            "-c",
-            "CREATE DATABASE kafka2pg",
-        ],
+        [*_as_postgres(), str(bin_dir / "pg_ctl"), "-D", str(data_dir), "-m", mode, "-w", "stop"],
         capture_output=True,
         text=True,
         check=True,
     )
-    return PostgresProcess(pid, port, str(data_dir), str(log_file), str(bin_dir))
+    pid = _pg_ctl_start(bin_dir, data_dir, Path(pg.log_file), pg.port, timeout_s)
+    return PostgresProcess(pid, pg.port, pg.data_dir, pg.log_file, pg.bin_dir)
+
+
+def restart_kafka(kafka: KafkaProcess, cache: Path = DEFAULT_CACHE) -> KafkaProcess:
+    """Stop the broker (SIGTERM: controlled shutdown) and start it again with the same ports and data."""
+    stop_pid(kafka.pid)
+    return start_kafka(Path(kafka.data_dir), cache)
 
 
 def stop_postgres(pg: PostgresProcess, *, remove: bool = True) -> None:

@@ -15,7 +15,7 @@ from psycopg import Connection, sql
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, LedgerConflictError, QualityGateFailed
-from kafka2pg.ledger import Batch, load_batch, set_state
+from kafka2pg.ledger import Batch, load_claimed, raise_staging_lost, set_state, staging_lost
 from kafka2pg.planner import PartitionPlan
 
 log = logging.getLogger(__name__)
@@ -30,10 +30,14 @@ class PromoteResult:
     message: str
 
 
-def promote_batch(settings: Settings, pipeline: Pipeline, batch_id: int) -> PromoteResult:
-    """Promote a validated batch; a second call for a promoted batch changes nothing."""
+def promote_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None = None) -> PromoteResult:
+    """Promote a validated batch; a second call for a promoted batch changes nothing.
+
+    `epoch` is the run's claim (None: the current one): a fenced-off zombie run fails with
+    `LedgerConflictError` here even if the heads have not moved yet.
+    """
     with transaction(settings.database_url) as conn:
-        batch = load_batch(conn, batch_id, for_update=True)
+        batch = load_claimed(conn, pipeline, batch_id, epoch)
         if batch.state == "promoted":
             message = f"batch {batch_id} was already promoted: nothing changed"
             return PromoteResult(batch_id, batch.rows_promoted or 0, batch.rows_quarantined or 0, True, message)
@@ -42,21 +46,31 @@ def promote_batch(settings: Settings, pipeline: Pipeline, batch_id: int) -> Prom
                 f"batch {batch_id} of pipeline {pipeline.name!r} is {batch.state}; only a validated "
                 "batch can be promoted (the quality gate fails closed)"
             )
-        reads = _records_read(conn, batch_id)
-        for part in batch.plan.partitions:
-            _advance_head(conn, pipeline, batch, part)
-            _record_ranges(conn, pipeline, batch, part, reads)
-        promoted = _insert_target(conn, pipeline, batch)
-        quarantined = _insert_quarantine(conn, pipeline, batch)
-        conn.execute(
-            sql.SQL("DELETE FROM {} WHERE batch_id = %s").format(sql.Identifier("kafka2pg", pipeline.staging_table)),
-            (batch_id,),
-        )
-        set_state(conn, batch, "promoted", rows_promoted=promoted, rows_quarantined=quarantined)
+        lost = staging_lost(conn, pipeline, batch)
+        if not lost:
+            promoted, quarantined = _promote_rows(conn, pipeline, batch)
+    if lost:
+        raise_staging_lost(pipeline, batch_id)
     table = f"{pipeline.target_schema}.{pipeline.target_table}"
     message = f"batch {batch_id} promoted: {promoted} rows to {table}, {quarantined} to quarantine"
     log.info("pipeline=%s %s", pipeline.name, message)
     return PromoteResult(batch_id, promoted, quarantined, False, message)
+
+
+def _promote_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> tuple[int, int]:
+    """Heads (compare-and-set), ledger ranges, target, quarantine, staging cleanup, state."""
+    reads = _records_read(conn, batch.batch_id)
+    for part in batch.plan.partitions:
+        _advance_head(conn, pipeline, batch, part)
+        _record_ranges(conn, pipeline, batch, part, reads)
+    promoted = _insert_target(conn, pipeline, batch)
+    quarantined = _insert_quarantine(conn, pipeline, batch)
+    conn.execute(
+        sql.SQL("DELETE FROM {} WHERE batch_id = %s").format(sql.Identifier("kafka2pg", pipeline.staging_table)),
+        (batch.batch_id,),
+    )
+    set_state(conn, batch, "promoted", rows_promoted=promoted, rows_quarantined=quarantined)
+    return promoted, quarantined
 
 
 def _records_read(conn: Connection, batch_id: int) -> dict[int, int]:

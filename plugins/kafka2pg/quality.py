@@ -14,7 +14,7 @@ from psycopg import Connection, sql
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, QualityGateFailed
-from kafka2pg.ledger import Batch, load_batch, set_state
+from kafka2pg.ledger import Batch, load_claimed, raise_staging_lost, set_state, staging_lost
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,11 @@ class ValidationResult:
         return all(c.success for c in self.checks)
 
 
-def validate_batch(settings: Settings, pipeline: Pipeline, batch_id: int) -> ValidationResult:
+def validate_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None = None) -> ValidationResult:
     """Run every check on the staged batch; mark it `validated` or `rejected` (and raise)."""
+    checks: list[Check] = []
     with transaction(settings.database_url) as conn:
-        batch = load_batch(conn, batch_id, for_update=True)
+        batch = load_claimed(conn, pipeline, batch_id, epoch)
         if batch.state in ("validated", "promoted"):
             return ValidationResult(batch_id, batch.state, (), f"batch {batch_id} is already {batch.state}")
         if batch.state != "staged":
@@ -53,32 +54,38 @@ def validate_batch(settings: Settings, pipeline: Pipeline, batch_id: int) -> Val
                 f"batch {batch_id} of pipeline {pipeline.name!r} is {batch.state}, not staged: "
                 "run the stage step first (or trigger a new run)"
             )
-        checks = _run_checks(conn, pipeline, batch)
-        conn.execute("DELETE FROM kafka2pg.batch_checks WHERE batch_id = %s", (batch_id,))
-        with conn.cursor() as cur:
-            cur.executemany(
-                "INSERT INTO kafka2pg.batch_checks (batch_id, check_name, success, unexpected_count, details)"
-                " VALUES (%s, %s, %s, %s, %s)",
-                [(batch_id, c.name, c.success, c.unexpected, c.details) for c in checks],
-            )
-        failed = [c for c in checks if not c.success]
-        quarantined = _quarantined(conn, pipeline, batch_id)
-        if failed:
-            summary = "; ".join(f"{c.name}: {c.details}" for c in failed)
-            set_state(conn, batch, "rejected", rows_quarantined=quarantined, error=summary[:2000])
-    if failed:
+        lost = staging_lost(conn, pipeline, batch)
+        if not lost:
+            checks = _run_checks(conn, pipeline, batch)
+            _store_checks(conn, batch_id, checks)
+            quarantined = _quarantined(conn, pipeline, batch_id)
+            summary = "; ".join(f"{c.name}: {c.details}" for c in checks if not c.success)
+            if summary:
+                set_state(conn, batch, "rejected", rows_quarantined=quarantined, error=summary[:2000])
+            else:
+                set_state(conn, batch, "validated", rows_quarantined=quarantined)
+    if lost:
+        raise_staging_lost(pipeline, batch_id)
+    if summary:
         raise QualityGateFailed(
             f"pipeline {pipeline.name!r} batch {batch_id} rejected, nothing promoted, ledger unchanged: "
             f"{summary}. Inspect kafka2pg.batch_checks and the staging table kafka2pg.{pipeline.staging_table}; "
             "fix the data or the pipeline config, then trigger a new run."
         )
-    with transaction(settings.database_url) as conn:
-        batch = load_batch(conn, batch_id, for_update=True)
-        set_state(conn, batch, "validated", rows_quarantined=quarantined)
     flagged = sum(c.flagged for c in checks)
     message = f"batch {batch_id}: {len(checks)} checks passed, {flagged} duplicate(s) flagged to quarantine"
     log.info("pipeline=%s %s", pipeline.name, message)
     return ValidationResult(batch_id, "validated", tuple(checks), message)
+
+
+def _store_checks(conn: Connection, batch_id: int, checks: list[Check]) -> None:
+    conn.execute("DELETE FROM kafka2pg.batch_checks WHERE batch_id = %s", (batch_id,))
+    with conn.cursor() as cur:
+        cur.executemany(
+            "INSERT INTO kafka2pg.batch_checks (batch_id, check_name, success, unexpected_count, details)"
+            " VALUES (%s, %s, %s, %s, %s)",
+            [(batch_id, c.name, c.success, c.unexpected, c.details) for c in checks],
+        )
 
 
 def _staging(pipeline: Pipeline) -> sql.Identifier:

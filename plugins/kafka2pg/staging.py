@@ -6,14 +6,18 @@ task retry or a whole-job retry replaces rows instead of duplicating them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from psycopg import sql
+from py4j.protocol import Py4JError, Py4JJavaError
+from pyspark.errors import PySparkException
 from pyspark.sql import Column as SparkColumn
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -21,8 +25,8 @@ from pyspark.sql.types import StringType, StructField, StructType, _parse_dataty
 
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError
-from kafka2pg.ledger import Batch, load_batch, set_state
+from kafka2pg.exceptions import BatchStateError, StageInterrupted
+from kafka2pg.ledger import Batch, load_claimed, set_state, staged_counts, staging_lost
 from kafka2pg.planner import BatchPlan
 
 log = logging.getLogger(__name__)
@@ -114,28 +118,43 @@ def _reason(pipeline: Pipeline) -> SparkColumn:
     return reason
 
 
-def stage_batch(spark: SparkSession, settings: Settings, pipeline: Pipeline, batch_id: int) -> StageResult:
-    """Read the batch's ranges from Kafka and (re)write its staging rows; idempotent."""
+def stage_batch(
+    spark: SparkSession, settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None = None
+) -> StageResult:
+    """Read the batch's ranges from Kafka and (re)write its staging rows; idempotent.
+
+    `epoch` is the run's claim on the batch (None: the current one); every write checks it,
+    so a zombie attempt fenced off by a newer run stops before changing anything.
+    """
     with transaction(settings.database_url) as conn:
-        batch = load_batch(conn, batch_id, for_update=True)
+        batch = load_claimed(conn, pipeline, batch_id, epoch)
         _check_stageable(batch, pipeline)
-        if batch.state in ("validated", "promoted"):
+        if batch.state in ("staged", "validated") and staging_lost(conn, pipeline, batch):
+            batch = replace(batch, state="planned")  # a crash emptied staging: read the batch again
+        if batch.state != "planned":
             return StageResult(
                 batch_id, batch.state, (), f"batch {batch_id} is already {batch.state}: nothing to stage"
             )
         conn.execute(_staging_sql("DELETE FROM {} WHERE batch_id = %s", pipeline), (batch_id,))
-    raw = spark.read.format("kafka").options(**kafka_read_options(settings, batch.plan)).load()
+    epoch = batch.epoch
     columns = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp"]
     columns += [c.name for c in pipeline.columns] + ["raw_value", "quarantine_reason"]
-    writer = _chunk_writer(settings.database_url, pipeline.staging_table, columns, batch_id)
-    if batch.plan.ranges:
-        rows = decode(raw, pipeline).select(*columns).mapInArrow(writer, STATS_SCHEMA).collect()
-    else:
-        rows = []
+    log.info(
+        "pipeline=%s batch_id=%s epoch=%s reading %s offsets: %s",
+        pipeline.name,
+        batch_id,
+        epoch,
+        batch.plan.record_budget,
+        " ".join(f"p{r.partition}[{r.start},{r.end})" for r in batch.plan.ranges),
+    )
+    rows = _read_and_write(spark, settings, pipeline, batch, columns) if batch.plan.ranges else []
     reads = _merge_stats(rows, batch)
     with transaction(settings.database_url) as conn:
-        batch = load_batch(conn, batch_id, for_update=True)
+        batch = load_claimed(conn, pipeline, batch_id, epoch)
         _check_stageable(batch, pipeline)
+        if batch.state != "planned":  # a concurrent attempt holding the same claim finished first
+            return StageResult(batch_id, batch.state, reads, f"batch {batch_id} was {batch.state} by another attempt")
+        _check_staged(conn, pipeline, batch, reads)
         with conn.cursor() as cur:
             cur.executemany(
                 "UPDATE kafka2pg.batch_partitions SET records_read = %s, min_offset_read = %s,"
@@ -150,9 +169,36 @@ def stage_batch(spark: SparkSession, settings: Settings, pipeline: Pipeline, bat
     return StageResult(batch_id, "staged", reads, message)
 
 
+def _read_and_write(
+    spark: SparkSession, settings: Settings, pipeline: Pipeline, batch: Batch, columns: list[str]
+) -> list:
+    raw = spark.read.format("kafka").options(**kafka_read_options(settings, batch.plan)).load()
+    writer = _chunk_writer(settings.database_url, pipeline.staging_table, columns, batch.batch_id, batch.epoch)
+    try:
+        return decode(raw, pipeline).select(*columns).mapInArrow(writer, STATS_SCHEMA).collect()
+    except (PySparkException, Py4JJavaError):
+        # A chunk writer refuses to write once the claim is lost: report that, not a Java trace.
+        with transaction(settings.database_url) as conn:
+            current = load_claimed(conn, pipeline, batch.batch_id, batch.epoch)
+        if current.state != "planned":
+            raise BatchStateError(
+                f"batch {batch.batch_id} became {current.state} while this attempt was staging it (a concurrent "
+                "attempt finished first); this attempt wrote nothing that counts"
+            ) from None
+        raise
+
+
+def _check_staged(conn, pipeline: Pipeline, batch: Batch, reads: tuple[PartitionRead, ...]) -> None:
+    staged = staged_counts(conn, pipeline, batch.batch_id)
+    expected = {r.partition: r.records for r in reads if r.records}
+    if staged != expected:
+        raise BatchStateError(
+            f"batch {batch.batch_id}: staging holds {staged} rows per partition but this attempt wrote {expected}; "
+            "a concurrent attempt replaced them. The batch stays planned: run the stage step again."
+        )
+
+
 def _check_stageable(batch: Batch, pipeline: Pipeline) -> None:
-    if batch.pipeline != pipeline.name:
-        raise BatchStateError(f"batch {batch.batch_id} belongs to pipeline {batch.pipeline!r}, not {pipeline.name!r}")
     if batch.state in ("rejected", "abandoned"):
         raise BatchStateError(
             f"batch {batch.batch_id} of pipeline {pipeline.name!r} is {batch.state}; it cannot be "
@@ -186,8 +232,13 @@ def _merge_stats(rows: list, batch: Batch) -> tuple[PartitionRead, ...]:
     return tuple(reads)
 
 
-def _chunk_writer(database_url: str, staging_table: str, columns: list[str], batch_id: int):
-    """A mapInArrow function: COPY one Spark partition into staging, yield its read stats."""
+def _chunk_writer(database_url: str, staging_table: str, columns: list[str], batch_id: int, epoch: int):
+    """A mapInArrow function: COPY one Spark partition into staging, yield its read stats.
+
+    Each chunk is one transaction that checks the run's claim (batch still `planned`, same
+    epoch; FOR SHARE so a newer claim or the `staged` transition waits for it) and replaces
+    the chunk's earlier rows under a per-chunk lock, so twin attempts cannot double it.
+    """
 
     def write(batches):
         import psycopg
@@ -205,6 +256,17 @@ def _chunk_writer(database_url: str, staging_table: str, columns: list[str], bat
         offset_at = columns.index("kafka_offset")
         reason_at = columns.index("quarantine_reason")
         with psycopg.connect(database_url) as conn:
+            claim = conn.execute(
+                "SELECT state, epoch FROM kafka2pg.batches WHERE batch_id = %s FOR SHARE", (batch_id,)
+            ).fetchone()
+            if claim != ("planned", epoch):
+                raise BatchStateError(
+                    f"batch {batch_id} is {claim[0]} at epoch {claim[1]}; this attempt (epoch {epoch}) must not "
+                    "write its staging rows"
+                )
+            conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"kafka2pg.stage:{batch_id}:{chunk}",)
+            )
             conn.execute(sql.SQL("DELETE FROM {} WHERE batch_id = %s AND chunk = %s").format(table), (batch_id, chunk))
             with conn.cursor() as cur, cur.copy(copy_sql) as copy:
                 for record_batch in batches:
@@ -262,12 +324,13 @@ def spark_session(
 SPARK_DEFAULTS = {
     "spark.sql.session.timeZone": "UTC",
     "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
     "spark.sql.shuffle.partitions": "4",
     "spark.sql.execution.arrow.maxRecordsPerBatch": "20000",
 }
 
 
-def run_job(pipeline_name: str, batch_id: int) -> StageResult:
+def run_job(pipeline_name: str, batch_id: int, epoch: int | None = None) -> StageResult:
     """Entry point of jobs/stage_batch.py (spark-submit supplies master and jars)."""
     from kafka2pg.config import get_pipeline
 
@@ -276,9 +339,30 @@ def run_job(pipeline_name: str, batch_id: int) -> StageResult:
     spark = spark_session(None, app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}", conf=pipeline.spark_conf)
     spark.sparkContext.setLogLevel("WARN")
     archive = package_zip(settings.state_dir / "spark")
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm(spark, pipeline.name, batch_id))
     try:
         spark.sparkContext.addPyFile(str(archive))
-        return stage_batch(spark, settings, pipeline, batch_id)
+        return stage_batch(spark, settings, pipeline, batch_id, epoch)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         spark.stop()
         archive.unlink(missing_ok=True)
+
+
+def _stop_on_sigterm(spark: SparkSession, pipeline_name: str, batch_id: int):
+    """SIGTERM (Airflow killing the task, a node draining): cancel Spark's jobs and stop.
+
+    Chunks already committed stay (a later attempt replaces them); the batch stays `planned`
+    because `staged` is only set after every chunk is in, so the next run resumes it.
+    """
+
+    def handler(signum: int, frame: object) -> None:
+        log.warning("pipeline=%s batch_id=%s SIGTERM: cancelling Spark jobs", pipeline_name, batch_id)
+        with contextlib.suppress(Py4JError):  # the JVM may already be going down with us
+            spark.sparkContext.cancelAllJobs()
+        raise StageInterrupted(
+            f"pipeline {pipeline_name!r} batch {batch_id}: stopped by SIGTERM before staging finished; nothing "
+            "was promoted and the batch stays planned. The next run (or a retry) re-reads it."
+        )
+
+    return handler

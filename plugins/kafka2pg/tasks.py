@@ -46,15 +46,21 @@ def plan(
     log.info("pipeline=%s %s", pipeline_name, opened.message)
     if opened.batch is None or dry_run:
         return None
-    return {"batch_id": opened.batch.batch_id, "resumed": opened.resumed, "records": opened.batch.plan.record_budget}
+    batch = opened.batch
+    return {
+        "batch_id": batch.batch_id,
+        "epoch": batch.epoch,
+        "resumed": opened.resumed,
+        "records": batch.plan.record_budget,
+    }
 
 
-def validate(pipeline_name: str, batch_id: int) -> dict:
+def validate(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dict:
     from kafka2pg.quality import validate_batch
 
     with airflow_errors():
         settings = Settings.from_env()
-        result = validate_batch(settings, get_pipeline(pipeline_name, settings.pipelines_file), batch_id)
+        result = validate_batch(settings, get_pipeline(pipeline_name, settings.pipelines_file), batch_id, epoch)
     for check in result.checks:
         log.info(
             "batch_id=%s check %-36s %s  %s", batch_id, check.name, "ok" if check.success else "FAILED", check.details
@@ -62,14 +68,14 @@ def validate(pipeline_name: str, batch_id: int) -> dict:
     return {"batch_id": batch_id, "state": result.state}
 
 
-def promote(pipeline_name: str, batch_id: int) -> dict:
+def promote(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dict:
     from kafka2pg.promote import promote_batch
     from kafka2pg.report import batch_report
 
     with airflow_errors():
         settings = Settings.from_env()
         pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
-        result = promote_batch(settings, pipeline, batch_id)
+        result = promote_batch(settings, pipeline, batch_id, epoch)
         log.info("pipeline=%s %s", pipeline_name, result.message)
         log.info("\n%s", batch_report(settings, pipeline, batch_id))
     return {"batch_id": batch_id, "promoted": result.promoted, "quarantined": result.quarantined}

@@ -180,3 +180,37 @@ def test_unreachable_postgres_names_the_server_without_password(make_pipeline):
     with pytest.raises(DatabaseUnavailableError, match=r"PostgreSQL at 127\.0\.0\.1:9/nowhere is unreachable") as info:
         open_batch(dead, env.pipeline)
     assert "secret" not in str(info.value)
+
+
+def test_zombie_run_with_an_older_claim_is_fenced_at_every_step(make_pipeline, spark, db):
+    env = make_pipeline(partitions=2)
+    produce_sample(env.settings.bootstrap_servers, env.topic, 80, seed=7)
+    zombie = open_batch(env.settings, env.pipeline, run_id="scheduled__1").batch
+    # The zombie's task looked dead; the next run resumed the same batch and took it over.
+    current = open_batch(env.settings, env.pipeline, run_id="manual__2")
+    assert current.resumed and current.batch.batch_id == zombie.batch_id
+    assert (zombie.epoch, current.batch.epoch) == (1, 2)
+    for step in (
+        lambda: stage_batch(spark, env.settings, env.pipeline, zombie.batch_id, zombie.epoch),
+        lambda: validate_batch(env.settings, env.pipeline, zombie.batch_id, zombie.epoch),
+        lambda: promote_batch(env.settings, env.pipeline, zombie.batch_id, zombie.epoch),
+    ):
+        with pytest.raises(LedgerConflictError, match=r"holds claim epoch 1 but run 'manual__2' claimed the batch"):
+            step()
+    assert count(db, env) == 0 and heads(db, env) == {}
+    stage_batch(spark, env.settings, env.pipeline, zombie.batch_id, 2)
+    validate_batch(env.settings, env.pipeline, zombie.batch_id, 2)
+    assert promote_batch(env.settings, env.pipeline, zombie.batch_id, 2).promoted == 80
+    with pytest.raises(LedgerConflictError):
+        promote_batch(env.settings, env.pipeline, zombie.batch_id, zombie.epoch)
+    assert count(db, env) == 80
+
+
+def test_dry_run_neither_claims_nor_records(make_pipeline, db):
+    env = make_pipeline(partitions=1)
+    produce_sample(env.settings.bootstrap_servers, env.topic, 10, seed=8)
+    live = open_batch(env.settings, env.pipeline, run_id="live").batch
+    dry = open_batch(env.settings, env.pipeline, run_id="dry", dry_run=True)
+    assert dry.message.startswith(f"dry run: would resume unfinished batch {live.batch_id}")
+    row = db.execute("SELECT epoch, run_id FROM kafka2pg.batches WHERE batch_id = %s", (live.batch_id,)).fetchone()
+    assert row == (1, "live")

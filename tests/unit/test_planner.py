@@ -88,3 +88,13 @@ def test_plan_round_trips_through_json():
 def test_offset_range_rejects_inverted_bounds():
     with pytest.raises(ValueError):
         OffsetRange(0, 5, 4)
+
+
+def test_ledger_breaks_names_holes_overlaps_and_a_head_mismatch():
+    from kafka2pg.audit import ledger_breaks
+
+    assert ledger_breaks([(0, 10), (10, 25)], 25) == []
+    assert ledger_breaks([], None) == []
+    assert ledger_breaks([(0, 10), (12, 20)], 20) == ["unrecorded hole [10, 12)"]
+    assert ledger_breaks([(0, 10), (8, 20)], 20) == ["ranges overlap at [8, 10)"]
+    assert ledger_breaks([(0, 10)], 12) == ["ledger ends at 10 but the head is 12"]
