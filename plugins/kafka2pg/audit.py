@@ -7,17 +7,14 @@ merges them, so memory stays flat however large the backlog.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
 from psycopg import sql
 
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect
-from kafka2pg.exceptions import KafkaUnavailableError
-from kafka2pg.kafka_offsets import client_config, partition_offsets
+from kafka2pg.kafka_offsets import partition_offsets, read_offsets, topic_retention
 from kafka2pg.ledger import read_heads
 
 SAMPLE = 20
@@ -35,6 +32,7 @@ class PartitionAudit:
     duplicated: int = 0
     unexplained: int = 0
     expired: int = 0
+    compacted: int = 0
     missing_offsets: list[int] = field(default_factory=list)
     duplicated_offsets: list[int] = field(default_factory=list)
     unexplained_offsets: list[int] = field(default_factory=list)
@@ -62,16 +60,30 @@ def ledger_breaks(ranges: list[tuple[int, int]], head: int | None) -> list[str]:
     return breaks
 
 
-def _ledger(conn, pipeline: Pipeline) -> tuple[dict[int, list[tuple[int, int]]], dict[int, list[tuple[int, int]]]]:
-    """Per partition: every ledgered range as stored, and the batch ranges merged for reading."""
+def _resets(conn, pipeline: Pipeline) -> dict[int, int]:
+    """Per partition reset, the last batch id of the topic before it (0: never reset)."""
     rows = conn.execute(
-        "SELECT kafka_partition, start_offset, end_offset, kind FROM kafka2pg.ledger_ranges"
+        "SELECT DISTINCT ON (kafka_partition) kafka_partition, after_batch_id FROM kafka2pg.ledger_resets"
+        " WHERE pipeline = %s ORDER BY kafka_partition, reset_id DESC",
+        (pipeline.name,),
+    ).fetchall()
+    return dict(rows)
+
+
+def _ledger(
+    conn, pipeline: Pipeline, resets: dict[int, int]
+) -> tuple[dict[int, list[tuple[int, int]]], dict[int, list[tuple[int, int]]]]:
+    """Per partition since its last reset: every ledgered range, and the batch ranges merged for reading."""
+    rows = conn.execute(
+        "SELECT kafka_partition, start_offset, end_offset, kind, batch_id FROM kafka2pg.ledger_ranges"
         " WHERE pipeline = %s ORDER BY kafka_partition, start_offset",
         (pipeline.name,),
     ).fetchall()
     stored: dict[int, list[tuple[int, int]]] = {}
     ranges: dict[int, list[tuple[int, int]]] = {}
-    for partition, start, end, kind in rows:
+    for partition, start, end, kind, batch_id in rows:
+        if batch_id <= resets.get(partition, 0):
+            continue  # consumed from the topic as it was before a reset: cannot be re-read
         stored.setdefault(partition, []).append((start, end))
         if kind != "batch":
             continue
@@ -83,71 +95,38 @@ def _ledger(conn, pipeline: Pipeline) -> tuple[dict[int, list[tuple[int, int]]],
     return stored, ranges
 
 
-def _db_offsets(url: str, pipeline: Pipeline, partition: int) -> Iterator[int]:
-    """Offsets of the partition in target and quarantine, ascending, duplicates kept."""
+def _db_offsets(url: str, pipeline: Pipeline, partition: int, after_batch: int) -> Iterator[int]:
+    """Offsets of the partition in target and quarantine (since its last reset), ascending, duplicates kept."""
     query = sql.SQL(
         "SELECT kafka_offset FROM {target} WHERE kafka_topic = %(topic)s AND kafka_partition = %(p)s"
+        " AND batch_id > %(after)s"
         " UNION ALL SELECT kafka_offset FROM kafka2pg.quarantine"
         " WHERE pipeline = %(pipeline)s AND kafka_topic = %(topic)s AND kafka_partition = %(p)s"
-        " ORDER BY 1"
+        " AND batch_id > %(after)s ORDER BY 1"
     ).format(target=sql.Identifier(pipeline.target_schema, pipeline.target_table))
     with connect(url) as conn, conn.cursor(name=f"audit_{partition}") as cur:
         cur.itersize = 10_000
-        cur.execute(query, {"topic": pipeline.topic, "p": partition, "pipeline": pipeline.name})
+        params = {"topic": pipeline.topic, "p": partition, "pipeline": pipeline.name, "after": after_batch}
+        cur.execute(query, params)
         for (offset,) in cur:
             yield offset
 
 
 def _kafka_offsets(settings: Settings, topic: str, partition: int, ranges: list[tuple[int, int]]) -> Iterator[int]:
     """Offsets of committed records inside `ranges`, ascending (read_committed)."""
-    consumer = Consumer(
-        {
-            **client_config(settings.bootstrap_servers, settings.kafka_timeout_s),
-            "group.id": "kafka2pg-audit",
-            "enable.auto.commit": False,
-            "isolation.level": "read_committed",
-            "enable.partition.eof": True,
-            "fetch.message.max.bytes": 1_048_576,
-        }
+    records = read_offsets(
+        settings.bootstrap_servers, topic, partition, ranges, "read_committed", settings.kafka_timeout_s
     )
-    try:
-        for start, end in ranges:
-            consumer.assign([TopicPartition(topic, partition, start)])
-            yield from _consume_until(consumer, settings, end)
-    finally:
-        consumer.close()
-
-
-def _consume_until(consumer: Consumer, settings: Settings, end: int) -> Iterator[int]:
-    # consume() waits its whole timeout unless num_messages arrive: poll in short slices and
-    # give up only after kafka_timeout_s without any message or end-of-partition event.
-    idle_since = time.monotonic()
-    while True:
-        messages = consumer.consume(num_messages=5000, timeout=0.2)
-        if not messages:
-            if time.monotonic() - idle_since > settings.kafka_timeout_s:
-                raise KafkaUnavailableError(
-                    f"audit: no answer from Kafka at {settings.bootstrap_servers} "
-                    f"within {settings.kafka_timeout_s:.0f}s"
-                )
-            continue
-        idle_since = time.monotonic()
-        for message in messages:
-            error = message.error()
-            if error is not None and error.code() == KafkaError._PARTITION_EOF:
-                return
-            if error is not None:
-                raise KafkaUnavailableError(f"audit: reading Kafka at {settings.bootstrap_servers}: {error}")
-            if message.offset() >= end:
-                return
-            yield message.offset()
+    return (offset for offset, _ in records)
 
 
 def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudit]:
     """Compare every ledgered offset range with what the database holds, per partition."""
     watermarks = {o.partition: o for o in partition_offsets(settings.bootstrap_servers, pipeline.topic)}
+    compacted = topic_retention(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s).compacted
     with connect(settings.database_url) as conn:
-        stored, ledger = _ledger(conn, pipeline)
+        resets = _resets(conn, pipeline)
+        stored, ledger = _ledger(conn, pipeline, resets)
         heads = read_heads(conn, pipeline.name)
     audits = []
     for partition in sorted(set(watermarks) | set(stored) | set(heads)):
@@ -156,7 +135,8 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
         result = PartitionAudit(partition, heads.get(partition))
         result.ledger_breaks = ledger_breaks(stored.get(partition, []), heads.get(partition))
         kafka = _kafka_offsets(settings, pipeline.topic, partition, ranges) if ranges else iter(())
-        _merge(kafka, _db_offsets(settings.database_url, pipeline, partition), low, result)
+        database = _db_offsets(settings.database_url, pipeline, partition, resets.get(partition, 0))
+        _merge(kafka, database, low, result, compacted_ranges=ranges if compacted else [])
         audits.append(result)
     return audits
 
@@ -166,14 +146,25 @@ def _note(sample: list[int], offset: int) -> None:
         sample.append(offset)
 
 
-def _merge(kafka: Iterator[int], database: Iterator[int], low: int, result: PartitionAudit) -> None:
-    """Walk both ascending streams once; classify every offset."""
+def _merge(
+    kafka: Iterator[int],
+    database: Iterator[int],
+    low: int,
+    result: PartitionAudit,
+    *,
+    compacted_ranges: list[tuple[int, int]],
+) -> None:
+    """Walk both ascending streams once; classify every offset.
+
+    `compacted_ranges`: on a compacted topic, the ledgered ranges in which a promoted record
+    may since have been compacted away (counted as `compacted`, not `unexplained`).
+    """
     db = itertools.groupby(database)
     db_item = next(db, None)
     for k in kafka:
         result.kafka_records += 1
         while db_item is not None and db_item[0] < k:
-            _unexplained_or_expired(db_item, low, result)
+            _not_in_kafka(db_item, low, result, compacted_ranges)
             db_item = next(db, None)
         if db_item is not None and db_item[0] == k:
             copies = sum(1 for _ in db_item[1])
@@ -186,15 +177,20 @@ def _merge(kafka: Iterator[int], database: Iterator[int], low: int, result: Part
             result.missing += 1
             _note(result.missing_offsets, k)
     while db_item is not None:
-        _unexplained_or_expired(db_item, low, result)
+        _not_in_kafka(db_item, low, result, compacted_ranges)
         db_item = next(db, None)
 
 
-def _unexplained_or_expired(item: tuple[int, Iterator[int]], low: int, result: PartitionAudit) -> None:
+def _not_in_kafka(
+    item: tuple[int, Iterator[int]], low: int, result: PartitionAudit, compacted_ranges: list[tuple[int, int]]
+) -> None:
     offset, group = item
     copies = sum(1 for _ in group)
     if offset < low:
         result.expired += copies  # promoted, then removed by retention: cannot be re-read
+        return
+    if copies == 1 and any(start <= offset < end for start, end in compacted_ranges):
+        result.compacted += 1  # promoted, then superseded by a newer record of its key
         return
     result.unexplained += copies
     _note(result.unexplained_offsets, offset)
@@ -203,11 +199,11 @@ def _unexplained_or_expired(item: tuple[int, Iterator[int]], low: int, result: P
 def format_audit(pipeline: Pipeline, audits: list[PartitionAudit]) -> str:
     lines = [f"audit of pipeline {pipeline.name} (topic {pipeline.topic})"]
     header = f"{'partition':>9} {'head':>10} {'kafka':>10} {'matched':>10} {'missing':>8} {'duplicated':>10} "
-    lines.append(header + f"{'unexplained':>11} {'expired':>8}")
+    lines.append(header + f"{'unexplained':>11} {'expired':>8} {'compacted':>9}")
     for a in audits:
         lines.append(
             f"{a.partition:>9} {a.head if a.head is not None else '-':>10} {a.kafka_records:>10} {a.matched:>10} "
-            f"{a.missing:>8} {a.duplicated:>10} {a.unexplained:>11} {a.expired:>8}"
+            f"{a.missing:>8} {a.duplicated:>10} {a.unexplained:>11} {a.expired:>8} {a.compacted:>9}"
         )
         for label, sample in (
             ("missing", a.missing_offsets),

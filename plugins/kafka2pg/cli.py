@@ -12,10 +12,11 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 from kafka2pg.config import PROJECT_ROOT, Pipeline, Settings, get_pipeline, load_pipelines
-from kafka2pg.exceptions import Kafka2PgError
+from kafka2pg.exceptions import ConfigError, Kafka2PgError
 
 log = logging.getLogger("kafka2pg")
 
@@ -152,6 +153,58 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if clean else 1
 
 
+def cmd_reset(args: argparse.Namespace) -> int:
+    from kafka2pg.ledger import reset_head
+
+    settings = _settings()
+    pipeline = get_pipeline(args.pipeline, settings.pipelines_file)
+    to_offset = None if args.drop else args.to_offset
+    if to_offset is None and not args.drop:
+        raise ConfigError("reset: give --to-offset N, or --drop for a partition the topic no longer has")
+    reset = reset_head(
+        settings,
+        pipeline,
+        args.partition,
+        to_offset,
+        reason=args.reason,
+        confirm=args.confirm,
+        archive_old_rows=args.archive_old_rows,
+    )
+    if not reset.applied:
+        print(
+            f"would reset: {reset.message}\nnothing changed: re-run with --confirm to apply (recorded in "
+            "kafka2pg.ledger_resets)"
+        )
+        return 1
+    print(f"reset: {reset.message} (recorded in kafka2pg.ledger_resets)")
+    return 0
+
+
+def cmd_offsets(args: argparse.Namespace) -> int:
+    from kafka2pg.kafka_offsets import offsets_for_times
+
+    settings = _settings()
+    pipeline = get_pipeline(args.pipeline, settings.pipelines_file)
+    start = offsets_for_times(
+        settings.bootstrap_servers, pipeline.topic, _epoch_ms(args.start), settings.kafka_timeout_s
+    )
+    end = offsets_for_times(settings.bootstrap_servers, pipeline.topic, _epoch_ms(args.end), settings.kafka_timeout_s)
+    print(f"topic {pipeline.topic}: records with timestamps in [{args.start}, {args.end})")
+    for partition in sorted(start):
+        print(f"  partition {partition}: offsets [{start[partition]}, {end[partition]})")
+    return 0
+
+
+def _epoch_ms(text: str) -> int:
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise ConfigError(f"not an ISO-8601 time: {text!r} (e.g. 2026-11-22T10:00:00+00:00)") from exc
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1000)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kafka2pg import demo
 
@@ -188,6 +241,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="audit: re-read Kafka for the ledgered ranges, compare with target + quarantine")
     p.add_argument("--pipeline")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("reset", help="realign a partition's ledger head after the topic was recreated/restored")
+    p.add_argument("--pipeline", required=True)
+    p.add_argument("--partition", type=int, required=True)
+    p.add_argument("--to-offset", type=int, help="the new head (next offset to read)")
+    p.add_argument("--drop", action="store_true", help="drop the head of a partition the topic no longer has")
+    p.add_argument("--reason", default="topic recreated or restored", help="recorded in kafka2pg.ledger_resets")
+    p.add_argument(
+        "--archive-old-rows",
+        action="store_true",
+        help="move the partition's rows of the old topic out of target/quarantine into kafka2pg.archived_rows",
+    )
+    p.add_argument("--confirm", action="store_true", help="apply; without it, only say what would change")
+    p.set_defaults(func=cmd_reset)
+
+    p = sub.add_parser("offsets", help="map a time window to per-partition offset ranges (offsets_for_times)")
+    p.add_argument("--pipeline", required=True)
+    p.add_argument("--from", dest="start", required=True, help="ISO-8601 start (inclusive), UTC if no zone")
+    p.add_argument("--to", dest="end", required=True, help="ISO-8601 end (exclusive)")
+    p.set_defaults(func=cmd_offsets)
 
     p = sub.add_parser("plan", help="plan (or resume) the next batch of a pipeline")
     p.add_argument("--pipeline", required=True)

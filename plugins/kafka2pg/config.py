@@ -82,6 +82,7 @@ class Pipeline:
     on_retention_loss: Literal["fail", "skip"] = "fail"
     new_partition_start: Literal["earliest", "latest"] = "earliest"
     duplicate_policy: Literal["quarantine", "fail"] = "quarantine"
+    data_loss_warning_hours: float = 24.0
     spark_conf: dict[str, str] = field(default_factory=dict)
     schedule: str | None = None
 
@@ -179,6 +180,7 @@ _PIPELINE_KEYS = {
     "on_retention_loss",
     "new_partition_start",
     "duplicate_policy",
+    "data_loss_warning_hours",
     "spark_conf",
     "schedule",
 }
@@ -216,9 +218,17 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         on_retention_loss=_choice(raw, "on_retention_loss", where, ("fail", "skip")),
         new_partition_start=_choice(raw, "new_partition_start", where, ("earliest", "latest")),
         duplicate_policy=_choice(raw, "duplicate_policy", where, ("quarantine", "fail")),
+        data_loss_warning_hours=_positive_number(raw, "data_loss_warning_hours", where, 24.0),
         spark_conf={str(k): str(v) for k, v in (raw.get("spark_conf") or {}).items()},
         schedule=_schedule(raw, where),
     )
+
+
+def _positive_number(raw: dict, key: str, where: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"{where}.{key}: expected a positive number, got {value!r}")
+    return float(value)
 
 
 def _schedule(raw: dict, where: str) -> str | None:

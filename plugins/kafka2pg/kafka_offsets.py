@@ -6,10 +6,12 @@ Thin confluent-kafka AdminClient calls; client errors are translated into kafka2
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from confluent_kafka import IsolationLevel, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from kafka2pg.exceptions import KafkaUnavailableError, TopicNotFoundError
 
@@ -103,6 +105,145 @@ def ensure_topic(bootstrap_servers: str, topic: str, partitions: int, timeout_s:
         if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
             raise _unavailable(bootstrap_servers, timeout_s, exc) from exc
     return True
+
+
+@dataclass(frozen=True)
+class TopicRetention:
+    """The topic settings that decide when unread records disappear."""
+
+    compacted: bool
+    deletes: bool
+    retention_ms: int | None
+    retention_bytes: int | None
+
+
+def topic_retention(bootstrap_servers: str, topic: str, timeout_s: float = 10.0) -> TopicRetention:
+    """cleanup.policy, retention.ms and retention.bytes of `topic` (-1 means unlimited -> None)."""
+    admin = admin_client(bootstrap_servers, timeout_s)
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+    try:
+        entries = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(timeout=timeout_s)
+    except KafkaException as exc:
+        raise _unavailable(bootstrap_servers, timeout_s, exc) from exc
+    policy = entries["cleanup.policy"].value or "delete"
+
+    def limit(name: str) -> int | None:
+        value = int(entries[name].value)
+        return None if value < 0 else value
+
+    return TopicRetention("compact" in policy, "delete" in policy, limit("retention.ms"), limit("retention.bytes"))
+
+
+def offsets_for_times(bootstrap_servers: str, topic: str, timestamp_ms: int, timeout_s: float = 10.0) -> dict[int, int]:
+    """Per partition, the first offset whose record timestamp is >= `timestamp_ms`.
+
+    A partition with no such record maps to its high watermark (the offset the next record
+    will get), so `[offsets_for_times(t0), offsets_for_times(t1))` is the window [t0, t1).
+    """
+    admin = admin_client(bootstrap_servers, timeout_s)
+    partitions = topic_partitions(admin, topic, bootstrap_servers, timeout_s)
+    found = _list(
+        admin,
+        topic,
+        partitions,
+        OffsetSpec.for_timestamp(timestamp_ms),
+        IsolationLevel.READ_COMMITTED,
+        bootstrap_servers,
+        timeout_s,
+    )
+    missing = [p for p, offset in found.items() if offset < 0]
+    if missing:
+        high = _list(
+            admin, topic, missing, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED, bootstrap_servers, timeout_s
+        )
+        found.update(high)
+    return found
+
+
+@dataclass(frozen=True)
+class RangeCount:
+    """What a plain consumer finds in [start, end) of one partition."""
+
+    committed: int
+    data_records: int
+
+
+def count_range(
+    bootstrap_servers: str, topic: str, partition: int, start: int, end: int, timeout_s: float = 10.0
+) -> RangeCount:
+    """Count committed records and all data records (aborted included) in [start, end).
+
+    Two passes (read_committed, read_uncommitted) with a consumer outside Spark: the
+    independent witness the gap accounting compares Spark's read with.
+    """
+    counts = [
+        sum(1 for _ in read_offsets(bootstrap_servers, topic, partition, [(start, end)], isolation, timeout_s))
+        for isolation in ("read_committed", "read_uncommitted")
+    ]
+    return RangeCount(*counts)
+
+
+def record_timestamp(
+    bootstrap_servers: str, topic: str, partition: int, offset: int, end: int, timeout_s: float = 10.0
+) -> int | None:
+    """Timestamp (ms) of the first committed record in [offset, end), or None if there is none."""
+    records = read_offsets(bootstrap_servers, topic, partition, [(offset, end)], "read_committed", timeout_s)
+    first = next(records, None)
+    records.close()
+    return None if first is None else first[1]
+
+
+def read_offsets(
+    bootstrap_servers: str,
+    topic: str,
+    partition: int,
+    ranges: list[tuple[int, int]],
+    isolation: str,
+    timeout_s: float,
+) -> Iterator[tuple[int, int]]:
+    """(offset, timestamp ms) of every record in the half-open `ranges`, ascending; streams."""
+    consumer = Consumer(
+        {
+            **client_config(bootstrap_servers, timeout_s),
+            "group.id": "kafka2pg-reader",
+            "enable.auto.commit": False,
+            "isolation.level": isolation,
+            "enable.partition.eof": True,
+            "fetch.message.max.bytes": 1_048_576,
+        }
+    )
+    try:
+        for start, end in ranges:
+            consumer.assign([TopicPartition(topic, partition, start)])
+            yield from _consume_until(consumer, bootstrap_servers, f"{topic}[{partition}]", end, timeout_s)
+    finally:
+        consumer.close()
+
+
+def _consume_until(
+    consumer: Consumer, bootstrap_servers: str, where: str, end: int, timeout_s: float
+) -> Iterator[tuple[int, int]]:
+    # consume() waits its whole timeout unless num_messages arrive: poll in short slices and
+    # give up only after timeout_s without any message or end-of-partition event.
+    idle_since = time.monotonic()
+    while True:
+        messages = consumer.consume(num_messages=5000, timeout=0.2)
+        if not messages:
+            if time.monotonic() - idle_since > timeout_s:
+                raise KafkaUnavailableError(
+                    f"Kafka at {bootstrap_servers}: no answer reading {where} in {timeout_s:.0f}s"
+                )
+            continue
+        idle_since = time.monotonic()
+        for message in messages:
+            error = message.error()
+            if error is not None and error.code() == KafkaError._PARTITION_EOF:
+                return
+            if error is not None:
+                raise KafkaUnavailableError(f"Kafka at {bootstrap_servers}: reading {where}: {error}")
+            if message.offset() >= end:
+                return
+            yield message.offset(), message.timestamp()[1]
 
 
 def _list(

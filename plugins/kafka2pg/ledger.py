@@ -5,7 +5,9 @@ Opening a batch (DESIGN step 1) happens here: ledger heads + broker offsets -> p
 
 from __future__ import annotations
 
+import getpass
 import logging
+import time
 from dataclasses import dataclass, replace
 
 from psycopg import Connection, sql
@@ -14,8 +16,8 @@ from psycopg.types.json import Jsonb
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, LedgerConflictError, StagingLostError
-from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets
-from kafka2pg.planner import BatchPlan, PartitionState, plan_batch
+from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, record_timestamp, topic_retention
+from kafka2pg.planner import BatchPlan, LossHorizon, PartitionState, loss_horizon, plan_batch
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +148,12 @@ def open_batch(
     with transaction(settings.database_url) as conn:
         # One planner per pipeline at a time; promotion is still fenced by compare-and-set.
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
+        # Lock the open batch BEFORE reading heads: a promote of it still in flight commits first,
+        # so the heads read below are never older than the batch states seen.
+        open_id = _open_batch_id(conn, pipeline)
         heads = read_heads(conn, pipeline.name)
-        resumed = _resume_or_abandon(conn, pipeline, heads, run_id, dry_run=dry_run)
+        _warn_loss_horizons(settings, pipeline, offsets, heads)
+        resumed = _resume_or_abandon(conn, pipeline, open_id, heads, run_id, dry_run=dry_run)
         if resumed is not None:
             verb = "dry run: would resume" if dry_run else "resuming"
             return OpenedBatch(
@@ -161,6 +167,7 @@ def open_batch(
             max_records_per_partition=pipeline.max_records_per_partition,
             on_retention_loss=pipeline.on_retention_loss,
             new_partition_start=pipeline.new_partition_start,
+            ledger_partitions=tuple(heads),
         )
         if plan.is_empty:
             return OpenedBatch(None, False, _nothing_new(pipeline, offsets, heads))
@@ -171,6 +178,50 @@ def open_batch(
     return OpenedBatch(batch, False, f"planned batch {batch.batch_id}: {plan.record_budget} offsets")
 
 
+def loss_horizons(
+    settings: Settings, pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]
+) -> list[LossHorizon]:
+    """Per partition: unread records, margin to the low watermark, estimated time to data loss."""
+    retention = topic_retention(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
+    now_ms = int(time.time() * 1000)
+    horizons = []
+    for state in _states(offsets, heads):
+        head = state.low if state.head is None else state.head
+        timestamp = None
+        if retention.deletes and retention.retention_ms is not None and head < state.last_stable:
+            timestamp = record_timestamp(
+                settings.bootstrap_servers,
+                pipeline.topic,
+                state.partition,
+                head,
+                state.last_stable,
+                settings.kafka_timeout_s,
+            )
+        horizons.append(loss_horizon(state, timestamp, now_ms, retention.retention_ms if retention.deletes else None))
+    return horizons
+
+
+def _warn_loss_horizons(
+    settings: Settings, pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]
+) -> None:
+    for h in loss_horizons(settings, pipeline, offsets, heads):
+        if not h.unread:
+            continue
+        left = "no time-based retention" if h.seconds_left is None else f"~{h.seconds_left / 3600:.1f} h"
+        message = (
+            f"pipeline={pipeline.name} partition={h.partition} unread={h.unread} margin to low watermark="
+            f"{h.records_margin} records, time to data loss {left}"
+        )
+        if h.at_risk(pipeline.data_loss_warning_hours):
+            log.warning(
+                "%s: UNDER the %.0f h warning threshold; run the pipeline more often or raise retention.ms",
+                message,
+                pipeline.data_loss_warning_hours,
+            )
+        else:
+            log.info(message)
+
+
 def _states(offsets: list[PartitionOffsets], heads: dict[int, int]) -> list[PartitionState]:
     return [PartitionState(o.partition, heads.get(o.partition), o.low, o.last_stable, o.high) for o in offsets]
 
@@ -178,6 +229,43 @@ def _states(offsets: list[PartitionOffsets], heads: dict[int, int]) -> list[Part
 def _nothing_new(pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]) -> str:
     parts = ", ".join(f"p{o.partition}@{heads.get(o.partition, o.low)}/{o.last_stable}" for o in offsets)
     return f"nothing new on topic {pipeline.topic!r} ({parts}): no batch planned, Spark not launched"
+
+
+def _old_rows(conn: Connection, pipeline: Pipeline, partition: int) -> int:
+    target = sql.Identifier(pipeline.target_schema, pipeline.target_table)
+    query = sql.SQL(
+        "SELECT (SELECT count(*) FROM {} WHERE kafka_topic = %(topic)s AND kafka_partition = %(p)s)"
+        " + (SELECT count(*) FROM kafka2pg.quarantine WHERE pipeline = %(pipeline)s AND kafka_partition = %(p)s)"
+    ).format(target)
+    return conn.execute(query, {"topic": pipeline.topic, "p": partition, "pipeline": pipeline.name}).fetchone()[0]
+
+
+def _archive_rows(conn: Connection, pipeline: Pipeline, partition: int, reset_id: int) -> None:
+    """Move every target and quarantine row of the partition into kafka2pg.archived_rows."""
+    params = {"reset": reset_id, "pipeline": pipeline.name, "topic": pipeline.topic, "p": partition}
+    sources = (
+        ("target", sql.Identifier(pipeline.target_schema, pipeline.target_table), sql.SQL("kafka_topic = %(topic)s")),
+        ("quarantine", sql.Identifier("kafka2pg", "quarantine"), sql.SQL("pipeline = %(pipeline)s")),
+    )
+    for source, table, owner in sources:
+        conn.execute(
+            sql.SQL(
+                "WITH moved AS (DELETE FROM {table} t WHERE {owner} AND kafka_partition = %(p)s RETURNING t.*)"
+                " INSERT INTO kafka2pg.archived_rows (reset_id, pipeline, source, kafka_partition, kafka_offset,"
+                " batch_id, row_data) SELECT %(reset)s, %(pipeline)s, {source}, m.kafka_partition, m.kafka_offset,"
+                " m.batch_id, to_jsonb(m) FROM moved m"
+            ).format(table=table, owner=owner, source=sql.Literal(source)),
+            params,
+        )
+
+
+def _open_batch_id(conn: Connection, pipeline: Pipeline) -> int | None:
+    """The pipeline's unfinished live batch (at most one), locked."""
+    row = conn.execute(
+        "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live' AND state = ANY(%s) FOR UPDATE",
+        (pipeline.name, list(OPEN_STATES)),
+    ).fetchone()
+    return None if row is None else row[0]
 
 
 def _claim(conn: Connection, batch: Batch, run_id: str | None) -> Batch:
@@ -200,15 +288,17 @@ def _claim(conn: Connection, batch: Batch, run_id: str | None) -> Batch:
 
 
 def _resume_or_abandon(
-    conn: Connection, pipeline: Pipeline, heads: dict[int, int], run_id: str | None, *, dry_run: bool
+    conn: Connection,
+    pipeline: Pipeline,
+    open_id: int | None,
+    heads: dict[int, int],
+    run_id: str | None,
+    *,
+    dry_run: bool,
 ) -> Batch | None:
-    row = conn.execute(
-        "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live' AND state = ANY(%s) FOR UPDATE",
-        (pipeline.name, list(OPEN_STATES)),
-    ).fetchone()
-    if row is None:
+    if open_id is None:
         return None
-    batch = load_batch(conn, row[0])
+    batch = load_batch(conn, open_id)
     stale = [p.partition for p in batch.plan.partitions if heads.get(p.partition) != p.expected_head]
     if not stale:
         return batch if dry_run else _claim(conn, batch, run_id)
@@ -266,3 +356,83 @@ def head_status(conn: Connection, pipeline: Pipeline, offsets: list[PartitionOff
         HeadStatus(o.partition, heads.get(o.partition), o.low, o.high, o.last_stable - heads.get(o.partition, o.low))
         for o in offsets
     ]
+
+
+@dataclass(frozen=True)
+class Reset:
+    """What a ledger reset of one partition does (or did, once `applied`)."""
+
+    partition: int
+    from_offset: int | None
+    to_offset: int | None
+    abandoned_batch: int | None
+    applied: bool
+    message: str
+
+
+def reset_head(
+    settings: Settings,
+    pipeline: Pipeline,
+    partition: int,
+    to_offset: int | None,
+    *,
+    reason: str,
+    confirm: bool,
+    archive_old_rows: bool = False,
+) -> Reset:
+    """Realign one partition's head after the topic was recreated or restored; recorded forever.
+
+    `to_offset=None` drops the head of a partition the topic no longer has. Without
+    `confirm` nothing changes and the returned message says what would happen. Rows promoted
+    from the old topic keep their provenance; a recreated topic reuses offsets, so
+    `archive_old_rows` moves them (target and quarantine) into kafka2pg.archived_rows.
+    """
+    offsets = {o.partition: o for o in partition_offsets(settings.bootstrap_servers, pipeline.topic)}
+    if to_offset is not None:
+        broker = offsets.get(partition)
+        if broker is None or not broker.low <= to_offset <= broker.high:
+            where = "does not exist" if broker is None else f"holds offsets [{broker.low}, {broker.high})"
+            raise BatchStateError(
+                f"pipeline {pipeline.name!r}: cannot reset partition {partition} to {to_offset}: the partition {where}"
+            )
+    elif partition in offsets:
+        raise BatchStateError(f"partition {partition} of {pipeline.topic!r} exists: give --to-offset")
+    with transaction(settings.database_url) as conn:
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
+        current = read_heads(conn, pipeline.name).get(partition)
+        open_id = _open_batch_id(conn, pipeline)
+        target = "dropped (partition gone)" if to_offset is None else str(to_offset)
+        message = f"pipeline {pipeline.name} partition {partition}: head {current} -> {target}"
+        if open_id is not None:
+            message += f"; unfinished batch {open_id} is abandoned"
+        old_rows = _old_rows(conn, pipeline, partition)
+        if old_rows:
+            message += (
+                f"; {old_rows} promoted/quarantined rows of partition {partition} came from the topic before the "
+                + ("reset: archived to kafka2pg.archived_rows" if archive_old_rows else "reset and keep their offsets")
+            )
+        if not confirm:
+            return Reset(partition, current, to_offset, open_id, False, message)
+        if open_id is not None:
+            set_state(conn, load_batch(conn, open_id), "abandoned", error=f"ledger reset: {reason}")
+        last = conn.execute(
+            "SELECT coalesce(max(batch_id), 0) FROM kafka2pg.batches WHERE pipeline = %s", (pipeline.name,)
+        ).fetchone()[0]
+        reset_id = conn.execute(
+            "INSERT INTO kafka2pg.ledger_resets (pipeline, topic, kafka_partition, from_offset, to_offset,"
+            " after_batch_id, reason, reset_by) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING reset_id",
+            (pipeline.name, pipeline.topic, partition, current, to_offset, last, reason, getpass.getuser()),
+        ).fetchone()[0]
+        if archive_old_rows:
+            _archive_rows(conn, pipeline, partition, reset_id)
+        conn.execute(
+            "DELETE FROM kafka2pg.ledger_heads WHERE pipeline = %s AND kafka_partition = %s", (pipeline.name, partition)
+        )
+        if to_offset is not None:
+            conn.execute(
+                "INSERT INTO kafka2pg.ledger_heads (pipeline, topic, kafka_partition, next_offset)"
+                " VALUES (%s, %s, %s, %s)",
+                (pipeline.name, pipeline.topic, partition, to_offset),
+            )
+    log.warning("ledger reset: %s (reason: %s)", message, reason)
+    return Reset(partition, current, to_offset, open_id, True, message)

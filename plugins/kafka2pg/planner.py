@@ -144,12 +144,23 @@ def plan_batch(
     max_records_per_partition: int | None = None,
     on_retention_loss: Literal["fail", "skip"] = "fail",
     new_partition_start: Literal["earliest", "latest"] = "earliest",
+    ledger_partitions: tuple[int, ...] = (),
 ) -> BatchPlan:
     """Plan the next batch; raise on retention loss (unless skipped) or offset regression.
+
+    `ledger_partitions` are the partitions the ledger has heads for; one the topic no longer
+    has (recreated with fewer partitions) is an offset regression too.
 
     The record budget is shared fairly: every partition with new records gets an equal share,
     and what a small partition leaves over goes to the others (deterministic for equal input).
     """
+    vanished = sorted(set(ledger_partitions) - {s.partition for s in states})
+    if vanished:
+        raise OffsetRegressionError(
+            f"pipeline {pipeline!r}, topic {topic!r}: the ledger has heads for partition(s) {vanished} that "
+            "the topic no longer has. It was probably deleted and recreated with fewer partitions. Nothing "
+            "was read. Inspect the topic, then realign with `kafka2pg reset` for each affected partition."
+        )
     starts: dict[int, tuple[int | None, int, Gap | None]] = {}
     for state in sorted(states, key=lambda s: s.partition):
         starts[state.partition] = _start_of(pipeline, topic, state, on_retention_loss, new_partition_start)
@@ -185,7 +196,8 @@ def _start_of(
             f"pipeline {pipeline!r}, topic {topic!r}, partition {state.partition}: the ledger head "
             f"{state.head} is beyond the high watermark {state.high}. The topic was probably "
             "deleted and recreated, shrunk, or restored from a backup. Nothing was read. "
-            "Inspect the topic, then realign the partition explicitly with a ledger reset."
+            f"Inspect the topic, then realign the partition explicitly: `kafka2pg reset --pipeline {pipeline} "
+            f"--partition {state.partition} --to-offset <offset> --confirm`."
         )
     if state.head < state.low:
         lost = state.low - state.head
@@ -218,3 +230,85 @@ def _share(available: dict[int, int], budget: int) -> dict[int, int]:
                 next_open.append(partition)
         open_parts = sorted(next_open)
     return allotted
+
+
+@dataclass(frozen=True)
+class GapAccount:
+    """Why a read range [start, end) of one partition holds fewer records than offsets.
+
+    `read` is what Spark staged; `committed` and `data_records` are what an independent
+    consumer finds in the range with read_committed and read_uncommitted. Offsets with no
+    data record at all are transaction markers, or (on a compacted topic) compacted away —
+    Kafka does not let a client tell those two apart. `problem` is set when the numbers do
+    not add up; such a batch is held, not promoted.
+    """
+
+    partition: int
+    size: int
+    read: int
+    committed: int
+    aborted: int
+    markers: int
+    compacted: int
+    problem: str | None = None
+
+    @property
+    def gap(self) -> int:
+        return self.size - self.read
+
+
+def account_gap(
+    rng: OffsetRange, read: int, committed: int | None, data_records: int | None, *, compacted_topic: bool
+) -> GapAccount:
+    """Explain `rng.size - read` (a dense range needs no witness: pass None, None)."""
+    if read == rng.size:
+        return GapAccount(rng.partition, rng.size, read, read, 0, 0, 0)
+    if committed is None or data_records is None:
+        raise ValueError(f"p{rng.partition}: a range with a gap needs the witness counts")
+    empty = rng.size - data_records
+    account = GapAccount(
+        rng.partition,
+        rng.size,
+        read,
+        committed,
+        aborted=data_records - committed,
+        markers=0 if compacted_topic else empty,
+        compacted=empty if compacted_topic else 0,
+    )
+    where = f"partition {rng.partition} [{rng.start}, {rng.end})"
+    if read != committed:
+        problem = f"{where}: Spark read {read} records but a read_committed consumer finds {committed}"
+    elif not committed <= data_records <= rng.size:
+        problem = f"{where}: {committed} committed and {data_records} data records cannot fit {rng.size} offsets"
+    else:
+        return account
+    return GapAccount(**{**account.__dict__, "problem": problem})
+
+
+@dataclass(frozen=True)
+class LossHorizon:
+    """How close retention is to deleting records the pipeline has not read yet (one partition).
+
+    `records_margin` = head - low watermark: how many older records the broker deletes first.
+    `seconds_left` estimates when the oldest unread record (timestamp `head_timestamp_ms`)
+    passes `retention.ms`; None when nothing is unread or retention by time is off.
+    """
+
+    partition: int
+    unread: int
+    records_margin: int
+    seconds_left: float | None
+
+    def at_risk(self, warning_hours: float) -> bool:
+        return self.seconds_left is not None and self.seconds_left < warning_hours * 3600
+
+
+def loss_horizon(
+    state: PartitionState, head_timestamp_ms: int | None, now_ms: int, retention_ms: int | None
+) -> LossHorizon:
+    head = state.low if state.head is None else state.head
+    unread = max(0, state.last_stable - head)
+    seconds_left = None
+    if unread and retention_ms is not None and head_timestamp_ms is not None:
+        seconds_left = (head_timestamp_ms + retention_ms - now_ms) / 1000
+    return LossHorizon(state.partition, unread, head - state.low, seconds_left)

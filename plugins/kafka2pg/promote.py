@@ -118,8 +118,23 @@ def _record_ranges(
     with conn.cursor() as cur:
         cur.executemany(
             "INSERT INTO kafka2pg.ledger_ranges (pipeline, topic, kafka_partition, start_offset, end_offset,"
-            " kind, batch_id, records) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-            [(pipeline.name, pipeline.topic, part.partition, s, e, k, batch.batch_id, n) for s, e, k, n in rows],
+            " kind, batch_id, records, generation) VALUES (%s, %s, %s, %s, %s, %s, %s, %s,"
+            " (SELECT count(*) FROM kafka2pg.ledger_resets r WHERE r.pipeline = %s AND r.kafka_partition = %s))",
+            [
+                (
+                    pipeline.name,
+                    pipeline.topic,
+                    part.partition,
+                    s,
+                    e,
+                    k,
+                    batch.batch_id,
+                    n,
+                    pipeline.name,
+                    part.partition,
+                )
+                for s, e, k, n in rows
+            ],
         )
 
 

@@ -14,7 +14,9 @@ from psycopg import Connection, sql
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, QualityGateFailed
+from kafka2pg.kafka_offsets import count_range, topic_retention
 from kafka2pg.ledger import Batch, load_claimed, raise_staging_lost, set_state, staging_lost
+from kafka2pg.planner import account_gap
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ def validate_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch:
             )
         lost = staging_lost(conn, pipeline, batch)
         if not lost:
-            checks = _run_checks(conn, pipeline, batch)
+            checks = _run_checks(conn, settings, pipeline, batch)
             _store_checks(conn, batch_id, checks)
             quarantined = _quarantined(conn, pipeline, batch_id)
             summary = "; ".join(f"{c.name}: {c.details}" for c in checks if not c.success)
@@ -101,9 +103,10 @@ def _quarantined(conn: Connection, pipeline: Pipeline, batch_id: int) -> int:
     return conn.execute(query.format(_staging(pipeline)), (batch_id,)).fetchone()[0]
 
 
-def _run_checks(conn: Connection, pipeline: Pipeline, batch: Batch) -> list[Check]:
+def _run_checks(conn: Connection, settings: Settings, pipeline: Pipeline, batch: Batch) -> list[Check]:
     checks = [
         _completeness(conn, pipeline, batch),
+        _offset_gaps_explained(conn, settings, pipeline, batch),
         _provenance_unique(conn, pipeline, batch),
         _not_already_promoted(conn, pipeline, batch),
         _required_not_null(conn, pipeline, batch),
@@ -127,6 +130,44 @@ def _completeness(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
     bad = [(p, read, staged) for p, read, staged in rows if read is None or read != staged]
     details = "; ".join(f"p{p}: read {read}, staged {staged}" for p, read, staged in bad)
     return Check("staged_rows_equal_records_read", not bad, len(bad), details or "every record read is staged")
+
+
+def _offset_gaps_explained(conn: Connection, settings: Settings, pipeline: Pipeline, batch: Batch) -> Check:
+    """Every offset of the batch without a staged record is explained (aborted, marker, compacted),
+    witnessed by a consumer outside Spark; otherwise the batch is held (rejected), not promoted."""
+    reads = dict(
+        conn.execute(
+            "SELECT kafka_partition, coalesce(records_read, 0) FROM kafka2pg.batch_partitions WHERE batch_id = %s",
+            (batch.batch_id,),
+        ).fetchall()
+    )
+    servers, timeout = settings.bootstrap_servers, settings.kafka_timeout_s
+    gappy = [r for r in batch.plan.ranges if reads.get(r.partition, 0) != r.size]
+    compacted = bool(gappy) and topic_retention(servers, pipeline.topic, timeout).compacted
+    accounts = []
+    for rng in batch.plan.ranges:
+        read = reads.get(rng.partition, 0)
+        if rng in gappy:
+            witness = count_range(servers, pipeline.topic, rng.partition, rng.start, rng.end, timeout)
+            accounts.append(account_gap(rng, read, witness.committed, witness.data_records, compacted_topic=compacted))
+        else:
+            accounts.append(account_gap(rng, read, None, None, compacted_topic=compacted))
+    with conn.cursor() as cur:
+        cur.executemany(
+            "UPDATE kafka2pg.batch_partitions SET committed_records = %s, aborted_records = %s, marker_offsets = %s,"
+            " compacted_offsets = %s WHERE batch_id = %s AND kafka_partition = %s",
+            [(a.committed, a.aborted, a.markers, a.compacted, batch.batch_id, a.partition) for a in accounts],
+        )
+    problems = [a.problem for a in accounts if a.problem]
+    if problems:
+        return Check("offset_gaps_explained", False, len(problems), "; ".join(problems))
+    explained = [
+        f"p{a.partition}: {a.gap} offsets without a record ({a.aborted} aborted, {a.markers} transaction markers, "
+        f"{a.compacted} compacted)"
+        for a in accounts
+        if a.gap
+    ]
+    return Check("offset_gaps_explained", True, 0, "; ".join(explained) or "every offset holds a record")
 
 
 def _provenance_unique(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:

@@ -10,7 +10,8 @@ from psycopg import sql
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect
 from kafka2pg.kafka_offsets import partition_offsets
-from kafka2pg.ledger import head_status
+from kafka2pg.ledger import head_status, loss_horizons, read_heads
+from kafka2pg.planner import LossHorizon
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -25,6 +26,7 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
     offsets = partition_offsets(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
     with connect(settings.database_url) as conn:
         heads = head_status(conn, pipeline, offsets)
+        horizons = {h.partition: h for h in loss_horizons(settings, pipeline, offsets, read_heads(conn, pipeline.name))}
         landed = conn.execute(
             sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(pipeline.target_schema, pipeline.target_table))
         ).fetchone()[0]
@@ -35,16 +37,30 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
             "SELECT state, count(*) FROM kafka2pg.batches WHERE pipeline = %s GROUP BY state ORDER BY state",
             (pipeline.name,),
         ).fetchall()
-    rows = [[h.partition, h.next_offset, h.low, h.high, h.lag] for h in heads]
+    rows = [
+        [h.partition, h.next_offset, h.low, h.high, h.lag, *_horizon(horizons[h.partition], pipeline)] for h in heads
+    ]
     return "\n".join(
         [
             f"pipeline {pipeline.name}: topic {pipeline.topic} -> {pipeline.target_schema}.{pipeline.target_table}",
             f"rows landed in target: {landed}; records in quarantine: {quarantined}",
             "batches: " + (", ".join(f"{n} {s}" for s, n in batches) or "none"),
             "ledger:",
-            _table(["partition", "next_offset", "low_watermark", "high_watermark", "lag"], rows),
+            _table(
+                ["partition", "next_offset", "low_watermark", "high_watermark", "lag", "margin", "time_to_loss"], rows
+            ),
         ]
     )
+
+
+def _horizon(horizon: LossHorizon, pipeline: Pipeline) -> list:
+    """Margin (records above the low watermark) and estimated time before unread records expire."""
+    if not horizon.unread:
+        return [horizon.records_margin, "caught up"]
+    if horizon.seconds_left is None:
+        return [horizon.records_margin, "no time limit"]
+    left = f"{horizon.seconds_left / 3600:.1f}h"
+    return [horizon.records_margin, left + (" (AT RISK)" if horizon.at_risk(pipeline.data_loss_warning_hours) else "")]
 
 
 def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
@@ -55,8 +71,9 @@ def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
             (batch_id,),
         ).fetchone()
         parts = conn.execute(
-            "SELECT kafka_partition, start_offset, end_offset, records_read, min_offset_read, max_offset_read"
-            " FROM kafka2pg.batch_partitions WHERE batch_id = %s ORDER BY kafka_partition",
+            "SELECT kafka_partition, start_offset, end_offset, records_read, min_offset_read, max_offset_read,"
+            " aborted_records, marker_offsets, compacted_offsets FROM kafka2pg.batch_partitions"
+            " WHERE batch_id = %s ORDER BY kafka_partition",
             (batch_id,),
         ).fetchall()
         checks = conn.execute(
@@ -70,7 +87,10 @@ def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
     lines = [
         f"batch {batch_id} ({state}): planned {planned} offsets, read {read}, "
         f"promoted {promoted}, quarantined {quarantined}",
-        _table(["partition", "start", "end", "read", "min_offset", "max_offset"], [list(p) for p in parts]),
+        _table(
+            ["partition", "start", "end", "read", "min_offset", "max_offset", "aborted", "markers", "compacted"],
+            [list(p) for p in parts],
+        ),
         f"quality checks of batch {batch_id} (table kafka2pg.batch_checks; Great Expectations Data Docs: issue 5):",
         _table(["check", "result", "unexpected", "details"], [list(c) for c in checks]),
         ledger_report(settings, pipeline),

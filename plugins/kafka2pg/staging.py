@@ -11,12 +11,13 @@ import json
 import logging
 import os
 import signal
+import threading
 import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from psycopg import sql
-from py4j.protocol import Py4JError, Py4JJavaError
+from py4j.protocol import Py4JError
 from pyspark.errors import PySparkException
 from pyspark.sql import Column as SparkColumn
 from pyspark.sql import DataFrame, SparkSession
@@ -119,12 +120,19 @@ def _reason(pipeline: Pipeline) -> SparkColumn:
 
 
 def stage_batch(
-    spark: SparkSession, settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None = None
+    spark: SparkSession,
+    settings: Settings,
+    pipeline: Pipeline,
+    batch_id: int,
+    epoch: int | None = None,
+    *,
+    stop: threading.Event | None = None,
 ) -> StageResult:
     """Read the batch's ranges from Kafka and (re)write its staging rows; idempotent.
 
     `epoch` is the run's claim on the batch (None: the current one); every write checks it,
-    so a zombie attempt fenced off by a newer run stops before changing anything.
+    so a zombie attempt fenced off by a newer run stops before changing anything. `stop`
+    set (SIGTERM) means: give up before marking the batch staged (`StageInterrupted`).
     """
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
@@ -147,8 +155,9 @@ def stage_batch(
         batch.plan.record_budget,
         " ".join(f"p{r.partition}[{r.start},{r.end})" for r in batch.plan.ranges),
     )
-    rows = _read_and_write(spark, settings, pipeline, batch, columns) if batch.plan.ranges else []
+    rows = _read_and_write(spark, settings, pipeline, batch, columns, stop) if batch.plan.ranges else []
     reads = _merge_stats(rows, batch)
+    _raise_if_stopped(stop, pipeline, batch_id)
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         _check_stageable(batch, pipeline)
@@ -170,13 +179,19 @@ def stage_batch(
 
 
 def _read_and_write(
-    spark: SparkSession, settings: Settings, pipeline: Pipeline, batch: Batch, columns: list[str]
+    spark: SparkSession,
+    settings: Settings,
+    pipeline: Pipeline,
+    batch: Batch,
+    columns: list[str],
+    stop: threading.Event | None,
 ) -> list:
     raw = spark.read.format("kafka").options(**kafka_read_options(settings, batch.plan)).load()
     writer = _chunk_writer(settings.database_url, pipeline.staging_table, columns, batch.batch_id, batch.epoch)
     try:
         return decode(raw, pipeline).select(*columns).mapInArrow(writer, STATS_SCHEMA).collect()
-    except (PySparkException, Py4JJavaError):
+    except (PySparkException, Py4JError):
+        _raise_if_stopped(stop, pipeline, batch.batch_id)
         # A chunk writer refuses to write once the claim is lost: report that, not a Java trace.
         with transaction(settings.database_url) as conn:
             current = load_claimed(conn, pipeline, batch.batch_id, batch.epoch)
@@ -186,6 +201,14 @@ def _read_and_write(
                 "attempt finished first); this attempt wrote nothing that counts"
             ) from None
         raise
+
+
+def _raise_if_stopped(stop: threading.Event | None, pipeline: Pipeline, batch_id: int) -> None:
+    if stop is not None and stop.is_set():
+        raise StageInterrupted(
+            f"pipeline {pipeline.name!r} batch {batch_id}: stopped by SIGTERM before staging finished; nothing "
+            "was promoted and the batch stays planned. The next run (or a retry) re-reads it."
+        )
 
 
 def _check_staged(conn, pipeline: Pipeline, batch: Batch, reads: tuple[PartitionRead, ...]) -> None:
@@ -259,10 +282,10 @@ def _chunk_writer(database_url: str, staging_table: str, columns: list[str], bat
             claim = conn.execute(
                 "SELECT state, epoch FROM kafka2pg.batches WHERE batch_id = %s FOR SHARE", (batch_id,)
             ).fetchone()
-            if claim != ("planned", epoch):
+            if claim is None or tuple(claim) != ("planned", epoch):
                 raise BatchStateError(
-                    f"batch {batch_id} is {claim[0]} at epoch {claim[1]}; this attempt (epoch {epoch}) must not "
-                    "write its staging rows"
+                    f"batch {batch_id} is {claim and claim[0]} at epoch {claim and claim[1]}; this attempt "
+                    f"(epoch {epoch}) must not write its staging rows"
                 )
             conn.execute(
                 "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"kafka2pg.stage:{batch_id}:{chunk}",)
@@ -339,30 +362,33 @@ def run_job(pipeline_name: str, batch_id: int, epoch: int | None = None) -> Stag
     spark = spark_session(None, app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}", conf=pipeline.spark_conf)
     spark.sparkContext.setLogLevel("WARN")
     archive = package_zip(settings.state_dir / "spark")
-    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm(spark, pipeline.name, batch_id))
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm(spark, stop, pipeline.name, batch_id))
     try:
         spark.sparkContext.addPyFile(str(archive))
-        return stage_batch(spark, settings, pipeline, batch_id, epoch)
+        return stage_batch(spark, settings, pipeline, batch_id, epoch, stop=stop)
     finally:
         signal.signal(signal.SIGTERM, previous)
         spark.stop()
         archive.unlink(missing_ok=True)
 
 
-def _stop_on_sigterm(spark: SparkSession, pipeline_name: str, batch_id: int):
-    """SIGTERM (Airflow killing the task, a node draining): cancel Spark's jobs and stop.
+def _on_sigterm(spark: SparkSession, stop: threading.Event, pipeline_name: str, batch_id: int):
+    """SIGTERM (Airflow killing the task, a node draining): cancel Spark's jobs, then stop.
 
-    Chunks already committed stay (a later attempt replaces them); the batch stays `planned`
-    because `staged` is only set after every chunk is in, so the next run resumes it.
+    The handler only flags and starts a thread: the main thread is inside a py4j call, whose
+    connection the handler must not reuse. The cancelled job makes `collect()` fail, and
+    stage_batch turns the flag into `StageInterrupted` before the batch could become staged.
+    Chunks already committed stay; the next attempt replaces them.
     """
+
+    def cancel() -> None:
+        with contextlib.suppress(Py4JError):  # the JVM may already be going down with us
+            spark.sparkContext.cancelAllJobs()
 
     def handler(signum: int, frame: object) -> None:
         log.warning("pipeline=%s batch_id=%s SIGTERM: cancelling Spark jobs", pipeline_name, batch_id)
-        with contextlib.suppress(Py4JError):  # the JVM may already be going down with us
-            spark.sparkContext.cancelAllJobs()
-        raise StageInterrupted(
-            f"pipeline {pipeline_name!r} batch {batch_id}: stopped by SIGTERM before staging finished; nothing "
-            "was promoted and the batch stays planned. The next run (or a retry) re-reads it."
-        )
+        stop.set()
+        threading.Thread(target=cancel, name="kafka2pg-cancel", daemon=True).start()
 
     return handler

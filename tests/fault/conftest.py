@@ -260,9 +260,49 @@ def log_has(log: Path, text: str, process: subprocess.Popen | None = None):
 
 
 def kill_group(process: subprocess.Popen, sig: signal.Signals, *, timeout: float = 90) -> int:
-    """Signal the whole process group (what Airflow does to a task) and wait for the exit code."""
+    """Signal the whole process group (what Airflow does to a task); wait until every process of
+    it (the JVM and the Python driver it started) is gone; return the leader's exit code."""
     try:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
         pass
-    return process.wait(timeout=timeout)
+    code = process.wait(timeout=timeout)
+    wait_group_exit(process.pid, timeout)
+    return code
+
+
+def wait_group_exit(pgid: int, timeout: float) -> None:
+    try:
+        wait_for(lambda: not group_alive(pgid), timeout=timeout, what=f"process group {pgid} to exit")
+    except AssertionError:
+        ps = subprocess.run(
+            ["ps", "-o", "pid,stat,wchan:24,etime,cmd", "-g", str(pgid)], capture_output=True, text=True
+        )
+        raise AssertionError(f"processes of group {pgid} still running:\n{ps.stdout[-3000:]}") from None
+
+
+def python_driver(pgid: int) -> int | None:
+    """PID of the job's Python driver: spark-submit's JVM starts it as a child in the same group."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            command = (proc / "cmdline").read_bytes().split(b"\0")
+            in_group = os.getpgid(int(proc.name)) == pgid
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if (
+            in_group
+            and b"java" not in Path(command[0].decode()).name.encode()
+            and any(part.endswith(b"stage_batch.py") for part in command)
+        ):
+            return int(proc.name)
+    return None
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

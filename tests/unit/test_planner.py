@@ -98,3 +98,37 @@ def test_ledger_breaks_names_holes_overlaps_and_a_head_mismatch():
     assert ledger_breaks([(0, 10), (12, 20)], 20) == ["unrecorded hole [10, 12)"]
     assert ledger_breaks([(0, 10), (8, 20)], 20) == ["ranges overlap at [8, 10)"]
     assert ledger_breaks([(0, 10)], 12) == ["ledger ends at 10 but the head is 12"]
+
+
+def test_a_partition_the_topic_no_longer_has_is_an_offset_regression():
+    with pytest.raises(OffsetRegressionError, match=r"heads for partition\(s\) \[2\] that the topic no longer has"):
+        plan([state(0, 10), state(1, 10)], ledger_partitions=(0, 1, 2))
+
+
+def test_gap_accounting_explains_aborted_markers_and_compaction_and_flags_what_does_not_add_up():
+    from kafka2pg.planner import account_gap
+
+    rng = OffsetRange(0, 0, 78)
+    dense = account_gap(OffsetRange(0, 5, 15), 10, None, None, compacted_topic=False)
+    assert (dense.gap, dense.aborted, dense.markers, dense.problem) == (0, 0, 0, None)
+    tx = account_gap(rng, 55, committed=55, data_records=75, compacted_topic=False)
+    assert (tx.aborted, tx.markers, tx.compacted, tx.problem) == (20, 3, 0, None)
+    compacted = account_gap(rng, 40, committed=40, data_records=40, compacted_topic=True)
+    assert (compacted.aborted, compacted.markers, compacted.compacted) == (0, 0, 38)
+    lost = account_gap(rng, 50, committed=55, data_records=75, compacted_topic=False)
+    assert lost.problem == "partition 0 [0, 78): Spark read 50 records but a read_committed consumer finds 55"
+    with pytest.raises(ValueError, match="needs the witness counts"):
+        account_gap(rng, 50, None, None, compacted_topic=False)
+
+
+def test_loss_horizon_estimates_time_left_from_the_oldest_unread_record():
+    from kafka2pg.planner import loss_horizon
+
+    hour = 3_600_000
+    behind = loss_horizon(state(0, 40, low=10, stable=100), head_timestamp_ms=0, now_ms=hour, retention_ms=3 * hour)
+    assert (behind.unread, behind.records_margin, behind.seconds_left) == (60, 30, 7200)
+    assert behind.at_risk(warning_hours=3) and not behind.at_risk(warning_hours=1)
+    caught_up = loss_horizon(state(0, 100, stable=100), head_timestamp_ms=None, now_ms=hour, retention_ms=hour)
+    assert (caught_up.unread, caught_up.seconds_left, caught_up.at_risk(24)) == (0, None, False)
+    no_limit = loss_horizon(state(0, None, low=5, stable=100), head_timestamp_ms=0, now_ms=hour, retention_ms=None)
+    assert (no_limit.unread, no_limit.records_margin, no_limit.seconds_left) == (95, 0, None)
