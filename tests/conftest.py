@@ -31,6 +31,12 @@ def pytest_collection_modifyitems(items):
             item.add_marker(getattr(pytest.mark, kind))
 
 
+@pytest.fixture
+def sample_columns() -> list[dict]:
+    """The column mapping of the sample events, a fresh copy a test may change."""
+    return [dict(c) for c in COLUMNS]
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
     from kafka2pg import local_stack

@@ -153,6 +153,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if clean else 1
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from kafka2pg.report import quality_summary
+
+    settings = _settings()
+    for pipeline in _selected_pipelines(args, settings):
+        print(quality_summary(settings, pipeline, args.batch_id))
+    return 0
+
+
 def cmd_reset(args: argparse.Namespace) -> int:
     from kafka2pg.ledger import reset_head
 
@@ -241,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="audit: re-read Kafka for the ledgered ranges, compare with target + quarantine")
     p.add_argument("--pipeline")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("report", help="path and summary of the latest (or a given) batch's quality report")
+    p.add_argument("--pipeline")
+    p.add_argument("--batch-id", type=int)
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("reset", help="realign a partition's ledger head after the topic was recreated/restored")
     p.add_argument("--pipeline", required=True)

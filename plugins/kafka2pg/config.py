@@ -61,6 +61,10 @@ class Column:
     type: str
     field: str
     required: bool = False
+    minimum: float | None = None
+    maximum: float | None = None
+    allowed: tuple[str, ...] | None = None
+    on_violation: Literal["fail", "quarantine"] = "fail"
 
     @property
     def spark_type(self) -> str:
@@ -264,7 +268,7 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
         here = f"{where}.columns[{index}]"
         if not isinstance(raw, dict):
             raise ConfigError(f"{here}: expected a mapping with name and type")
-        unknown = sorted(set(raw) - {"name", "type", "field", "required"})
+        unknown = sorted(set(raw) - {"name", "type", "field", "required", "min", "max", "allowed", "on_violation"})
         if unknown:
             raise ConfigError(f"{here}: unknown field(s) {', '.join(unknown)}")
         name = _identifier(raw, "name", here)
@@ -280,12 +284,29 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
         required = raw.get("required", False)
         if not isinstance(required, bool):
             raise ConfigError(f"{here}.required: expected true or false, got {required!r}")
-        columns.append(Column(name, pg_type.strip().lower(), json_field, required))
+        columns.append(Column(name, pg_type.strip().lower(), json_field, required, *_rules(raw, here)))
     names = [c.name for c in columns]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"{where}.columns: duplicate column name(s) {', '.join(duplicates)}")
     return tuple(columns)
+
+
+def _rules(raw: dict, here: str) -> tuple:
+    """A column's declared value rules: min/max (numbers), allowed values, and what a violation does."""
+    bounds = []
+    for key in ("min", "max"):
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ConfigError(f"{here}.{key}: expected a number, got {value!r}")
+        bounds.append(None if value is None else float(value))
+    if None not in bounds and bounds[0] > bounds[1]:
+        raise ConfigError(f"{here}: min {bounds[0]} is above max {bounds[1]}")
+    allowed = raw.get("allowed")
+    if allowed is not None and (not isinstance(allowed, list) or not allowed):
+        raise ConfigError(f"{here}.allowed: expected a non-empty list of values, got {allowed!r}")
+    on_violation = _choice(raw, "on_violation", here, ("fail", "quarantine"))
+    return bounds[0], bounds[1], None if allowed is None else tuple(str(v) for v in allowed), on_violation
 
 
 def _positive_int(raw: dict, key: str, where: str, default: int | None) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from psycopg import Connection, sql
 
@@ -38,6 +39,7 @@ class ValidationResult:
     state: str
     checks: tuple[Check, ...]
     message: str
+    report: Path | None = None
 
     @property
     def success(self) -> bool:
@@ -58,10 +60,13 @@ def validate_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch:
             )
         lost = staging_lost(conn, pipeline, batch)
         if not lost:
-            checks = _run_checks(conn, settings, pipeline, batch)
-            _store_checks(conn, batch_id, checks)
+            sql_checks = _run_checks(conn, settings, pipeline, batch)
             quarantined = _quarantined(conn, pipeline, batch_id)
+            gx_checks, gx_rows = _great_expectations(conn, pipeline, batch, quarantined)
+            checks = sql_checks + gx_checks
+            _store_checks(conn, batch_id, checks)
             summary = "; ".join(f"{c.name}: {c.details}" for c in checks if not c.success)
+            report = _write_report(conn, settings, pipeline, batch, sql_checks, gx_rows, quarantined, bool(summary))
             if summary:
                 set_state(conn, batch, "rejected", rows_quarantined=quarantined, error=summary[:2000])
             else:
@@ -71,13 +76,113 @@ def validate_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch:
     if summary:
         raise QualityGateFailed(
             f"pipeline {pipeline.name!r} batch {batch_id} rejected, nothing promoted, ledger unchanged: "
-            f"{summary}. Inspect kafka2pg.batch_checks and the staging table kafka2pg.{pipeline.staging_table}; "
-            "fix the data or the pipeline config, then trigger a new run."
+            f"{summary}. Report: {report}. Inspect kafka2pg.batch_checks and the staging table "
+            f"kafka2pg.{pipeline.staging_table}; fix the data or the pipeline config, then trigger a new run."
         )
     flagged = sum(c.flagged for c in checks)
-    message = f"batch {batch_id}: {len(checks)} checks passed, {flagged} duplicate(s) flagged to quarantine"
+    message = f"batch {batch_id}: {len(checks)} checks passed, {flagged} row(s) flagged to quarantine; report: {report}"
     log.info("pipeline=%s %s", pipeline.name, message)
-    return ValidationResult(batch_id, "validated", tuple(checks), message)
+    return ValidationResult(batch_id, "validated", tuple(checks), message, report)
+
+
+def _great_expectations(
+    conn: Connection, pipeline: Pipeline, batch: Batch, quarantined: int
+) -> tuple[list[Check], list[dict]]:
+    """The GX suite on the accepted rows, as checks and as report rows.
+
+    Fails closed: an exception or a missing result becomes a failed check.
+    """
+    from kafka2pg.expectations import load_accepted, run_suite, suite_for
+
+    suite = suite_for(pipeline, (batch.records_read or 0) - quarantined)
+    try:
+        outcome = run_suite(load_accepted(conn, pipeline, batch.batch_id), suite)
+    except Exception as exc:  # noqa: BLE001 - fail closed: whatever GX raises blocks promotion, with the reason
+        log.exception("pipeline=%s batch_id=%s Great Expectations failed", pipeline.name, batch.batch_id)
+        error = f"Great Expectations raised {type(exc).__name__}: {exc}"
+        row = {"expectation": "validation_error", "column": "", "meaning": error, "success": False, "unexpected": 0}
+        return [Check("gx:validation_error", False, 0, error)], [{**row, "sample_offsets": []}]
+    log.info(
+        "pipeline=%s batch_id=%s Great Expectations %s: %s expectations on %s rows in %.2fs",
+        pipeline.name,
+        batch.batch_id,
+        outcome.gx_version,
+        len(outcome.results),
+        outcome.rows,
+        outcome.seconds,
+    )
+    checks, rows = [], []
+    for r in outcome.results:
+        samples = ", ".join(r.sample_offsets) or "none"
+        checks.append(
+            Check(
+                r.expectation.name,
+                r.success,
+                r.unexpected,
+                r.error or f"{r.expectation.meaning}; sample offsets: {samples}",
+            )
+        )
+        rows.append(
+            {
+                "expectation": r.expectation.type,
+                "column": r.expectation.name.split(":", 2)[2],
+                "meaning": r.expectation.meaning,
+                "success": r.success,
+                "unexpected": r.unexpected,
+                "sample_offsets": r.sample_offsets,
+                "error": r.error,
+            }
+        )
+    if len(outcome.results) != len(suite):
+        checks.append(Check("gx:missing_results", False, len(suite) - len(outcome.results), "GX returned no result"))
+    return checks, rows
+
+
+def _write_report(
+    conn: Connection,
+    settings: Settings,
+    pipeline: Pipeline,
+    batch: Batch,
+    sql_checks: list[Check],
+    gx_rows: list[dict],
+    quarantined: int,
+    rejected: bool,
+) -> Path:
+    from kafka2pg.data_docs import write_report
+
+    read = batch.records_read or 0
+    path = write_report(
+        settings.state_dir,
+        pipeline,
+        batch.batch_id,
+        verdict="rejected" if rejected else "promotable",
+        expectations=gx_rows,
+        checks=[
+            {
+                "check": c.name,
+                "success": c.success,
+                "unexpected": c.unexpected,
+                "flagged": c.flagged,
+                "details": c.details,
+            }
+            for c in sql_checks
+        ],
+        counts={
+            "records read": read,
+            "accepted (to promote)": read - quarantined,
+            "to quarantine": quarantined,
+            "business-key duplicates found": sum(c.unexpected for c in sql_checks if "business_key" in c.name),
+        },
+        gx_version=_gx_version(),
+    )
+    conn.execute("UPDATE kafka2pg.batches SET report_path = %s WHERE batch_id = %s", (str(path), batch.batch_id))
+    return path
+
+
+def _gx_version() -> str:
+    from importlib.metadata import version
+
+    return version("great-expectations")
 
 
 def _store_checks(conn: Connection, batch_id: int, checks: list[Check]) -> None:
@@ -111,10 +216,47 @@ def _run_checks(conn: Connection, settings: Settings, pipeline: Pipeline, batch:
         _not_already_promoted(conn, pipeline, batch),
         _required_not_null(conn, pipeline, batch),
     ]
+    checks += [_quarantine_rule_violations(conn, pipeline, batch, c) for c in pipeline.columns if _quarantines(c)]
     if pipeline.business_key:
         checks.append(_business_key_unique_in_batch(conn, pipeline, batch))
         checks.append(_business_key_not_promoted(conn, pipeline, batch))
     return checks
+
+
+def _quarantines(column) -> bool:
+    declared = column.minimum is not None or column.maximum is not None or column.allowed is not None
+    return declared and column.on_violation == "quarantine"
+
+
+def _quarantine_rule_violations(conn: Connection, pipeline: Pipeline, batch: Batch, column) -> Check:
+    """`on_violation: quarantine`: rows outside a column's declared range/values go to quarantine
+    with the value and the rule; the GX expectation then checks what is left."""
+    col = sql.Identifier(column.name)
+    violated = []
+    if column.minimum is not None:
+        violated.append(sql.SQL("{} < {}").format(col, sql.Literal(column.minimum)))
+    if column.maximum is not None:
+        violated.append(sql.SQL("{} > {}").format(col, sql.Literal(column.maximum)))
+    if column.allowed is not None:
+        violated.append(sql.SQL("{}::text <> ALL({})").format(col, sql.Literal(list(column.allowed))))
+    rule = (
+        f"range [{column.minimum}, {column.maximum}]" if column.allowed is None else f"allowed {list(column.allowed)}"
+    )
+    flagged = conn.execute(
+        sql.SQL(
+            "UPDATE {staging} SET quarantine_reason = {prefix} || {col}::text || {suffix}"
+            " WHERE batch_id = %s AND quarantine_reason IS NULL AND ({violated})"
+        ).format(
+            staging=_staging(pipeline),
+            prefix=sql.Literal(f"{column.name} = "),
+            col=col,
+            suffix=sql.Literal(f" violates the declared {rule}"),
+            violated=sql.SQL(" OR ").join(violated),
+        ),
+        (batch.batch_id,),
+    ).rowcount
+    name = f"rule_{column.name}"
+    return Check(name, True, flagged, f"{flagged} row(s) violating {rule} flagged to quarantine", flagged=flagged)
 
 
 def _completeness(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:

@@ -66,8 +66,8 @@ def _horizon(horizon: LossHorizon, pipeline: Pipeline) -> list:
 def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
     with connect(settings.database_url) as conn:
         batch = conn.execute(
-            "SELECT state, records_planned, records_read, rows_promoted, rows_quarantined FROM kafka2pg.batches"
-            " WHERE batch_id = %s",
+            "SELECT state, records_planned, records_read, rows_promoted, rows_quarantined, report_path"
+            " FROM kafka2pg.batches WHERE batch_id = %s",
             (batch_id,),
         ).fetchone()
         parts = conn.execute(
@@ -83,7 +83,7 @@ def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
         ).fetchall()
     if batch is None:
         return f"batch {batch_id}: not found"
-    state, planned, read, promoted, quarantined = batch
+    state, planned, read, promoted, quarantined, report_path = batch
     lines = [
         f"batch {batch_id} ({state}): planned {planned} offsets, read {read}, "
         f"promoted {promoted}, quarantined {quarantined}",
@@ -91,8 +91,34 @@ def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
             ["partition", "start", "end", "read", "min_offset", "max_offset", "aborted", "markers", "compacted"],
             [list(p) for p in parts],
         ),
-        f"quality checks of batch {batch_id} (table kafka2pg.batch_checks; Great Expectations Data Docs: issue 5):",
+        f"quality checks of batch {batch_id} (table kafka2pg.batch_checks; report: {report_path or 'none'}):",
         _table(["check", "result", "unexpected", "details"], [list(c) for c in checks]),
         ledger_report(settings, pipeline),
     ]
     return "\n".join(lines)
+
+
+def quality_summary(settings: Settings, pipeline: Pipeline, batch_id: int | None = None) -> str:
+    """The latest (or the given) batch's quality report path and a summary of its checks."""
+    with connect(settings.database_url) as conn:
+        row = conn.execute(
+            "SELECT batch_id, state, report_path FROM kafka2pg.batches WHERE pipeline = %s AND report_path IS NOT NULL"
+            " AND (%s::bigint IS NULL OR batch_id = %s) ORDER BY batch_id DESC LIMIT 1",
+            (pipeline.name, batch_id, batch_id),
+        ).fetchone()
+        if row is None:
+            return f"pipeline {pipeline.name}: no quality report yet" + (f" for batch {batch_id}" if batch_id else "")
+        checks = conn.execute(
+            "SELECT check_name, success, unexpected_count FROM kafka2pg.batch_checks WHERE batch_id = %s"
+            " ORDER BY check_name",
+            (row[0],),
+        ).fetchall()
+    failed = [f"{name} ({n} unexpected)" for name, ok, n in checks if not ok]
+    caught = [f"{name}: {n}" for name, ok, n in checks if ok and n]
+    return "\n".join(
+        [
+            f"pipeline {pipeline.name} batch {row[0]} ({row[1]}): quality report {row[2]}",
+            f"  {len(checks)} checks, {len(failed)} failed" + (f": {'; '.join(failed)}" if failed else ""),
+            "  caught and quarantined: " + ("; ".join(caught) or "nothing"),
+        ]
+    )

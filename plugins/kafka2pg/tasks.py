@@ -65,7 +65,8 @@ def validate(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dic
         log.info(
             "batch_id=%s check %-36s %s  %s", batch_id, check.name, "ok" if check.success else "FAILED", check.details
         )
-    return {"batch_id": batch_id, "state": result.state}
+    log.info("quality report of batch %s: %s", batch_id, result.report)
+    return {"batch_id": batch_id, "state": result.state, "report": str(result.report) if result.report else None}
 
 
 def promote(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dict:

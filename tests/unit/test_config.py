@@ -74,3 +74,22 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_settings_name_missing_environment_variables():
     with pytest.raises(ConfigError, match="KAFKA2PG_BOOTSTRAP_SERVERS, KAFKA2PG_DATABASE_URL"):
         Settings.from_env({})
+
+
+def test_column_rules_parse_and_bad_rules_name_the_field(tmp_path):
+    ruled = {"name": "n", "type": "numeric(10,2)", "min": 0, "max": 10, "allowed": [1, 2], "on_violation": "quarantine"}
+    column = get_pipeline("orders", write(tmp_path, columns=[GOOD["columns"][0], ruled])).columns[1]
+    assert (column.minimum, column.maximum, column.allowed, column.on_violation) == (
+        0.0,
+        10.0,
+        ("1", "2"),
+        "quarantine",
+    )
+    for bad, message in (
+        ({"min": 5, "max": 1}, r"columns\[1\]: min 5.0 is above max 1.0"),
+        ({"max": "ten"}, r"columns\[1\].max: expected a number"),
+        ({"on_violation": "ignore"}, r"columns\[1\].on_violation: expected one of fail, quarantine"),
+    ):
+        path = write(tmp_path, columns=[GOOD["columns"][0], {"name": "n", "type": "bigint", **bad}])
+        with pytest.raises(ConfigError, match=message):
+            get_pipeline("orders", path)

@@ -1,0 +1,152 @@
+"""The quality gate on the real stack: Great Expectations + duplicate checks before promotion,
+per-batch reports that render offline (checked in headless Chromium)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from psycopg import sql
+
+from kafka2pg.audit import audit_pipeline
+from kafka2pg.exceptions import QualityGateFailed
+from kafka2pg.ledger import open_batch
+from kafka2pg.producer import produce, sample_events
+from kafka2pg.promote import promote_batch
+from kafka2pg.quality import validate_batch
+from kafka2pg.report import quality_summary
+from kafka2pg.staging import stage_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / ".cache" / "test-artifacts"
+
+
+def with_amount_rule(columns: list[dict], on_violation: str) -> list[dict]:
+    ruled = {"name": "amount", "type": "numeric(12,2)", "min": 0, "max": 1000, "on_violation": on_violation}
+    return [ruled if c["name"] == "amount" else c for c in columns]
+
+
+def first_batch(events: list) -> list:
+    """Six good events, a producer retry of the second, a null business key, an amount out of range."""
+    bad_key = {**events[6], "event_id": None}
+    out_of_range = {**events[7], "amount": 9999}
+    return [*events[:6], events[1], bad_key, out_of_range]
+
+
+def target_ids(db, env) -> list[str]:
+    table = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    return [r[0] for r in db.execute(sql.SQL("SELECT event_id FROM {} ORDER BY event_id").format(table))]
+
+
+def quarantine(db, env) -> list[tuple[int, str]]:
+    return db.execute(
+        "SELECT kafka_offset, reason FROM kafka2pg.quarantine WHERE pipeline = %s ORDER BY batch_id, kafka_offset",
+        (env.pipeline.name,),
+    ).fetchall()
+
+
+def render(report: Path, name: str) -> str:
+    """Open the report in headless Chromium without network; keep a screenshot; return the DOM."""
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is not installed: run the suite through ./kafka2pg test, which installs it"
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--window-size=1400,1400",
+    ]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / f"{name}.png"
+    shot.unlink(missing_ok=True)
+    subprocess.run([chromium, *flags, f"--screenshot={shot}", report.as_uri()], capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 10_000, "Chromium did not render a screenshot"
+    dom = subprocess.run([chromium, *flags, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120)
+    return dom.stdout
+
+
+def test_quarantine_policy_keeps_each_event_once_and_the_report_shows_what_was_caught(
+    make_pipeline, run_batch, db, sample_columns
+):
+    env = make_pipeline(partitions=1, columns=with_amount_rule(sample_columns, "quarantine"))
+    events = list(sample_events(8, seed=51))
+    produce(env.settings.bootstrap_servers, env.topic, first_batch(events), key_field=None)
+    first = run_batch(env)
+    assert (first.promoted, first.quarantined) == (6, 3)
+    produce(env.settings.bootstrap_servers, env.topic, [events[2]], key_field=None)  # already promoted
+    second = run_batch(env)
+    assert (second.promoted, second.quarantined) == (0, 1)
+
+    assert target_ids(db, env) == sorted(e["event_id"] for e in events[:6])
+    reasons = quarantine(db, env)
+    assert [o for o, _ in reasons] == [6, 7, 8, 9]
+    assert (
+        reasons[0][1].startswith("duplicate business key within batch") and "kept partition 0 offset 1" in reasons[0][1]
+    )
+    assert reasons[1][1] == "required field 'event_id' is missing or null"
+    assert reasons[2][1] == "amount = 9999.00 violates the declared range [0.0, 1000.0]"
+    assert reasons[3][1].startswith(f"business key already promoted by batch {first.batch_id} at partition 0 offset 2")
+    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+
+    summary = quality_summary(env.settings, env.pipeline, first.batch_id)
+    report = Path(summary.split("quality report ")[1].splitlines()[0])
+    html = report.read_text()
+    assert "<script" not in html and "<link" not in html and "http" not in html, "the report must be self-contained"
+    dom = render(report, "quality-report-quarantine")
+    assert (
+        'id="expectations"' in dom and "ExpectColumnValuesToBeUnique" in dom and "ExpectColumnValuesToBeBetween" in dom
+    )
+    assert '<td>duplicates flagged</td><td class="num">1</td>' in dom
+    assert "PROMOTABLE" in dom and "caught and quarantined: business_key_unique_in_batch: 1" in summary
+
+
+def test_fail_policy_promotes_nothing_and_fails_with_the_report_path(make_pipeline, spark, db, sample_columns):
+    env = make_pipeline(partitions=1, columns=with_amount_rule(sample_columns, "fail"), duplicate_policy="fail")
+    events = list(sample_events(8, seed=52))
+    produce(env.settings.bootstrap_servers, env.topic, first_batch(events), key_field=None)
+    batch = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    with pytest.raises(
+        QualityGateFailed, match=r"rejected, nothing promoted, ledger unchanged.*Report: (\S+\.html)"
+    ) as info:
+        validate_batch(env.settings, env.pipeline, batch.batch_id)
+    report = Path(str(info.value).split("Report: ")[1].split(". Inspect")[0])
+    assert target_ids(db, env) == [] and quarantine(db, env) == []
+    assert db.execute(
+        "SELECT count(*) FROM kafka2pg.ledger_heads WHERE pipeline = %s", (env.pipeline.name,)
+    ).fetchone() == (0,)
+    failed = dict(
+        db.execute(
+            "SELECT check_name, unexpected_count FROM kafka2pg.batch_checks WHERE batch_id = %s AND NOT success",
+            (batch.batch_id,),
+        ).fetchall()
+    )
+    assert failed == {
+        "business_key_unique_in_batch": 1,
+        "gx:ExpectColumnValuesToBeUnique:event_id": 2,
+        "gx:ExpectColumnValuesToBeBetween:amount": 1,
+    }
+    with pytest.raises(Exception, match="rejected"):
+        promote_batch(env.settings, env.pipeline, batch.batch_id)
+    dom = render(report, "quality-report-fail")
+    assert "REJECTED" in dom and "FAILED" in dom and "p0@8" in dom
+    assert '<td>business-key duplicates found</td><td class="num">1</td>' in dom
+
+
+def test_an_error_inside_great_expectations_blocks_promotion(make_pipeline, spark, db, monkeypatch):
+    import kafka2pg.expectations
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(5, seed=53)), key_field=None)
+    batch = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+
+    def broken(frame, suite):
+        raise RuntimeError("metric computation exploded")
+
+    monkeypatch.setattr(kafka2pg.expectations, "run_suite", broken)
+    with pytest.raises(QualityGateFailed, match="Great Expectations raised RuntimeError: metric computation exploded"):
+        validate_batch(env.settings, env.pipeline, batch.batch_id)
+    assert target_ids(db, env) == []
