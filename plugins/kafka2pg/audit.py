@@ -43,12 +43,17 @@ class PartitionAudit:
         return self.missing == 0 and self.duplicated == 0 and self.unexplained == 0 and not self.ledger_breaks
 
 
-def ledger_breaks(ranges: list[tuple[int, int]], head: int | None) -> list[str]:
+def ledger_breaks(ranges: list[tuple[int, int]], head: int | None, start: int | None = None) -> list[str]:
     """Where a partition's ledger is not one contiguous, non-overlapping run ending at the head.
 
-    `ranges` are every ledgered range (batches and recorded gaps), sorted by start.
+    `ranges` are every ledgered range (batches and recorded gaps), sorted by start; `start`,
+    after a reset, is the offset the partition was reset to (where its ranges must begin).
     """
+    if not ranges and head == start:
+        return []  # reset, nothing consumed since
     breaks = []
+    if start is not None and ranges and ranges[0][0] != start:
+        breaks.append(f"ledger restarts at {ranges[0][0]} but the partition was reset to {start}")
     for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False):
         if start < end:
             breaks.append(f"ranges overlap at [{start}, {end})")
@@ -60,18 +65,18 @@ def ledger_breaks(ranges: list[tuple[int, int]], head: int | None) -> list[str]:
     return breaks
 
 
-def _resets(conn, pipeline: Pipeline) -> dict[int, int]:
-    """Per partition reset, the last batch id of the topic before it (0: never reset)."""
+def _resets(conn, pipeline: Pipeline) -> dict[int, tuple[int, int | None]]:
+    """Per reset partition: the last batch id of the topic before the reset, and the reset offset."""
     rows = conn.execute(
-        "SELECT DISTINCT ON (kafka_partition) kafka_partition, after_batch_id FROM kafka2pg.ledger_resets"
+        "SELECT DISTINCT ON (kafka_partition) kafka_partition, after_batch_id, to_offset FROM kafka2pg.ledger_resets"
         " WHERE pipeline = %s ORDER BY kafka_partition, reset_id DESC",
         (pipeline.name,),
     ).fetchall()
-    return dict(rows)
+    return {partition: (after, to_offset) for partition, after, to_offset in rows}
 
 
 def _ledger(
-    conn, pipeline: Pipeline, resets: dict[int, int]
+    conn, pipeline: Pipeline, resets: dict[int, tuple[int, int | None]]
 ) -> tuple[dict[int, list[tuple[int, int]]], dict[int, list[tuple[int, int]]]]:
     """Per partition since its last reset: every ledgered range, and the batch ranges merged for reading."""
     rows = conn.execute(
@@ -82,7 +87,7 @@ def _ledger(
     stored: dict[int, list[tuple[int, int]]] = {}
     ranges: dict[int, list[tuple[int, int]]] = {}
     for partition, start, end, kind, batch_id in rows:
-        if batch_id <= resets.get(partition, 0):
+        if batch_id <= resets.get(partition, (0, None))[0]:
             continue  # consumed from the topic as it was before a reset: cannot be re-read
         stored.setdefault(partition, []).append((start, end))
         if kind != "batch":
@@ -133,9 +138,10 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
         low = watermarks[partition].low if partition in watermarks else 0
         ranges = [(max(s, low), e) for s, e in ledger.get(partition, []) if e > low]
         result = PartitionAudit(partition, heads.get(partition))
-        result.ledger_breaks = ledger_breaks(stored.get(partition, []), heads.get(partition))
+        after, reset_to = resets.get(partition, (0, None))
+        result.ledger_breaks = ledger_breaks(stored.get(partition, []), heads.get(partition), reset_to)
         kafka = _kafka_offsets(settings, pipeline.topic, partition, ranges) if ranges else iter(())
-        database = _db_offsets(settings.database_url, pipeline, partition, resets.get(partition, 0))
+        database = _db_offsets(settings.database_url, pipeline, partition, after)
         _merge(kafka, database, low, result, compacted_ranges=ranges if compacted else [])
         audits.append(result)
     return audits

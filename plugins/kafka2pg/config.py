@@ -63,7 +63,7 @@ class Column:
     required: bool = False
     minimum: float | None = None
     maximum: float | None = None
-    allowed: tuple[str, ...] | None = None
+    allowed: tuple[str | int | bool, ...] | None = None
     on_violation: Literal["fail", "quarantine"] = "fail"
 
     @property
@@ -284,7 +284,7 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
         required = raw.get("required", False)
         if not isinstance(required, bool):
             raise ConfigError(f"{here}.required: expected true or false, got {required!r}")
-        columns.append(Column(name, pg_type.strip().lower(), json_field, required, *_rules(raw, here)))
+        columns.append(Column(name, pg_type.strip().lower(), json_field, required, *_rules(raw, here, pg_type)))
     names = [c.name for c in columns]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -292,21 +292,40 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
     return tuple(columns)
 
 
-def _rules(raw: dict, here: str) -> tuple:
-    """A column's declared value rules: min/max (numbers), allowed values, and what a violation does."""
+_NUMERIC = re.compile(r"(bigint|integer|double precision|numeric\(\d+,\s*\d+\))")
+_ALLOWED_TYPES = {"text": str, "bigint": int, "integer": int, "boolean": bool}
+
+
+def _rules(raw: dict, here: str, pg_type: str) -> tuple:
+    """A column's declared value rules: min/max (numeric columns), allowed values (text, integer,
+    boolean columns, typed like the column), and what a violation does."""
+    pg_type = pg_type.strip().lower()
     bounds = []
     for key in ("min", "max"):
         value = raw.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        if value is None:
+            bounds.append(None)
+            continue
+        if not _NUMERIC.fullmatch(pg_type):
+            raise ConfigError(f"{here}.{key}: only numeric columns can have a range, not {pg_type}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{here}.{key}: expected a number, got {value!r}")
-        bounds.append(None if value is None else float(value))
+        bounds.append(float(value))
     if None not in bounds and bounds[0] > bounds[1]:
         raise ConfigError(f"{here}: min {bounds[0]} is above max {bounds[1]}")
     allowed = raw.get("allowed")
-    if allowed is not None and (not isinstance(allowed, list) or not allowed):
-        raise ConfigError(f"{here}.allowed: expected a non-empty list of values, got {allowed!r}")
+    if allowed is not None:
+        kind = _ALLOWED_TYPES.get(pg_type)
+        if kind is None:
+            raise ConfigError(f"{here}.allowed: only {', '.join(_ALLOWED_TYPES)} columns can list allowed values")
+        if not isinstance(allowed, list) or not allowed:
+            raise ConfigError(f"{here}.allowed: expected a non-empty list of values, got {allowed!r}")
+        wrong = [v for v in allowed if not isinstance(v, kind) or (kind is int and isinstance(v, bool))]
+        if wrong:
+            raise ConfigError(f"{here}.allowed: values {wrong!r} are not of the column's type {pg_type}")
+        allowed = tuple(allowed)
     on_violation = _choice(raw, "on_violation", here, ("fail", "quarantine"))
-    return bounds[0], bounds[1], None if allowed is None else tuple(str(v) for v in allowed), on_violation
+    return bounds[0], bounds[1], allowed, on_violation
 
 
 def _positive_int(raw: dict, key: str, where: str, default: int | None) -> int | None:

@@ -137,8 +137,11 @@ def run_suite(frame, suite: list[Expectation]) -> GxOutcome:
     asset = context.data_sources.add_pandas("kafka2pg").add_dataframe_asset("staged_batch")
     batch = asset.add_batch_definition_whole_dataframe("batch").get_batch(batch_parameters={"dataframe": frame})
     gx_suite = gx.ExpectationSuite(name="kafka2pg")
+    ours = {}
     for expectation in suite:
-        gx_suite.add_expectation(getattr(gxe, expectation.type)(**expectation.kwargs))
+        gx_expectation = getattr(gxe, expectation.type)(**expectation.kwargs)
+        ours[_key(gx_expectation.expectation_type, expectation.kwargs)] = expectation
+        gx_suite.add_expectation(gx_expectation)
     validation = batch.validate(
         gx_suite,
         result_format={
@@ -147,8 +150,17 @@ def run_suite(frame, suite: list[Expectation]) -> GxOutcome:
             "partial_unexpected_count": SAMPLE,
         },
     )
-    results = [_result(expectation, r) for expectation, r in zip(suite, validation.results, strict=True)]
+    # GX may reorder results (expectations that errored come first): match them by type and target.
+    by_key = {_key(r.expectation_config.type, r.expectation_config.kwargs): r for r in validation.results}
+    results = [
+        _result(e, by_key[key]) if key in by_key else ExpectationResult(e, False, 0, [], "GX returned no result")
+        for key, e in ours.items()
+    ]
     return GxOutcome(tuple(results), len(frame), time.monotonic() - started, gx.__version__)
+
+
+def _key(expectation_type: str, kwargs: dict) -> tuple:
+    return expectation_type, kwargs.get("column"), tuple(kwargs.get("column_list") or ())
 
 
 def _result(expectation: Expectation, raw) -> ExpectationResult:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
-from kafka2pg.exceptions import KafkaUnavailableError, TopicNotFoundError
+from kafka2pg.exceptions import KafkaUnavailableError, RetentionLossError, TopicNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,8 @@ def read_offsets(
             "isolation.level": isolation,
             "enable.partition.eof": True,
             "fetch.message.max.bytes": 1_048_576,
+            # An offset below the low watermark must fail, not silently jump to the end.
+            "auto.offset.reset": "error",
         }
     )
     try:
@@ -239,6 +241,12 @@ def _consume_until(
             error = message.error()
             if error is not None and error.code() == KafkaError._PARTITION_EOF:
                 return
+            if error is not None and error.code() == KafkaError._AUTO_OFFSET_RESET:
+                raise RetentionLossError(
+                    f"reading {where} on Kafka at {bootstrap_servers}: the requested offsets are below the low "
+                    f"watermark now ({error.str()}); records expired while kafka2pg was reading them. Run again: "
+                    "the plan step reports exactly which offsets were lost."
+                )
             if error is not None:
                 raise KafkaUnavailableError(f"Kafka at {bootstrap_servers}: reading {where}: {error}")
             if message.offset() >= end:

@@ -186,14 +186,15 @@ def loss_horizons(
     now_ms = int(time.time() * 1000)
     horizons = []
     for state in _states(offsets, heads):
-        head = state.low if state.head is None else state.head
+        # Below the low watermark nothing can be read: the plan reports that loss itself.
+        first_unread = max(state.low, state.low if state.head is None else state.head)
         timestamp = None
-        if retention.deletes and retention.retention_ms is not None and head < state.last_stable:
+        if retention.deletes and retention.retention_ms is not None and first_unread < state.last_stable:
             timestamp = record_timestamp(
                 settings.bootstrap_servers,
                 pipeline.topic,
                 state.partition,
-                head,
+                first_unread,
                 state.last_stable,
                 settings.kafka_timeout_s,
             )
@@ -399,8 +400,8 @@ def reset_head(
         raise BatchStateError(f"partition {partition} of {pipeline.topic!r} exists: give --to-offset")
     with transaction(settings.database_url) as conn:
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
+        open_id = _open_batch_id(conn, pipeline)  # before the heads: see open_batch
         current = read_heads(conn, pipeline.name).get(partition)
-        open_id = _open_batch_id(conn, pipeline)
         target = "dropped (partition gone)" if to_offset is None else str(to_offset)
         message = f"pipeline {pipeline.name} partition {partition}: head {current} -> {target}"
         if open_id is not None:

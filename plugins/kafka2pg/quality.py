@@ -232,31 +232,39 @@ def _quarantine_rule_violations(conn: Connection, pipeline: Pipeline, batch: Bat
     """`on_violation: quarantine`: rows outside a column's declared range/values go to quarantine
     with the value and the rule; the GX expectation then checks what is left."""
     col = sql.Identifier(column.name)
-    violated = []
-    if column.minimum is not None:
-        violated.append(sql.SQL("{} < {}").format(col, sql.Literal(column.minimum)))
-    if column.maximum is not None:
-        violated.append(sql.SQL("{} > {}").format(col, sql.Literal(column.maximum)))
+    rules = []
+    if column.minimum is not None or column.maximum is not None:
+        low = sql.SQL("{} < {}").format(col, sql.Literal(column.minimum)) if column.minimum is not None else None
+        high = sql.SQL("{} > {}").format(col, sql.Literal(column.maximum)) if column.maximum is not None else None
+        rules.append(
+            (
+                sql.SQL(" OR ").join([c for c in (low, high) if c is not None]),
+                f"range [{column.minimum}, {column.maximum}]",
+            )
+        )
     if column.allowed is not None:
-        violated.append(sql.SQL("{}::text <> ALL({})").format(col, sql.Literal(list(column.allowed))))
-    rule = (
-        f"range [{column.minimum}, {column.maximum}]" if column.allowed is None else f"allowed {list(column.allowed)}"
+        # Compare typed values (the column's own type), never their text forms.
+        typed = sql.SQL("{} <> ALL({}::{}[])").format(col, sql.Literal(list(column.allowed)), sql.SQL(column.type))
+        rules.append((typed, f"allowed values {list(column.allowed)}"))
+    flagged = 0
+    for violated, rule in rules:
+        flagged += conn.execute(
+            sql.SQL(
+                "UPDATE {staging} SET quarantine_reason = {prefix} || {col}::text || {suffix}"
+                " WHERE batch_id = %s AND quarantine_reason IS NULL AND ({violated})"
+            ).format(
+                staging=_staging(pipeline),
+                prefix=sql.Literal(f"{column.name} = "),
+                col=col,
+                suffix=sql.Literal(f" violates the declared {rule}"),
+                violated=violated,
+            ),
+            (batch.batch_id,),
+        ).rowcount
+    described = " and ".join(rule for _, rule in rules)
+    return Check(
+        f"rule_{column.name}", True, flagged, f"{flagged} row(s) violating {described} flagged to quarantine", flagged
     )
-    flagged = conn.execute(
-        sql.SQL(
-            "UPDATE {staging} SET quarantine_reason = {prefix} || {col}::text || {suffix}"
-            " WHERE batch_id = %s AND quarantine_reason IS NULL AND ({violated})"
-        ).format(
-            staging=_staging(pipeline),
-            prefix=sql.Literal(f"{column.name} = "),
-            col=col,
-            suffix=sql.Literal(f" violates the declared {rule}"),
-            violated=sql.SQL(" OR ").join(violated),
-        ),
-        (batch.batch_id,),
-    ).rowcount
-    name = f"rule_{column.name}"
-    return Check(name, True, flagged, f"{flagged} row(s) violating {rule} flagged to quarantine", flagged=flagged)
 
 
 def _completeness(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
@@ -325,14 +333,21 @@ def _provenance_unique(conn: Connection, pipeline: Pipeline, batch: Batch) -> Ch
 def _not_already_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
     overlap = conn.execute(
         sql.SQL(
-            "SELECT count(*) FROM {} s JOIN {} t USING (kafka_topic, kafka_partition, kafka_offset)"
-            " WHERE s.batch_id = %s"
-        ).format(_staging(pipeline), _target(pipeline)),
-        (batch.batch_id,),
+            "SELECT (SELECT count(*) FROM {staging} s"
+            "  JOIN {target} t USING (kafka_topic, kafka_partition, kafka_offset) WHERE s.batch_id = %(batch)s)"
+            " + (SELECT count(*) FROM {staging} s JOIN kafka2pg.quarantine q"
+            "  ON q.pipeline = %(pipeline)s AND q.kafka_topic = s.kafka_topic"
+            "  AND q.kafka_partition = s.kafka_partition AND q.kafka_offset = s.kafka_offset"
+            "  WHERE s.batch_id = %(batch)s)"
+        ).format(staging=_staging(pipeline), target=_target(pipeline)),
+        {"batch": batch.batch_id, "pipeline": pipeline.name},
     ).fetchone()[0]
-    return Check(
-        "provenance_not_already_promoted", overlap == 0, overlap, f"{overlap} staged offsets already in the target"
-    )
+    details = f"{overlap} staged offsets already in the target or the quarantine"
+    if overlap:
+        details += (
+            " (a recreated topic reuses offsets: `kafka2pg reset --archive-old-rows` moves the old topic's rows away)"
+        )
+    return Check("provenance_not_already_promoted", overlap == 0, overlap, details)
 
 
 def _required_not_null(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:

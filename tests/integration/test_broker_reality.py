@@ -241,6 +241,7 @@ def test_recreated_topic_is_an_offset_regression_until_an_explicit_recorded_rese
         "SELECT from_offset, to_offset, reason FROM kafka2pg.ledger_resets WHERE pipeline = %s", (env.pipeline.name,)
     ).fetchall()
     assert recorded == [(50, 0, "topic recreated")]
+    assert_audit_clean(env)  # reset, nothing consumed since: the old topic's ranges are history
     assert run_batch(env).promoted == 10
     assert rows(db, env) == [e["event_id"] for e in sample_events(10, seed=39)]
     archived = db.execute(

@@ -23,16 +23,22 @@ ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / ".cache" / "test-artifacts"
 
 
-def with_amount_rule(columns: list[dict], on_violation: str) -> list[dict]:
-    ruled = {"name": "amount", "type": "numeric(12,2)", "min": 0, "max": 1000, "on_violation": on_violation}
-    return [ruled if c["name"] == "amount" else c for c in columns]
+def with_rules(columns: list[dict], on_violation: str) -> list[dict]:
+    """amount within [0, 1000], currency one of EUR/USD/GBP; what a violation does."""
+    rules = {
+        "amount": {"min": 0, "max": 1000, "on_violation": on_violation},
+        "currency": {"allowed": ["EUR", "USD", "GBP"], "on_violation": on_violation},
+    }
+    return [{**c, **rules.get(c["name"], {})} for c in columns]
 
 
 def first_batch(events: list) -> list:
-    """Six good events, a producer retry of the second, a null business key, an amount out of range."""
+    """Six good events, a producer retry of the second, a null business key, an amount out of
+    range, a currency not allowed."""
     bad_key = {**events[6], "event_id": None}
     out_of_range = {**events[7], "amount": 9999}
-    return [*events[:6], events[1], bad_key, out_of_range]
+    bad_currency = {**events[8], "currency": "XXX"}
+    return [*events[:6], events[1], bad_key, out_of_range, bad_currency]
 
 
 def target_ids(db, env) -> list[str]:
@@ -70,24 +76,25 @@ def render(report: Path, name: str) -> str:
 def test_quarantine_policy_keeps_each_event_once_and_the_report_shows_what_was_caught(
     make_pipeline, run_batch, db, sample_columns
 ):
-    env = make_pipeline(partitions=1, columns=with_amount_rule(sample_columns, "quarantine"))
-    events = list(sample_events(8, seed=51))
+    env = make_pipeline(partitions=1, columns=with_rules(sample_columns, "quarantine"))
+    events = list(sample_events(9, seed=51))
     produce(env.settings.bootstrap_servers, env.topic, first_batch(events), key_field=None)
     first = run_batch(env)
-    assert (first.promoted, first.quarantined) == (6, 3)
+    assert (first.promoted, first.quarantined) == (6, 4)
     produce(env.settings.bootstrap_servers, env.topic, [events[2]], key_field=None)  # already promoted
     second = run_batch(env)
     assert (second.promoted, second.quarantined) == (0, 1)
 
     assert target_ids(db, env) == sorted(e["event_id"] for e in events[:6])
     reasons = quarantine(db, env)
-    assert [o for o, _ in reasons] == [6, 7, 8, 9]
+    assert [o for o, _ in reasons] == [6, 7, 8, 9, 10]
     assert (
         reasons[0][1].startswith("duplicate business key within batch") and "kept partition 0 offset 1" in reasons[0][1]
     )
     assert reasons[1][1] == "required field 'event_id' is missing or null"
     assert reasons[2][1] == "amount = 9999.00 violates the declared range [0.0, 1000.0]"
-    assert reasons[3][1].startswith(f"business key already promoted by batch {first.batch_id} at partition 0 offset 2")
+    assert reasons[3][1] == "currency = XXX violates the declared allowed values ['EUR', 'USD', 'GBP']"
+    assert reasons[4][1].startswith(f"business key already promoted by batch {first.batch_id} at partition 0 offset 2")
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
 
     summary = quality_summary(env.settings, env.pipeline, first.batch_id)
@@ -98,13 +105,13 @@ def test_quarantine_policy_keeps_each_event_once_and_the_report_shows_what_was_c
     assert (
         'id="expectations"' in dom and "ExpectColumnValuesToBeUnique" in dom and "ExpectColumnValuesToBeBetween" in dom
     )
-    assert '<td>duplicates flagged</td><td class="num">1</td>' in dom
+    assert '<td>business-key duplicates found</td><td class="num">1</td>' in dom
     assert "PROMOTABLE" in dom and "caught and quarantined: business_key_unique_in_batch: 1" in summary
 
 
 def test_fail_policy_promotes_nothing_and_fails_with_the_report_path(make_pipeline, spark, db, sample_columns):
-    env = make_pipeline(partitions=1, columns=with_amount_rule(sample_columns, "fail"), duplicate_policy="fail")
-    events = list(sample_events(8, seed=52))
+    env = make_pipeline(partitions=1, columns=with_rules(sample_columns, "fail"), duplicate_policy="fail")
+    events = list(sample_events(9, seed=52))
     produce(env.settings.bootstrap_servers, env.topic, first_batch(events), key_field=None)
     batch = open_batch(env.settings, env.pipeline).batch
     stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
@@ -127,6 +134,7 @@ def test_fail_policy_promotes_nothing_and_fails_with_the_report_path(make_pipeli
         "business_key_unique_in_batch": 1,
         "gx:ExpectColumnValuesToBeUnique:event_id": 2,
         "gx:ExpectColumnValuesToBeBetween:amount": 1,
+        "gx:ExpectColumnValuesToBeInSet:currency": 1,
     }
     with pytest.raises(Exception, match="rejected"):
         promote_batch(env.settings, env.pipeline, batch.batch_id)

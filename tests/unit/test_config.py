@@ -76,20 +76,20 @@ def test_settings_name_missing_environment_variables():
         Settings.from_env({})
 
 
-def test_column_rules_parse_and_bad_rules_name_the_field(tmp_path):
-    ruled = {"name": "n", "type": "numeric(10,2)", "min": 0, "max": 10, "allowed": [1, 2], "on_violation": "quarantine"}
-    column = get_pipeline("orders", write(tmp_path, columns=[GOOD["columns"][0], ruled])).columns[1]
-    assert (column.minimum, column.maximum, column.allowed, column.on_violation) == (
-        0.0,
-        10.0,
-        ("1", "2"),
-        "quarantine",
-    )
+def test_column_rules_parse_typed_and_bad_rules_name_the_field(tmp_path):
+    ranged = {"name": "n", "type": "numeric(10,2)", "min": 0, "max": 10, "on_violation": "quarantine"}
+    listed = {"name": "k", "type": "integer", "allowed": [1, 2]}
+    columns = get_pipeline("orders", write(tmp_path, columns=[GOOD["columns"][0], ranged, listed])).columns
+    assert (columns[1].minimum, columns[1].maximum, columns[1].on_violation) == (0.0, 10.0, "quarantine")
+    assert (columns[2].allowed, columns[2].on_violation) == ((1, 2), "fail")
     for bad, message in (
-        ({"min": 5, "max": 1}, r"columns\[1\]: min 5.0 is above max 1.0"),
-        ({"max": "ten"}, r"columns\[1\].max: expected a number"),
-        ({"on_violation": "ignore"}, r"columns\[1\].on_violation: expected one of fail, quarantine"),
+        ({"type": "bigint", "min": 5, "max": 1}, r"columns\[1\]: min 5.0 is above max 1.0"),
+        ({"type": "bigint", "max": "ten"}, r"columns\[1\].max: expected a number"),
+        ({"type": "text", "min": 1}, r"columns\[1\].min: only numeric columns can have a range, not text"),
+        ({"type": "bigint", "allowed": [1, "2"]}, r"columns\[1\].allowed: values \['2'\] are not of the column's type"),
+        ({"type": "jsonb", "allowed": [1]}, r"columns\[1\].allowed: only text, bigint, integer, boolean columns"),
+        ({"type": "bigint", "on_violation": "ignore"}, r"columns\[1\].on_violation: expected one of fail, quarantine"),
     ):
-        path = write(tmp_path, columns=[GOOD["columns"][0], {"name": "n", "type": "bigint", **bad}])
+        path = write(tmp_path, columns=[GOOD["columns"][0], {"name": "n", **bad}])
         with pytest.raises(ConfigError, match=message):
             get_pipeline("orders", path)

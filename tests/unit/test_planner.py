@@ -98,6 +98,8 @@ def test_ledger_breaks_names_holes_overlaps_and_a_head_mismatch():
     assert ledger_breaks([(0, 10), (12, 20)], 20) == ["unrecorded hole [10, 12)"]
     assert ledger_breaks([(0, 10), (8, 20)], 20) == ["ranges overlap at [8, 10)"]
     assert ledger_breaks([(0, 10)], 12) == ["ledger ends at 10 but the head is 12"]
+    assert ledger_breaks([], 0, start=0) == [], "just reset, nothing consumed since"
+    assert ledger_breaks([(3, 10)], 10, start=0) == ["ledger restarts at 3 but the partition was reset to 0"]
 
 
 def test_a_partition_the_topic_no_longer_has_is_an_offset_regression():
