@@ -1,0 +1,401 @@
+"""Ours vs what a user would pick instead, on one backlog, side by side in one process tree.
+
+Contenders load the same Kafka backlog into identical empty target tables (same columns,
+provenance primary key, business-key unique index):
+  ours    the pipeline end to end (plan -> stage -> validate -> promote), the DAG's functions
+  peer    Spark Structured Streaming, Trigger.AvailableNow, foreachBatch -> JDBC
+  worker  a hand-written confluent-kafka consumer: COPY each batch + its offsets in one transaction
+  floor   PostgreSQL COPY of the same rows from a local file (the cost of landing the data at all)
+Each contender runs in its own child process; the parent samples the child's whole process
+tree (Spark JVM included) for peak RSS. Also: the fixed cost of an empty run and of a
+1-record batch, and ours with Spark local[1] vs local[2].
+    ./kafka2pg python bench/compare.py [--events 1000000] [--partitions 6] [--size 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
+
+import psutil  # noqa: E402
+from psycopg import sql  # noqa: E402
+
+from kafka2pg import local_stack  # noqa: E402
+from kafka2pg.config import Settings, get_pipeline  # noqa: E402
+from kafka2pg.database import connect  # noqa: E402
+from kafka2pg.kafka_offsets import ensure_topic, partition_offsets  # noqa: E402
+from kafka2pg.migrations import migrate  # noqa: E402
+from kafka2pg.producer import produce, sample_events  # noqa: E402
+
+CONTENDERS = ("ours", "peer", "worker", "floor")
+
+
+def pipeline_named(name: str, topic: str):
+    return dataclasses.replace(get_pipeline("orders"), name=name, topic=topic, target_table=name)
+
+
+def events(count: int, size: int):
+    """Sample events padded to about `size` bytes of JSON each."""
+    for event in sample_events(count):
+        pad = max(0, size - len(json.dumps(event)) - 12)
+        event["payload"]["note"] = "x" * pad
+        yield event
+
+
+# ------------------------------------------------------------------ contenders (child process)
+
+
+def run_ours(settings: Settings, topic: str, master: str) -> dict:
+    from kafka2pg.ledger import open_batch
+    from kafka2pg.promote import promote_batch
+    from kafka2pg.quality import validate_batch
+    from kafka2pg.staging import package_zip, spark_session, stage_batch
+
+    pipeline = pipeline_named(f"ours_{master[6]}", topic)
+    migrate(settings.database_url, [pipeline])
+    phases = dict.fromkeys(("spark start", "plan", "stage", "validate", "promote"), 0.0)
+    started = time.monotonic()
+    spark = spark_session(master, app_name="bench-ours", jars=local_stack.spark_jars())
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.sparkContext.addPyFile(str(package_zip(settings.state_dir)))
+    phases["spark start"] = time.monotonic() - started
+    batches = 0
+    while True:
+        mark = time.monotonic()
+        opened = open_batch(settings, pipeline)
+        phases["plan"] += time.monotonic() - mark
+        if opened.batch is None:
+            break
+        batch_id, epoch = opened.batch.batch_id, opened.batch.epoch
+        mark = time.monotonic()
+        stage_batch(spark, settings, pipeline, batch_id, epoch)
+        phases["stage"] += time.monotonic() - mark
+        mark = time.monotonic()
+        validate_batch(settings, pipeline, batch_id, epoch)
+        phases["validate"] += time.monotonic() - mark
+        mark = time.monotonic()
+        promote_batch(settings, pipeline, batch_id, epoch)
+        phases["promote"] += time.monotonic() - mark
+        batches += 1
+    spark.stop()
+    return {"rows": _count(settings, pipeline), "batches": batches, "phases": phases}
+
+
+def run_peer(settings: Settings, topic: str, work: Path) -> dict:
+    from pyspark.sql import functions as F
+
+    from kafka2pg.staging import decode, spark_session
+
+    pipeline = pipeline_named("peer", topic)
+    migrate(settings.database_url, [pipeline])
+    spark = spark_session("local[2]", app_name="bench-peer", jars=local_stack.spark_jars())
+    spark.sparkContext.setLogLevel("ERROR")
+    url = settings.database_url.replace("postgresql://postgres@", "jdbc:postgresql://")
+    columns = [c.name for c in pipeline.columns]
+
+    def write(frame, epoch_id):
+        accepted = frame.where(F.col("quarantine_reason").isNull()).select(
+            *columns,
+            "kafka_topic",
+            "kafka_partition",
+            "kafka_offset",
+            "kafka_timestamp",
+            F.lit(epoch_id).alias("batch_id"),
+        )
+        accepted.write.jdbc(
+            url,
+            f"public.{pipeline.target_table}",
+            mode="append",
+            properties={
+                "user": "postgres",
+                "driver": "org.postgresql.Driver",
+                "reWriteBatchedInserts": "true",
+                "batchsize": "10000",
+                "stringtype": "unspecified",
+            },
+        )
+
+    stream = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", settings.bootstrap_servers)
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+        .option("kafka.isolation.level", "read_committed")
+        .option("maxOffsetsPerTrigger", str(pipeline.max_records_per_batch))
+        .load()
+    )
+    query = (
+        decode(stream, pipeline)
+        .writeStream.foreachBatch(write)
+        .option("checkpointLocation", str(work / "peer-checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    spark.stop()
+    return {"rows": _count(settings, pipeline)}
+
+
+def run_worker(settings: Settings, topic: str, batch_size: int = 50_000) -> dict:
+    """The pattern people write by hand: consume, COPY a batch and its offsets in one transaction."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from kafka2pg.kafka_offsets import client_config
+
+    pipeline = pipeline_named("worker", topic)
+    migrate(settings.database_url, [pipeline])
+    columns = [c.name for c in pipeline.columns]
+    ends = {o.partition: o.last_stable for o in partition_offsets(settings.bootstrap_servers, topic)}
+    consumer = Consumer(
+        {
+            **client_config(settings.bootstrap_servers, 10),
+            "group.id": "bench-worker",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "fetch.message.max.bytes": 4_194_304,
+        }
+    )
+    consumer.assign([TopicPartition(topic, p, 0) for p in ends])
+    done: dict[int, int] = {p: 0 for p in ends}
+    target = sql.Identifier("public", pipeline.target_table)
+    copy_sql = sql.SQL("COPY {} ({}) FROM STDIN").format(
+        target,
+        sql.SQL(", ").join(
+            map(sql.Identifier, [*columns, "kafka_topic", "kafka_partition", "kafka_offset", "batch_id"])
+        ),
+    )
+    with connect(settings.database_url) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS bench_worker_offsets (p int PRIMARY KEY, next_offset bigint)")
+        conn.commit()
+        while any(done[p] < ends[p] for p in ends):
+            messages = consumer.consume(num_messages=batch_size, timeout=1.0)
+            with conn.transaction(), conn.cursor() as cur:
+                with cur.copy(copy_sql) as copy:
+                    for message in messages:
+                        event = json.loads(message.value())
+                        copy.write_row(_row(event, topic, message.partition(), message.offset()))
+                        done[message.partition()] = message.offset() + 1
+                cur.executemany(
+                    "INSERT INTO bench_worker_offsets VALUES (%s, %s)"
+                    " ON CONFLICT (p) DO UPDATE SET next_offset = EXCLUDED.next_offset",
+                    list(done.items()),
+                )
+    consumer.close()
+    return {"rows": _count(settings, pipeline)}
+
+
+def run_floor(settings: Settings, topic: str, work: Path) -> dict:
+    """COPY the same decoded rows from a local file into the same table (the file is made untimed)."""
+    pipeline = pipeline_named("floor", topic)
+    migrate(settings.database_url, [pipeline])
+    columns = [c.name for c in pipeline.columns]
+    path = work / "floor.csv"
+    with open(path, "w", newline="") as out:
+        writer = csv.writer(out)
+        for partition in {o.partition: o for o in partition_offsets(settings.bootstrap_servers, topic)}.values():
+            ranges = [(0, partition.last_stable)]
+            consumer_rows = _rows(settings, topic, partition.partition, ranges)
+            writer.writerows(consumer_rows)
+    started = time.monotonic()
+    copy_sql = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
+        sql.Identifier("public", pipeline.target_table),
+        sql.SQL(", ").join(
+            map(sql.Identifier, [*columns, "kafka_topic", "kafka_partition", "kafka_offset", "batch_id"])
+        ),
+    )
+    with connect(settings.database_url) as conn, conn.cursor() as cur, open(path, "rb") as data:
+        with cur.copy(copy_sql) as copy:
+            while chunk := data.read(1 << 20):
+                copy.write(chunk)
+        conn.commit()
+    return {"rows": _count(settings, pipeline), "timed_seconds": time.monotonic() - started}
+
+
+def _rows(settings: Settings, topic: str, partition: int, ranges):
+    from confluent_kafka import Consumer, TopicPartition
+
+    from kafka2pg.kafka_offsets import client_config
+
+    consumer = Consumer(
+        {**client_config(settings.bootstrap_servers, 10), "group.id": "bench-floor", "enable.auto.commit": False}
+    )
+    consumer.assign([TopicPartition(topic, partition, 0)])
+    end = ranges[0][1]
+    offset = 0
+    while offset < end:
+        for message in consumer.consume(num_messages=10_000, timeout=1.0):
+            event = json.loads(message.value())
+            offset = message.offset() + 1
+            yield _row(event, topic, partition, message.offset())
+    consumer.close()
+
+
+def _row(event: dict, topic: str, partition: int, offset: int) -> tuple:
+    """A target row (the sample columns, provenance, batch 0) from a decoded event."""
+    fields = (event["event_id"], event["customer_id"], event["amount"], event["currency"], event["ts"])
+    return (*fields, json.dumps(event["payload"]), topic, partition, offset, 0)
+
+
+def _count(settings: Settings, pipeline) -> int:
+    with connect(settings.database_url) as conn:
+        return conn.execute(
+            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier("public", pipeline.target_table))
+        ).fetchone()[0]
+
+
+def run_fixed_costs(settings: Settings, topic: str) -> dict:
+    """What an empty run costs outside Airflow (plan only: no Spark), and a 1-record batch."""
+    from kafka2pg.ledger import open_batch
+    from kafka2pg.promote import promote_batch
+    from kafka2pg.quality import validate_batch
+    from kafka2pg.staging import package_zip, spark_session, stage_batch
+
+    pipeline = pipeline_named("fixed", f"{topic}-fixed")
+    ensure_topic(settings.bootstrap_servers, pipeline.topic, 1)
+    migrate(settings.database_url, [pipeline])
+    started = time.monotonic()
+    empty = open_batch(settings, pipeline)
+    empty_s = time.monotonic() - started
+    assert empty.batch is None
+    produce(settings.bootstrap_servers, pipeline.topic, list(sample_events(1)))
+    started = time.monotonic()
+    spark = spark_session("local[2]", app_name="bench-fixed", jars=local_stack.spark_jars())
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.sparkContext.addPyFile(str(package_zip(settings.state_dir)))
+    batch = open_batch(settings, pipeline).batch
+    stage_batch(spark, settings, pipeline, batch.batch_id, batch.epoch)
+    validate_batch(settings, pipeline, batch.batch_id, batch.epoch)
+    promote_batch(settings, pipeline, batch.batch_id, batch.epoch)
+    one_s = time.monotonic() - started
+    spark.stop()
+    return {"empty_run_s": empty_s, "one_record_batch_s": one_s}
+
+
+def child(name: str, master: str) -> int:
+    settings = Settings.from_env()
+    work = Path(os.environ["BENCH_WORK"])
+    topic = os.environ["BENCH_TOPIC"]
+    if name == "ours":
+        result = run_ours(settings, topic, master)
+    elif name == "peer":
+        result = run_peer(settings, topic, work)
+    elif name == "worker":
+        result = run_worker(settings, topic)
+    elif name == "floor":
+        result = run_floor(settings, topic, work)
+    else:
+        result = run_fixed_costs(settings, topic)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------ parent: orchestrate and measure
+
+
+def measure(name: str, env: dict, master: str = "local[2]") -> dict:
+    """Run one contender in a child process; wall time and peak RSS of its whole process tree."""
+    command = [sys.executable, __file__, "--run-one", name, "--master", master]
+    started = time.monotonic()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    peak = 0
+    root = psutil.Process(process.pid)
+    while process.poll() is None:
+        try:
+            tree = [root, *root.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.2)
+    wall = time.monotonic() - started
+    output = process.stdout.read()
+    line = next((x for x in output.splitlines() if x.startswith("RESULT ")), None)
+    if process.returncode != 0 or line is None:
+        raise SystemExit(f"contender {name} failed (exit {process.returncode}):\n{output[-3000:]}")
+    return {**json.loads(line.removeprefix("RESULT ")), "wall_s": wall, "peak_rss_mb": peak / 2**20}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--partitions", type=int, default=6)
+    parser.add_argument("--size", type=int, default=200, help="approximate JSON bytes per event")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--no-scaling", action="store_true", help="skip ours with local[1]")
+    parser.add_argument("--run-one", help=argparse.SUPPRESS)
+    parser.add_argument("--master", default="local[2]", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run_one:
+        return child(args.run_one, args.master)
+    work = Path(tempfile.mkdtemp(prefix="kafka2pg-compare-"))
+    stack = local_stack.start_stack(work)
+    try:
+        settings = Settings(stack.kafka.bootstrap_servers, stack.postgres.url, state_dir=work)
+        topic = "bench"
+        ensure_topic(settings.bootstrap_servers, topic, args.partitions)
+        started = time.monotonic()
+        produced = produce(settings.bootstrap_servers, topic, events(args.events, args.size))
+        megabytes = sum(o.high for o in partition_offsets(settings.bootstrap_servers, topic)) * args.size / 2**20
+        print(
+            f"backlog: {produced} events of ~{args.size} B ({megabytes:.0f} MB), {args.partitions} partitions, "
+            f"produced in {time.monotonic() - started:.1f}s; machine: {os.cpu_count()} cores, "
+            f"{psutil.virtual_memory().total / 2**30:.0f} GiB"
+        )
+        env = {
+            **os.environ,
+            **stack.env(),
+            "BENCH_WORK": str(work),
+            "BENCH_TOPIC": topic,
+            "KAFKA2PG_STATE_DIR": str(work),
+            "SPARK_LOCAL_IP": "127.0.0.1",
+        }
+        results = {}
+        for name in args.contenders.split(","):
+            results[name] = measure(name, env)
+            print(f"  {name}: {results[name]['wall_s']:.1f}s", flush=True)
+        if "ours" in results and not args.no_scaling:
+            results["ours local[1]"] = measure("ours", env, "local[1]")
+        fixed = measure("fixed", env)
+    finally:
+        local_stack.stop_stack(stack)
+    print_table(results, produced, megabytes, fixed)
+    return 0 if all(r["rows"] == produced for r in results.values()) else 1
+
+
+def print_table(results: dict, produced: int, megabytes: float, fixed: dict) -> None:
+    print(f"\n{'contender':<14} {'rows':>9} {'wall s':>8} {'rec/s':>9} {'MB/s':>7} {'peak RSS MB':>12}")
+    for name, r in results.items():
+        seconds = r.get("timed_seconds", r["wall_s"])
+        print(
+            f"{name:<14} {r['rows']:>9} {seconds:>8.1f} {produced / seconds:>9.0f} {megabytes / seconds:>7.1f} "
+            f"{r['peak_rss_mb']:>12.0f}"
+        )
+    ours = results.get("ours")
+    if ours:
+        for other in ("peer", "worker", "floor"):
+            if other in results:
+                ratio = results[other].get("timed_seconds", results[other]["wall_s"]) / ours["wall_s"]
+                print(f"throughput ours/{other}: {ratio:.2f}")
+        print(
+            "ours per phase: "
+            + ", ".join(f"{k} {v:.1f}s" for k, v in ours["phases"].items())
+            + f" ({ours['batches']} batches)"
+        )
+    print(
+        f"fixed costs: empty run (plan, no Spark) {fixed['empty_run_s']:.2f}s; "
+        f"1-record batch incl. Spark start {fixed['one_record_batch_s']:.1f}s"
+    )
+    print("floor = COPY from a local file only (file prepared untimed); wall of other contenders includes start-up")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
