@@ -16,32 +16,26 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil  # noqa: E402
+from harness import JDBC_PROPERTIES, bench_pipeline, bench_spark, bench_stack  # noqa: E402
 from psycopg import sql  # noqa: E402
 
-from kafka2pg import local_stack  # noqa: E402
-from kafka2pg.config import Settings, get_pipeline  # noqa: E402
+from kafka2pg.config import Settings  # noqa: E402
 from kafka2pg.database import connect  # noqa: E402
 from kafka2pg.kafka_offsets import ensure_topic, partition_offsets  # noqa: E402
 from kafka2pg.migrations import migrate  # noqa: E402
 from kafka2pg.producer import produce, sample_events  # noqa: E402
 
 CONTENDERS = ("ours", "peer", "worker", "floor")
-
-
-def pipeline_named(name: str, topic: str):
-    return dataclasses.replace(get_pipeline("orders"), name=name, topic=topic, target_table=name)
 
 
 def events(count: int, size: int):
@@ -59,15 +53,13 @@ def run_ours(settings: Settings, topic: str, master: str) -> dict:
     from kafka2pg.ledger import open_batch
     from kafka2pg.promote import promote_batch
     from kafka2pg.quality import validate_batch
-    from kafka2pg.staging import package_zip, spark_session, stage_batch
+    from kafka2pg.staging import stage_batch
 
-    pipeline = pipeline_named(f"ours_{master[6]}", topic)
+    pipeline = bench_pipeline(f"ours_{master[6]}", topic)
     migrate(settings.database_url, [pipeline])
     phases = dict.fromkeys(("spark start", "plan", "stage", "validate", "promote"), 0.0)
     started = time.monotonic()
-    spark = spark_session(master, app_name="bench-ours", jars=local_stack.spark_jars())
-    spark.sparkContext.setLogLevel("ERROR")
-    spark.sparkContext.addPyFile(str(package_zip(settings.state_dir)))
+    spark = bench_spark(master, "bench-ours", settings.state_dir)
     phases["spark start"] = time.monotonic() - started
     batches = 0
     while True:
@@ -94,12 +86,11 @@ def run_ours(settings: Settings, topic: str, master: str) -> dict:
 def run_peer(settings: Settings, topic: str, work: Path) -> dict:
     from pyspark.sql import functions as F
 
-    from kafka2pg.staging import decode, spark_session
+    from kafka2pg.staging import decode
 
-    pipeline = pipeline_named("peer", topic)
+    pipeline = bench_pipeline("peer", topic)
     migrate(settings.database_url, [pipeline])
-    spark = spark_session("local[2]", app_name="bench-peer", jars=local_stack.spark_jars())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = bench_spark("local[2]", "bench-peer", work)
     url = settings.database_url.replace("postgresql://postgres@", "jdbc:postgresql://")
     columns = [c.name for c in pipeline.columns]
 
@@ -116,13 +107,7 @@ def run_peer(settings: Settings, topic: str, work: Path) -> dict:
             url,
             f"public.{pipeline.target_table}",
             mode="append",
-            properties={
-                "user": "postgres",
-                "driver": "org.postgresql.Driver",
-                "reWriteBatchedInserts": "true",
-                "batchsize": "10000",
-                "stringtype": "unspecified",
-            },
+            properties=JDBC_PROPERTIES,
         )
 
     stream = (
@@ -152,7 +137,7 @@ def run_worker(settings: Settings, topic: str, batch_size: int = 50_000) -> dict
 
     from kafka2pg.kafka_offsets import client_config
 
-    pipeline = pipeline_named("worker", topic)
+    pipeline = bench_pipeline("worker", topic)
     migrate(settings.database_url, [pipeline])
     columns = [c.name for c in pipeline.columns]
     ends = {o.partition: o.last_stable for o in partition_offsets(settings.bootstrap_servers, topic)}
@@ -196,7 +181,7 @@ def run_worker(settings: Settings, topic: str, batch_size: int = 50_000) -> dict
 
 def run_floor(settings: Settings, topic: str, work: Path) -> dict:
     """COPY the same decoded rows from a local file into the same table (the file is made untimed)."""
-    pipeline = pipeline_named("floor", topic)
+    pipeline = bench_pipeline("floor", topic)
     migrate(settings.database_url, [pipeline])
     columns = [c.name for c in pipeline.columns]
     path = work / "floor.csv"
@@ -258,9 +243,9 @@ def run_fixed_costs(settings: Settings, topic: str) -> dict:
     from kafka2pg.ledger import open_batch
     from kafka2pg.promote import promote_batch
     from kafka2pg.quality import validate_batch
-    from kafka2pg.staging import package_zip, spark_session, stage_batch
+    from kafka2pg.staging import stage_batch
 
-    pipeline = pipeline_named("fixed", f"{topic}-fixed")
+    pipeline = bench_pipeline("fixed", f"{topic}-fixed")
     ensure_topic(settings.bootstrap_servers, pipeline.topic, 1)
     migrate(settings.database_url, [pipeline])
     started = time.monotonic()
@@ -269,9 +254,7 @@ def run_fixed_costs(settings: Settings, topic: str) -> dict:
     assert empty.batch is None
     produce(settings.bootstrap_servers, pipeline.topic, list(sample_events(1)))
     started = time.monotonic()
-    spark = spark_session("local[2]", app_name="bench-fixed", jars=local_stack.spark_jars())
-    spark.sparkContext.setLogLevel("ERROR")
-    spark.sparkContext.addPyFile(str(package_zip(settings.state_dir)))
+    spark = bench_spark("local[2]", "bench-fixed", settings.state_dir)
     batch = open_batch(settings, pipeline).batch
     stage_batch(spark, settings, pipeline, batch.batch_id, batch.epoch)
     validate_batch(settings, pipeline, batch.batch_id, batch.epoch)
@@ -336,10 +319,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.run_one:
         return child(args.run_one, args.master)
-    work = Path(tempfile.mkdtemp(prefix="kafka2pg-compare-"))
-    stack = local_stack.start_stack(work)
-    try:
-        settings = Settings(stack.kafka.bootstrap_servers, stack.postgres.url, state_dir=work)
+    with bench_stack("kafka2pg-compare-") as (settings, stack, work):
         topic = "bench"
         ensure_topic(settings.bootstrap_servers, topic, args.partitions)
         started = time.monotonic()
@@ -365,8 +345,6 @@ def main() -> int:
         if "ours" in results and not args.no_scaling:
             results["ours local[1]"] = measure("ours", env, "local[1]")
         fixed = measure("fixed", env)
-    finally:
-        local_stack.stop_stack(stack)
     print_table(results, produced, megabytes, fixed)
     return 0 if all(r["rows"] == produced for r in results.values()) else 1
 

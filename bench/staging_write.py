@@ -8,25 +8,22 @@ against the read-only floor (Kafka read + decode + count). Usage:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness import JDBC_PROPERTIES, bench_pipeline, bench_spark, bench_stack, best_of  # noqa: E402
 from psycopg import sql  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
-from kafka2pg import local_stack  # noqa: E402
-from kafka2pg.config import Pipeline, Settings, get_pipeline  # noqa: E402
+from kafka2pg.config import Pipeline, Settings  # noqa: E402
 from kafka2pg.database import connect  # noqa: E402
 from kafka2pg.kafka_offsets import ensure_topic  # noqa: E402
 from kafka2pg.ledger import open_batch  # noqa: E402
 from kafka2pg.migrations import migrate  # noqa: E402
 from kafka2pg.producer import produce_sample  # noqa: E402
-from kafka2pg.staging import decode, kafka_read_options, package_zip, spark_session, stage_batch  # noqa: E402
+from kafka2pg.staging import decode, kafka_read_options, stage_batch  # noqa: E402
 
 
 def _reset(settings: Settings, pipeline: Pipeline, batch_id: int) -> None:
@@ -40,18 +37,13 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="kafka2pg-bench-"))
-    stack = local_stack.start_stack(work)
-    try:
-        settings = Settings(stack.kafka.bootstrap_servers, stack.postgres.url, state_dir=work)
-        pipeline = dataclasses.replace(get_pipeline("orders"), name="bench", topic="bench", target_table="bench")
+    with bench_stack("kafka2pg-bench-") as (settings, stack, work):
+        pipeline = bench_pipeline("bench")
         migrate(settings.database_url, [pipeline])
         ensure_topic(settings.bootstrap_servers, "bench", 3)
         produce_sample(settings.bootstrap_servers, "bench", args.events)
         batch = open_batch(settings, pipeline, max_records_per_batch=args.events).batch
-        spark = spark_session("local[2]", app_name="bench", jars=local_stack.spark_jars())
-        spark.sparkContext.setLogLevel("ERROR")
-        spark.sparkContext.addPyFile(str(package_zip(work)))
+        spark = bench_spark("local[2]", "bench", work)
         with connect(settings.database_url, autocommit=True) as conn:
             conn.execute("CREATE UNLOGGED TABLE kafka2pg.stg_bench_jdbc (LIKE kafka2pg.stg_bench)")
             conn.execute("ALTER TABLE kafka2pg.stg_bench_jdbc DROP COLUMN chunk")
@@ -71,31 +63,13 @@ def main() -> int:
         def jdbc():
             with connect(settings.database_url, autocommit=True) as conn:
                 conn.execute("TRUNCATE kafka2pg.stg_bench_jdbc")
-            decoded().write.jdbc(
-                jdbc_url,
-                "kafka2pg.stg_bench_jdbc",
-                mode="append",
-                properties={
-                    "user": "postgres",
-                    "driver": "org.postgresql.Driver",
-                    "reWriteBatchedInserts": "true",
-                    "batchsize": "10000",
-                    "stringtype": "unspecified",
-                },
-            )
+            decoded().write.jdbc(jdbc_url, "kafka2pg.stg_bench_jdbc", mode="append", properties=JDBC_PROPERTIES)
 
-        results = {}
-        for name, func in (("read+decode floor", floor), ("COPY per task (ours)", ours), ("JDBC batched", jdbc)):
-            best = None
-            for _ in range(args.rounds):
-                started = time.monotonic()
-                func()
-                took = time.monotonic() - started
-                best = took if best is None else min(best, took)
-            results[name] = best
+        results = {
+            name: best_of(args.rounds, func)
+            for name, func in (("read+decode floor", floor), ("COPY per task (ours)", ours), ("JDBC batched", jdbc))
+        }
         spark.stop()
-    finally:
-        local_stack.stop_stack(stack)
     base = results["read+decode floor"]
     print(f"staging write of {args.events} events, 3 partitions, Spark local[2] (best of {args.rounds}):")
     for name, took in results.items():

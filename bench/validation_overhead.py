@@ -9,24 +9,23 @@ the GX validation itself; prints seconds and ratios against the staging of the s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness import bench_pipeline, bench_spark, bench_stack, best_of  # noqa: E402
 from psycopg import sql  # noqa: E402
 
-from kafka2pg import expectations, local_stack, quality  # noqa: E402
-from kafka2pg.config import Settings, get_pipeline  # noqa: E402
+from kafka2pg import expectations, quality  # noqa: E402
+from kafka2pg.config import Settings  # noqa: E402
 from kafka2pg.database import connect, transaction  # noqa: E402
 from kafka2pg.kafka_offsets import ensure_topic  # noqa: E402
 from kafka2pg.ledger import load_batch, open_batch  # noqa: E402
 from kafka2pg.migrations import migrate  # noqa: E402
 from kafka2pg.producer import produce, sample_events  # noqa: E402
-from kafka2pg.staging import package_zip, spark_session, stage_batch  # noqa: E402
+from kafka2pg.staging import stage_batch  # noqa: E402
 
 
 def _unvalidate(settings: Settings, staging: str, batch_id: int) -> None:
@@ -39,33 +38,19 @@ def _unvalidate(settings: Settings, staging: str, batch_id: int) -> None:
         conn.execute("UPDATE kafka2pg.batches SET state = 'staged' WHERE batch_id = %s", (batch_id,))
 
 
-def _best(rounds: int, action) -> float:
-    times = []
-    for _ in range(rounds):
-        started = time.monotonic()
-        action()
-        times.append(time.monotonic() - started)
-    return min(times)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="kafka2pg-bench-"))
-    stack = local_stack.start_stack(work)
-    try:
-        settings = Settings(stack.kafka.bootstrap_servers, stack.postgres.url, state_dir=work)
-        pipeline = dataclasses.replace(get_pipeline("orders"), name="vbench", topic="vbench", target_table="vbench")
+    with bench_stack("kafka2pg-bench-") as (settings, _, work):
+        pipeline = bench_pipeline("vbench")
         migrate(settings.database_url, [pipeline])
         ensure_topic(settings.bootstrap_servers, "vbench", 3)
         events = list(sample_events(args.events))
         produce(settings.bootstrap_servers, "vbench", events + events[:10])
         batch = open_batch(settings, pipeline, max_records_per_batch=args.events + 10).batch
-        spark = spark_session("local[2]", app_name="vbench", jars=local_stack.spark_jars())
-        spark.sparkContext.setLogLevel("ERROR")
-        spark.sparkContext.addPyFile(str(package_zip(work)))
+        spark = bench_spark("local[2]", "vbench", work)
         started = time.monotonic()
         stage_batch(spark, settings, pipeline, batch.batch_id)
         stage_s = time.monotonic() - started
@@ -82,11 +67,11 @@ def main() -> int:
 
         with connect(settings.database_url) as conn:
             frame = expectations.load_accepted(conn, pipeline, batch.batch_id)
-            load_s = _best(args.rounds, lambda: expectations.load_accepted(conn, pipeline, batch.batch_id))
+            load_s = best_of(args.rounds, lambda: expectations.load_accepted(conn, pipeline, batch.batch_id))
         suite = expectations.suite_for(pipeline, len(frame))
-        gx_s = _best(args.rounds, lambda: expectations.run_suite(frame, suite))
-        validate_s = _best(args.rounds, whole)
-        sql_s = _best(args.rounds, sql_checks)
+        gx_s = best_of(args.rounds, lambda: expectations.run_suite(frame, suite))
+        validate_s = best_of(args.rounds, whole)
+        sql_s = best_of(args.rounds, sql_checks)
         rows = [
             ("stage (Spark read + COPY), once", stage_s),
             ("validate step, whole", validate_s),
@@ -97,8 +82,6 @@ def main() -> int:
         print(f"quality gate on {args.events + 10} staged rows (best of {args.rounds}, local[2], this machine)")
         for label, seconds in rows:
             print(f"{label:<48} {seconds:7.2f}s  x{seconds / stage_s:5.2f} of staging")
-    finally:
-        local_stack.stop_stack(stack)
     return 0
 
 

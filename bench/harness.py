@@ -1,0 +1,63 @@
+"""What every benchmark script shares: a throwaway stack, a copy of the sample pipeline, a
+Spark session shipping kafka2pg, the Spark JDBC settings of the JDBC contenders, best-of timing."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
+
+from kafka2pg import local_stack  # noqa: E402
+from kafka2pg.config import Pipeline, Settings, get_pipeline  # noqa: E402
+from kafka2pg.local_stack import Stack  # noqa: E402
+
+# Spark JDBC writer options of the contenders that write through JDBC (batched, typed by PG).
+JDBC_PROPERTIES = {
+    "user": "postgres",
+    "driver": "org.postgresql.Driver",
+    "reWriteBatchedInserts": "true",
+    "batchsize": "10000",
+    "stringtype": "unspecified",
+}
+
+
+@contextmanager
+def bench_stack(prefix: str) -> Iterator[tuple[Settings, Stack, Path]]:
+    """A local broker and PostgreSQL for one benchmark run, stopped afterwards."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    stack = local_stack.start_stack(work)
+    try:
+        yield Settings(stack.kafka.bootstrap_servers, stack.postgres.url, state_dir=work), stack, work
+    finally:
+        local_stack.stop_stack(stack)
+
+
+def bench_pipeline(name: str, topic: str | None = None) -> Pipeline:
+    """The shipped `orders` pipeline under another name, topic and target table."""
+    return dataclasses.replace(get_pipeline("orders"), name=name, topic=topic or name, target_table=name)
+
+
+def bench_spark(master: str, app_name: str, state_dir: Path):
+    """A quiet Spark session with the Kafka source jars and the kafka2pg package shipped."""
+    from kafka2pg.staging import package_zip, spark_session
+
+    spark = spark_session(master, app_name=app_name, jars=local_stack.spark_jars())
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.sparkContext.addPyFile(str(package_zip(state_dir)))
+    return spark
+
+
+def best_of(rounds: int, action: Callable[[], object]) -> float:
+    """The fastest of `rounds` runs of `action`, in seconds."""
+    times = []
+    for _ in range(rounds):
+        started = time.monotonic()
+        action()
+        times.append(time.monotonic() - started)
+    return min(times)
