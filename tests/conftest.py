@@ -113,24 +113,34 @@ def make_pipeline(base_settings, tmp_path):
     return make
 
 
-@pytest.fixture
-def run_batch(spark):
-    """Plan, stage, validate and promote one batch with the same functions the DAG runs."""
-    from kafka2pg.ledger import open_batch
+def drive(spark, env: PipelineEnv, opened):
+    """Stage, validate and promote (or finish, for a replay) an opened batch; None if none was opened."""
     from kafka2pg.promote import promote_batch
     from kafka2pg.quality import validate_batch
     from kafka2pg.staging import stage_batch
 
-    def run(env: PipelineEnv, **plan_args):
-        opened = open_batch(env.settings, env.pipeline, **plan_args)
-        if opened.batch is None:
-            return None
-        batch_id = opened.batch.batch_id
-        stage_batch(spark, env.settings, env.pipeline, batch_id)
-        validate_batch(env.settings, env.pipeline, batch_id)
-        return promote_batch(env.settings, env.pipeline, batch_id)
+    if opened.batch is None:
+        return None
+    batch_id = opened.batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, batch_id)
+    validate_batch(env.settings, env.pipeline, batch_id)
+    return promote_batch(env.settings, env.pipeline, batch_id)
 
-    return run
+
+@pytest.fixture
+def run_batch(spark):
+    """Plan, stage, validate and promote one batch with the same functions the DAG runs."""
+    from kafka2pg.ledger import open_batch
+
+    return lambda env, **plan_args: drive(spark, env, open_batch(env.settings, env.pipeline, **plan_args))
+
+
+@pytest.fixture
+def replay(spark):
+    """Plan, stage, validate and finish one replay with the same functions the replay DAG runs."""
+    from kafka2pg.replay import open_replay
+
+    return lambda env, request: drive(spark, env, open_replay(env.settings, env.pipeline, request))
 
 
 @pytest.fixture

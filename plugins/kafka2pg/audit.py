@@ -15,7 +15,7 @@ from psycopg import sql
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect
 from kafka2pg.kafka_offsets import partition_offsets, read_offsets, topic_retention
-from kafka2pg.ledger import read_heads
+from kafka2pg.ledger import last_resets, ranges_since_reset, read_heads
 
 SAMPLE = 20
 
@@ -65,41 +65,6 @@ def ledger_breaks(ranges: list[tuple[int, int]], head: int | None, start: int | 
     return breaks
 
 
-def _resets(conn, pipeline: Pipeline) -> dict[int, tuple[int, int | None]]:
-    """Per reset partition: the last batch id of the topic before the reset, and the reset offset."""
-    rows = conn.execute(
-        "SELECT DISTINCT ON (kafka_partition) kafka_partition, after_batch_id, to_offset FROM kafka2pg.ledger_resets"
-        " WHERE pipeline = %s ORDER BY kafka_partition, reset_id DESC",
-        (pipeline.name,),
-    ).fetchall()
-    return {partition: (after, to_offset) for partition, after, to_offset in rows}
-
-
-def _ledger(
-    conn, pipeline: Pipeline, resets: dict[int, tuple[int, int | None]]
-) -> tuple[dict[int, list[tuple[int, int]]], dict[int, list[tuple[int, int]]]]:
-    """Per partition since its last reset: every ledgered range, and the batch ranges merged for reading."""
-    rows = conn.execute(
-        "SELECT kafka_partition, start_offset, end_offset, kind, batch_id FROM kafka2pg.ledger_ranges"
-        " WHERE pipeline = %s ORDER BY kafka_partition, start_offset",
-        (pipeline.name,),
-    ).fetchall()
-    stored: dict[int, list[tuple[int, int]]] = {}
-    ranges: dict[int, list[tuple[int, int]]] = {}
-    for partition, start, end, kind, batch_id in rows:
-        if batch_id <= resets.get(partition, (0, None))[0]:
-            continue  # consumed from the topic as it was before a reset: cannot be re-read
-        stored.setdefault(partition, []).append((start, end))
-        if kind != "batch":
-            continue
-        mine = ranges.setdefault(partition, [])
-        if mine and mine[-1][1] == start:
-            mine[-1] = (mine[-1][0], end)
-        else:
-            mine.append((start, end))
-    return stored, ranges
-
-
 def _db_offsets(url: str, pipeline: Pipeline, partition: int, after_batch: int) -> Iterator[int]:
     """Offsets of the partition in target and quarantine (since its last reset), ascending, duplicates kept."""
     query = sql.SQL(
@@ -130,8 +95,8 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
     watermarks = {o.partition: o for o in partition_offsets(settings.bootstrap_servers, pipeline.topic)}
     compacted = topic_retention(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s).compacted
     with connect(settings.database_url) as conn:
-        resets = _resets(conn, pipeline)
-        stored, ledger = _ledger(conn, pipeline, resets)
+        resets = last_resets(conn, pipeline.name)
+        stored, ledger = ranges_since_reset(conn, pipeline.name, resets)
         heads = read_heads(conn, pipeline.name)
     audits = []
     for partition in sorted(set(watermarks) | set(stored) | set(heads)):

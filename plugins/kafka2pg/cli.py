@@ -189,6 +189,64 @@ def cmd_reset(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Plan, read (local Spark), validate and finish one replay in this process."""
+    from kafka2pg.local_stack import spark_jars
+    from kafka2pg.migrations import migrate
+    from kafka2pg.promote import promote_batch
+    from kafka2pg.quality import validate_batch
+    from kafka2pg.replay import open_replay, request_from_params
+    from kafka2pg.staging import package_zip, spark_session, stage_batch
+
+    settings = _settings()
+    pipeline = get_pipeline(args.pipeline, settings.pipelines_file)
+    params = {
+        "mode": args.mode,
+        "offset_ranges": args.offsets,
+        "from_time": args.start,
+        "to_time": args.end,
+        "reason": args.reason,
+    }
+    request = request_from_params(params, run_type="manual", requested_by=args.requested_by)
+    migrate(settings.database_url, [pipeline])
+    opened = open_replay(settings, pipeline, request, run_id="cli")
+    print(opened.message)
+    if opened.batch is None:
+        return 0
+    batch_id = opened.batch.batch_id
+    spark = spark_session(
+        settings.spark_master, app_name=f"kafka2pg-replay-{pipeline.name}", jars=spark_jars(settings.state_dir)
+    )
+    archive = package_zip(settings.state_dir / "spark")
+    try:
+        spark.sparkContext.addPyFile(str(archive))
+        print(stage_batch(spark, settings, pipeline, batch_id).message)
+    finally:
+        spark.stop()
+        archive.unlink(missing_ok=True)
+    print(validate_batch(settings, pipeline, batch_id).message)
+    result = promote_batch(settings, pipeline, batch_id)
+    print(result.message)
+    for kind, found in sorted(result.differences.items()):
+        print(f"  {kind}: {found['count']} (e.g. {', '.join(found['sample'][:10])})")
+    return 0
+
+
+def cmd_undo(args: argparse.Namespace) -> int:
+    from kafka2pg.replay import undo_batch
+
+    settings = _settings()
+    pipeline = get_pipeline(args.pipeline, settings.pipelines_file)
+    undo = undo_batch(
+        settings, pipeline, args.batch_id, confirm=args.confirm, reason=args.reason, requested_by=args.requested_by
+    )
+    if not undo.applied:
+        print(f"would undo: {undo.message}\nnothing changed: re-run with --confirm to apply")
+        return 1
+    print(f"undone: {undo.message} (recorded in kafka2pg.replays)")
+    return 0
+
+
 def cmd_offsets(args: argparse.Namespace) -> int:
     from kafka2pg.kafka_offsets import offsets_for_times
 
@@ -275,6 +333,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="start", required=True, help="ISO-8601 start (inclusive), UTC if no zone")
     p.add_argument("--to", dest="end", required=True, help="ISO-8601 end (exclusive)")
     p.set_defaults(func=cmd_offsets)
+
+    p = sub.add_parser("replay", help="re-load (or verify) a range already loaded, with the current config")
+    p.add_argument("--pipeline", required=True)
+    p.add_argument("--offsets", help="per-partition ranges, end exclusive: 0:100-200,1:0-50")
+    p.add_argument("--from", dest="start", help="time window start (ISO-8601, inclusive), instead of --offsets")
+    p.add_argument("--to", dest="end", help="time window end (exclusive)")
+    p.add_argument("--mode", choices=["replace", "verify-only"], default="replace")
+    p.add_argument("--reason", default="", help="recorded in kafka2pg.replays")
+    p.add_argument("--requested-by", default="", help="recorded in kafka2pg.replays (default: your user name)")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("undo", help="take back the newest promoted batch: delete its rows, rewind its heads")
+    p.add_argument("--pipeline", required=True)
+    p.add_argument("--batch-id", type=int, required=True)
+    p.add_argument("--reason", default="", help="recorded in kafka2pg.replays")
+    p.add_argument("--requested-by", default="", help="recorded in kafka2pg.replays (default: your user name)")
+    p.add_argument("--confirm", action="store_true", help="apply; without it, only say what would change")
+    p.set_defaults(func=cmd_undo)
 
     p = sub.add_parser("plan", help="plan (or resume) the next batch of a pipeline")
     p.add_argument("--pipeline", required=True)

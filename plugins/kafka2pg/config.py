@@ -89,10 +89,15 @@ class Pipeline:
     data_loss_warning_hours: float = 24.0
     spark_conf: dict[str, str] = field(default_factory=dict)
     schedule: str | None = None
+    replay_interval: str = "0 0 * * *"
 
     @property
     def dag_id(self) -> str:
         return f"kafka2pg_{self.name}"
+
+    @property
+    def replay_dag_id(self) -> str:
+        return f"kafka2pg_{self.name}_replay"
 
     @property
     def staging_table(self) -> str:
@@ -187,6 +192,7 @@ _PIPELINE_KEYS = {
     "data_loss_warning_hours",
     "spark_conf",
     "schedule",
+    "replay_interval",
 }
 
 
@@ -225,6 +231,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         data_loss_warning_hours=_positive_number(raw, "data_loss_warning_hours", where, 24.0),
         spark_conf={str(k): str(v) for k, v in (raw.get("spark_conf") or {}).items()},
         schedule=_schedule(raw, where),
+        replay_interval=_cron(raw, "replay_interval", where, "0 0 * * *"),
     )
 
 
@@ -239,6 +246,13 @@ def _schedule(raw: dict, where: str) -> str | None:
     value = raw.get("schedule")
     if value is not None and (not isinstance(value, str) or not value.strip()):
         raise ConfigError(f"{where}.schedule: expected a cron expression or preset like '@hourly', got {value!r}")
+    return value
+
+
+def _cron(raw: dict, key: str, where: str, default: str) -> str:
+    value = raw.get(key, default)
+    if not isinstance(value, str) or len(value.split()) != 5:
+        raise ConfigError(f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {value!r}")
     return value
 
 

@@ -1,4 +1,5 @@
-"""Builds one Airflow DAG per pipeline of the pipelines file: plan -> stage -> validate -> promote.
+"""Builds two Airflow DAGs per pipeline: the live one (plan -> stage -> validate -> promote) and the
+replay one (plan_replay -> stage -> validate -> finish), which also serves backfills.
 
 Runs at DAG-parse time, so it reads only the YAML file: no database, Kafka, Spark or GX here.
 """
@@ -22,7 +23,6 @@ def spark_jars() -> str:
 
 
 def build_dag(pipeline: Pipeline):
-    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
     from airflow.sdk import DAG, Param, task
 
     name = pipeline.name
@@ -64,34 +64,7 @@ def build_dag(pipeline: Pipeline):
                 run_id=run_id,
             )
 
-        @task.short_circuit(task_id="has_batch")
-        def has_batch(planned: dict | None) -> bool:
-            return bool(planned)
-
-        stage = SparkSubmitOperator(
-            task_id="read_and_stage",
-            application=str(JOB),
-            conn_id=SPARK_CONN_ID,
-            name=f"kafka2pg-{name}",
-            jars=spark_jars(),
-            # kafka2pg's Spark defaults are applied by the job's session (staging.SPARK_DEFAULTS).
-            conf=dict(pipeline.spark_conf),
-            application_args=[
-                "--pipeline",
-                name,
-                "--batch-id",
-                "{{ ti.xcom_pull(task_ids='plan')['batch_id'] }}",
-                "--epoch",
-                "{{ ti.xcom_pull(task_ids='plan')['epoch'] }}",
-            ],
-            verbose=False,
-        )
-
-        @task(task_id="validate")
-        def validate_batch(planned: dict) -> dict:
-            from kafka2pg import tasks
-
-            return tasks.validate(name, planned["batch_id"], planned["epoch"])
+        stage = _stage_operator(pipeline)
 
         @task(task_id="promote")
         def promote_batch(planned: dict) -> dict:
@@ -100,10 +73,153 @@ def build_dag(pipeline: Pipeline):
             return tasks.promote(name, planned["batch_id"], planned["epoch"])
 
         planned = plan_batch()
-        validated = validate_batch(planned)
-        has_batch(planned) >> stage >> validated >> promote_batch(planned)
+        validated = _validate_task(name)(planned)
+        _has_batch_task()(planned) >> stage >> validated >> promote_batch(planned)
+    return dag
+
+
+def _has_batch_task():
+    """Short-circuit: no batch planned (nothing new, or nothing to replay) skips Spark and the rest."""
+    from airflow.sdk import task
+
+    @task.short_circuit(task_id="has_batch")
+    def has_batch(planned: dict | None) -> bool:
+        return bool(planned)
+
+    return has_batch
+
+
+def _validate_task(name: str):
+    """The quality gate on the batch the `plan` task handed over (live and replay DAGs alike)."""
+    from airflow.sdk import task
+
+    @task(task_id="validate")
+    def validate_batch(planned: dict) -> dict:
+        from kafka2pg import tasks
+
+        return tasks.validate(name, planned["batch_id"], planned["epoch"])
+
+    return validate_batch
+
+
+def _stage_operator(pipeline: Pipeline):
+    """The Spark job reading the batch the `plan` task handed over (live and replay DAGs alike)."""
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+    return SparkSubmitOperator(
+        task_id="read_and_stage",
+        application=str(JOB),
+        conn_id=SPARK_CONN_ID,
+        name=f"kafka2pg-{pipeline.name}",
+        jars=spark_jars(),
+        # kafka2pg's Spark defaults are applied by the job's session (staging.SPARK_DEFAULTS).
+        conf=dict(pipeline.spark_conf),
+        application_args=[
+            "--pipeline",
+            pipeline.name,
+            "--batch-id",
+            "{{ ti.xcom_pull(task_ids='plan')['batch_id'] }}",
+            "--epoch",
+            "{{ ti.xcom_pull(task_ids='plan')['epoch'] }}",
+        ],
+        verbose=False,
+    )
+
+
+REPLAY_DOC = """Replay a range this pipeline already loaded: re-read it from Kafka with the current
+pipeline config, run the same quality gate, then in ONE transaction replace the range's target
+and quarantine rows (`replace`), or only report the differences (`verify-only`). The live
+ledger head never moves. Give **offset_ranges** or **from_time/to_time**; a backfill over dates
+replays each run's data interval. Recorded in `kafka2pg.replays`.
+"""
+
+
+def build_replay_dag(pipeline: Pipeline):
+    """plan_replay -> read_and_stage -> validate -> finish (replace or verify-only)."""
+    from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
+
+    name = pipeline.name
+    with DAG(
+        dag_id=pipeline.replay_dag_id,
+        description=f"Replay / backfill of {pipeline.topic} -> {pipeline.target_schema}.{pipeline.target_table}",
+        # Data intervals for backfills; the DAG starts paused so nothing replays on a timer.
+        schedule=CronDataIntervalTimetable(pipeline.replay_interval, timezone="UTC"),
+        start_date=datetime(2026, 1, 1),
+        catchup=False,
+        is_paused_upon_creation=True,
+        max_active_runs=4,
+        tags=["kafka2pg", "replay"],
+        default_args={"retries": 2, "retry_delay": timedelta(seconds=20)},
+        params={
+            "mode": Param(
+                "replace",
+                type="string",
+                enum=["replace", "verify-only"],
+                description="replace: swap the range's rows for the re-read ones in one transaction. "
+                "verify-only: report the differences, change nothing.",
+            ),
+            "offset_ranges": Param(
+                None,
+                type=["null", "array"],
+                items={
+                    "type": "object",
+                    "properties": {
+                        "partition": {"type": "integer", "minimum": 0},
+                        "start": {"type": "integer", "minimum": 0},
+                        "end": {"type": "integer", "minimum": 1},
+                    },
+                    "required": ["partition", "start", "end"],
+                    "additionalProperties": False,
+                },
+                description='Offsets to replay per partition, end exclusive, e.g. [{"partition": 0, '
+                '"start": 0, "end": 500}]. Must lie within what the live pipeline already loaded.',
+            ),
+            "from_time": Param(
+                None,
+                type=["null", "string"],
+                format="date-time",
+                description="Time window start (inclusive, record timestamps), instead of offset_ranges.",
+            ),
+            "to_time": Param(
+                None,
+                type=["null", "string"],
+                format="date-time",
+                description="Time window end (exclusive). Mapped to offsets with offsets_for_times.",
+            ),
+            "reason": Param("", type="string", description="Why: recorded with the replay in kafka2pg.replays."),
+        },
+        doc_md=REPLAY_DOC,
+    ) as dag:
+
+        @task(task_id="plan")
+        def plan_replay(params: dict | None = None, run_id: str | None = None, dag_run=None, **context) -> dict | None:
+            from kafka2pg import tasks
+
+            user = getattr(dag_run, "triggering_user_name", None) or ""
+            return tasks.plan_replay(
+                name,
+                dict(params or {}),
+                run_id=run_id,
+                run_type=str(getattr(dag_run, "run_type", "") or "").lower() or None,
+                interval=(context.get("data_interval_start"), context.get("data_interval_end")),
+                requested_by=user or f"airflow run {run_id}",
+            )
+
+        @task(task_id="finish")
+        def finish(planned: dict) -> dict:
+            from kafka2pg import tasks
+
+            return tasks.finish_replay(name, planned["batch_id"], planned["epoch"])
+
+        planned = plan_replay()
+        validated = _validate_task(name)(planned)
+        _has_batch_task()(planned) >> _stage_operator(pipeline) >> validated >> finish(planned)
     return dag
 
 
 def build_dags() -> dict:
-    return {p.dag_id: build_dag(p) for p in load_pipelines().values()}
+    dags = {}
+    for pipeline in load_pipelines().values():
+        dags[pipeline.dag_id] = build_dag(pipeline)
+        dags[pipeline.replay_dag_id] = build_replay_dag(pipeline)
+    return dags

@@ -11,6 +11,8 @@ Kafka2PgError
  ├── RetentionLossError       ledger head below the partition's low watermark
  ├── OffsetRegressionError    ledger head above the high watermark (topic recreated?)
  ├── LedgerConflictError      compare-and-set on a ledger head failed (stale/concurrent run)
+ ├── RangeLockedError         another promotion/replay/undo held a partition too long (retryable)
+ ├── ReplayRefusedError       a replay/undo request the ledger cannot honour (beyond the head, ...)
  ├── BatchStateError          a batch is not in the state a step needs
  │    └── StagingLostError     staged rows vanished (PostgreSQL crash); batch back to planned
  ├── StageInterrupted         SIGTERM stopped the Spark job; the batch stays resumable
@@ -68,6 +70,16 @@ class OffsetRegressionError(Kafka2PgError):
 
 class LedgerConflictError(Kafka2PgError):
     """A ledger head moved under a batch: another run promoted first."""
+
+
+class RangeLockedError(Kafka2PgError):
+    """A partition's range lock stayed held by another promotion, replay or undo; retry later."""
+
+    terminal = False
+
+
+class ReplayRefusedError(Kafka2PgError):
+    """A replay or undo that would break the ledger's promise (beyond the head, never loaded, gone)."""
 
 
 class BatchStateError(Kafka2PgError):

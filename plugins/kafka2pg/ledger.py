@@ -10,12 +10,13 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+import psycopg
 from psycopg import Connection, sql
 from psycopg.types.json import Jsonb
 
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, LedgerConflictError, StagingLostError
+from kafka2pg.exceptions import BatchStateError, LedgerConflictError, RangeLockedError, StagingLostError
 from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, record_timestamp, topic_retention
 from kafka2pg.planner import BatchPlan, LossHorizon, PartitionState, loss_horizon, plan_batch
 
@@ -39,6 +40,7 @@ class Batch:
     rows_staged: int | None = None
     rows_quarantined: int | None = None
     rows_promoted: int | None = None
+    kind: str = "live"
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ def read_heads(conn: Connection, pipeline: str) -> dict[int, int]:
 def load_batch(conn: Connection, batch_id: int, *, for_update: bool = False) -> Batch:
     query = (
         "SELECT batch_id, pipeline, topic, state, plan, epoch, run_id, records_read, rows_staged,"
-        " rows_quarantined, rows_promoted FROM kafka2pg.batches WHERE batch_id = %s"
+        " rows_quarantined, rows_promoted, kind FROM kafka2pg.batches WHERE batch_id = %s"
     )
     row = conn.execute(query + (" FOR UPDATE" if for_update else ""), (batch_id,)).fetchone()
     if row is None:
@@ -85,6 +87,83 @@ def load_claimed(conn: Connection, pipeline: Pipeline, batch_id: int, epoch: int
             "writing anything; the newer run carries the batch on. Nothing to do unless it also failed."
         )
     return batch
+
+
+def last_resets(conn: Connection, pipeline: str) -> dict[int, tuple[int, int | None]]:
+    """Per reset partition: the last batch id of the topic before its latest reset, and the reset offset.
+
+    Rows and ledger ranges of batches up to that id belong to the topic as it was before.
+    """
+    rows = conn.execute(
+        "SELECT DISTINCT ON (kafka_partition) kafka_partition, after_batch_id, to_offset FROM kafka2pg.ledger_resets"
+        " WHERE pipeline = %s ORDER BY kafka_partition, reset_id DESC",
+        (pipeline,),
+    ).fetchall()
+    return {partition: (after, to_offset) for partition, after, to_offset in rows}
+
+
+def ranges_since_reset(
+    conn: Connection, pipeline: str, resets: dict[int, tuple[int, int | None]]
+) -> tuple[dict[int, list[tuple[int, int]]], dict[int, list[tuple[int, int]]]]:
+    """Per partition since its last reset: every ledgered range, and the loaded (batch) ranges merged."""
+    rows = conn.execute(
+        "SELECT kafka_partition, start_offset, end_offset, kind, batch_id FROM kafka2pg.ledger_ranges"
+        " WHERE pipeline = %s ORDER BY kafka_partition, start_offset",
+        (pipeline,),
+    ).fetchall()
+    stored: dict[int, list[tuple[int, int]]] = {}
+    loaded: dict[int, list[tuple[int, int]]] = {}
+    for partition, start, end, kind, batch_id in rows:
+        if batch_id <= resets.get(partition, (0, None))[0]:
+            continue  # consumed from the topic as it was before a reset: cannot be re-read
+        stored.setdefault(partition, []).append((start, end))
+        if kind != "batch":
+            continue
+        mine = loaded.setdefault(partition, [])
+        if mine and mine[-1][1] == start:
+            mine[-1] = (mine[-1][0], end)
+        else:
+            mine.append((start, end))
+    return stored, loaded
+
+
+RANGE_LOCK_WAIT_S = 300
+
+
+def lock_partitions(conn: Connection, pipeline: str, partitions: set[int] | list[int], purpose: str) -> None:
+    """Range locks: one transaction-scoped lock per (pipeline, partition), taken in partition order.
+
+    Every transaction that changes a partition's promoted rows or head (live promotion, a replay's
+    replace, an undo) holds them, so two such changes of one partition never overlap: the second
+    waits (logged, with the holder) up to RANGE_LOCK_WAIT_S, then fails with `RangeLockedError`.
+    """
+    for partition in sorted(set(partitions)):
+        key = (f"kafka2pg.range:{pipeline}", partition)
+        if conn.execute("SELECT pg_try_advisory_xact_lock(hashtext(%s), %s)", key).fetchone()[0]:
+            continue
+        holder = conn.execute(
+            "SELECT a.pid, a.application_name, left(a.query, 120) FROM pg_locks l JOIN pg_stat_activity a"
+            " USING (pid) WHERE l.locktype = 'advisory' AND l.granted AND l.classid = hashtext(%s)::oid"
+            " AND l.objid = %s::oid LIMIT 1",
+            key,
+        ).fetchone()
+        log.warning(
+            "pipeline=%s %s waits for the range lock of partition %s held by %s",
+            pipeline,
+            purpose,
+            partition,
+            f"backend pid {holder[0]}" if holder else "another transaction",
+        )
+        conn.execute(f"SET LOCAL lock_timeout = '{RANGE_LOCK_WAIT_S}s'")
+        try:
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s), %s)", key)
+        except psycopg.errors.LockNotAvailable as exc:
+            raise RangeLockedError(
+                f"pipeline {pipeline!r}: {purpose} waited {RANGE_LOCK_WAIT_S}s for partition {partition}, which "
+                "another promotion, replay or undo still holds; nothing was changed. Retry when it has finished "
+                "(see kafka2pg.batches and kafka2pg.replays)."
+            ) from exc
+        conn.execute("SET LOCAL lock_timeout = 0")
 
 
 def set_state(conn: Connection, batch: Batch, to_state: str, **counts: int | str | None) -> None:
@@ -174,7 +253,7 @@ def open_batch(
         if dry_run:
             draft = Batch(0, pipeline.name, pipeline.topic, "dry-run", plan)
             return OpenedBatch(draft, False, f"dry run: would read {plan.record_budget} offsets; nothing recorded")
-        batch = _insert_batch(conn, pipeline, plan, run_id)
+        batch = insert_batch(conn, pipeline, plan, run_id)
     return OpenedBatch(batch, False, f"planned batch {batch.batch_id}: {plan.record_budget} offsets")
 
 
@@ -318,11 +397,14 @@ def _resume_or_abandon(
     return None
 
 
-def _insert_batch(conn: Connection, pipeline: Pipeline, plan: BatchPlan, run_id: str | None) -> Batch:
+def insert_batch(
+    conn: Connection, pipeline: Pipeline, plan: BatchPlan, run_id: str | None, kind: str = "live"
+) -> Batch:
+    """Record a planned batch (live or replay) with its ranges."""
     batch_id = conn.execute(
-        "INSERT INTO kafka2pg.batches (pipeline, topic, state, plan, run_id, records_planned)"
-        " VALUES (%s, %s, 'planned', %s, %s, %s) RETURNING batch_id",
-        (pipeline.name, pipeline.topic, Jsonb(plan.to_json()), run_id, plan.record_budget),
+        "INSERT INTO kafka2pg.batches (pipeline, topic, kind, state, plan, run_id, records_planned)"
+        " VALUES (%s, %s, %s, 'planned', %s, %s, %s) RETURNING batch_id",
+        (pipeline.name, pipeline.topic, kind, Jsonb(plan.to_json()), run_id, plan.record_budget),
     ).fetchone()[0]
     with conn.cursor() as cur:
         cur.executemany(
@@ -330,8 +412,8 @@ def _insert_batch(conn: Connection, pipeline: Pipeline, plan: BatchPlan, run_id:
             " VALUES (%s, %s, %s, %s)",
             [(batch_id, r.partition, r.start, r.end) for r in plan.ranges],
         )
-    log.info("pipeline=%s batch_id=%s planned %s", pipeline.name, batch_id, _describe(plan))
-    return Batch(batch_id, pipeline.name, pipeline.topic, "planned", plan, run_id=run_id)
+    log.info("pipeline=%s batch_id=%s planned %s %s", pipeline.name, batch_id, kind, _describe(plan))
+    return Batch(batch_id, pipeline.name, pipeline.topic, "planned", plan, run_id=run_id, kind=kind)
 
 
 def _describe(plan: BatchPlan) -> str:
@@ -414,6 +496,7 @@ def reset_head(
             )
         if not confirm:
             return Reset(partition, current, to_offset, open_id, False, message)
+        lock_partitions(conn, pipeline.name, [partition], f"ledger reset of partition {partition}")
         if open_id is not None:
             set_state(conn, load_batch(conn, open_id), "abandoned", error=f"ledger reset: {reason}")
         last = conn.execute(

@@ -40,9 +40,14 @@ def produce(
     values: Iterable[dict | bytes | str | None],
     *,
     key_field: str | None = "customer_id",
+    timestamp_field: str | None = None,
     timeout_s: float = 30.0,
 ) -> int:
-    """Write each value (a dict is JSON-encoded) with an idempotent producer; return the count."""
+    """Write each value (a dict is JSON-encoded) with an idempotent producer; return the count.
+
+    `timestamp_field`: a dict value's ISO-8601 field used as the Kafka record timestamp
+    (otherwise the broker-facing CreateTime is now).
+    """
     producer = Producer(
         {
             **client_config(bootstrap_servers, timeout_s),
@@ -67,7 +72,10 @@ def produce(
             payload = payload.encode()
         while True:
             try:
-                producer.produce(topic, value=payload, key=key, on_delivery=on_delivery)
+                extra = {}
+                if timestamp_field and isinstance(value, dict):
+                    extra["timestamp"] = int(datetime.fromisoformat(value[timestamp_field]).timestamp() * 1000)
+                producer.produce(topic, value=payload, key=key, on_delivery=on_delivery, **extra)
                 break
             except BufferError:
                 producer.poll(0.1)

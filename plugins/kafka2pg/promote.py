@@ -15,7 +15,7 @@ from psycopg import Connection, sql
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, LedgerConflictError, QualityGateFailed
-from kafka2pg.ledger import Batch, load_claimed, raise_staging_lost, set_state, staging_lost
+from kafka2pg.ledger import Batch, load_claimed, lock_partitions, raise_staging_lost, set_state, staging_lost
 from kafka2pg.planner import PartitionPlan
 
 log = logging.getLogger(__name__)
@@ -38,19 +38,27 @@ def promote_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: 
     """
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
-        if batch.state == "promoted":
-            message = f"batch {batch_id} was already promoted: nothing changed"
-            return PromoteResult(batch_id, batch.rows_promoted or 0, batch.rows_quarantined or 0, True, message)
-        if batch.state != "validated":
-            raise BatchStateError(
-                f"batch {batch_id} of pipeline {pipeline.name!r} is {batch.state}; only a validated "
-                "batch can be promoted (the quality gate fails closed)"
-            )
-        lost = staging_lost(conn, pipeline, batch)
-        if not lost:
-            promoted, quarantined = _promote_rows(conn, pipeline, batch)
+        if batch.kind == "replay":
+            from kafka2pg.replay import finish_replay
+
+            replayed = finish_replay(conn, pipeline, batch)  # None: its staging rows were lost
+            lost = replayed is None
+        else:
+            if batch.state == "promoted":
+                message = f"batch {batch_id} was already promoted: nothing changed"
+                return PromoteResult(batch_id, batch.rows_promoted or 0, batch.rows_quarantined or 0, True, message)
+            if batch.state != "validated":
+                raise BatchStateError(
+                    f"batch {batch_id} of pipeline {pipeline.name!r} is {batch.state}; only a validated "
+                    "batch can be promoted (the quality gate fails closed)"
+                )
+            lost = staging_lost(conn, pipeline, batch)
+            if not lost:
+                promoted, quarantined = _promote_rows(conn, pipeline, batch)
     if lost:
         raise_staging_lost(pipeline, batch_id)
+    if batch.kind == "replay":
+        return replayed
     table = f"{pipeline.target_schema}.{pipeline.target_table}"
     message = f"batch {batch_id} promoted: {promoted} rows to {table}, {quarantined} to quarantine"
     log.info("pipeline=%s %s", pipeline.name, message)
@@ -59,18 +67,24 @@ def promote_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: 
 
 def _promote_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> tuple[int, int]:
     """Heads (compare-and-set), ledger ranges, target, quarantine, staging cleanup, state."""
+    partitions = [p.partition for p in batch.plan.partitions]
+    lock_partitions(conn, pipeline.name, partitions, f"promotion of batch {batch.batch_id}")
     reads = _records_read(conn, batch.batch_id)
     for part in batch.plan.partitions:
         _advance_head(conn, pipeline, batch, part)
         _record_ranges(conn, pipeline, batch, part, reads)
-    promoted = _insert_target(conn, pipeline, batch)
-    quarantined = _insert_quarantine(conn, pipeline, batch)
-    conn.execute(
-        sql.SQL("DELETE FROM {} WHERE batch_id = %s").format(sql.Identifier("kafka2pg", pipeline.staging_table)),
-        (batch.batch_id,),
-    )
+    promoted = insert_target(conn, pipeline, batch)
+    quarantined = insert_quarantine(conn, pipeline, batch)
+    clear_staging(conn, pipeline, batch.batch_id)
     set_state(conn, batch, "promoted", rows_promoted=promoted, rows_quarantined=quarantined)
     return promoted, quarantined
+
+
+def clear_staging(conn: Connection, pipeline: Pipeline, batch_id: int) -> None:
+    conn.execute(
+        sql.SQL("DELETE FROM {} WHERE batch_id = %s").format(sql.Identifier("kafka2pg", pipeline.staging_table)),
+        (batch_id,),
+    )
 
 
 def _records_read(conn: Connection, batch_id: int) -> dict[int, int]:
@@ -138,7 +152,7 @@ def _record_ranges(
         )
 
 
-def _insert_target(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
+def insert_target(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
     columns = [sql.Identifier(c.name) for c in pipeline.columns] + [
         sql.Identifier(n) for n in ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "batch_id")
     ]
@@ -159,7 +173,7 @@ def _insert_target(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
         ) from exc
 
 
-def _insert_quarantine(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
+def insert_quarantine(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
     record = sql.SQL("jsonb_build_object({})").format(
         sql.SQL(", ").join(
             sql.SQL("{}, s.{}").format(sql.Literal(c.name), sql.Identifier(c.name)) for c in pipeline.columns

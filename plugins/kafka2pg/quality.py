@@ -213,7 +213,9 @@ def _run_checks(conn: Connection, settings: Settings, pipeline: Pipeline, batch:
         _completeness(conn, pipeline, batch),
         _offset_gaps_explained(conn, settings, pipeline, batch),
         _provenance_unique(conn, pipeline, batch),
-        _not_already_promoted(conn, pipeline, batch),
+        _replay_scope(conn, pipeline, batch)
+        if batch.kind == "replay"
+        else _not_already_promoted(conn, pipeline, batch),
         _required_not_null(conn, pipeline, batch),
     ]
     checks += [_quarantine_rule_violations(conn, pipeline, batch, c) for c in pipeline.columns if _quarantines(c)]
@@ -330,6 +332,33 @@ def _provenance_unique(conn: Connection, pipeline: Pipeline, batch: Batch) -> Ch
     return Check("provenance_unique", dupes == 0, dupes, f"{dupes} provenance duplicates in staging")
 
 
+def _replaced_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> sql.Composable | None:
+    """For a replay: the predicate of the target rows its promotion replaces (None for live batches)."""
+    if batch.kind != "replay":
+        return None
+    from kafka2pg.ledger import last_resets
+    from kafka2pg.replay import range_predicate
+
+    floors = {p: after for p, (after, _) in last_resets(conn, pipeline.name).items()}
+    return range_predicate(batch.plan.ranges, floors, alias="t")
+
+
+def _replay_scope(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
+    """A replay's staged offsets are meant to be in the target already: count what it replaces."""
+    replaced = conn.execute(
+        sql.SQL("SELECT count(*) FROM {} t WHERE t.kafka_topic = %s AND {}").format(
+            _target(pipeline), _replaced_rows(conn, pipeline, batch)
+        ),
+        (pipeline.topic,),
+    ).fetchone()[0]
+    return Check(
+        "replay_replaces_range",
+        True,
+        0,
+        f"replay: {replaced} target rows of the range (and its quarantine rows) are replaced when it is finished",
+    )
+
+
 def _not_already_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
     overlap = conn.execute(
         sql.SQL(
@@ -391,6 +420,9 @@ def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: B
 
 def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
     join = sql.SQL(" AND ").join(sql.SQL("t.{k} = s.{k}").format(k=sql.Identifier(k)) for k in pipeline.business_key)
+    replaced = _replaced_rows(conn, pipeline, batch)
+    if replaced is not None:  # a replay replaces these rows: they are not duplicates of its own
+        join = sql.SQL("{} AND NOT (t.kafka_topic = {} AND {})").format(join, sql.Literal(pipeline.topic), replaced)
     ranked = sql.SQL(
         "SELECT s.kafka_partition, s.kafka_offset, t.kafka_partition AS kept_partition,"
         " t.kafka_offset AS kept_offset, t.batch_id AS kept_batch, 2 AS n"

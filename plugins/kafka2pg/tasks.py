@@ -80,3 +80,48 @@ def promote(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dict
         log.info("pipeline=%s %s", pipeline_name, result.message)
         log.info("\n%s", batch_report(settings, pipeline, batch_id))
     return {"batch_id": batch_id, "promoted": result.promoted, "quarantined": result.quarantined}
+
+
+def plan_replay(
+    pipeline_name: str,
+    params: dict,
+    *,
+    run_id: str | None = None,
+    run_type: str | None = None,
+    interval: tuple = (None, None),
+    requested_by: str = "",
+) -> dict | None:
+    """The replay DAG's first task: Params (or the backfill's data interval) -> a planned replay batch."""
+    from kafka2pg.migrations import migrate
+    from kafka2pg.replay import open_replay, request_from_params
+
+    with airflow_errors():
+        settings = Settings.from_env()
+        pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
+        request = request_from_params(params, run_type=run_type, interval=interval, requested_by=requested_by)
+        migrate(settings.database_url, [pipeline])
+        opened = open_replay(settings, pipeline, request, run_id=run_id)
+    log.info("pipeline=%s %s", pipeline_name, opened.message)
+    if opened.batch is None:
+        return None
+    return {"batch_id": opened.batch.batch_id, "epoch": opened.batch.epoch, "mode": request.mode}
+
+
+def finish_replay(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dict:
+    """The replay DAG's last task: replace the range's rows, or report the differences (verify-only)."""
+    from kafka2pg.promote import promote_batch
+
+    with airflow_errors():
+        settings = Settings.from_env()
+        result = promote_batch(settings, get_pipeline(pipeline_name, settings.pipelines_file), batch_id, epoch)
+    log.info("pipeline=%s %s", pipeline_name, result.message)
+    for kind, found in sorted(result.differences.items()):
+        log.info("difference %-28s %6s  e.g. %s", kind, found["count"], ", ".join(found["sample"]))
+    return {
+        "batch_id": batch_id,
+        "mode": result.mode,
+        "promoted": result.promoted,
+        "quarantined": result.quarantined,
+        "rows_before": list(result.before),
+        "differences": {kind: found["count"] for kind, found in result.differences.items()},
+    }

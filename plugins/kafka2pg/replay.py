@@ -1,0 +1,553 @@
+"""Replays and undos: re-load a range the ledger already loaded, or take the newest batch back.
+
+A replay is a batch of kind `replay`: it is planned here from explicit offset ranges or a
+time window, read and staged by the same Spark job and checked by the same quality gate as a
+live batch, then finished in ONE transaction under the partitions' range locks:
+
+- `replace`: delete the range's target and quarantine rows (by provenance), insert the new
+  ones, record counts before/after in kafka2pg.replays; the live heads never move;
+- `verify-only`: compare the new rows with what the target and quarantine hold, record the
+  differences, change nothing.
+
+An undo removes one promoted live batch's rows and rewinds its heads and ledger ranges, only
+when it is the newest batch of every partition it touched (otherwise: replay the range).
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from psycopg import Connection, sql
+from psycopg.types.json import Jsonb
+
+from kafka2pg.config import Pipeline, Settings
+from kafka2pg.database import transaction
+from kafka2pg.exceptions import BatchStateError, ConfigError, ReplayRefusedError
+from kafka2pg.kafka_offsets import offsets_for_times, partition_offsets
+from kafka2pg.ledger import (
+    Batch,
+    OpenedBatch,
+    insert_batch,
+    last_resets,
+    load_batch,
+    lock_partitions,
+    ranges_since_reset,
+    read_heads,
+    set_state,
+    staging_lost,
+)
+from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan
+
+log = logging.getLogger(__name__)
+
+MODES = ("replace", "verify-only")
+SAMPLE = 20
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """What to replay: explicit ranges, or a time window [start, end) mapped to offsets."""
+
+    mode: str = "replace"
+    ranges: tuple[OffsetRange, ...] = ()
+    window: tuple[datetime, datetime] | None = None
+    requested_by: str = ""
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"replay mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if bool(self.ranges) == (self.window is not None):
+            raise ConfigError("a replay needs either offset ranges or a time window (exactly one of them)")
+        if self.window is not None and not self.window[0] < self.window[1]:
+            raise ConfigError(f"replay time window: from {self.window[0]} must be before to {self.window[1]}")
+        seen: dict[int, list[OffsetRange]] = {}
+        for r in self.ranges:
+            if r.size == 0:
+                raise ConfigError(f"replay range of partition {r.partition} is empty: [{r.start}, {r.end})")
+            if any(r.start < o.end and o.start < r.end for o in seen.get(r.partition, [])):
+                raise ConfigError(f"replay ranges of partition {r.partition} overlap each other")
+            seen.setdefault(r.partition, []).append(r)
+
+
+def parse_time(value: Any, name: str) -> datetime:
+    """ISO-8601 text (or a datetime) -> aware datetime; no zone means UTC."""
+    if isinstance(value, datetime):
+        moment = value
+    else:
+        try:
+            moment = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        except ValueError as exc:
+            raise ConfigError(f"replay {name}: not an ISO-8601 time: {value!r} (e.g. 2026-11-22T00:00:00Z)") from exc
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def parse_ranges(value: Any) -> tuple[OffsetRange, ...]:
+    """[{"partition": p, "start": s, "end": e}, ...] or "p:s-e,p:s-e" -> offset ranges (end exclusive)."""
+    if value in (None, "", []):
+        return ()
+    items: list[Mapping[str, Any]] = []
+    if isinstance(value, str):
+        for part in value.split(","):
+            try:
+                partition, span = part.strip().split(":")
+                start, end = span.split("-")
+                items.append({"partition": int(partition), "start": int(start), "end": int(end)})
+            except ValueError as exc:
+                raise ConfigError(f"replay offsets: expected 'partition:start-end,...', got {part!r}") from exc
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        raise ConfigError(f"replay offset_ranges: expected a list of {{partition, start, end}}, got {value!r}")
+    ranges = []
+    for item in items:
+        if not isinstance(item, Mapping) or set(item) != {"partition", "start", "end"}:
+            raise ConfigError(f"replay offset range {item!r}: expected exactly the keys partition, start, end")
+        values = [item["partition"], item["start"], item["end"]]
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+            raise ConfigError(f"replay offset range {item!r}: partition, start and end must be integers >= 0")
+        if values[2] <= values[1]:
+            raise ConfigError(f"replay offset range {item!r}: end (exclusive) must be greater than start")
+        ranges.append(OffsetRange(*values))
+    return tuple(sorted(ranges, key=lambda r: (r.partition, r.start)))
+
+
+def request_from_params(
+    params: Mapping[str, Any],
+    *,
+    run_type: str | None = None,
+    interval: tuple[datetime | None, datetime | None] = (None, None),
+    requested_by: str = "",
+) -> ReplayRequest:
+    """The replay DAG's Params (+ the run's data interval for backfills) -> a request.
+
+    Explicit `offset_ranges`, else `from_time`/`to_time`, else (backfill or scheduled run
+    only) the run's data interval. A manual run without ranges or window is an error: a
+    manual run's data interval is not something the user chose.
+    """
+    mode = params.get("mode") or "replace"
+    reason = params.get("reason") or ""
+    ranges = parse_ranges(params.get("offset_ranges"))
+    start, end = params.get("from_time"), params.get("to_time")
+    if ranges and (start or end):
+        raise ConfigError("replay: give offset_ranges OR from_time/to_time, not both")
+    if ranges:
+        return ReplayRequest(mode, ranges, None, requested_by, reason)
+    if start or end:
+        if not (start and end):
+            raise ConfigError("replay: a time window needs both from_time and to_time")
+        window = (parse_time(start, "from_time"), parse_time(end, "to_time"))
+        return ReplayRequest(mode, (), window, requested_by, reason)
+    if run_type != "manual" and interval[0] is not None and interval[1] is not None and interval[0] < interval[1]:
+        window = (parse_time(interval[0], "data_interval_start"), parse_time(interval[1], "data_interval_end"))
+        return ReplayRequest(mode, (), window, requested_by, reason or f"{run_type} run over its data interval")
+    raise ConfigError(
+        'replay: nothing to replay. Give offset_ranges (e.g. [{"partition": 0, "start": 0, "end": 100}]) or '
+        "from_time and to_time in the trigger form, or create a backfill over dates (each run replays its "
+        "data interval)."
+    )
+
+
+def resolve_ranges(settings: Settings, pipeline: Pipeline, request: ReplayRequest) -> tuple[OffsetRange, ...]:
+    """The request's offset ranges; a time window maps through offsets_for_times (empty ones dropped)."""
+    if request.window is None:
+        return request.ranges
+    servers, timeout = settings.bootstrap_servers, settings.kafka_timeout_s
+    start = offsets_for_times(servers, pipeline.topic, int(request.window[0].timestamp() * 1000), timeout)
+    end = offsets_for_times(servers, pipeline.topic, int(request.window[1].timestamp() * 1000), timeout)
+    return tuple(OffsetRange(p, start[p], end[p]) for p in sorted(start) if end.get(p, start[p]) > start[p])
+
+
+def open_replay(
+    settings: Settings, pipeline: Pipeline, request: ReplayRequest, *, run_id: str | None = None
+) -> OpenedBatch:
+    """Check the ranges against the ledger and the broker, then record a planned replay batch.
+
+    Refused (`ReplayRefusedError`, nothing recorded) when a range reaches beyond the live head,
+    covers offsets the ledger never loaded (a recorded gap, an older topic generation), or
+    starts below the low watermark (those records are gone: replacing would lose rows).
+    """
+    ranges = resolve_ranges(settings, pipeline, request)
+    window = ""
+    if request.window is not None:
+        window = f" (time window [{request.window[0].isoformat()}, {request.window[1].isoformat()}))"
+    if not ranges:
+        return OpenedBatch(None, False, f"replay: no records to replay{window}; nothing recorded, Spark not launched")
+    broker = {o.partition: o for o in partition_offsets(settings.bootstrap_servers, pipeline.topic)}
+    with transaction(settings.database_url) as conn:
+        # Serialised with planning, undo and reset: the heads read here stay valid until commit.
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
+        heads = read_heads(conn, pipeline.name)
+        loaded = ranges_since_reset(conn, pipeline.name, last_resets(conn, pipeline.name))[1]
+        for r in ranges:
+            _check_replayable(pipeline, r, heads.get(r.partition), loaded.get(r.partition, []), broker.get(r.partition))
+        plan = BatchPlan(
+            pipeline.name,
+            pipeline.topic,
+            tuple(PartitionPlan(r.partition, heads[r.partition], None, r) for r in ranges),
+        )
+        batch = insert_batch(conn, pipeline, plan, run_id, kind="replay")
+        batch_id = batch.batch_id
+        _record(conn, pipeline, batch_id, request.mode, ranges, request, run_id)
+    described = " ".join(f"p{r.partition}[{r.start},{r.end})" for r in ranges)
+    message = f"planned replay batch {batch_id} ({request.mode}) of {plan.record_budget} offsets: {described}{window}"
+    log.info("pipeline=%s %s", pipeline.name, message)
+    return OpenedBatch(batch, False, message)
+
+
+def _check_replayable(pipeline: Pipeline, r: OffsetRange, head: int | None, loaded: list, broker) -> None:
+    where = f"pipeline {pipeline.name!r} partition {r.partition} [{r.start}, {r.end})"
+    if head is None:
+        raise ReplayRefusedError(f"{where}: the ledger has never loaded this partition; nothing to replay")
+    if r.end > head:
+        raise ReplayRefusedError(
+            f"{where}: the range reaches beyond the live head {head}. A replay only re-loads what the live "
+            f"pipeline already loaded; offsets from {head} on are the live pipeline's next batch."
+        )
+    if not any(start <= r.start and r.end <= end for start, end in loaded):
+        spans = ", ".join(f"[{s}, {e})" for s, e in loaded) or "none"
+        raise ReplayRefusedError(
+            f"{where}: part of the range was never loaded by this topic's ledger (loaded: {spans}); recorded gaps "
+            "(retention loss, skipped new partition) and offsets from before a reset cannot be replayed."
+        )
+    if broker is not None and r.start < broker.low:
+        raise ReplayRefusedError(
+            f"{where}: records [{r.start}, {broker.low}) are gone from Kafka (low watermark {broker.low}); "
+            "replacing would delete their rows with nothing to put back. Replay from the low watermark on."
+        )
+
+
+def _record(
+    conn: Connection,
+    pipeline: Pipeline,
+    batch_id: int,
+    operation: str,
+    ranges: tuple[OffsetRange, ...],
+    request: ReplayRequest | None,
+    run_id: str | None,
+    *,
+    requested_by: str = "",
+    reason: str = "",
+) -> None:
+    window = request.window if request is not None else None
+    conn.execute(
+        "INSERT INTO kafka2pg.replays (batch_id, pipeline, topic, operation, ranges, window_from, window_to,"
+        " requested_by, reason, run_id) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (
+            batch_id,
+            pipeline.name,
+            pipeline.topic,
+            operation,
+            Jsonb([{"partition": r.partition, "start": r.start, "end": r.end} for r in ranges]),
+            window[0] if window else None,
+            window[1] if window else None,
+            (request.requested_by if request else requested_by) or getpass.getuser(),
+            (request.reason if request else reason) or "",
+            run_id,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """The outcome of finishing a replay (the promote step of the replay DAG)."""
+
+    batch_id: int
+    mode: str
+    promoted: int
+    quarantined: int
+    already_promoted: bool
+    message: str
+    before: tuple[int, int] = (0, 0)
+    differences: dict = field(default_factory=dict)
+
+
+def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayResult | None:
+    """Replace the range's rows (or only compare them) in the caller's transaction.
+
+    Returns None when the staged rows were lost (the batch is back to `planned`).
+    """
+    mode, before_counts, differences = conn.execute(
+        "SELECT operation, ARRAY[target_rows_before, quarantine_rows_before], differences"
+        " FROM kafka2pg.replays WHERE batch_id = %s",
+        (batch.batch_id,),
+    ).fetchone()
+    if batch.state in ("promoted", "verified"):
+        message = f"replay batch {batch.batch_id} was already finished ({batch.state}): nothing changed"
+        return ReplayResult(
+            batch.batch_id,
+            mode,
+            batch.rows_promoted or 0,
+            batch.rows_quarantined or 0,
+            True,
+            message,
+            tuple(before_counts),
+            differences or {},
+        )
+    if batch.state != "validated":
+        raise BatchStateError(
+            f"replay batch {batch.batch_id} of pipeline {pipeline.name!r} is {batch.state}; only a validated "
+            "batch can be finished (the quality gate fails closed)"
+        )
+    if staging_lost(conn, pipeline, batch):
+        return None
+    ranges = batch.plan.ranges
+    lock_partitions(conn, pipeline.name, [r.partition for r in ranges], f"replay batch {batch.batch_id}")
+    # Under the range locks: no promotion or undo of these partitions runs now; re-check the heads.
+    heads = read_heads(conn, pipeline.name)
+    for r in ranges:
+        if heads.get(r.partition) is None or r.end > heads[r.partition]:
+            raise ReplayRefusedError(
+                f"pipeline {pipeline.name!r} replay batch {batch.batch_id}: partition {r.partition} [{r.start}, "
+                f"{r.end}) now reaches beyond the live head {heads.get(r.partition)} (an undo rewound it); nothing "
+                "was changed. Trigger the replay again for the range still loaded."
+            )
+    floors = {p: after for p, (after, _) in last_resets(conn, pipeline.name).items()}
+    in_range = range_predicate(ranges, floors)
+    before = _count(conn, pipeline, in_range)
+    from kafka2pg.promote import clear_staging, insert_quarantine, insert_target
+
+    if mode == "verify-only":
+        found = differences_of(conn, pipeline, batch.batch_id, in_range)
+        clear_staging(conn, pipeline, batch.batch_id)
+        set_state(conn, batch, "verified")
+        _finish_record(conn, batch.batch_id, before, before, found)
+        total = sum(v["count"] for v in found.values())
+        message = (
+            f"replay batch {batch.batch_id} verify-only: {total} difference(s) between Kafka re-read with the "
+            f"current logic and the target/quarantine ({_describe_differences(found)}); nothing changed"
+        )
+        log.info("pipeline=%s %s", pipeline.name, message)
+        return ReplayResult(batch.batch_id, mode, 0, 0, False, message, before, found)
+    _delete_rows(conn, pipeline, in_range)
+    promoted = insert_target(conn, pipeline, batch)
+    quarantined = insert_quarantine(conn, pipeline, batch)
+    clear_staging(conn, pipeline, batch.batch_id)
+    set_state(conn, batch, "promoted", rows_promoted=promoted, rows_quarantined=quarantined)
+    after = _count(conn, pipeline, in_range)
+    _finish_record(conn, batch.batch_id, before, after, None)
+    message = (
+        f"replay batch {batch.batch_id} replaced {before[0]} target and {before[1]} quarantine rows with "
+        f"{promoted} and {quarantined}; live heads unchanged"
+    )
+    log.info("pipeline=%s %s", pipeline.name, message)
+    return ReplayResult(batch.batch_id, mode, promoted, quarantined, False, message, before)
+
+
+def range_predicate(ranges: tuple[OffsetRange, ...], floors: dict[int, int], alias: str = "") -> sql.Composable:
+    """SQL: a row's provenance lies in one of the ranges, in the partition's current generation."""
+    prefix = f"{alias}." if alias else ""
+    parts = [
+        sql.SQL(
+            "({p}kafka_partition = {partition} AND {p}kafka_offset >= {start} AND {p}kafka_offset < {end}"
+            " AND {p}batch_id > {floor})"
+        ).format(
+            p=sql.SQL(prefix),
+            partition=sql.Literal(r.partition),
+            start=sql.Literal(r.start),
+            end=sql.Literal(r.end),
+            floor=sql.Literal(floors.get(r.partition, 0)),
+        )
+        for r in ranges
+    ]
+    return sql.SQL("({})").format(sql.SQL(" OR ").join(parts))
+
+
+def _target(pipeline: Pipeline) -> sql.Identifier:
+    return sql.Identifier(pipeline.target_schema, pipeline.target_table)
+
+
+def _count(conn: Connection, pipeline: Pipeline, in_range: sql.Composable) -> tuple[int, int]:
+    row = conn.execute(
+        sql.SQL(
+            "SELECT (SELECT count(*) FROM {target} WHERE kafka_topic = %(topic)s AND {r}),"
+            " (SELECT count(*) FROM kafka2pg.quarantine WHERE pipeline = %(pipeline)s"
+            " AND kafka_topic = %(topic)s AND {r})"
+        ).format(target=_target(pipeline), r=in_range),
+        {"topic": pipeline.topic, "pipeline": pipeline.name},
+    ).fetchone()
+    return row[0], row[1]
+
+
+def _delete_rows(conn: Connection, pipeline: Pipeline, in_range: sql.Composable) -> None:
+    params = {"topic": pipeline.topic, "pipeline": pipeline.name}
+    conn.execute(
+        sql.SQL("DELETE FROM {} WHERE kafka_topic = %(topic)s AND {}").format(_target(pipeline), in_range), params
+    )
+    conn.execute(
+        sql.SQL(
+            "DELETE FROM kafka2pg.quarantine WHERE pipeline = %(pipeline)s AND kafka_topic = %(topic)s AND {}"
+        ).format(in_range),
+        params,
+    )
+
+
+def _finish_record(
+    conn: Connection, batch_id: int, before: tuple[int, int], after: tuple[int, int], differences: dict | None
+) -> None:
+    conn.execute(
+        "UPDATE kafka2pg.replays SET target_rows_before = %s, quarantine_rows_before = %s, target_rows_after = %s,"
+        " quarantine_rows_after = %s, differences = %s, finished_at = now() WHERE batch_id = %s",
+        (*before, *after, None if differences is None else Jsonb(differences), batch_id),
+    )
+
+
+def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range: sql.Composable) -> dict:
+    """Staged replay rows vs the target and quarantine rows of the range, by provenance.
+
+    Kinds: only_in_target, only_in_replay, changed (same offset, other values); for the
+    quarantine: quarantined_only_before, quarantined_only_by_replay, quarantine_reason_changed.
+    Each: count and up to SAMPLE "partition:offset" samples.
+    """
+    values = sql.SQL(", ").join(
+        [sql.Identifier(c.name) for c in pipeline.columns] + [sql.Identifier("kafka_timestamp")]
+    )
+    staging = sql.Identifier("kafka2pg", pipeline.staging_table)
+    params = {"batch": batch_id, "topic": pipeline.topic, "pipeline": pipeline.name}
+    new_rows = sql.SQL(
+        "SELECT kafka_partition, kafka_offset, ROW({values}) AS v FROM {staging}"
+        " WHERE batch_id = %(batch)s AND quarantine_reason IS NULL"
+    ).format(values=values, staging=staging)
+    old_rows = sql.SQL(
+        "SELECT kafka_partition, kafka_offset, ROW({values}) AS v FROM {target} WHERE kafka_topic = %(topic)s AND {r}"
+    ).format(values=values, target=_target(pipeline), r=in_range)
+    new_q = sql.SQL(
+        "SELECT kafka_partition, kafka_offset, quarantine_reason AS v FROM {staging}"
+        " WHERE batch_id = %(batch)s AND quarantine_reason IS NOT NULL"
+    ).format(staging=staging)
+    old_q = sql.SQL(
+        "SELECT kafka_partition, kafka_offset, reason AS v FROM kafka2pg.quarantine"
+        " WHERE pipeline = %(pipeline)s AND kafka_topic = %(topic)s AND {r}"
+    ).format(r=in_range)
+    kinds = {
+        "target": ("only_in_target", "only_in_replay", "changed"),
+        "quarantine": ("quarantined_only_before", "quarantined_only_by_replay", "quarantine_reason_changed"),
+    }
+    found: dict[str, dict] = {}
+    for side, old, new in (("target", old_rows, new_rows), ("quarantine", old_q, new_q)):
+        only_old, only_new, changed = kinds[side]
+        joined = sql.SQL(
+            "SELECT CASE WHEN n.p IS NULL THEN {only_old} WHEN o.p IS NULL THEN {only_new} ELSE {changed} END,"
+            " coalesce(o.p, n.p), coalesce(o.o, n.o)"
+            " FROM (SELECT kafka_partition AS p, kafka_offset AS o, v FROM ({old}) x) o"
+            " FULL JOIN (SELECT kafka_partition AS p, kafka_offset AS o, v FROM ({new}) y) n ON o.p = n.p AND o.o = n.o"
+            " WHERE o.p IS NULL OR n.p IS NULL OR o.v IS DISTINCT FROM n.v ORDER BY 2, 3"
+        ).format(
+            only_old=sql.Literal(only_old),
+            only_new=sql.Literal(only_new),
+            changed=sql.Literal(changed),
+            old=old,
+            new=new,
+        )
+        for kind, partition, offset in conn.execute(joined, params):
+            entry = found.setdefault(kind, {"count": 0, "sample": []})
+            entry["count"] += 1
+            if len(entry["sample"]) < SAMPLE:
+                entry["sample"].append(f"{partition}:{offset}")
+    return found
+
+
+def _describe_differences(found: dict) -> str:
+    if not found:
+        return "none"
+    return "; ".join(f"{kind} {v['count']} (e.g. {', '.join(v['sample'][:5])})" for kind, v in sorted(found.items()))
+
+
+@dataclass(frozen=True)
+class Undo:
+    batch_id: int
+    ranges: tuple[OffsetRange, ...]
+    rows: tuple[int, int]
+    applied: bool
+    message: str
+
+
+def undo_batch(
+    settings: Settings,
+    pipeline: Pipeline,
+    batch_id: int,
+    *,
+    confirm: bool,
+    reason: str = "",
+    requested_by: str = "",
+) -> Undo:
+    """Take one promoted live batch back: delete its range's rows, rewind heads and ledger, atomically.
+
+    Allowed only when, on every partition it touched, it is the newest batch (the head is where
+    it left it). Otherwise `ReplayRefusedError` says to replay the range instead. Without
+    `confirm` nothing changes and the message says what would happen. An unfinished live batch
+    is abandoned (it was planned from the heads being rewound).
+    """
+    with transaction(settings.database_url) as conn:
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
+        open_row = conn.execute(
+            "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live'"
+            " AND state IN ('planned', 'staged', 'validated') FOR UPDATE",
+            (pipeline.name,),
+        ).fetchone()
+        batch = load_batch(conn, batch_id, for_update=True)
+        where = f"pipeline {pipeline.name!r} batch {batch_id}"
+        if batch.pipeline != pipeline.name:
+            raise BatchStateError(f"batch {batch_id} belongs to pipeline {batch.pipeline!r}, not {pipeline.name!r}")
+        if batch.kind != "live" or batch.state != "promoted":
+            raise ReplayRefusedError(
+                f"{where} is a {batch.kind} batch in state {batch.state}: only a promoted live batch can be undone"
+            )
+        parts = batch.plan.partitions
+        lock_partitions(conn, pipeline.name, [p.partition for p in parts], f"undo of batch {batch_id}")
+        heads = dict(
+            conn.execute(
+                "SELECT kafka_partition, last_batch_id FROM kafka2pg.ledger_heads WHERE pipeline = %s", (pipeline.name,)
+            ).fetchall()
+        )
+        newer = {p.partition: heads.get(p.partition) for p in parts if heads.get(p.partition) != batch_id}
+        if newer:
+            spans = ",".join(f"{r.partition}:{r.start}-{r.end}" for r in batch.plan.ranges)
+            raise ReplayRefusedError(
+                f"{where} is not the newest batch of partition(s) {sorted(newer)} (last moved by batch(es) "
+                f"{sorted({b for b in newer.values() if b is not None})}): undoing it would leave a hole in the "
+                f"ledger. Replay its range instead (offsets {spans}), e.g. `kafka2pg replay --pipeline "
+                f"{pipeline.name} --offsets {spans}`."
+            )
+        floors = {p: after for p, (after, _) in last_resets(conn, pipeline.name).items()}
+        ranges = tuple(OffsetRange(p.partition, p.gap.start if p.gap else p.range.start, p.new_head) for p in parts)
+        in_range = range_predicate(ranges, floors)
+        rows = _count(conn, pipeline, in_range)
+        described = " ".join(f"p{r.partition}[{r.start},{r.end})" for r in ranges)
+        message = (
+            f"{where}: delete {rows[0]} target and {rows[1]} quarantine rows of {described}, rewind heads to "
+            + ", ".join(f"p{p.partition}@{p.expected_head if p.expected_head is not None else 'unread'}" for p in parts)
+        )
+        if open_row is not None:
+            message += f"; unfinished batch {open_row[0]} is abandoned"
+        if not confirm:
+            return Undo(batch_id, ranges, rows, False, message)
+        if open_row is not None:
+            set_state(conn, load_batch(conn, open_row[0]), "abandoned", error=f"batch {batch_id} was undone")
+        _delete_rows(conn, pipeline, in_range)
+        conn.execute(
+            "DELETE FROM kafka2pg.ledger_ranges WHERE pipeline = %s AND batch_id = %s", (pipeline.name, batch_id)
+        )
+        for p in parts:
+            if p.expected_head is None:
+                conn.execute(
+                    "DELETE FROM kafka2pg.ledger_heads WHERE pipeline = %s AND kafka_partition = %s",
+                    (pipeline.name, p.partition),
+                )
+                continue
+            conn.execute(
+                "UPDATE kafka2pg.ledger_heads SET next_offset = %s, updated_at = now(), last_batch_id ="
+                " (SELECT max(batch_id) FROM kafka2pg.ledger_ranges WHERE pipeline = %s AND kafka_partition = %s"
+                "  AND end_offset = %s) WHERE pipeline = %s AND kafka_partition = %s AND last_batch_id = %s",
+                (p.expected_head, pipeline.name, p.partition, p.expected_head, pipeline.name, p.partition, batch_id),
+            )
+        set_state(conn, batch, "undone", error=f"undone: {reason}" if reason else "undone")
+        _record(conn, pipeline, batch_id, "undo", ranges, None, None, requested_by=requested_by, reason=reason)
+        _finish_record(conn, batch_id, rows, (0, 0), None)
+    log.warning("undo: %s (reason: %s)", message, reason or "-")
+    return Undo(batch_id, ranges, rows, True, message)

@@ -1,0 +1,61 @@
+"""The replay DAG's Params -> a replay request: explicit ranges, a time window, a backfill's interval."""
+
+from datetime import UTC, datetime
+
+import pytest
+
+from kafka2pg.exceptions import ConfigError
+from kafka2pg.planner import OffsetRange
+from kafka2pg.replay import ReplayRequest, parse_ranges, request_from_params
+
+DAY = (datetime(2026, 11, 1, tzinfo=UTC), datetime(2026, 11, 2, tzinfo=UTC))
+
+
+def test_offset_ranges_from_the_form_or_the_command_line():
+    form = [{"partition": 1, "start": 5, "end": 9}, {"partition": 0, "start": 0, "end": 3}]
+    assert parse_ranges(form) == (OffsetRange(0, 0, 3), OffsetRange(1, 5, 9))
+    assert parse_ranges("1:5-9, 0:0-3") == parse_ranges(form)
+    request = request_from_params({"offset_ranges": form}, run_type="manual")
+    assert request.mode == "replace" and request.ranges == parse_ranges(form) and request.window is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([{"partition": 0, "start": 5, "end": 5}], "must be greater than start"),
+        ([{"partition": 0, "start": -1, "end": 5}], "integers >= 0"),
+        ([{"partition": 0, "start": 0}], "exactly the keys"),
+        ("0:5", "partition:start-end"),
+        (7, "expected a list"),
+    ],
+)
+def test_bad_offset_ranges_are_refused_with_the_reason(value, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_ranges(value)
+
+
+def test_overlapping_ranges_of_one_partition_are_refused():
+    with pytest.raises(ConfigError, match="overlap"):
+        ReplayRequest("replace", (OffsetRange(0, 0, 10), OffsetRange(0, 5, 20)))
+
+
+def test_time_window_without_a_zone_is_utc_and_must_be_ordered():
+    request = request_from_params({"from_time": "2026-11-01T00:00:00", "to_time": "2026-11-02T00:00:00Z"})
+    assert request.window == DAY
+    with pytest.raises(ConfigError, match="must be before"):
+        request_from_params({"from_time": "2026-11-02T00:00:00Z", "to_time": "2026-11-01T00:00:00Z"})
+    with pytest.raises(ConfigError, match="needs both"):
+        request_from_params({"from_time": "2026-11-02T00:00:00Z"})
+    with pytest.raises(ConfigError, match="not an ISO-8601"):
+        request_from_params({"from_time": "yesterday", "to_time": "today"})
+
+
+def test_a_backfill_run_replays_its_data_interval_but_a_bare_manual_run_is_an_error():
+    request = request_from_params({"mode": "verify-only"}, run_type="backfill", interval=DAY, requested_by="ann")
+    assert (request.mode, request.window, request.requested_by) == ("verify-only", DAY, "ann")
+    with pytest.raises(ConfigError, match="nothing to replay"):
+        request_from_params({}, run_type="manual", interval=DAY)
+    with pytest.raises(ConfigError, match="not both"):
+        request_from_params({"offset_ranges": "0:0-1", "from_time": "2026-11-01"}, run_type="backfill")
+    with pytest.raises(ConfigError, match="mode"):
+        request_from_params({"mode": "delete", "offset_ranges": "0:0-1"})
