@@ -78,6 +78,14 @@ def build_dag(pipeline: Pipeline):
     return dag
 
 
+def _run_type(dag_run) -> str | None:
+    """'manual', 'backfill', 'scheduled', ... (the enum's value, whatever form the context gives it)."""
+    run_type = getattr(dag_run, "run_type", None)
+    if run_type is None:
+        return None
+    return str(getattr(run_type, "value", run_type)).lower().removeprefix("dagruntype.")
+
+
 def _has_batch_task():
     """Short-circuit: no batch planned (nothing new, or nothing to replay) skips Spark and the rest."""
     from airflow.sdk import task
@@ -200,7 +208,7 @@ def build_replay_dag(pipeline: Pipeline):
                 name,
                 dict(params or {}),
                 run_id=run_id,
-                run_type=str(getattr(dag_run, "run_type", "") or "").lower() or None,
+                run_type=_run_type(dag_run),
                 interval=(context.get("data_interval_start"), context.get("data_interval_end")),
                 requested_by=user or f"airflow run {run_id}",
             )
