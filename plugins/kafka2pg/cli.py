@@ -208,6 +208,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "reason": args.reason,
     }
     request = request_from_params(params, run_type="manual", requested_by=args.requested_by)
+    assert request is not None  # a manual request without ranges or window raises instead
     migrate(settings.database_url, [pipeline])
     opened = open_replay(settings, pipeline, request, run_id="cli")
     print(opened.message)

@@ -194,7 +194,11 @@ def build_replay_dag(pipeline: Pipeline):
                 format="date-time",
                 description="Time window end (exclusive). Mapped to offsets with offsets_for_times.",
             ),
-            "reason": Param("", type="string", description="Why: recorded with the replay in kafka2pg.replays."),
+            "reason": Param(
+                None,
+                type=["null", "string"],
+                description="Why (optional): recorded with the replay in kafka2pg.replays.",
+            ),
         },
         doc_md=REPLAY_DOC,
     ) as dag:

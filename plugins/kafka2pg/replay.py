@@ -123,12 +123,13 @@ def request_from_params(
     run_type: str | None = None,
     interval: tuple[datetime | None, datetime | None] = (None, None),
     requested_by: str = "",
-) -> ReplayRequest:
+) -> ReplayRequest | None:
     """The replay DAG's Params (+ the run's data interval for backfills) -> a request.
 
-    Explicit `offset_ranges`, else `from_time`/`to_time`, else (backfill or scheduled run
-    only) the run's data interval. A manual run without ranges or window is an error: a
-    manual run's data interval is not something the user chose.
+    Explicit `offset_ranges`, else `from_time`/`to_time`, else (backfill runs only) the run's
+    data interval. A manual run without ranges or window is an error: a manual run's data
+    interval is not something the user chose. A scheduled run (the DAG was unpaused so that
+    backfills run) replays nothing: None.
     """
     mode = params.get("mode") or "replace"
     reason = params.get("reason") or ""
@@ -143,6 +144,8 @@ def request_from_params(
             raise ConfigError("replay: a time window needs both from_time and to_time")
         window = (parse_time(start, "from_time"), parse_time(end, "to_time"))
         return ReplayRequest(mode, (), window, requested_by, reason)
+    if run_type == "scheduled":
+        return None
     if run_type != "manual" and interval[0] is not None and interval[1] is not None and interval[0] < interval[1]:
         window = (parse_time(interval[0], "data_interval_start"), parse_time(interval[1], "data_interval_end"))
         return ReplayRequest(mode, (), window, requested_by, reason or f"{run_type} run over its data interval")

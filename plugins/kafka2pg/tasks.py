@@ -99,6 +99,13 @@ def plan_replay(
         settings = Settings.from_env()
         pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
         request = request_from_params(params, run_type=run_type, interval=interval, requested_by=requested_by)
+        if request is None:
+            log.info(
+                "pipeline=%s scheduled run of the replay DAG: replays run from triggers and backfills only; "
+                "nothing to do, Spark not launched",
+                pipeline_name,
+            )
+            return None
         migrate(settings.database_url, [pipeline])
         opened = open_replay(settings, pipeline, request, run_id=run_id)
     log.info("pipeline=%s %s", pipeline_name, opened.message)

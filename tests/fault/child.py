@@ -28,7 +28,7 @@ POINTS = {
     "validate:after_store": (quality, "_store_checks"),
     "validate:before_commit": (quality, "set_state"),
     "promote:after_head": (promote, "_advance_head"),
-    "promote:after_target": (promote, "_insert_target"),
+    "promote:after_target": (promote, "insert_target"),
     "promote:before_commit": (promote, "set_state"),
 }
 

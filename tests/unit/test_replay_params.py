@@ -50,11 +50,12 @@ def test_time_window_without_a_zone_is_utc_and_must_be_ordered():
         request_from_params({"from_time": "yesterday", "to_time": "today"})
 
 
-def test_a_backfill_run_replays_its_data_interval_but_a_bare_manual_run_is_an_error():
+def test_a_backfill_run_replays_its_data_interval_a_bare_manual_run_is_an_error_a_scheduled_one_a_noop():
     request = request_from_params({"mode": "verify-only"}, run_type="backfill", interval=DAY, requested_by="ann")
     assert (request.mode, request.window, request.requested_by) == ("verify-only", DAY, "ann")
     with pytest.raises(ConfigError, match="nothing to replay"):
         request_from_params({}, run_type="manual", interval=DAY)
+    assert request_from_params({}, run_type="scheduled", interval=DAY) is None, "a timer never replays"
     with pytest.raises(ConfigError, match="not both"):
         request_from_params({"offset_ranges": "0:0-1", "from_time": "2026-11-01"}, run_type="backfill")
     with pytest.raises(ConfigError, match="mode"):

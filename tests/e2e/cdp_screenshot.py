@@ -1,0 +1,127 @@
+"""Open a DAG's trigger form in the Airflow 3 UI with headless Chromium (DevTools protocol) and
+screenshot it. No URL opens the form: the script clicks the Trigger button like a user."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import websockets
+
+FORM_OPEN = "[...document.querySelectorAll('[role=dialog]')].some(d => d.innerText.includes('offset_ranges'))"
+FORM_TEXT = "[...document.querySelectorAll('[role=dialog]')].find(d => d.innerText.includes('offset_ranges')).innerText"
+
+
+class _Page:
+    def __init__(self, ws) -> None:
+        self.ws, self.ids = ws, itertools.count(1)
+
+    async def send(self, method: str, **params):
+        message_id = next(self.ids)
+        await self.ws.send(json.dumps({"id": message_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(await self.ws.recv())
+            if message.get("id") == message_id:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                return message["result"]
+
+    async def js(self, expression: str):
+        result = await self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(result["exceptionDetails"])
+        return result["result"].get("value")
+
+    async def wait(self, expression: str, timeout_s: float = 60):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if await self.js(expression):
+                return
+            await asyncio.sleep(0.25)
+        raise TimeoutError(expression)
+
+
+def _start_chromium(profile: Path, width: int, height: int) -> tuple[subprocess.Popen, int]:
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is not installed: run the suite through ./kafka2pg test, which installs it"
+    proc = subprocess.Popen(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--no-first-run",
+            "--disable-dev-shm-usage",
+            f"--window-size={width},{height}",
+            "--remote-debugging-address=127.0.0.1",
+            "--remote-debugging-port=0",
+            f"--user-data-dir={profile}",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    port_file = profile / "DevToolsActivePort"
+    deadline = time.monotonic() + 30
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError("chromium did not start its DevTools endpoint")
+        time.sleep(0.1)
+    return proc, int(port_file.read_text().split()[0])
+
+
+async def _capture(port: int, url: str, out: Path, width: int, height: int) -> str:
+    targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list"))  # noqa: S310 - local DevTools
+    ws_url = next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
+    async with websockets.connect(ws_url, max_size=64 * 2**20) as ws:
+        page = _Page(ws)
+        await page.send("Page.enable")
+        await page.send("Runtime.enable")
+        await page.send(
+            "Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False
+        )
+        await page.send("Page.navigate", url=url)
+        await page.wait("!!document.querySelector('[data-testid=trigger-dag-button]:not([disabled])')")
+        await page.js("document.querySelector('[data-testid=trigger-dag-button]').click()")
+        await asyncio.sleep(0.5)
+        # When the button opens a menu, pick the plain trigger.
+        await page.js(
+            "(() => { const i = document.querySelector('[role=menuitem][data-value=trigger]'); if (i) i.click(); })()"
+        )
+        await page.wait(FORM_OPEN)
+        await asyncio.sleep(1.0)  # fonts and the JSON editor settle
+        text = await page.js(FORM_TEXT)
+        shot = await page.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+        out.write_bytes(base64.b64decode(shot["data"]))
+        return text
+
+
+def screenshot_trigger_form(base_url: str, dag_id: str, out: Path, width: int = 1400, height: int = 1300) -> str:
+    """Screenshot of the DAG's trigger form at `out`; returns the form's text."""
+    profile = Path(tempfile.mkdtemp(prefix="kafka2pg-chromium-"))
+    proc, port = _start_chromium(profile, width, height)
+    try:
+        return asyncio.run(_capture(port, f"{base_url}/dags/{dag_id}", out, width, height))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(profile, ignore_errors=True)
