@@ -17,6 +17,7 @@ Kafka2PgError
  │    └── StagingLostError     staged rows vanished (PostgreSQL crash); batch back to planned
  ├── StageInterrupted         SIGTERM stopped the Spark job; the batch stays resumable
  ├── QualityGateFailed        validation blocked promotion
+ │    └── KeyCollisionError   a business key promoted since validation; batch back to re-validation
  └── StackError               the local embedded Kafka/PostgreSQL stack failed
 """
 
@@ -98,6 +99,10 @@ class StageInterrupted(Kafka2PgError):
 
 class QualityGateFailed(Kafka2PgError):
     """The quality gate rejected a batch; nothing was promoted."""
+
+
+class KeyCollisionError(QualityGateFailed):
+    """Promotion hit a business key promoted since the batch was validated (a replay, a manual write)."""
 
 
 class StackError(Kafka2PgError):

@@ -144,7 +144,8 @@ def lock_partitions(conn: Connection, pipeline: str, partitions: set[int] | list
         holder = conn.execute(
             "SELECT a.pid, a.application_name, left(a.query, 120) FROM pg_locks l JOIN pg_stat_activity a"
             " USING (pid) WHERE l.locktype = 'advisory' AND l.granted AND l.classid = hashtext(%s)::oid"
-            " AND l.objid = %s::oid LIMIT 1",
+            " AND l.objid = %s::oid AND l.objsubid = 2 AND l.database = (SELECT oid FROM pg_database"
+            " WHERE datname = current_database()) LIMIT 1",
             key,
         ).fetchone()
         log.warning(
@@ -152,9 +153,12 @@ def lock_partitions(conn: Connection, pipeline: str, partitions: set[int] | list
             pipeline,
             purpose,
             partition,
-            f"backend pid {holder[0]}" if holder else "another transaction",
+            f"backend pid {holder[0]} ({holder[1] or 'no application name'}: {holder[2]})"
+            if holder
+            else "another transaction",
         )
-        conn.execute(f"SET LOCAL lock_timeout = '{RANGE_LOCK_WAIT_S}s'")
+        previous = conn.execute("SELECT current_setting('lock_timeout')").fetchone()[0]
+        conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{RANGE_LOCK_WAIT_S}s",))
         try:
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s), %s)", key)
         except psycopg.errors.LockNotAvailable as exc:
@@ -163,7 +167,7 @@ def lock_partitions(conn: Connection, pipeline: str, partitions: set[int] | list
                 "another promotion, replay or undo still holds; nothing was changed. Retry when it has finished "
                 "(see kafka2pg.batches and kafka2pg.replays)."
             ) from exc
-        conn.execute("SET LOCAL lock_timeout = 0")
+        conn.execute("SELECT set_config('lock_timeout', %s, true)", (previous,))
 
 
 def set_state(conn: Connection, batch: Batch, to_state: str, **counts: int | str | None) -> None:

@@ -14,7 +14,7 @@ from psycopg import Connection, sql
 
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, LedgerConflictError, QualityGateFailed
+from kafka2pg.exceptions import BatchStateError, KeyCollisionError, LedgerConflictError
 from kafka2pg.ledger import Batch, load_claimed, lock_partitions, raise_staging_lost, set_state, staging_lost
 from kafka2pg.planner import PartitionPlan
 
@@ -36,6 +36,17 @@ def promote_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: 
     `epoch` is the run's claim (None: the current one): a fenced-off zombie run fails with
     `LedgerConflictError` here even if the heads have not moved yet.
     """
+    try:
+        return _promote(settings, pipeline, batch_id, epoch)
+    except KeyCollisionError:
+        with transaction(settings.database_url) as conn:
+            batch = load_claimed(conn, pipeline, batch_id, epoch)
+            if batch.state == "validated":
+                set_state(conn, batch, "staged", error="business key promoted since validation: validate again")
+        raise
+
+
+def _promote(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None):
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         if batch.kind == "replay":
@@ -166,10 +177,11 @@ def insert_target(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
     try:
         return conn.execute(query, (batch.batch_id,)).rowcount
     except psycopg.errors.UniqueViolation as exc:
-        raise QualityGateFailed(
+        raise KeyCollisionError(
             f"pipeline {pipeline.name!r} batch {batch.batch_id}: promotion hit a unique key already in the "
-            f"target ({exc.diag.message_detail}); nothing was promoted. A concurrent run or a manual write "
-            "loaded it; run `./kafka2pg status` and trigger a new run."
+            f"target ({exc.diag.message_detail}); nothing was promoted. A replay or a manual write loaded it "
+            "after this batch was validated. The batch goes back to 'staged': the next run (trigger one) "
+            "validates it again, and the duplicate check then flags the row."
         ) from exc
 
 

@@ -51,7 +51,7 @@ def validate_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch:
     checks: list[Check] = []
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
-        if batch.state in ("validated", "promoted"):
+        if batch.state in ("validated", "promoted", "verified"):
             return ValidationResult(batch_id, batch.state, (), f"batch {batch_id} is already {batch.state}")
         if batch.state != "staged":
             raise BatchStateError(

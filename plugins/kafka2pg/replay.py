@@ -28,7 +28,7 @@ from psycopg.types.json import Jsonb
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ConfigError, ReplayRefusedError
-from kafka2pg.kafka_offsets import offsets_for_times, partition_offsets
+from kafka2pg.kafka_offsets import offsets_for_times, partition_offsets, topic_retention
 from kafka2pg.ledger import (
     Batch,
     OpenedBatch,
@@ -66,13 +66,16 @@ class ReplayRequest:
             raise ConfigError("a replay needs either offset ranges or a time window (exactly one of them)")
         if self.window is not None and not self.window[0] < self.window[1]:
             raise ConfigError(f"replay time window: from {self.window[0]} must be before to {self.window[1]}")
-        seen: dict[int, list[OffsetRange]] = {}
+        seen: set[int] = set()
         for r in self.ranges:
             if r.size == 0:
                 raise ConfigError(f"replay range of partition {r.partition} is empty: [{r.start}, {r.end})")
-            if any(r.start < o.end and o.start < r.end for o in seen.get(r.partition, [])):
-                raise ConfigError(f"replay ranges of partition {r.partition} overlap each other")
-            seen.setdefault(r.partition, []).append(r)
+            if r.partition in seen:
+                raise ConfigError(
+                    f"replay: one range per partition (partition {r.partition} has several); "
+                    "replay them one after the other, or one range covering them"
+                )
+            seen.add(r.partition)
 
 
 def parse_time(value: Any, name: str) -> datetime:
@@ -181,7 +184,9 @@ def open_replay(
         window = f" (time window [{request.window[0].isoformat()}, {request.window[1].isoformat()}))"
     if not ranges:
         return OpenedBatch(None, False, f"replay: no records to replay{window}; nothing recorded, Spark not launched")
-    broker = {o.partition: o for o in partition_offsets(settings.bootstrap_servers, pipeline.topic)}
+    broker = {
+        o.partition: o for o in partition_offsets(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
+    }
     with transaction(settings.database_url) as conn:
         # Serialised with planning, undo and reset: the heads read here stay valid until commit.
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
@@ -301,16 +306,9 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
         return None
     ranges = batch.plan.ranges
     lock_partitions(conn, pipeline.name, [r.partition for r in ranges], f"replay batch {batch.batch_id}")
-    # Under the range locks: no promotion or undo of these partitions runs now; re-check the heads.
-    heads = read_heads(conn, pipeline.name)
-    for r in ranges:
-        if heads.get(r.partition) is None or r.end > heads[r.partition]:
-            raise ReplayRefusedError(
-                f"pipeline {pipeline.name!r} replay batch {batch.batch_id}: partition {r.partition} [{r.start}, "
-                f"{r.end}) now reaches beyond the live head {heads.get(r.partition)} (an undo rewound it); nothing "
-                "was changed. Trigger the replay again for the range still loaded."
-            )
+    # Under the range locks no promotion, undo or reset of these partitions runs: re-check the plan.
     floors = {p: after for p, (after, _) in last_resets(conn, pipeline.name).items()}
+    _recheck(conn, pipeline, batch, floors)
     in_range = range_predicate(ranges, floors)
     before = _count(conn, pipeline, in_range)
     from kafka2pg.promote import clear_staging, insert_quarantine, insert_target
@@ -327,7 +325,7 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
         )
         log.info("pipeline=%s %s", pipeline.name, message)
         return ReplayResult(batch.batch_id, mode, 0, 0, False, message, before, found)
-    _delete_rows(conn, pipeline, in_range)
+    _delete_rows(conn, pipeline, in_range, replacing=batch.batch_id)
     promoted = insert_target(conn, pipeline, batch)
     quarantined = insert_quarantine(conn, pipeline, batch)
     clear_staging(conn, pipeline, batch.batch_id)
@@ -340,6 +338,37 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
     )
     log.info("pipeline=%s %s", pipeline.name, message)
     return ReplayResult(batch.batch_id, mode, promoted, quarantined, False, message, before)
+
+
+def _recheck(conn: Connection, pipeline: Pipeline, batch: Batch, floors: dict[int, int]) -> None:
+    """What held when the replay was planned must still hold when it finishes, or nothing changes:
+    the range is below the head and loaded by this topic generation (no reset or undo since), and
+    no newer replay or reload of it finished in between (its rows must not be overwritten by these)."""
+    heads = read_heads(conn, pipeline.name)
+    loaded = ranges_since_reset(conn, pipeline.name, last_resets(conn, pipeline.name))[1]
+    where = f"pipeline {pipeline.name!r} replay batch {batch.batch_id}"
+    for r in batch.plan.ranges:
+        span = f"partition {r.partition} [{r.start}, {r.end})"
+        problem = None
+        if floors.get(r.partition, 0) >= batch.batch_id:
+            problem = "the partition's ledger was reset after this replay was planned"
+        elif heads.get(r.partition) is None or r.end > heads[r.partition]:
+            problem = f"it now reaches beyond the live head {heads.get(r.partition)} (an undo rewound it)"
+        elif not any(start <= r.start and r.end <= end for start, end in loaded.get(r.partition, [])):
+            problem = "part of it is no longer loaded by the ledger (undone, or recorded as a gap)"
+        else:
+            newer = conn.execute(
+                "SELECT max(b.batch_id) FROM kafka2pg.batches b JOIN kafka2pg.batch_partitions bp USING (batch_id)"
+                " WHERE b.pipeline = %s AND b.batch_id > %s AND b.state = 'promoted' AND bp.kafka_partition = %s"
+                " AND bp.start_offset < %s AND bp.end_offset > %s",
+                (pipeline.name, batch.batch_id, r.partition, r.end, r.start),
+            ).fetchone()[0]
+            if newer is not None:
+                problem = f"batch {newer}, newer than this replay, has since loaded or replayed part of it"
+        if problem:
+            raise ReplayRefusedError(
+                f"{where}: {span}: {problem}. Nothing was changed; trigger the replay again to re-read it now."
+            )
 
 
 def range_predicate(ranges: tuple[OffsetRange, ...], floors: dict[int, int], alias: str = "") -> sql.Composable:
@@ -377,15 +406,24 @@ def _count(conn: Connection, pipeline: Pipeline, in_range: sql.Composable) -> tu
     return row[0], row[1]
 
 
-def _delete_rows(conn: Connection, pipeline: Pipeline, in_range: sql.Composable) -> None:
-    params = {"topic": pipeline.topic, "pipeline": pipeline.name}
+def _delete_rows(conn: Connection, pipeline: Pipeline, in_range: sql.Composable, replacing: int | None = None) -> None:
+    """Delete the range's target and quarantine rows; with `replacing` (a replay batch id) only those
+    whose record the replay re-read: a record compacted away since cannot be put back, so its row stays."""
+    params = {"topic": pipeline.topic, "pipeline": pipeline.name, "batch": replacing}
+    reread = sql.SQL("")
+    if replacing is not None:
+        reread = sql.SQL(
+            " AND EXISTS (SELECT 1 FROM {} s WHERE s.batch_id = %(batch)s"
+            " AND s.kafka_partition = x.kafka_partition AND s.kafka_offset = x.kafka_offset)"
+        ).format(sql.Identifier("kafka2pg", pipeline.staging_table))
     conn.execute(
-        sql.SQL("DELETE FROM {} WHERE kafka_topic = %(topic)s AND {}").format(_target(pipeline), in_range), params
+        sql.SQL("DELETE FROM {} x WHERE kafka_topic = %(topic)s AND {}{}").format(_target(pipeline), in_range, reread),
+        params,
     )
     conn.execute(
         sql.SQL(
-            "DELETE FROM kafka2pg.quarantine WHERE pipeline = %(pipeline)s AND kafka_topic = %(topic)s AND {}"
-        ).format(in_range),
+            "DELETE FROM kafka2pg.quarantine x WHERE pipeline = %(pipeline)s AND kafka_topic = %(topic)s AND {}{}"
+        ).format(in_range, reread),
         params,
     )
 
@@ -420,11 +458,13 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
         "SELECT kafka_partition, kafka_offset, ROW({values}) AS v FROM {target} WHERE kafka_topic = %(topic)s AND {r}"
     ).format(values=values, target=_target(pipeline), r=in_range)
     new_q = sql.SQL(
-        "SELECT kafka_partition, kafka_offset, quarantine_reason AS v FROM {staging}"
+        "SELECT kafka_partition, kafka_offset, regexp_replace(quarantine_reason, 'batch \\d+', 'batch N', 'g') AS v"
+        " FROM {staging}"
         " WHERE batch_id = %(batch)s AND quarantine_reason IS NOT NULL"
     ).format(staging=staging)
     old_q = sql.SQL(
-        "SELECT kafka_partition, kafka_offset, reason AS v FROM kafka2pg.quarantine"
+        "SELECT kafka_partition, kafka_offset, regexp_replace(reason, 'batch \\d+', 'batch N', 'g') AS v"
+        " FROM kafka2pg.quarantine"
         " WHERE pipeline = %(pipeline)s AND kafka_topic = %(topic)s AND {r}"
     ).format(r=in_range)
     kinds = {
@@ -486,7 +526,14 @@ def undo_batch(
     `confirm` nothing changes and the message says what would happen. An unfinished live batch
     is abandoned (it was planned from the heads being rewound).
     """
+    if topic_retention(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s).compacted:
+        raise ReplayRefusedError(
+            f"pipeline {pipeline.name!r} batch {batch_id}: topic {pipeline.topic!r} is compacted; an undo deletes rows "
+            "whose records may since have been compacted away, and the reload could not bring them back. "
+            "Use a replay of the range instead (it replaces only what it re-reads)."
+        )
     with transaction(settings.database_url) as conn:
+        # Plan lock, then the open live batch: no live promotion moves a head while this runs.
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
         open_row = conn.execute(
             "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live'"
@@ -502,7 +549,11 @@ def undo_batch(
                 f"{where} is a {batch.kind} batch in state {batch.state}: only a promoted live batch can be undone"
             )
         parts = batch.plan.partitions
-        lock_partitions(conn, pipeline.name, [p.partition for p in parts], f"undo of batch {batch_id}")
+        floors = {p: after for p, (after, _) in last_resets(conn, pipeline.name).items()}
+        if any(batch_id <= floors.get(p.partition, 0) for p in parts):
+            raise ReplayRefusedError(
+                f"{where} was loaded from the topic as it was before a ledger reset; it cannot be undone"
+            )
         heads = dict(
             conn.execute(
                 "SELECT kafka_partition, last_batch_id FROM kafka2pg.ledger_heads WHERE pipeline = %s", (pipeline.name,)
@@ -517,7 +568,6 @@ def undo_batch(
                 f"ledger. Replay its range instead (offsets {spans}), e.g. `kafka2pg replay --pipeline "
                 f"{pipeline.name} --offsets {spans}`."
             )
-        floors = {p: after for p, (after, _) in last_resets(conn, pipeline.name).items()}
         ranges = tuple(OffsetRange(p.partition, p.gap.start if p.gap else p.range.start, p.new_head) for p in parts)
         in_range = range_predicate(ranges, floors)
         rows = _count(conn, pipeline, in_range)
@@ -530,6 +580,9 @@ def undo_batch(
             message += f"; unfinished batch {open_row[0]} is abandoned"
         if not confirm:
             return Undo(batch_id, ranges, rows, False, message)
+        # Serialised with replays finishing on these partitions (they delete and insert rows there).
+        lock_partitions(conn, pipeline.name, [p.partition for p in parts], f"undo of batch {batch_id}")
+        rows = _count(conn, pipeline, in_range)
         if open_row is not None:
             set_state(conn, load_batch(conn, open_row[0]), "abandoned", error=f"batch {batch_id} was undone")
         _delete_rows(conn, pipeline, in_range)
@@ -546,8 +599,18 @@ def undo_batch(
             conn.execute(
                 "UPDATE kafka2pg.ledger_heads SET next_offset = %s, updated_at = now(), last_batch_id ="
                 " (SELECT max(batch_id) FROM kafka2pg.ledger_ranges WHERE pipeline = %s AND kafka_partition = %s"
-                "  AND end_offset = %s) WHERE pipeline = %s AND kafka_partition = %s AND last_batch_id = %s",
-                (p.expected_head, pipeline.name, p.partition, p.expected_head, pipeline.name, p.partition, batch_id),
+                "  AND end_offset = %s AND batch_id > %s) WHERE pipeline = %s AND kafka_partition = %s"
+                " AND last_batch_id = %s",
+                (
+                    p.expected_head,
+                    pipeline.name,
+                    p.partition,
+                    p.expected_head,
+                    floors.get(p.partition, 0),
+                    pipeline.name,
+                    p.partition,
+                    batch_id,
+                ),
             )
         set_state(conn, batch, "undone", error=f"undone: {reason}" if reason else "undone")
         _record(conn, pipeline, batch_id, "undo", ranges, None, None, requested_by=requested_by, reason=reason)

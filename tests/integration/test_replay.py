@@ -13,7 +13,7 @@ import pytest
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline, format_audit
-from kafka2pg.exceptions import ReplayRefusedError
+from kafka2pg.exceptions import KeyCollisionError, ReplayRefusedError
 from kafka2pg.ledger import open_batch
 from kafka2pg.planner import OffsetRange
 from kafka2pg.producer import produce, sample_events
@@ -230,7 +230,7 @@ def test_replays_beyond_the_head_or_outside_the_loaded_ledger_are_refused(make_p
     assert count[0] == 1, "a refused replay records nothing"
 
 
-def test_undo_of_the_newest_batch_rewinds_atomically_and_older_batches_need_a_replay(loaded, run_batch, db):
+def test_undo_of_the_newest_batch_rewinds_atomically_and_older_batches_need_a_replay(loaded, run_batch, spark, db):
     old, *_ = loaded
     before = snapshot(db, old)
     before_heads = heads(db, old)
@@ -242,6 +242,20 @@ def test_undo_of_the_newest_batch_rewinds_atomically_and_older_batches_need_a_re
         )
     ]
     assert len(batches) >= 3
+    # A replay of the newest batch's range, validated before the undo, must not finish after it.
+    newest = {
+        r["partition"]: r["range"]
+        for r in db.execute("SELECT plan FROM kafka2pg.batches WHERE batch_id = %s", (batches[-1],)).fetchone()[0][
+            "partitions"
+        ]
+        if r["range"]
+    }
+    partition, span = sorted(newest.items())[0]
+    stale = open_replay(
+        old.settings, old.pipeline, ReplayRequest("replace", (OffsetRange(partition, span["start"], span["end"]),))
+    ).batch
+    stage_batch(spark, old.settings, old.pipeline, stale.batch_id)
+    validate_batch(old.settings, old.pipeline, stale.batch_id)
     with pytest.raises(ReplayRefusedError, match="Replay its range instead"):
         undo_batch(old.settings, old.pipeline, batches[0], confirm=True)
     preview = undo_batch(old.settings, old.pipeline, batches[-1], confirm=False)
@@ -255,10 +269,16 @@ def test_undo_of_the_newest_batch_rewinds_atomically_and_older_batches_need_a_re
     assert_clean(old)
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batches[-1],)).fetchone()[0]
     assert state == "undone"
+    with pytest.raises(ReplayRefusedError, match="beyond the live head"):
+        promote_batch(old.settings, old.pipeline, stale.batch_id)
     # The next live run loads the range again: the target is as before.
     load_all(run_batch, old)
     assert snapshot(db, old) == before and heads(db, old) == before_heads
     assert_clean(old)
+    # The stale replay (planned before the reload) still must not overwrite the reloaded rows.
+    with pytest.raises(ReplayRefusedError, match="newer than this replay"):
+        promote_batch(old.settings, old.pipeline, stale.batch_id)
+    assert snapshot(db, old) == before
 
 
 def test_range_lock_makes_a_live_promotion_wait_for_a_replay_of_the_same_partition(make_pipeline, spark, db):
@@ -334,3 +354,37 @@ def test_replays_racing_live_batches_never_duplicate_or_lose(make_pipeline, run_
     ).fetchone()[0]
     assert landed[0] == landed[1] and landed[0] + quarantined == produced
     assert_clean(env)
+
+
+def test_a_key_a_replay_promoted_after_a_live_batch_was_validated_sends_the_batch_back_to_validation(
+    make_pipeline, run_batch, replay, spark, db, sample_columns
+):
+    strict = [
+        {**c, "allowed": ["EUR"], "on_violation": "quarantine"} if c["name"] == "currency" else c
+        for c in sample_columns
+    ]
+    env = make_pipeline(partitions=1, columns=strict)
+    first, again = [dict(e) for e in sample_events(2, seed=8)]
+    again["event_id"] = first["event_id"]
+    first["currency"], again["currency"] = "GBP", "EUR"
+    produce(env.settings.bootstrap_servers, env.topic, [first])
+    run_batch(env)  # GBP: quarantined by the strict rule; the key is not in the target
+    produce(env.settings.bootstrap_servers, env.topic, [again])
+    live = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, live.batch_id)
+    validate_batch(env.settings, env.pipeline, live.batch_id)  # the key is new: accepted
+    relaxed = make_pipeline(
+        name=env.pipeline.name,
+        topic=env.topic,
+        target_table=f"{env.pipeline.target_schema}.{env.pipeline.target_table}",
+        columns=sample_columns,
+        create_topic=False,
+    )
+    replay(relaxed, ReplayRequest("replace", (OffsetRange(0, 0, 1),)))  # now offset 0 holds the key
+    with pytest.raises(KeyCollisionError, match="goes back to 'staged'"):
+        promote_batch(relaxed.settings, relaxed.pipeline, live.batch_id)
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (live.batch_id,)).fetchone()[0]
+    assert state == "staged"
+    result = run_batch(relaxed)  # resumes the batch: validated again, the duplicate flagged
+    assert result.batch_id == live.batch_id and (result.promoted, result.quarantined) == (0, 1)
+    assert_clean(relaxed)
