@@ -264,20 +264,23 @@ def _chunk_writer(database_url: str, staging_table: str, columns: list[str], bat
     """
 
     def write(batches):
+        import io
+
         import psycopg
         import pyarrow as pa
         from psycopg import sql
+        from pyarrow import csv
         from pyspark import TaskContext
 
         chunk = TaskContext.get().partitionId()
         table = sql.Identifier("kafka2pg", staging_table)
-        copy_sql = sql.SQL("COPY {} ({}) FROM STDIN").format(
+        # CSV straight from Arrow (C++): quoted strings, NULL as an unquoted empty field, which is
+        # exactly PostgreSQL's CSV COPY (an empty string stays "", a null stays NULL).
+        copy_sql = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
             table, sql.SQL(", ").join(map(sql.Identifier, ["batch_id", "chunk", *columns]))
         )
+        no_header = csv.WriteOptions(include_header=False)
         stats: dict[int, list] = {}
-        partition_at = columns.index("kafka_partition")
-        offset_at = columns.index("kafka_offset")
-        reason_at = columns.index("quarantine_reason")
         with psycopg.connect(database_url) as conn:
             claim = conn.execute(
                 "SELECT state, epoch FROM kafka2pg.batches WHERE batch_id = %s FOR SHARE", (batch_id,)
@@ -293,13 +296,21 @@ def _chunk_writer(database_url: str, staging_table: str, columns: list[str], bat
             conn.execute(sql.SQL("DELETE FROM {} WHERE batch_id = %s AND chunk = %s").format(table), (batch_id, chunk))
             with conn.cursor() as cur, cur.copy(copy_sql) as copy:
                 for record_batch in batches:
-                    for row in zip(*(col.to_pylist() for col in record_batch.columns), strict=True):
-                        copy.write_row((batch_id, chunk, *row))
-                        acc = stats.setdefault(row[partition_at], [0, 0, row[offset_at], row[offset_at]])
-                        acc[0] += 1
-                        acc[1] += row[reason_at] is not None
-                        acc[2] = min(acc[2], row[offset_at])
-                        acc[3] = max(acc[3], row[offset_at])
+                    rows = record_batch.num_rows
+                    if not rows:
+                        continue
+                    framed = pa.Table.from_arrays(
+                        [
+                            pa.repeat(pa.scalar(batch_id, pa.int64()), rows),
+                            pa.repeat(pa.scalar(chunk, pa.int32()), rows),
+                        ]
+                        + list(record_batch.columns),
+                        names=["batch_id", "chunk", *columns],
+                    )
+                    buffer = io.BytesIO()
+                    csv.write_csv(framed, buffer, no_header)
+                    copy.write(buffer.getbuffer())
+                    _accumulate(stats, framed)
         yield pa.RecordBatch.from_pylist(
             [
                 {"kafka_partition": p, "records": a[0], "quarantined": a[1], "min_offset": a[2], "max_offset": a[3]}
@@ -317,6 +328,19 @@ def _chunk_writer(database_url: str, staging_table: str, columns: list[str], bat
         )
 
     return write
+
+
+def _accumulate(stats: dict[int, list], framed) -> None:
+    """Per Kafka partition: records, quarantined (non-null reason), min and max offset, summed over chunks."""
+    grouped = framed.group_by("kafka_partition").aggregate(
+        [("kafka_offset", "count"), ("quarantine_reason", "count"), ("kafka_offset", "min"), ("kafka_offset", "max")]
+    )
+    for row in grouped.to_pylist():
+        acc = stats.setdefault(row["kafka_partition"], [0, 0, row["kafka_offset_min"], row["kafka_offset_max"]])
+        acc[0] += row["kafka_offset_count"]
+        acc[1] += row["quarantine_reason_count"]
+        acc[2] = min(acc[2], row["kafka_offset_min"])
+        acc[3] = max(acc[3], row["kafka_offset_max"])
 
 
 def package_zip(state_dir: Path) -> Path:

@@ -2,6 +2,8 @@
 
 import dataclasses
 import time
+from datetime import UTC, date, datetime
+from decimal import Decimal
 
 import pytest
 from psycopg import sql
@@ -214,3 +216,67 @@ def test_dry_run_neither_claims_nor_records(make_pipeline, db):
     assert dry.message.startswith(f"dry run: would resume unfinished batch {live.batch_id}")
     row = db.execute("SELECT epoch, run_id FROM kafka2pg.batches WHERE batch_id = %s", (live.batch_id,)).fetchone()
     assert row == (1, "live")
+
+
+def test_values_round_trip_exactly_through_staging(make_pipeline, run_batch, db, sample_columns):
+    """Every supported type, quotes, commas, newlines, an empty string (not NULL) and NULLs land as sent."""
+    columns = [
+        *sample_columns,
+        {"name": "note", "type": "text"},
+        {"name": "flag", "type": "boolean"},
+        {"name": "day", "type": "date"},
+        {"name": "ratio", "type": "double precision"},
+        {"name": "qty", "type": "integer"},
+    ]
+    env = make_pipeline(partitions=1, columns=columns)
+    tricky = 'say "hi",\nbye\\n \t;'
+    events = [
+        {
+            "event_id": "a",
+            "customer_id": 9_000_000_000,
+            "amount": 12.5,
+            "currency": "",
+            "ts": "2026-03-04T05:06:07.123+00:00",
+            "payload": {"k": tricky},
+            "note": tricky,
+            "flag": True,
+            "day": "2026-03-04",
+            "ratio": 0.1,
+            "qty": -7,
+        },
+        {
+            "event_id": "b",
+            "customer_id": 2,
+            "ts": "2026-03-04T05:06:08+00:00",
+            "note": "",
+            "flag": False,
+            "ratio": 1e300,
+        },
+    ]
+    produce(env.settings.bootstrap_servers, env.topic, events, timestamp_field="ts")
+    assert run_batch(env).promoted == 2
+    rows = db.execute(
+        sql.SQL(
+            "SELECT event_id, customer_id, amount, currency, event_time, payload, note, flag, day, ratio, qty,"
+            " kafka_timestamp FROM {} ORDER BY event_id"
+        ).format(target(env))
+    ).fetchall()
+    a_time = datetime(2026, 3, 4, 5, 6, 7, 123000, tzinfo=UTC)
+    b_time = datetime(2026, 3, 4, 5, 6, 8, tzinfo=UTC)
+    assert rows == [
+        (
+            "a",
+            9_000_000_000,
+            Decimal("12.50"),
+            "",
+            a_time,
+            {"k": tricky},
+            tricky,
+            True,
+            date(2026, 3, 4),
+            0.1,
+            -7,
+            a_time,
+        ),
+        ("b", 2, None, None, b_time, None, "", False, None, 1e300, None, b_time),
+    ]
