@@ -100,19 +100,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_stage(args: argparse.Namespace) -> int:
+def _stage_locally(settings: Settings, pipeline: Pipeline, batch_id: int) -> None:
+    """Stage one batch with a Spark session of this process (KAFKA2PG_SPARK_MASTER), then stop it."""
     from kafka2pg.local_stack import spark_jars
-    from kafka2pg.staging import spark_session, stage_batch
+    from kafka2pg.staging import package_zip, spark_session, stage_batch
 
-    settings = _settings()
-    pipeline = get_pipeline(args.pipeline, settings.pipelines_file)
     spark = spark_session(
         settings.spark_master, app_name=f"kafka2pg-stage-{pipeline.name}", jars=spark_jars(settings.state_dir)
     )
+    archive = package_zip(settings.state_dir / "spark")
     try:
-        print(stage_batch(spark, settings, pipeline, args.batch_id).message)
+        spark.sparkContext.addPyFile(str(archive))
+        print(stage_batch(spark, settings, pipeline, batch_id).message)
     finally:
         spark.stop()
+        archive.unlink(missing_ok=True)
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    settings = _settings()
+    _stage_locally(settings, get_pipeline(args.pipeline, settings.pipelines_file), args.batch_id)
     return 0
 
 
@@ -191,12 +198,10 @@ def cmd_reset(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """Plan, read (local Spark), validate and finish one replay in this process."""
-    from kafka2pg.local_stack import spark_jars
     from kafka2pg.migrations import migrate
     from kafka2pg.promote import promote_batch
     from kafka2pg.quality import validate_batch
     from kafka2pg.replay import open_replay, request_from_params
-    from kafka2pg.staging import package_zip, spark_session, stage_batch
 
     settings = _settings()
     pipeline = get_pipeline(args.pipeline, settings.pipelines_file)
@@ -215,16 +220,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if opened.batch is None:
         return 0
     batch_id = opened.batch.batch_id
-    spark = spark_session(
-        settings.spark_master, app_name=f"kafka2pg-replay-{pipeline.name}", jars=spark_jars(settings.state_dir)
-    )
-    archive = package_zip(settings.state_dir / "spark")
-    try:
-        spark.sparkContext.addPyFile(str(archive))
-        print(stage_batch(spark, settings, pipeline, batch_id).message)
-    finally:
-        spark.stop()
-        archive.unlink(missing_ok=True)
+    _stage_locally(settings, pipeline, batch_id)
     print(validate_batch(settings, pipeline, batch_id).message)
     result = promote_batch(settings, pipeline, batch_id)
     print(result.message)

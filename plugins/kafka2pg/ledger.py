@@ -89,6 +89,16 @@ def load_claimed(conn: Connection, pipeline: Pipeline, batch_id: int, epoch: int
     return batch
 
 
+def lock_plan(conn: Connection, pipeline: str) -> None:
+    """One planner per pipeline at a time (planning, replay planning, undo, reset), until commit."""
+    conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline,))
+
+
+def reset_floors(conn: Connection, pipeline: str) -> dict[int, int]:
+    """Per reset partition: the last batch id of the topic before its latest reset (rows up to it are older)."""
+    return {partition: after for partition, (after, _) in last_resets(conn, pipeline).items()}
+
+
 def last_resets(conn: Connection, pipeline: str) -> dict[int, tuple[int, int | None]]:
     """Per reset partition: the last batch id of the topic before its latest reset, and the reset offset.
 
@@ -230,10 +240,10 @@ def open_batch(
     offsets = partition_offsets(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
     with transaction(settings.database_url) as conn:
         # One planner per pipeline at a time; promotion is still fenced by compare-and-set.
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
+        lock_plan(conn, pipeline.name)
         # Lock the open batch BEFORE reading heads: a promote of it still in flight commits first,
         # so the heads read below are never older than the batch states seen.
-        open_id = _open_batch_id(conn, pipeline)
+        open_id = open_batch_id(conn, pipeline)
         heads = read_heads(conn, pipeline.name)
         _warn_loss_horizons(settings, pipeline, offsets, heads)
         resumed = _resume_or_abandon(conn, pipeline, open_id, heads, run_id, dry_run=dry_run)
@@ -343,7 +353,7 @@ def _archive_rows(conn: Connection, pipeline: Pipeline, partition: int, reset_id
         )
 
 
-def _open_batch_id(conn: Connection, pipeline: Pipeline) -> int | None:
+def open_batch_id(conn: Connection, pipeline: Pipeline) -> int | None:
     """The pipeline's unfinished live batch (at most one), locked."""
     row = conn.execute(
         "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live' AND state = ANY(%s) FOR UPDATE",
@@ -485,8 +495,8 @@ def reset_head(
     elif partition in offsets:
         raise BatchStateError(f"partition {partition} of {pipeline.topic!r} exists: give --to-offset")
     with transaction(settings.database_url) as conn:
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
-        open_id = _open_batch_id(conn, pipeline)  # before the heads: see open_batch
+        lock_plan(conn, pipeline.name)
+        open_id = open_batch_id(conn, pipeline)  # before the heads: see open_batch
         current = read_heads(conn, pipeline.name).get(partition)
         target = "dropped (partition gone)" if to_offset is None else str(to_offset)
         message = f"pipeline {pipeline.name} partition {partition}: head {current} -> {target}"

@@ -336,11 +336,10 @@ def _replaced_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> sql.Co
     """For a replay: the predicate of the target rows its promotion replaces (None for live batches)."""
     if batch.kind != "replay":
         return None
-    from kafka2pg.ledger import last_resets
+    from kafka2pg.ledger import reset_floors
     from kafka2pg.replay import range_predicate
 
-    floors = {p: after for p, (after, _) in last_resets(conn, pipeline.name).items()}
-    return range_predicate(batch.plan.ranges, floors, alias="t")
+    return range_predicate(batch.plan.ranges, reset_floors(conn, pipeline.name), alias="t")
 
 
 def _replay_scope(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:

@@ -36,8 +36,11 @@ from kafka2pg.ledger import (
     last_resets,
     load_batch,
     lock_partitions,
+    lock_plan,
+    open_batch_id,
     ranges_since_reset,
     read_heads,
+    reset_floors,
     set_state,
     staging_lost,
 )
@@ -189,7 +192,7 @@ def open_replay(
     }
     with transaction(settings.database_url) as conn:
         # Serialised with planning, undo and reset: the heads read here stay valid until commit.
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
+        lock_plan(conn, pipeline.name)
         heads = read_heads(conn, pipeline.name)
         loaded = ranges_since_reset(conn, pipeline.name, last_resets(conn, pipeline.name))[1]
         for r in ranges:
@@ -307,7 +310,7 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
     ranges = batch.plan.ranges
     lock_partitions(conn, pipeline.name, [r.partition for r in ranges], f"replay batch {batch.batch_id}")
     # Under the range locks no promotion, undo or reset of these partitions runs: re-check the plan.
-    floors = {p: after for p, (after, _) in last_resets(conn, pipeline.name).items()}
+    floors = reset_floors(conn, pipeline.name)
     _recheck(conn, pipeline, batch, floors)
     in_range = range_predicate(ranges, floors)
     before = _count(conn, pipeline, in_range)
@@ -534,12 +537,8 @@ def undo_batch(
         )
     with transaction(settings.database_url) as conn:
         # Plan lock, then the open live batch: no live promotion moves a head while this runs.
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (pipeline.name,))
-        open_row = conn.execute(
-            "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live'"
-            " AND state IN ('planned', 'staged', 'validated') FOR UPDATE",
-            (pipeline.name,),
-        ).fetchone()
+        lock_plan(conn, pipeline.name)
+        open_id = open_batch_id(conn, pipeline)
         batch = load_batch(conn, batch_id, for_update=True)
         where = f"pipeline {pipeline.name!r} batch {batch_id}"
         if batch.pipeline != pipeline.name:
@@ -549,7 +548,7 @@ def undo_batch(
                 f"{where} is a {batch.kind} batch in state {batch.state}: only a promoted live batch can be undone"
             )
         parts = batch.plan.partitions
-        floors = {p: after for p, (after, _) in last_resets(conn, pipeline.name).items()}
+        floors = reset_floors(conn, pipeline.name)
         if any(batch_id <= floors.get(p.partition, 0) for p in parts):
             raise ReplayRefusedError(
                 f"{where} was loaded from the topic as it was before a ledger reset; it cannot be undone"
@@ -576,15 +575,15 @@ def undo_batch(
             f"{where}: delete {rows[0]} target and {rows[1]} quarantine rows of {described}, rewind heads to "
             + ", ".join(f"p{p.partition}@{p.expected_head if p.expected_head is not None else 'unread'}" for p in parts)
         )
-        if open_row is not None:
-            message += f"; unfinished batch {open_row[0]} is abandoned"
+        if open_id is not None:
+            message += f"; unfinished batch {open_id} is abandoned"
         if not confirm:
             return Undo(batch_id, ranges, rows, False, message)
         # Serialised with replays finishing on these partitions (they delete and insert rows there).
         lock_partitions(conn, pipeline.name, [p.partition for p in parts], f"undo of batch {batch_id}")
         rows = _count(conn, pipeline, in_range)
-        if open_row is not None:
-            set_state(conn, load_batch(conn, open_row[0]), "abandoned", error=f"batch {batch_id} was undone")
+        if open_id is not None:
+            set_state(conn, load_batch(conn, open_id), "abandoned", error=f"batch {batch_id} was undone")
         _delete_rows(conn, pipeline, in_range)
         conn.execute(
             "DELETE FROM kafka2pg.ledger_ranges WHERE pipeline = %s AND batch_id = %s", (pipeline.name, batch_id)
