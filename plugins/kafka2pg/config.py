@@ -17,6 +17,10 @@ from kafka2pg.exceptions import ConfigError, UnknownPipelineError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PIPELINES_FILE = PROJECT_ROOT / "dags" / "pipelines.yaml"
+# JVM options of the stage job's driver (in local mode also its executor). A stage job lives for
+# one batch: C1-only JIT warms up seconds sooner than tiered C2 (bench/, README "Benchmark"),
+# and the parallel GC suits a short batch job. A pipeline's spark_conf may override them.
+STAGE_JVM_CONF = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseParallelGC"}
 
 # PostgreSQL column types a JSON field may be mapped to, and the Spark type read for each.
 _TYPE_PATTERNS: dict[str, str] = {

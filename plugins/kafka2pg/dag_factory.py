@@ -10,7 +10,7 @@ import os
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from kafka2pg.config import PROJECT_ROOT, Pipeline, load_pipelines
+from kafka2pg.config import PROJECT_ROOT, STAGE_JVM_CONF, Pipeline, load_pipelines
 
 SPARK_CONN_ID = "kafka2pg_spark"
 JOB = PROJECT_ROOT / "jobs" / "stage_batch.py"
@@ -120,8 +120,9 @@ def _stage_operator(pipeline: Pipeline):
         conn_id=SPARK_CONN_ID,
         name=f"kafka2pg-{pipeline.name}",
         jars=spark_jars(),
-        # kafka2pg's Spark defaults are applied by the job's session (staging.SPARK_DEFAULTS).
-        conf=dict(pipeline.spark_conf),
+        # kafka2pg's Spark defaults are applied by the job's session (staging.SPARK_DEFAULTS);
+        # JVM options only work on spark-submit's command line.
+        conf={**STAGE_JVM_CONF, **pipeline.spark_conf},
         application_args=[
             "--pipeline",
             pipeline.name,

@@ -158,3 +158,23 @@ def test_an_error_inside_great_expectations_blocks_promotion(make_pipeline, spar
     with pytest.raises(QualityGateFailed, match="Great Expectations raised RuntimeError: metric computation exploded"):
         validate_batch(env.settings, env.pipeline, batch.batch_id)
     assert target_ids(db, env) == []
+
+
+def test_a_record_staged_twice_is_rejected_by_provenance_uniqueness(make_pipeline, spark, db):
+    """Two staged rows of one offset (say a chunk copied twice) must never reach the target."""
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(5, seed=59)), key_field=None)
+    batch = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    db.execute(
+        sql.SQL("INSERT INTO {0} SELECT * FROM {0} WHERE batch_id = %s AND kafka_offset IN (1, 3)").format(staging),
+        (batch.batch_id,),
+    )
+    db.execute(
+        "UPDATE kafka2pg.batch_partitions SET records_read = records_read + 2 WHERE batch_id = %s", (batch.batch_id,)
+    )
+    db.commit()
+    with pytest.raises(QualityGateFailed, match="provenance_unique: 2 provenance duplicates in staging"):
+        validate_batch(env.settings, env.pipeline, batch.batch_id)
+    assert target_ids(db, env) == []
