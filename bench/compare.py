@@ -9,7 +9,7 @@ provenance primary key, business-key unique index):
 Each contender runs in its own child process; the parent samples the child's whole process
 tree (Spark JVM included) for peak RSS. Also: the fixed cost of an empty run and of a
 1-record batch, and ours with Spark local[1] vs local[2].
-    ./kafka2pg python bench/compare.py [--events 1000000] [--partitions 6] [--size 200]
+    ./kafka2pg python bench/compare.py [--events 1000000] [--partitions 6] [--size 200] [--no-airflow]
 """
 
 from __future__ import annotations
@@ -264,6 +264,45 @@ def run_fixed_costs(settings: Settings, topic: str) -> dict:
     return {"empty_run_s": empty_s, "one_record_batch_s": one_s}
 
 
+def run_airflow_fixed_costs(settings: Settings, topic: str, work: Path) -> dict:
+    """The same two fixed costs through `airflow dags test` of the real DAG file: Airflow's own task
+    overhead (process start-up, DAG parsing, XCom, one process per task) and spark-submit's cold JVM
+    per batch, which the in-process figures leave out. The metadata DB is prepared untimed."""
+    import yaml
+
+    from kafka2pg import local_stack
+    from kafka2pg.config import PROJECT_ROOT
+    from kafka2pg.demo import dags_test, ensure_airflow_db
+
+    spec = next(p for p in yaml.safe_load((PROJECT_ROOT / "dags" / "pipelines.yaml").read_text())["pipelines"])
+    spec = {**spec, "name": "airflow_fixed", "topic": f"{topic}-airflow", "target_table": "public.airflow_fixed"}
+    pipelines = work / "airflow-pipelines.yaml"
+    pipelines.write_text(yaml.safe_dump({"pipelines": [spec]}))
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(work / "airflow"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(PROJECT_ROOT / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(PROJECT_ROOT / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW_CONN_KAFKA2PG_SPARK": '{"conn_type": "spark", "host": "local[2]"}',
+        "KAFKA2PG_PIPELINES": str(pipelines),
+        # the jars resolved once under .cache (the state dir here is this run's scratch folder)
+        "KAFKA2PG_SPARK_JARS": ",".join(str(j) for j in local_stack.spark_jars()),
+    }
+    ensure_airflow_db(env)
+    ensure_topic(settings.bootstrap_servers, spec["topic"], 1)
+    code, output, empty_s = dags_test("kafka2pg_airflow_fixed", env, work / "airflow-empty.log")
+    if code != 0 or "Spark not launched" not in output:
+        raise SystemExit(f"airflow empty run failed (log {work / 'airflow-empty.log'}):\n{output[-3000:]}")
+    produce(settings.bootstrap_servers, spec["topic"], list(sample_events(1)))
+    code, output, one_s = dags_test("kafka2pg_airflow_fixed", env, work / "airflow-one.log")
+    if code != 0:
+        raise SystemExit(f"airflow 1-record run failed (log {work / 'airflow-one.log'}):\n{output[-3000:]}")
+    with connect(settings.database_url) as conn:
+        landed = conn.execute("SELECT count(*) FROM public.airflow_fixed").fetchone()[0]
+    return {"empty_run_s": empty_s, "one_record_batch_s": one_s, "rows": landed}
+
+
 def child(name: str, master: str) -> int:
     settings = Settings.from_env()
     work = Path(os.environ["BENCH_WORK"])
@@ -276,6 +315,8 @@ def child(name: str, master: str) -> int:
         result = run_worker(settings, topic)
     elif name == "floor":
         result = run_floor(settings, topic, work)
+    elif name == "airflow":
+        result = run_airflow_fixed_costs(settings, topic, work)
     else:
         result = run_fixed_costs(settings, topic)
     print("RESULT " + json.dumps(result), flush=True)
@@ -314,6 +355,7 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=200, help="approximate JSON bytes per event")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--no-scaling", action="store_true", help="skip ours with local[1]")
+    parser.add_argument("--no-airflow", action="store_true", help="skip the fixed costs through `airflow dags test`")
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
     parser.add_argument("--master", default="local[2]", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -345,11 +387,13 @@ def main() -> int:
         if "ours" in results and not args.no_scaling:
             results["ours local[1]"] = measure("ours", env, "local[1]")
         fixed = measure("fixed", env)
-    print_table(results, produced, megabytes, fixed)
-    return 0 if all(r["rows"] == produced for r in results.values()) else 1
+        airflow = None if args.no_airflow else measure("airflow", env)
+    print_table(results, produced, megabytes, fixed, airflow)
+    landed = all(r["rows"] == produced for r in results.values()) and (airflow is None or airflow["rows"] == 1)
+    return 0 if landed else 1
 
 
-def print_table(results: dict, produced: int, megabytes: float, fixed: dict) -> None:
+def print_table(results: dict, produced: int, megabytes: float, fixed: dict, airflow: dict | None = None) -> None:
     print(f"\n{'contender':<14} {'rows':>9} {'wall s':>8} {'rec/s':>9} {'MB/s':>7} {'peak RSS MB':>12}")
     for name, r in results.items():
         seconds = r.get("timed_seconds", r["wall_s"])
@@ -372,6 +416,12 @@ def print_table(results: dict, produced: int, megabytes: float, fixed: dict) -> 
         f"fixed costs: empty run (plan, no Spark) {fixed['empty_run_s']:.2f}s; "
         f"1-record batch incl. Spark start {fixed['one_record_batch_s']:.1f}s"
     )
+    if airflow:
+        print(
+            f"through `airflow dags test` (one process per task, spark-submit per batch): empty run "
+            f"{airflow['empty_run_s']:.1f}s, 1-record batch {airflow['one_record_batch_s']:.1f}s; Airflow's own "
+            f"overhead of an empty run: {airflow['empty_run_s'] - fixed['empty_run_s']:.1f}s"
+        )
     print("floor = COPY from a local file only (file prepared untimed); wall of other contenders includes start-up")
 
 

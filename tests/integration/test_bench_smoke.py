@@ -15,7 +15,16 @@ def test_compare_benchmark_smoke_runs_every_contender_and_prints_the_ratios():
         timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for line in ("ours ", "peer ", "worker ", "floor ", "throughput ours/peer:", "ours per phase:", "fixed costs:"):
+    for line in (
+        "ours ",
+        "peer ",
+        "worker ",
+        "floor ",
+        "throughput ours/peer:",
+        "ours per phase:",
+        "fixed costs:",
+        "through `airflow dags test`",
+    ):
         assert line in done.stdout, done.stdout
     rows = [
         ln.split() for ln in done.stdout.splitlines() if ln.split()[:1] in (["ours"], ["peer"], ["worker"], ["floor"])
