@@ -43,11 +43,11 @@ def bench_pipeline(name: str, topic: str | None = None) -> Pipeline:
     return dataclasses.replace(get_pipeline("orders"), name=name, topic=topic or name, target_table=name)
 
 
-def bench_spark(master: str, app_name: str, state_dir: Path):
+def bench_spark(master: str, app_name: str, state_dir: Path, conf: dict[str, str] | None = None):
     """A quiet Spark session with the Kafka source jars and the kafka2pg package shipped."""
     from kafka2pg.staging import package_zip, spark_session
 
-    spark = spark_session(master, app_name=app_name, jars=local_stack.spark_jars())
+    spark = spark_session(master, app_name=app_name, jars=local_stack.spark_jars(), conf=conf)
     spark.sparkContext.setLogLevel("ERROR")
     spark.sparkContext.addPyFile(str(package_zip(state_dir)))
     return spark

@@ -326,7 +326,7 @@ def _provenance_unique(conn: Connection, pipeline: Pipeline, batch: Batch) -> Ch
     # Rows beyond the first of each provenance: a hashed GROUP BY (count(DISTINCT row) sorts instead).
     dupes = conn.execute(
         sql.SQL(
-            "SELECT coalesce(sum(n - 1), 0) FROM (SELECT count(*) AS n FROM {} WHERE batch_id = %s"
+            "SELECT coalesce(sum(n - 1), 0)::bigint FROM (SELECT count(*) AS n FROM {} WHERE batch_id = %s"
             " GROUP BY kafka_topic, kafka_partition, kafka_offset HAVING count(*) > 1) d"
         ).format(_staging(pipeline)),
         (batch.batch_id,),
