@@ -280,14 +280,12 @@ def run_airflow_fixed_costs(settings: Settings, topic: str, work: Path) -> dict:
     spec = {**spec, "name": "airflow_fixed", "topic": f"{topic}-airflow", "target_table": "public.airflow_fixed"}
     pipelines = work / "airflow-pipelines.yaml"
     pipelines.write_text(yaml.safe_dump({"pipelines": [spec]}))
+    # ./kafka2pg already exports the DAG and plugin folders; only what differs from it is set here.
     env = {
         **os.environ,
         # kept across runs: `airflow db migrate` once (untimed anyway), not in every smoke test
         "AIRFLOW_HOME": str(PROJECT_ROOT / ".cache" / "bench-airflow"),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(PROJECT_ROOT / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(PROJECT_ROOT / "plugins"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW_CONN_KAFKA2PG_SPARK": '{"conn_type": "spark", "host": "local[2]"}',
+        "AIRFLOW_CONN_KAFKA2PG_SPARK": '{"conn_type": "spark", "host": "local[2]"}',  # as ours in process
         "KAFKA2PG_PIPELINES": str(pipelines),
         # the jars resolved once under .cache (the state dir here is this run's scratch folder)
         "KAFKA2PG_SPARK_JARS": ",".join(str(j) for j in local_stack.spark_jars()),

@@ -76,7 +76,7 @@ def kafka_read_options(settings: Settings, plan: BatchPlan) -> dict[str, str]:
         # Every range is already written when we read it, so a fetch never needs to wait for data.
         # Spark asks for the partition's offset range after each poll, and the broker answers a
         # connection's requests in order: with the default 500 ms, that request waits behind the
-        # consumer's prefetch at the end of each partition (about 2 s of a 100k-record batch).
+        # consumer's prefetch at the end of each partition (a 300k read to the head: 3.1 s -> 1.8 s).
         "kafka.fetch.max.wait.ms": "10",
     }
 

@@ -174,7 +174,6 @@ def test_a_record_staged_twice_is_rejected_by_provenance_uniqueness(make_pipelin
     db.execute(
         "UPDATE kafka2pg.batch_partitions SET records_read = records_read + 2 WHERE batch_id = %s", (batch.batch_id,)
     )
-    db.commit()
     with pytest.raises(QualityGateFailed, match="provenance_unique: 2 provenance duplicates in staging"):
         validate_batch(env.settings, env.pipeline, batch.batch_id)
     assert target_ids(db, env) == []
