@@ -1,6 +1,8 @@
 """spark-submit entry point: read one planned batch's offset ranges from Kafka and stage them.
 
-Usage: spark-submit jobs/stage_batch.py --pipeline NAME --batch-id N [--epoch E] (the DAG does this).
+Usage: spark-submit jobs/stage_batch.py --pipeline NAME --batch-id N [--epoch E] [--batches K
+--run-id ID --max-records-per-batch M] (the DAG does this). With --batches K > 1 the job also
+validates and promotes each batch and goes on with the next ones (kafka2pg.runner).
 """
 
 from __future__ import annotations
@@ -19,14 +21,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipeline", required=True)
     parser.add_argument("--batch-id", required=True, type=int)
     parser.add_argument("--epoch", type=int, help="the run's claim on the batch (from the plan task)")
+    parser.add_argument(
+        "--batches", type=int, default=1, help="finish up to this many batches in this job (default 1: stage only)"
+    )
+    parser.add_argument("--run-id", help="the Airflow run, recorded with each batch this job plans")
+    parser.add_argument("--max-records-per-batch", type=int, help="cap of the batches this job plans")
     args = parser.parse_args(argv)
+    if args.batches < 1:
+        parser.error(f"--batches must be at least 1, got {args.batches}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from kafka2pg.exceptions import Kafka2PgError, StageInterrupted
-    from kafka2pg.staging import run_job
+    from kafka2pg.runner import run_job
 
     try:
-        result = run_job(args.pipeline, args.batch_id, args.epoch)
+        result = run_job(
+            args.pipeline,
+            args.batch_id,
+            args.epoch,
+            batches=args.batches,
+            run_id=args.run_id,
+            max_records_per_batch=args.max_records_per_batch,
+        )
     except StageInterrupted as exc:
         print(f"kafka2pg stage interrupted: {exc}", file=sys.stderr)
         return 128 + 15

@@ -87,6 +87,7 @@ class Pipeline:
     business_key: tuple[str, ...] = ()
     max_records_per_batch: int = 100_000
     max_records_per_partition: int | None = None
+    batches_per_run: int = 1
     on_retention_loss: Literal["fail", "skip"] = "fail"
     new_partition_start: Literal["earliest", "latest"] = "earliest"
     duplicate_policy: Literal["quarantine", "fail"] = "quarantine"
@@ -190,6 +191,7 @@ _PIPELINE_KEYS = {
     "business_key",
     "max_records_per_batch",
     "max_records_per_partition",
+    "batches_per_run",
     "on_retention_loss",
     "new_partition_start",
     "duplicate_policy",
@@ -229,6 +231,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         business_key=tuple(business_key),
         max_records_per_batch=_positive_int(raw, "max_records_per_batch", where, 100_000),
         max_records_per_partition=_positive_int(raw, "max_records_per_partition", where, None),
+        batches_per_run=_positive_int(raw, "batches_per_run", where, 1),
         on_retention_loss=_choice(raw, "on_retention_loss", where, ("fail", "skip")),
         new_partition_start=_choice(raw, "new_partition_start", where, ("earliest", "latest")),
         duplicate_policy=_choice(raw, "duplicate_policy", where, ("quarantine", "fail")),

@@ -43,6 +43,13 @@ def build_dag(pipeline: Pipeline):
                 description="Cap of records in this run's batch "
                 f"(default from config: {pipeline.max_records_per_batch}).",
             ),
+            "batches_per_run": Param(
+                None,
+                type=["null", "integer"],
+                minimum=1,
+                description="Batches this run may load in one Spark job to catch up a backlog; the job "
+                f"validates and promotes each one (default from config: {pipeline.batches_per_run}).",
+            ),
             "dry_run": Param(
                 False,
                 type="boolean",
@@ -60,11 +67,12 @@ def build_dag(pipeline: Pipeline):
             return tasks.plan(
                 name,
                 max_records_per_batch=params.get("max_records_per_batch"),
+                batches_per_run=params.get("batches_per_run"),
                 dry_run=bool(params.get("dry_run")),
                 run_id=run_id,
             )
 
-        stage = _stage_operator(pipeline)
+        stage = _stage_operator(pipeline, several_batches=True)
 
         @task(task_id="promote")
         def promote_batch(planned: dict) -> dict:
@@ -110,9 +118,24 @@ def _validate_task(name: str):
     return validate_batch
 
 
-def _stage_operator(pipeline: Pipeline):
-    """The Spark job reading the batch the `plan` task handed over (live and replay DAGs alike)."""
+def _stage_operator(pipeline: Pipeline, *, several_batches: bool = False):
+    """The Spark job reading the batch the `plan` task handed over (live and replay DAGs alike).
+
+    `several_batches` (live DAG): the job may go on with further batches (Param batches_per_run).
+    """
     from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+    planned = "ti.xcom_pull(task_ids='plan')"
+    more = []
+    if several_batches:
+        more = [
+            "--batches",
+            f"{{{{ {planned}['batches'] }}}}",
+            "--max-records-per-batch",
+            f"{{{{ {planned}['max_records_per_batch'] }}}}",
+            "--run-id",
+            "{{ run_id }}",
+        ]
 
     return SparkSubmitOperator(
         task_id="read_and_stage",
@@ -127,9 +150,10 @@ def _stage_operator(pipeline: Pipeline):
             "--pipeline",
             pipeline.name,
             "--batch-id",
-            "{{ ti.xcom_pull(task_ids='plan')['batch_id'] }}",
+            f"{{{{ {planned}['batch_id'] }}}}",
             "--epoch",
-            "{{ ti.xcom_pull(task_ids='plan')['epoch'] }}",
+            f"{{{{ {planned}['epoch'] }}}}",
+            *more,
         ],
         verbose=False,
     )

@@ -6,6 +6,7 @@ second run that is a no-op without Spark.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -32,8 +33,10 @@ def ensure_airflow_db(env: dict[str, str]) -> None:
     marker.touch()
 
 
-def dags_test(dag_id: str, env: dict[str, str], log_file: Path) -> tuple[int, str, float]:
-    return run_logged([*airflow_command(), "dags", "test", dag_id], log_file, env)
+def dags_test(dag_id: str, env: dict[str, str], log_file: Path, conf: dict | None = None) -> tuple[int, str, float]:
+    """`airflow dags test` of one DAG; `conf` is the run's conf (Param values, as the trigger form sends)."""
+    extra = ["--conf", json.dumps(conf)] if conf else []
+    return run_logged([*airflow_command(), "dags", "test", dag_id, *extra], log_file, env)
 
 
 def _task_states(output: str) -> str:

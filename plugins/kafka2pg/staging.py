@@ -6,11 +6,9 @@ task retry or a whole-job retry replaces rows instead of duplicating them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import signal
 import threading
 import zipfile
 from dataclasses import dataclass, replace
@@ -381,44 +379,3 @@ SPARK_DEFAULTS = {
     "spark.sql.execution.arrow.maxRecordsPerBatch": "20000",
     **STAGE_JVM_CONF,  # takes effect where this session starts the JVM (tests, CLI, bench)
 }
-
-
-def run_job(pipeline_name: str, batch_id: int, epoch: int | None = None) -> StageResult:
-    """Entry point of jobs/stage_batch.py (spark-submit supplies master and jars)."""
-    from kafka2pg.config import get_pipeline
-
-    settings = Settings.from_env()
-    pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
-    spark = spark_session(None, app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}", conf=pipeline.spark_conf)
-    spark.sparkContext.setLogLevel("WARN")
-    archive = package_zip(settings.state_dir / "spark")
-    stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm(spark, stop, pipeline.name, batch_id))
-    try:
-        spark.sparkContext.addPyFile(str(archive))
-        return stage_batch(spark, settings, pipeline, batch_id, epoch, stop=stop)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        spark.stop()
-        archive.unlink(missing_ok=True)
-
-
-def _on_sigterm(spark: SparkSession, stop: threading.Event, pipeline_name: str, batch_id: int):
-    """SIGTERM (Airflow killing the task, a node draining): cancel Spark's jobs, then stop.
-
-    The handler only flags and starts a thread: the main thread is inside a py4j call, whose
-    connection the handler must not reuse. The cancelled job makes `collect()` fail, and
-    stage_batch turns the flag into `StageInterrupted` before the batch could become staged.
-    Chunks already committed stay; the next attempt replaces them.
-    """
-
-    def cancel() -> None:
-        with contextlib.suppress(Py4JError):  # the JVM may already be going down with us
-            spark.sparkContext.cancelAllJobs()
-
-    def handler(signum: int, frame: object) -> None:
-        log.warning("pipeline=%s batch_id=%s SIGTERM: cancelling Spark jobs", pipeline_name, batch_id)
-        stop.set()
-        threading.Thread(target=cancel, name="kafka2pg-cancel", daemon=True).start()
-
-    return handler

@@ -30,9 +30,17 @@ def airflow_errors() -> Iterator[None]:
 
 
 def plan(
-    pipeline_name: str, *, max_records_per_batch: int | None = None, dry_run: bool = False, run_id: str | None = None
+    pipeline_name: str,
+    *,
+    max_records_per_batch: int | None = None,
+    batches_per_run: int | None = None,
+    dry_run: bool = False,
+    run_id: str | None = None,
 ) -> dict | None:
-    """Plan (or resume) the next batch; None when there is nothing to do (no Spark launched)."""
+    """Plan (or resume) the next batch; None when there is nothing to do (no Spark launched).
+
+    The result tells the stage job how many batches it may finish in this run and their cap.
+    """
     from kafka2pg.ledger import open_batch
     from kafka2pg.migrations import migrate
 
@@ -52,6 +60,8 @@ def plan(
         "epoch": batch.epoch,
         "resumed": opened.resumed,
         "records": batch.plan.record_budget,
+        "batches": batches_per_run or pipeline.batches_per_run,
+        "max_records_per_batch": max_records_per_batch or pipeline.max_records_per_batch,
     }
 
 
@@ -65,7 +75,9 @@ def validate(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dic
         log.info(
             "batch_id=%s check %-36s %s  %s", batch_id, check.name, "ok" if check.success else "FAILED", check.details
         )
-    log.info("quality report of batch %s: %s", batch_id, result.report)
+    log.info("pipeline=%s %s", pipeline_name, result.message)
+    if result.report:
+        log.info("quality report of batch %s: %s", batch_id, result.report)
     return {"batch_id": batch_id, "state": result.state, "report": str(result.report) if result.report else None}
 
 

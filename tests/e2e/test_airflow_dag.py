@@ -61,6 +61,26 @@ def test_dag_run_lands_everything_then_second_run_is_a_noop_without_spark(airflo
     assert batches[0] == 1
 
 
+def test_one_dag_run_catches_up_a_backlog_with_batches_per_run(airflow_home, make_pipeline, db, tmp_path):
+    env = make_pipeline(max_records_per_batch=150)
+    produce_sample(env.settings.bootstrap_servers, env.topic, 400, seed=12)
+    code, output, _ = dags_test(
+        env.pipeline.dag_id, airflow_env(airflow_home, env), tmp_path / "run.log", conf={"batches_per_run": 5}
+    )
+    assert code == 0, output[-3000:]
+    assert "--batches 5" in output and "--max-records-per-batch 150" in output
+    assert "3 batch(es) promoted in this run (400 records read)" in output
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 400
+    states = db.execute(
+        "SELECT state, count(*), count(DISTINCT run_id) FROM kafka2pg.batches WHERE pipeline = %s GROUP BY state",
+        (env.pipeline.name,),
+    ).fetchall()
+    assert states == [("promoted", 3, 1)]
+    # The DAG's own validate and promote tasks find the first batch finished by the job.
+    assert "was already promoted: nothing changed" in output
+
+
 def test_failing_task_makes_dags_test_exit_non_zero(airflow_home, make_pipeline, tmp_path):
     env = make_pipeline(create_topic=False)
     code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(airflow_home, env), tmp_path / "run.log")

@@ -214,7 +214,7 @@ def result_of(done: subprocess.CompletedProcess) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def spark_submit(env, batch_id: int, epoch: int, log: Path) -> subprocess.Popen:
+def spark_submit(env, batch_id: int, epoch: int, log: Path, *extra: str) -> subprocess.Popen:
     """The real job file through spark-submit, in its own process group, as the DAG launches it."""
     from kafka2pg.local_stack import spark_jars
 
@@ -231,6 +231,7 @@ def spark_submit(env, batch_id: int, epoch: int, log: Path) -> subprocess.Popen:
         str(batch_id),
         "--epoch",
         str(epoch),
+        *extra,
     ]
     with open(log, "w") as out:
         return subprocess.Popen(

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 
+from kafka2pg.database import connect
 from kafka2pg.exceptions import BatchStateError, LedgerConflictError, StagingLostError
 from kafka2pg.ledger import open_batch
 from kafka2pg.promote import promote_batch
@@ -258,6 +259,34 @@ def test_sigterm_during_stage_stops_gracefully(trial, make_pipeline, spark, tmp_
     wait_group_exit(job.pid, 120)
     assert target_count(env) == 0, "nothing is promoted by a stopped stage"
     recover(trial, spark, planned, from_step="stage")
+    assert_exactly_once(trial)
+
+
+def test_kill_multi_batch_job_at_a_random_moment(trial, make_pipeline, spark, tmp_path):
+    """A run catching up a backlog (batches_per_run > 1: the job validates and promotes each
+    batch itself) SIGKILLed at a random moment after its first promotion: what it promoted
+    stays, the batch under way is resumed or re-planned by the next run."""
+    count = trial.rng.randint(2000, 6000)
+    env = trial.env = make_pipeline(
+        partitions=trial.rng.randint(1, 4), max_records_per_batch=count // trial.rng.randint(4, 8)
+    )
+    produce_backlog(trial, count)
+    planned = plan_in_child(env)
+    log = tmp_path / "job.log"
+    job = spark_submit(env, planned["batch_id"], planned["epoch"], log, "--batches", "50", "--run-id", "doomed-run")
+    wait_for(log_has(log, "batch 1/50 done", job), timeout=180, what="the job's first promotion")
+    time.sleep(trial.rng.uniform(0, 3))
+    trial.fault_landed = job.poll() is None
+    kill_group(job, signal.SIGKILL)
+    with connect(env.settings.database_url) as conn:
+        done = conn.execute(
+            "SELECT count(*) FROM kafka2pg.batches WHERE pipeline = %s AND state = 'promoted' AND run_id = %s",
+            (env.pipeline.name, "doomed-run"),
+        ).fetchone()[0]
+    assert done >= 1, log.read_text()[-3000:]
+    trial.outcome = f"killed after {done} promoted batch(es);"
+    runs = drain(env, spark)
+    trial.outcome += f" {runs} recovery run(s)"
     assert_exactly_once(trial)
 
 

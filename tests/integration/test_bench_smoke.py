@@ -24,6 +24,8 @@ def test_compare_benchmark_smoke_runs_every_contender_and_prints_the_ratios():
         "ours per phase:",
         "fixed costs:",
         "through `airflow dags test`",
+        "ours through the DAG, one `airflow dags test` run with batches_per_run unlimited: 2000 rows",
+        "throughput ours-via-DAG/peer:",
     ):
         assert line in done.stdout, done.stdout
     rows = [

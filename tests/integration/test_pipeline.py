@@ -12,12 +12,14 @@ from kafka2pg.exceptions import (
     DatabaseUnavailableError,
     KafkaUnavailableError,
     LedgerConflictError,
+    QualityGateFailed,
     TopicNotFoundError,
 )
 from kafka2pg.ledger import open_batch
 from kafka2pg.producer import produce, produce_sample, sample_events
 from kafka2pg.promote import promote_batch
 from kafka2pg.quality import validate_batch
+from kafka2pg.runner import run_batches
 from kafka2pg.staging import stage_batch
 
 
@@ -35,6 +37,12 @@ def ledger_ranges(db, env):
         " WHERE pipeline = %s ORDER BY kafka_partition, start_offset",
         (env.pipeline.name,),
     ).fetchall()
+
+
+def quarantined(db, env):
+    return db.execute("SELECT count(*) FROM kafka2pg.quarantine WHERE pipeline = %s", (env.pipeline.name,)).fetchone()[
+        0
+    ]
 
 
 def heads(db, env):
@@ -90,6 +98,62 @@ def test_max_records_per_batch_splits_backlog_into_contiguous_ranges(make_pipeli
         (env.pipeline.name,),
     ).fetchall()
     assert all(s[0] <= 120 for s in sizes)
+
+
+def batch_states(db, env):
+    return db.execute(
+        "SELECT batch_id, state, run_id FROM kafka2pg.batches WHERE pipeline = %s ORDER BY batch_id",
+        (env.pipeline.name,),
+    ).fetchall()
+
+
+def test_one_run_catches_up_a_backlog_in_several_batches_of_one_spark_session(make_pipeline, spark, db):
+    """batches_per_run > 1: the stage job finishes each batch (gate, promotion) and plans the next."""
+    env = make_pipeline(max_records_per_batch=100)
+    events = list(sample_events(350, seed=21))
+    produce(env.settings.bootstrap_servers, env.topic, [*events, events[5], events[300]])  # two producer retries
+    first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
+    result = run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=3, run_id="run-1")
+    assert len(result.promoted) == 3 and result.staged == result.promoted and result.records == 300
+    assert result.promoted[0] == first.batch_id
+    assert count(db, env) + quarantined(db, env) == 300
+    assert [(state, run) for _, state, run in batch_states(db, env)] == [("promoted", "run-1")] * 3
+    assert all(result.phases[p] > 0 for p in ("plan", "stage", "validate", "promote"))
+
+    # The next run stops when nothing is left, short of its limit; the ledger is contiguous.
+    second = open_batch(env.settings, env.pipeline, run_id="run-2").batch
+    result = run_batches(spark, env.settings, env.pipeline, second.batch_id, second.epoch, batches=10, run_id="run-2")
+    assert len(result.promoted) == 1 and result.records == 52
+    assert count(db, env) == 350 and quarantined(db, env) == 2
+    ranges = ledger_ranges(db, env)
+    for partition in range(env.partitions):
+        mine = [r for r in ranges if r[0] == partition]
+        assert [r[1] for r in mine[1:]] == [r[2] for r in mine[:-1]], f"gap or overlap in partition {partition}"
+        assert mine[-1][2] == heads(db, env)[partition]
+    assert open_batch(env.settings, env.pipeline).batch is None
+
+
+def test_one_batch_per_run_only_stages_and_leaves_the_gate_to_the_dag(make_pipeline, spark, db):
+    env = make_pipeline(max_records_per_batch=100)
+    produce_sample(env.settings.bootstrap_servers, env.topic, 150, seed=22)
+    first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
+    result = run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=1, run_id="run-1")
+    assert result.staged == [first.batch_id] and result.promoted == [] and result.records == 100
+    assert [state for _, state, _ in batch_states(db, env)] == ["staged"]
+    assert count(db, env) == 0
+
+
+def test_a_rejected_batch_stops_the_run_after_what_it_promoted(make_pipeline, spark, db):
+    env = make_pipeline(partitions=1, max_records_per_batch=100, duplicate_policy="fail")
+    events = list(sample_events(250, seed=23))
+    produce(env.settings.bootstrap_servers, env.topic, events)
+    produce(env.settings.bootstrap_servers, env.topic, [events[0]])  # a producer retry in the last batch
+    first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
+    with pytest.raises(QualityGateFailed, match="duplicate_policy: fail"):
+        run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=10, run_id="run-1")
+    states = [state for _, state, _ in batch_states(db, env)]
+    assert states == ["promoted", "promoted", "rejected"]
+    assert count(db, env) == 200
 
 
 def test_stale_promote_fails_with_ledger_conflict_and_changes_nothing(make_pipeline, spark, db):

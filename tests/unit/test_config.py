@@ -29,7 +29,7 @@ def test_shipped_pipelines_file_is_valid():
 
 def test_good_file_parses_with_defaults(tmp_path):
     pipeline = get_pipeline("orders", write(tmp_path))
-    assert pipeline.max_records_per_batch == 100_000
+    assert pipeline.max_records_per_batch == 100_000 and pipeline.batches_per_run == 1
     assert pipeline.duplicate_policy == "quarantine" and pipeline.on_retention_loss == "fail"
     assert pipeline.columns[1].spark_type == "decimal(10,2)"
 
@@ -41,6 +41,7 @@ def test_good_file_parses_with_defaults(tmp_path):
             {"max_records_per_batch": 0},
             r"pipelines\[0\] \(orders\)\.max_records_per_batch: expected a positive integer",
         ),
+        ({"batches_per_run": -2}, r"\(orders\)\.batches_per_run: expected a positive integer"),
         ({"on_retention_loss": "ignore"}, r"on_retention_loss: expected one of fail, skip"),
         ({"columns": [{"name": "x", "type": "money"}]}, r"columns\[0\]\.type: unsupported type 'money'"),
         ({"business_key": ["nope"]}, r"business_key: 'nope' is not one of the columns"),

@@ -44,7 +44,7 @@ def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
     assert result["heavy"] == [], f"parsing the DAG imported {result['heavy']}"
     assert result["tasks"] == ["has_batch", "plan", "promote", "read_and_stage", "validate"]
     assert result["max_active_runs"] == 1
-    assert result["params"] == ["dry_run", "max_records_per_batch"]
+    assert result["params"] == ["batches_per_run", "dry_run", "max_records_per_batch"]
     assert result["replay_tasks"] == ["finish", "has_batch", "plan", "read_and_stage", "validate"]
     params = result["replay_params"]
     assert sorted(params) == ["from_time", "mode", "offset_ranges", "reason", "to_time"]

@@ -1,0 +1,180 @@
+"""Several batches in one Spark session: how one DAG run catches up a backlog.
+
+With `batches_per_run: 1` (the DAG's default) the stage job only stages the planned batch and
+the DAG's `validate` and `promote` tasks finish it. With more, the job finishes each batch
+itself, with the same functions and the same transactions those tasks run (stage -> quality
+gate -> promote, every step fenced by the run's claim), then plans the next one, until the
+backlog is empty or `batches_per_run` batches are promoted. The DAG's `validate` and `promote`
+tasks then find the planned batch promoted and change nothing. A failure at any step stops
+the loop: the batches before it stay promoted, the failed one stays where it stopped, and
+the next run resumes it, as after any failed run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+from py4j.protocol import Py4JError
+from pyspark.sql import SparkSession
+
+from kafka2pg.config import Pipeline, Settings, get_pipeline
+from kafka2pg.exceptions import StageInterrupted
+from kafka2pg.ledger import open_batch
+from kafka2pg.promote import promote_batch
+from kafka2pg.quality import validate_batch
+from kafka2pg.staging import package_zip, spark_session, stage_batch
+
+log = logging.getLogger(__name__)
+
+PHASES = ("plan", "stage", "validate", "promote")
+
+
+@dataclass
+class RunResult:
+    """What one run did: the batches it finished (or only staged) and seconds per phase."""
+
+    staged: list[int] = field(default_factory=list)
+    promoted: list[int] = field(default_factory=list)
+    records: int = 0
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    message: str = ""
+
+
+def run_batches(
+    spark: SparkSession,
+    settings: Settings,
+    pipeline: Pipeline,
+    batch_id: int,
+    epoch: int | None = None,
+    *,
+    batches: int = 1,
+    run_id: str | None = None,
+    max_records_per_batch: int | None = None,
+    stop: threading.Event | None = None,
+) -> RunResult:
+    """Stage the planned batch; with `batches` > 1 also finish it and go on with the next ones."""
+    if batches < 1:
+        raise ValueError(f"batches must be at least 1, got {batches}")
+    result = RunResult()
+    current: tuple[int, int | None] | None = (batch_id, epoch)
+    while current is not None:
+        batch_id, epoch = current
+        staged = _timed(result, "stage", stage_batch, spark, settings, pipeline, batch_id, epoch, stop=stop)
+        result.staged.append(batch_id)
+        result.records += staged.records_read
+        if batches == 1:
+            result.message = staged.message
+            return result
+        _timed(result, "validate", validate_batch, settings, pipeline, batch_id, epoch)
+        promoted = _timed(result, "promote", promote_batch, settings, pipeline, batch_id, epoch)
+        result.promoted.append(batch_id)
+        log.info(
+            "pipeline=%s run %s: batch %s/%s done (%s), %s records so far; seconds: %s",
+            pipeline.name,
+            run_id,
+            len(result.promoted),
+            batches,
+            promoted.message,
+            result.records,
+            ", ".join(f"{k} {v:.1f}" for k, v in result.phases.items()),
+        )
+        current = None
+        if len(result.promoted) < batches:
+            _raise_if_stopped(stop, pipeline, result)
+            opened = _timed(
+                result,
+                "plan",
+                open_batch,
+                settings,
+                pipeline,
+                max_records_per_batch=max_records_per_batch,
+                run_id=run_id,
+            )
+            log.info("pipeline=%s %s", pipeline.name, opened.message)
+            if opened.batch is not None:
+                current = (opened.batch.batch_id, opened.batch.epoch)
+    result.message = (
+        f"{len(result.promoted)} batch(es) promoted in this run ({result.records} records read): "
+        f"{', '.join(map(str, result.promoted))}"
+    )
+    log.info("pipeline=%s %s", pipeline.name, result.message)
+    return result
+
+
+def _timed(result: RunResult, phase: str, step, *args, **kwargs):
+    started = time.monotonic()
+    try:
+        return step(*args, **kwargs)
+    finally:
+        result.phases[phase] += time.monotonic() - started
+
+
+def _raise_if_stopped(stop: threading.Event | None, pipeline: Pipeline, result: RunResult) -> None:
+    if stop is not None and stop.is_set():
+        raise StageInterrupted(
+            f"pipeline {pipeline.name!r}: stopped by SIGTERM after promoting batches {result.promoted}; "
+            "no batch is half-done. The next run goes on from the ledger's heads."
+        )
+
+
+def run_job(
+    pipeline_name: str,
+    batch_id: int,
+    epoch: int | None = None,
+    *,
+    batches: int = 1,
+    run_id: str | None = None,
+    max_records_per_batch: int | None = None,
+) -> RunResult:
+    """Entry point of jobs/stage_batch.py (spark-submit supplies master and jars)."""
+    settings = Settings.from_env()
+    pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
+    spark = spark_session(None, app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}", conf=pipeline.spark_conf)
+    spark.sparkContext.setLogLevel("WARN")
+    archive = package_zip(settings.state_dir / "spark")
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm(spark, stop, pipeline.name, batch_id))
+    try:
+        spark.sparkContext.addPyFile(str(archive))
+        return run_batches(
+            spark,
+            settings,
+            pipeline,
+            batch_id,
+            epoch,
+            batches=batches,
+            run_id=run_id,
+            max_records_per_batch=max_records_per_batch,
+            stop=stop,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        spark.stop()
+        archive.unlink(missing_ok=True)
+
+
+def _on_sigterm(spark: SparkSession, stop: threading.Event, pipeline_name: str, batch_id: int):
+    """SIGTERM (Airflow killing the task, a node draining): cancel Spark's jobs, then stop.
+
+    The handler only flags and starts a thread: the main thread is inside a py4j call, whose
+    connection the handler must not reuse. The cancelled job makes `collect()` fail, and
+    stage_batch turns the flag into `StageInterrupted` before the batch could become staged.
+    Chunks already committed stay; the next attempt replaces them. Between batches the loop
+    stops at the flag; a quality gate or promotion under way finishes its transaction first.
+    """
+
+    def cancel() -> None:
+        with contextlib.suppress(Py4JError):  # the JVM may already be going down with us
+            spark.sparkContext.cancelAllJobs()
+
+    def handler(signum: int, frame: object) -> None:
+        log.warning("pipeline=%s batch_id=%s SIGTERM: cancelling Spark jobs", pipeline_name, batch_id)
+        stop.set()
+        threading.Thread(target=cancel, name="kafka2pg-cancel", daemon=True).start()
+
+    return handler
