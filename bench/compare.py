@@ -13,6 +13,7 @@ tree (Spark JVM included) for peak RSS. Also: the fixed cost of an empty run and
 and the whole backlog through `airflow dags test` of the real DAG (one run, batches_per_run
 unlimited).
     ./kafka2pg python bench/compare.py [--events 1000000] [--partitions 6] [--size 200] [--no-airflow]
+                                       [--airflow-per-batch]
 """
 
 from __future__ import annotations
@@ -269,8 +270,9 @@ def run_airflow(settings: Settings, topic: str, work: Path) -> dict:
     spec = next(p for p in yaml.safe_load((PROJECT_ROOT / "dags" / "pipelines.yaml").read_text())["pipelines"])
     fixed = {**spec, "name": "airflow_fixed", "topic": f"{topic}-airflow", "target_table": "public.airflow_fixed"}
     backlog = {**spec, "name": "airflow_backlog", "topic": topic, "target_table": "public.airflow_backlog"}
+    per_batch = {**spec, "name": "airflow_per_batch", "topic": topic, "target_table": "public.airflow_per_batch"}
     pipelines = work / "airflow-pipelines.yaml"
-    pipelines.write_text(yaml.safe_dump({"pipelines": [fixed, backlog]}))
+    pipelines.write_text(yaml.safe_dump({"pipelines": [fixed, backlog, per_batch]}))
     # ./kafka2pg already exports the DAG and plugin folders; only what differs from it is set here.
     env = {
         **os.environ,
@@ -299,12 +301,22 @@ def run_airflow(settings: Settings, topic: str, work: Path) -> dict:
     produce(settings.bootstrap_servers, fixed["topic"], list(sample_events(1)))
     _, one_s = dag_run("kafka2pg_airflow_fixed", "one")
     _, backlog_s = dag_run("kafka2pg_airflow_backlog", "backlog", {"batches_per_run": 10**6})
+    per_batch_s = per_batch_runs = None
+    if os.environ.get("BENCH_AIRFLOW_PER_BATCH"):  # the same backlog, one batch per DAG run (the default)
+        started = time.monotonic()
+        for per_batch_runs in range(1, 10**6):
+            output, _ = dag_run("kafka2pg_airflow_per_batch", f"per-batch-{per_batch_runs}")
+            if "Spark not launched" in output:
+                break
+        per_batch_s = time.monotonic() - started
     with connect(settings.database_url) as conn:
         landed = conn.execute("SELECT count(*) FROM public.airflow_fixed").fetchone()[0]
         backlog_rows = conn.execute("SELECT count(*) FROM public.airflow_backlog").fetchone()[0]
         batches = conn.execute(
             "SELECT count(*) FROM kafka2pg.batches WHERE pipeline = 'airflow_backlog' AND state = 'promoted'"
         ).fetchone()[0]
+        if per_batch_s is not None:
+            per_batch_rows = conn.execute("SELECT count(*) FROM public.airflow_per_batch").fetchone()[0]
     return {
         "empty_run_s": empty_s,
         "one_record_batch_s": one_s,
@@ -312,6 +324,11 @@ def run_airflow(settings: Settings, topic: str, work: Path) -> dict:
         "backlog_s": backlog_s,
         "backlog_rows": backlog_rows,
         "backlog_batches": batches,
+        **(
+            {"per_batch_s": per_batch_s, "per_batch_runs": per_batch_runs, "per_batch_rows": per_batch_rows}
+            if per_batch_s is not None
+            else {}
+        ),
     }
 
 
@@ -372,7 +389,12 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=200, help="approximate JSON bytes per event")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--no-scaling", action="store_true", help="skip ours with local[1]")
-    parser.add_argument("--no-airflow", action="store_true", help="skip the fixed costs through `airflow dags test`")
+    parser.add_argument("--no-airflow", action="store_true", help="skip the figures through `airflow dags test`")
+    parser.add_argument(
+        "--airflow-per-batch",
+        action="store_true",
+        help="also load the backlog through the DAG with one batch per run (the default), run after run",
+    )
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
     parser.add_argument("--master", default="local[2]", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -396,6 +418,7 @@ def main() -> int:
             "BENCH_TOPIC": topic,
             "KAFKA2PG_STATE_DIR": str(work),
             "SPARK_LOCAL_IP": "127.0.0.1",
+            **({"BENCH_AIRFLOW_PER_BATCH": "1"} if args.airflow_per_batch else {}),
         }
         results = {}
         for name in args.contenders.split(","):
@@ -407,7 +430,8 @@ def main() -> int:
         airflow = None if args.no_airflow else measure("airflow", env)
     print_table(results, produced, megabytes, fixed, airflow)
     landed = all(r["rows"] == produced for r in results.values()) and (
-        airflow is None or (airflow["rows"] == 1 and airflow["backlog_rows"] == produced)
+        airflow is None
+        or (airflow["rows"] == 1 and airflow["backlog_rows"] == produced == airflow.get("per_batch_rows", produced))
     )
     return 0 if landed else 1
 
@@ -450,6 +474,11 @@ def print_table(results: dict, produced: int, megabytes: float, fixed: dict, air
             peer = results["peer"].get("timed_seconds", results["peer"]["wall_s"])
             line += f"; throughput ours-via-DAG/peer: {peer / seconds:.2f}"
         print(line)
+        if "per_batch_s" in airflow:
+            print(
+                f"the same backlog with one batch per DAG run (batches_per_run 1): {airflow['per_batch_rows']} rows "
+                f"in {airflow['per_batch_s']:.1f}s over {airflow['per_batch_runs']} runs (the last one empty)"
+            )
     print("floor = COPY from a local file only (file prepared untimed); wall of other contenders includes start-up")
 
 

@@ -24,7 +24,7 @@ from pyspark.sql.types import StringType, StructField, StructType, _parse_dataty
 
 from kafka2pg.config import STAGE_JVM_CONF, Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, StageInterrupted
+from kafka2pg.exceptions import BatchStateError, ConfigError, StageInterrupted
 from kafka2pg.ledger import Batch, load_claimed, set_state, staged_counts, staging_lost
 from kafka2pg.planner import BatchPlan
 
@@ -189,7 +189,17 @@ def _read_and_write(
     columns: list[str],
     stop: threading.Event | None,
 ) -> list:
-    raw = spark.read.format("kafka").options(**kafka_read_options(settings, batch.plan)).load()
+    try:
+        raw = spark.read.format("kafka").options(**kafka_read_options(settings, batch.plan)).load()
+    except PySparkException as exc:
+        if "Failed to find data source: kafka" not in str(exc):
+            raise
+        raise ConfigError(
+            "Spark has no Kafka source on its classpath (org.apache.spark:spark-sql-kafka-0-10_2.13 and its "
+            "dependencies). The DAG passes the jars resolved under $KAFKA2PG_STATE_DIR/jars/spark (`./kafka2pg "
+            "setup` resolves them) or the comma-separated list in KAFKA2PG_SPARK_JARS; on a cluster, install "
+            "them or set spark.jars.packages in the pipeline's spark_conf. Nothing was staged."
+        ) from None
     writer = _chunk_writer(settings.database_url, pipeline.staging_table, columns, batch.batch_id, batch.epoch)
     try:
         return decode(raw, pipeline).select(*columns).mapInArrow(writer, STATS_SCHEMA).collect()

@@ -1,9 +1,13 @@
 """The walking skeleton against the real broker, PostgreSQL and Spark (same functions as the DAG)."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 import time
 from datetime import UTC, date, datetime
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 from psycopg import sql
@@ -21,6 +25,8 @@ from kafka2pg.promote import promote_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.runner import run_batches
 from kafka2pg.staging import stage_batch
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def target(env):
@@ -154,6 +160,40 @@ def test_a_rejected_batch_stops_the_run_after_what_it_promoted(make_pipeline, sp
     states = [state for _, state, _ in batch_states(db, env)]
     assert states == ["promoted", "promoted", "rejected"]
     assert count(db, env) == 200
+
+
+def test_stage_job_without_the_kafka_source_jars_says_what_to_do(make_pipeline, db):
+    env = make_pipeline()
+    produce_sample(env.settings.bootstrap_servers, env.topic, 10, seed=24)
+    batch = open_batch(env.settings, env.pipeline).batch
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("spark-submit")),
+            "--master",
+            "local[1]",
+            str(ROOT / "jobs" / "stage_batch.py"),
+            "--pipeline",
+            env.pipeline.name,
+            "--batch-id",
+            str(batch.batch_id),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "SPARK_LOCAL_IP": "127.0.0.1",
+            "KAFKA2PG_PIPELINES": str(env.settings.pipelines_file),
+            "KAFKA2PG_BOOTSTRAP_SERVERS": env.settings.bootstrap_servers,
+            "KAFKA2PG_DATABASE_URL": env.settings.database_url,
+            "KAFKA2PG_STATE_DIR": str(env.settings.state_dir),
+        },
+    )
+    output = done.stdout + done.stderr  # spark-submit hands the Python driver's stderr to its stdout
+    assert done.returncode == 2, output[-3000:]
+    assert "kafka2pg stage failed: Spark has no Kafka source on its classpath" in output, output[-3000:]
+    assert "KAFKA2PG_SPARK_JARS" in output
+    assert [state for _, state, _ in batch_states(db, env)] == ["planned"]
 
 
 def test_stale_promote_fails_with_ledger_conflict_and_changes_nothing(make_pipeline, spark, db):
