@@ -244,6 +244,8 @@ def open_batch(
         # Lock the open batch BEFORE reading heads: a promote of it still in flight commits first,
         # so the heads read below are never older than the batch states seen.
         open_id = open_batch_id(conn, pipeline)
+        if not dry_run:  # this run takes the pipeline over: an earlier run's lookahead is void
+            abandon_lookaheads(conn, pipeline, f"run {run_id} took the pipeline over before it was promoted")
         heads = read_heads(conn, pipeline.name)
         _warn_loss_horizons(settings, pipeline, offsets, heads)
         resumed = _resume_or_abandon(conn, pipeline, open_id, heads, run_id, dry_run=dry_run)
@@ -354,12 +356,80 @@ def _archive_rows(conn: Connection, pipeline: Pipeline, partition: int, reset_id
 
 
 def open_batch_id(conn: Connection, pipeline: Pipeline) -> int | None:
-    """The pipeline's unfinished live batch (at most one), locked."""
-    row = conn.execute(
-        "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live' AND state = ANY(%s) FOR UPDATE",
+    """The pipeline's unfinished live batch (the root: lowest id; a lookahead comes after it), locked."""
+    ids = _open_live_ids(conn, pipeline)
+    return ids[0] if ids else None
+
+
+def _open_live_ids(conn: Connection, pipeline: Pipeline) -> list[int]:
+    rows = conn.execute(
+        "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live' AND state = ANY(%s)"
+        " ORDER BY batch_id FOR UPDATE",
         (pipeline.name, list(OPEN_STATES)),
-    ).fetchone()
-    return None if row is None else row[0]
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def abandon_lookaheads(conn: Connection, pipeline: Pipeline, reason: str, after_id: int | None = None) -> list[int]:
+    """Abandon every open live batch after batch `after_id` (default: after the root), i.e. the
+    lookahead of a run now fenced off or of a batch not promoted, and drop its staging rows:
+    nothing of it was promoted, and the next batch is planned afresh."""
+    ids = _open_live_ids(conn, pipeline)
+    ids = ids[1:] if after_id is None else [i for i in ids if i > after_id]
+    for batch_id in ids:
+        set_state(conn, load_batch(conn, batch_id), "abandoned", error=reason)
+    if ids:
+        conn.execute(
+            sql.SQL("DELETE FROM {} WHERE batch_id = ANY(%s)").format(
+                sql.Identifier("kafka2pg", pipeline.staging_table)
+            ),
+            (ids,),
+        )
+    return ids
+
+
+def plan_lookahead(
+    settings: Settings,
+    pipeline: Pipeline,
+    after_id: int,
+    after_epoch: int | None,
+    *,
+    max_records_per_batch: int | None = None,
+    run_id: str | None = None,
+) -> Batch | None:
+    """Plan the batch that follows batch `after_id` (still open, claimed by this run at
+    `after_epoch`) from its planned ends.
+
+    Its compare-and-set expects that batch's new heads, so it promotes only once that one has;
+    if it is rejected or fenced instead, the run (or the next one) abandons it. None: nothing new.
+    """
+    offsets = partition_offsets(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
+    with transaction(settings.database_url) as conn:
+        lock_plan(conn, pipeline.name)
+        current = load_claimed(conn, pipeline, after_id, after_epoch)
+        if current.kind != "live" or current.state not in ("staged", "validated"):
+            raise BatchStateError(
+                f"batch {after_id} of pipeline {pipeline.name!r} is a {current.kind} batch in state "
+                f"{current.state}: no batch can be planned after it"
+            )
+        later = [i for i in _open_live_ids(conn, pipeline) if i > after_id]
+        if later:
+            raise BatchStateError(f"pipeline {pipeline.name!r}: batch {later[0]} is already planned after {after_id}")
+        heads = read_heads(conn, pipeline.name)
+        heads.update({p.partition: p.new_head for p in current.plan.partitions})
+        plan = plan_batch(
+            pipeline.name,
+            pipeline.topic,
+            _states(offsets, heads),
+            max_records_per_batch=max_records_per_batch or pipeline.max_records_per_batch,
+            max_records_per_partition=pipeline.max_records_per_partition,
+            on_retention_loss=pipeline.on_retention_loss,
+            new_partition_start=pipeline.new_partition_start,
+            ledger_partitions=tuple(heads),
+        )
+        if plan.is_empty:
+            return None
+        return insert_batch(conn, pipeline, plan, run_id, after_batch_id=after_id)
 
 
 def _claim(conn: Connection, batch: Batch, run_id: str | None) -> Batch:
@@ -412,13 +482,19 @@ def _resume_or_abandon(
 
 
 def insert_batch(
-    conn: Connection, pipeline: Pipeline, plan: BatchPlan, run_id: str | None, kind: str = "live"
+    conn: Connection,
+    pipeline: Pipeline,
+    plan: BatchPlan,
+    run_id: str | None,
+    kind: str = "live",
+    *,
+    after_batch_id: int | None = None,
 ) -> Batch:
-    """Record a planned batch (live or replay) with its ranges."""
+    """Record a planned batch (live or replay) with its ranges; `after_batch_id`: a lookahead."""
     batch_id = conn.execute(
-        "INSERT INTO kafka2pg.batches (pipeline, topic, kind, state, plan, run_id, records_planned)"
-        " VALUES (%s, %s, %s, 'planned', %s, %s, %s) RETURNING batch_id",
-        (pipeline.name, pipeline.topic, kind, Jsonb(plan.to_json()), run_id, plan.record_budget),
+        "INSERT INTO kafka2pg.batches (pipeline, topic, kind, state, plan, run_id, records_planned, after_batch_id)"
+        " VALUES (%s, %s, %s, 'planned', %s, %s, %s, %s) RETURNING batch_id",
+        (pipeline.name, pipeline.topic, kind, Jsonb(plan.to_json()), run_id, plan.record_budget, after_batch_id),
     ).fetchone()[0]
     with conn.cursor() as cur:
         cur.executemany(
@@ -512,6 +588,7 @@ def reset_head(
             return Reset(partition, current, to_offset, open_id, False, message)
         lock_partitions(conn, pipeline.name, [partition], f"ledger reset of partition {partition}")
         if open_id is not None:
+            abandon_lookaheads(conn, pipeline, f"ledger reset: {reason}")
             set_state(conn, load_batch(conn, open_id), "abandoned", error=f"ledger reset: {reason}")
         last = conn.execute(
             "SELECT coalesce(max(batch_id), 0) FROM kafka2pg.batches WHERE pipeline = %s", (pipeline.name,)

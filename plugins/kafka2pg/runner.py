@@ -3,11 +3,11 @@
 With `batches_per_run: 1` (the DAG's default) the stage job only stages the planned batch and
 the DAG's `validate` and `promote` tasks finish it. With more, the job finishes each batch
 itself, with the same functions and the same transactions those tasks run (stage -> quality
-gate -> promote, every step fenced by the run's claim), then plans the next one, until the
-backlog is empty or `batches_per_run` batches are promoted. The DAG's `validate` and `promote`
-tasks then find the planned batch promoted and change nothing. A failure at any step stops
-the loop: the batches before it stay promoted, the failed one stays where it stopped, and
-the next run resumes it, as after any failed run.
+gate -> promote, every step fenced by the run's claim), and stages the next batch meanwhile,
+until the backlog is empty or `batches_per_run` batches are promoted. The DAG's `validate` and
+`promote` tasks then find the planned batch promoted and change nothing. A failure at any step
+stops the loop: the batches before it stay promoted, the failed one stays where it stopped
+(the next run resumes it, as after any failed run) and a lookahead after it is abandoned.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from py4j.protocol import Py4JError
 from pyspark.sql import SparkSession
 
 from kafka2pg.config import Pipeline, Settings, get_pipeline
+from kafka2pg.database import transaction
 from kafka2pg.exceptions import StageInterrupted
-from kafka2pg.ledger import open_batch
+from kafka2pg.ledger import Batch, abandon_lookaheads, lock_plan, open_batch, plan_lookahead
 from kafka2pg.promote import promote_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.staging import package_zip, spark_session, stage_batch
@@ -57,53 +58,122 @@ def run_batches(
     max_records_per_batch: int | None = None,
     stop: threading.Event | None = None,
 ) -> RunResult:
-    """Stage the planned batch; with `batches` > 1 also finish it and go on with the next ones."""
+    """Stage the planned batch; with `batches` > 1 also finish it and go on with the next ones.
+
+    With more than one batch, batch N+1 is planned (a lookahead, from N's planned ends) and
+    staged by Spark while a second thread runs N's quality gate and promotion in PostgreSQL:
+    the two use different resources. N+1 is validated only after N is promoted, so its
+    duplicate checks see N's rows, and its compare-and-set cannot succeed before N's.
+    """
     if batches < 1:
         raise ValueError(f"batches must be at least 1, got {batches}")
     result = RunResult()
-    current: tuple[int, int | None] | None = (batch_id, epoch)
+    current = _stage(result, spark, settings, pipeline, batch_id, epoch, stop)
+    if batches == 1:
+        result.message = current.message
+        return result
     while current is not None:
-        batch_id, epoch = current
-        staged = _timed(result, "stage", stage_batch, spark, settings, pipeline, batch_id, epoch, stop=stop)
-        result.staged.append(batch_id)
-        result.records += staged.records_read
-        if batches == 1:
-            result.message = staged.message
-            return result
-        _timed(result, "validate", validate_batch, settings, pipeline, batch_id, epoch)
-        promoted = _timed(result, "promote", promote_batch, settings, pipeline, batch_id, epoch)
-        result.promoted.append(batch_id)
+        following = None
+        if len(result.promoted) + 1 < batches:
+            _raise_if_stopped(stop, pipeline, result)
+            following = _timed(result, "plan", _next_batch, settings, pipeline, current, run_id, max_records_per_batch)
+        finishing = _Finish(result, settings, pipeline, current.batch_id, current.epoch)
+        finishing.start()
+        stage_error = None
+        staged = None
+        if following is not None:
+            try:
+                staged = _stage(result, spark, settings, pipeline, following.batch_id, following.epoch, stop)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, once the finishing thread is done
+                stage_error = exc
+        finishing.join()
+        if finishing.error is not None:
+            if following is not None:
+                _abandon_lookahead(settings, pipeline, current.batch_id)
+            raise finishing.error
+        result.promoted.append(current.batch_id)
         log.info(
             "pipeline=%s run %s: batch %s/%s done (%s), %s records so far; seconds: %s",
             pipeline.name,
             run_id,
             len(result.promoted),
             batches,
-            promoted.message,
+            finishing.message,
             result.records,
             ", ".join(f"{k} {v:.1f}" for k, v in result.phases.items()),
         )
-        current = None
-        if len(result.promoted) < batches:
-            _raise_if_stopped(stop, pipeline, result)
-            opened = _timed(
-                result,
-                "plan",
-                open_batch,
-                settings,
-                pipeline,
-                max_records_per_batch=max_records_per_batch,
-                run_id=run_id,
-            )
-            log.info("pipeline=%s %s", pipeline.name, opened.message)
-            if opened.batch is not None:
-                current = (opened.batch.batch_id, opened.batch.epoch)
+        if stage_error is not None:
+            raise stage_error
+        current = staged
     result.message = (
         f"{len(result.promoted)} batch(es) promoted in this run ({result.records} records read): "
         f"{', '.join(map(str, result.promoted))}"
     )
     log.info("pipeline=%s %s", pipeline.name, result.message)
     return result
+
+
+@dataclass(frozen=True)
+class _Staged:
+    batch_id: int
+    epoch: int | None
+    state: str
+    message: str
+
+
+def _stage(result: RunResult, spark, settings, pipeline, batch_id: int, epoch: int | None, stop) -> _Staged:
+    staged = _timed(result, "stage", stage_batch, spark, settings, pipeline, batch_id, epoch, stop=stop)
+    result.staged.append(batch_id)
+    result.records += staged.records_read
+    return _Staged(batch_id, epoch, staged.state, staged.message)
+
+
+def _next_batch(settings, pipeline, current: _Staged, run_id, max_records_per_batch) -> Batch | None:
+    """The lookahead after an open batch; after one already promoted (a retried job), the next run's plan."""
+    if current.state == "promoted":
+        opened = open_batch(settings, pipeline, max_records_per_batch=max_records_per_batch, run_id=run_id)
+        log.info("pipeline=%s %s", pipeline.name, opened.message)
+        return opened.batch
+    batch = plan_lookahead(
+        settings,
+        pipeline,
+        current.batch_id,
+        current.epoch,
+        max_records_per_batch=max_records_per_batch,
+        run_id=run_id,
+    )
+    if batch is not None:
+        log.info("pipeline=%s batch %s planned after batch %s", pipeline.name, batch.batch_id, current.batch_id)
+    return batch
+
+
+class _Finish(threading.Thread):
+    """Quality gate + promotion of one batch, beside the Spark stage of the next one."""
+
+    def __init__(self, result: RunResult, settings, pipeline, batch_id: int, epoch: int | None) -> None:
+        super().__init__(name=f"kafka2pg-finish-{batch_id}", daemon=True)
+        self.args_ = (result, settings, pipeline, batch_id, epoch)
+        self.error: BaseException | None = None
+        self.message = ""
+
+    def run(self) -> None:
+        result, settings, pipeline, batch_id, epoch = self.args_
+        try:
+            _timed(result, "validate", validate_batch, settings, pipeline, batch_id, epoch)
+            self.message = _timed(result, "promote", promote_batch, settings, pipeline, batch_id, epoch).message
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
+            self.error = exc
+
+
+def _abandon_lookahead(settings: Settings, pipeline: Pipeline, after_batch_id: int) -> None:
+    """The batch before the lookahead was not promoted: the lookahead's heads will never exist."""
+    with transaction(settings.database_url) as conn:
+        lock_plan(conn, pipeline.name)
+        abandoned = abandon_lookaheads(
+            conn, pipeline, f"batch {after_batch_id} before it was not promoted", after_id=after_batch_id
+        )
+    if abandoned:
+        log.warning("pipeline=%s lookahead batch(es) %s abandoned", pipeline.name, abandoned)
 
 
 def _timed(result: RunResult, phase: str, step, *args, **kwargs):

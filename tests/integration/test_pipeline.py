@@ -13,13 +13,14 @@ import pytest
 from psycopg import sql
 
 from kafka2pg.exceptions import (
+    BatchStateError,
     DatabaseUnavailableError,
     KafkaUnavailableError,
     LedgerConflictError,
     QualityGateFailed,
     TopicNotFoundError,
 )
-from kafka2pg.ledger import open_batch
+from kafka2pg.ledger import open_batch, plan_lookahead
 from kafka2pg.producer import produce, produce_sample, sample_events
 from kafka2pg.promote import promote_batch
 from kafka2pg.quality import validate_batch
@@ -124,6 +125,10 @@ def test_one_run_catches_up_a_backlog_in_several_batches_of_one_spark_session(ma
     assert result.promoted[0] == first.batch_id
     assert count(db, env) + quarantined(db, env) == 300
     assert [(state, run) for _, state, run in batch_states(db, env)] == [("promoted", "run-1")] * 3
+    after = db.execute(
+        "SELECT after_batch_id FROM kafka2pg.batches WHERE pipeline = %s ORDER BY batch_id", (env.pipeline.name,)
+    ).fetchall()
+    assert [a for (a,) in after] == [None, *result.promoted[:2]], "batches 2 and 3 were staged as lookaheads"
     assert all(result.phases[p] > 0 for p in ("plan", "stage", "validate", "promote"))
 
     # The next run stops when nothing is left, short of its limit; the ledger is contiguous.
@@ -149,17 +154,49 @@ def test_one_batch_per_run_only_stages_and_leaves_the_gate_to_the_dag(make_pipel
     assert count(db, env) == 0
 
 
-def test_a_rejected_batch_stops_the_run_after_what_it_promoted(make_pipeline, spark, db):
+def test_a_rejected_batch_stops_the_run_and_voids_the_lookahead_staged_meanwhile(make_pipeline, spark, db):
     env = make_pipeline(partitions=1, max_records_per_batch=100, duplicate_policy="fail")
-    events = list(sample_events(250, seed=23))
-    produce(env.settings.bootstrap_servers, env.topic, events)
-    produce(env.settings.bootstrap_servers, env.topic, [events[0]])  # a producer retry in the last batch
+    events = list(sample_events(300, seed=23))
+    # A producer retry of event 0 at offset 150: batch 2 ([100, 200)) is rejected while the run
+    # has already planned and staged batch 3 ([200, 300)) after it.
+    produce(env.settings.bootstrap_servers, env.topic, [*events[:150], events[0], *events[150:299]])
     first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
     with pytest.raises(QualityGateFailed, match="duplicate_policy: fail"):
         run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=10, run_id="run-1")
-    states = [state for _, state, _ in batch_states(db, env)]
-    assert states == ["promoted", "promoted", "rejected"]
-    assert count(db, env) == 200
+    rows = db.execute(
+        "SELECT batch_id, state, after_batch_id IS NOT NULL FROM kafka2pg.batches WHERE pipeline = %s"
+        " ORDER BY batch_id",
+        (env.pipeline.name,),
+    ).fetchall()
+    assert [r[1:] for r in rows] == [("promoted", False), ("rejected", True), ("abandoned", True)]
+    assert count(db, env) == 100 and heads(db, env) == {0: 100}
+    staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    staged = db.execute(sql.SQL("SELECT DISTINCT batch_id FROM {}").format(staging)).fetchall()
+    # The rejected batch keeps its rows for inspection; the void lookahead's are gone.
+    assert staged == [(rows[1][0],)]
+    # The next run plans the rejected range again from the ledger head.
+    again = open_batch(env.settings, env.pipeline).batch
+    assert [(r.start, r.end) for r in again.plan.ranges] == [(100, 200)]
+
+
+def test_a_new_run_resumes_the_open_batch_and_voids_a_dead_runs_lookahead(make_pipeline, spark, db):
+    env = make_pipeline(partitions=1, max_records_per_batch=50)
+    produce_sample(env.settings.bootstrap_servers, env.topic, 120, seed=25)
+    first = open_batch(env.settings, env.pipeline, run_id="dead-run").batch
+    stage_batch(spark, env.settings, env.pipeline, first.batch_id, first.epoch)
+    lookahead = plan_lookahead(env.settings, env.pipeline, first.batch_id, first.epoch, run_id="dead-run")
+    assert [(r.start, r.end) for r in lookahead.plan.ranges] == [(50, 100)]
+    with pytest.raises(BatchStateError, match=f"batch {lookahead.batch_id} is already planned after"):
+        plan_lookahead(env.settings, env.pipeline, first.batch_id, first.epoch)
+    stage_batch(spark, env.settings, env.pipeline, lookahead.batch_id, lookahead.epoch)
+    # The run died here. The next one resumes the first batch and voids the lookahead.
+    opened = open_batch(env.settings, env.pipeline, run_id="next-run")
+    assert opened.resumed and opened.batch.batch_id == first.batch_id
+    assert [state for _, state, _ in batch_states(db, env)] == ["staged", "abandoned"]
+    staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    assert db.execute(sql.SQL("SELECT DISTINCT batch_id FROM {}").format(staging)).fetchall() == [(first.batch_id,)]
+    result = run_batches(spark, env.settings, env.pipeline, first.batch_id, opened.batch.epoch, batches=5)
+    assert len(result.promoted) == 3 and count(db, env) == 120
 
 
 def test_stage_job_without_the_kafka_source_jars_says_what_to_do(make_pipeline, db):
