@@ -254,16 +254,7 @@ def open_batch(
             return OpenedBatch(
                 resumed, True, f"{verb} unfinished batch {resumed.batch_id} ({resumed.state}, epoch {resumed.epoch})"
             )
-        plan = plan_batch(
-            pipeline.name,
-            pipeline.topic,
-            _states(offsets, heads),
-            max_records_per_batch=max_records_per_batch or pipeline.max_records_per_batch,
-            max_records_per_partition=pipeline.max_records_per_partition,
-            on_retention_loss=pipeline.on_retention_loss,
-            new_partition_start=pipeline.new_partition_start,
-            ledger_partitions=tuple(heads),
-        )
+        plan = _plan_from(pipeline, offsets, heads, max_records_per_batch)
         if plan.is_empty:
             return OpenedBatch(None, False, _nothing_new(pipeline, offsets, heads))
         if dry_run:
@@ -417,19 +408,26 @@ def plan_lookahead(
             raise BatchStateError(f"pipeline {pipeline.name!r}: batch {later[0]} is already planned after {after_id}")
         heads = read_heads(conn, pipeline.name)
         heads.update({p.partition: p.new_head for p in current.plan.partitions})
-        plan = plan_batch(
-            pipeline.name,
-            pipeline.topic,
-            _states(offsets, heads),
-            max_records_per_batch=max_records_per_batch or pipeline.max_records_per_batch,
-            max_records_per_partition=pipeline.max_records_per_partition,
-            on_retention_loss=pipeline.on_retention_loss,
-            new_partition_start=pipeline.new_partition_start,
-            ledger_partitions=tuple(heads),
-        )
+        plan = _plan_from(pipeline, offsets, heads, max_records_per_batch)
         if plan.is_empty:
             return None
         return insert_batch(conn, pipeline, plan, run_id, after_batch_id=after_id)
+
+
+def _plan_from(
+    pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int], max_records_per_batch: int | None
+) -> BatchPlan:
+    """The next batch's plan from these heads, with the pipeline's limits and policies."""
+    return plan_batch(
+        pipeline.name,
+        pipeline.topic,
+        _states(offsets, heads),
+        max_records_per_batch=max_records_per_batch or pipeline.max_records_per_batch,
+        max_records_per_partition=pipeline.max_records_per_partition,
+        on_retention_loss=pipeline.on_retention_loss,
+        new_partition_start=pipeline.new_partition_start,
+        ledger_partitions=tuple(heads),
+    )
 
 
 def _claim(conn: Connection, batch: Batch, run_id: str | None) -> Batch:

@@ -32,6 +32,7 @@ from kafka2pg.kafka_offsets import offsets_for_times, partition_offsets, topic_r
 from kafka2pg.ledger import (
     Batch,
     OpenedBatch,
+    abandon_lookaheads,
     insert_batch,
     last_resets,
     load_batch,
@@ -583,6 +584,7 @@ def undo_batch(
         lock_partitions(conn, pipeline.name, [p.partition for p in parts], f"undo of batch {batch_id}")
         rows = _count(conn, pipeline, in_range)
         if open_id is not None:
+            abandon_lookaheads(conn, pipeline, f"batch {batch_id} was undone")
             set_state(conn, load_batch(conn, open_id), "abandoned", error=f"batch {batch_id} was undone")
         _delete_rows(conn, pipeline, in_range)
         conn.execute(
