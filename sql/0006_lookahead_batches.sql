@@ -1,6 +1,6 @@
 -- Lookahead: a run catching up a backlog (batches_per_run > 1) plans and stages batch N+1 while
 -- batch N is validated and promoted. N+1 records N in after_batch_id and is planned from N's
--- planned ends, so its compare-and-set can only succeed once N is promoted. The open live
+-- planned ends, so for N's partitions its compare-and-set succeeds only once N is promoted. The open live
 -- batch with the lowest id is the pipeline's root; a new run resumes (or abandons) it and
 -- abandons any open batch after it. Idempotent.
 ALTER TABLE kafka2pg.batches ADD COLUMN IF NOT EXISTS after_batch_id bigint REFERENCES kafka2pg.batches;

@@ -361,22 +361,22 @@ def _open_live_ids(conn: Connection, pipeline: Pipeline) -> list[int]:
     return [r[0] for r in rows]
 
 
-def abandon_lookaheads(conn: Connection, pipeline: Pipeline, reason: str, after_id: int | None = None) -> list[int]:
-    """Abandon every open live batch after batch `after_id` (default: after the root), i.e. the
-    lookahead of a run now fenced off or of a batch not promoted, and drop its staging rows:
-    nothing of it was promoted, and the next batch is planned afresh."""
-    ids = _open_live_ids(conn, pipeline)
-    ids = ids[1:] if after_id is None else [i for i in ids if i > after_id]
+def abandon_lookaheads(conn: Connection, pipeline: Pipeline, reason: str) -> list[int]:
+    """Abandon every open live batch after the root: the lookahead of a run now fenced off."""
+    ids = _open_live_ids(conn, pipeline)[1:]
     for batch_id in ids:
-        set_state(conn, load_batch(conn, batch_id), "abandoned", error=reason)
-    if ids:
-        conn.execute(
-            sql.SQL("DELETE FROM {} WHERE batch_id = ANY(%s)").format(
-                sql.Identifier("kafka2pg", pipeline.staging_table)
-            ),
-            (ids,),
-        )
+        abandon_unpromoted(conn, pipeline, load_batch(conn, batch_id), reason)
     return ids
+
+
+def abandon_unpromoted(conn: Connection, pipeline: Pipeline, batch: Batch, reason: str) -> None:
+    """Mark an open batch `abandoned` and drop its staging rows: nothing of it was promoted, and
+    its offsets are planned afresh by the next run."""
+    set_state(conn, batch, "abandoned", error=reason)
+    conn.execute(
+        sql.SQL("DELETE FROM {} WHERE batch_id = %s").format(sql.Identifier("kafka2pg", pipeline.staging_table)),
+        (batch.batch_id,),
+    )
 
 
 def plan_lookahead(
@@ -389,10 +389,13 @@ def plan_lookahead(
     run_id: str | None = None,
 ) -> Batch | None:
     """Plan the batch that follows batch `after_id` (still open, claimed by this run at
-    `after_epoch`) from its planned ends.
+    `after_epoch`) from its planned ends; if one is already planned after it (by a killed
+    attempt holding the same claim), claim that one instead.
 
-    Its compare-and-set expects that batch's new heads, so it promotes only once that one has;
-    if it is rejected or fenced instead, the run (or the next one) abandons it. None: nothing new.
+    For every partition `after_id` reads, its compare-and-set expects that batch's new head,
+    so there it promotes only once that one has; other partitions are planned from the ledger's
+    heads, as any batch. If `after_id` is rejected or fenced, the run (or the next one's plan
+    step) abandons the lookahead. None: nothing new.
     """
     offsets = partition_offsets(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
     with transaction(settings.database_url) as conn:
@@ -404,6 +407,14 @@ def plan_lookahead(
                 f"{current.state}: no batch can be planned after it"
             )
         later = [i for i in _open_live_ids(conn, pipeline) if i > after_id]
+        mine = conn.execute(
+            "SELECT batch_id FROM kafka2pg.batches WHERE after_batch_id = %s AND state = ANY(%s)",
+            (after_id, list(OPEN_STATES)),
+        ).fetchone()
+        if mine is not None and later == [mine[0]]:
+            # A retry of this run's job (same claim on `after_id`) finds the lookahead its killed
+            # attempt planned: take it over (a newer claim fences the dead attempt) and go on.
+            return _claim(conn, load_batch(conn, mine[0]), run_id)
         if later:
             raise BatchStateError(f"pipeline {pipeline.name!r}: batch {later[0]} is already planned after {after_id}")
         heads = read_heads(conn, pipeline.name)

@@ -24,8 +24,16 @@ from pyspark.sql import SparkSession
 
 from kafka2pg.config import Pipeline, Settings, get_pipeline
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import StageInterrupted
-from kafka2pg.ledger import Batch, abandon_lookaheads, lock_plan, open_batch, plan_lookahead
+from kafka2pg.exceptions import LedgerConflictError, StageInterrupted
+from kafka2pg.ledger import (
+    OPEN_STATES,
+    Batch,
+    abandon_unpromoted,
+    load_claimed,
+    lock_plan,
+    open_batch,
+    plan_lookahead,
+)
 from kafka2pg.promote import promote_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.staging import package_zip, spark_session, stage_batch
@@ -63,7 +71,8 @@ def run_batches(
     With more than one batch, batch N+1 is planned (a lookahead, from N's planned ends) and
     staged by Spark while a second thread runs N's quality gate and promotion in PostgreSQL:
     the two use different resources. N+1 is validated only after N is promoted, so its
-    duplicate checks see N's rows, and its compare-and-set cannot succeed before N's.
+    duplicate checks see N's rows; on N's partitions its compare-and-set cannot succeed
+    before N's. A planning error or SIGTERM still lets N finish before the run stops.
     """
     if batches < 1:
         raise ValueError(f"batches must be at least 1, got {batches}")
@@ -73,15 +82,19 @@ def run_batches(
         result.message = current.message
         return result
     while current is not None:
-        following = None
-        if len(result.promoted) + 1 < batches:
-            _raise_if_stopped(stop, pipeline, result)
-            following = _timed(result, "plan", _next_batch, settings, pipeline, current, run_id, max_records_per_batch)
+        following = planning_error = None
+        if len(result.promoted) + 1 < batches and not _stopped(stop):
+            try:
+                following = _timed(
+                    result, "plan", _next_batch, settings, pipeline, current, run_id, max_records_per_batch
+                )
+            except Exception as exc:  # noqa: BLE001 - the staged batch is still finished first, then this raises
+                planning_error = exc
         finishing = _Finish(result, settings, pipeline, current.batch_id, current.epoch)
         finishing.start()
         stage_error = None
         staged = None
-        if following is not None:
+        if following is not None and not _stopped(stop):  # SIGTERM during planning: stage nothing more
             try:
                 staged = _stage(result, spark, settings, pipeline, following.batch_id, following.epoch, stop)
             except BaseException as exc:  # noqa: BLE001 - re-raised below, once the finishing thread is done
@@ -89,7 +102,7 @@ def run_batches(
         finishing.join()
         if finishing.error is not None:
             if following is not None:
-                _abandon_lookahead(settings, pipeline, current.batch_id)
+                _abandon_lookahead(settings, pipeline, following, current.batch_id)
             raise finishing.error
         result.promoted.append(current.batch_id)
         log.info(
@@ -102,8 +115,10 @@ def run_batches(
             result.records,
             ", ".join(f"{k} {v:.1f}" for k, v in result.phases.items()),
         )
-        if stage_error is not None:
-            raise stage_error
+        for error in (stage_error, planning_error):
+            if error is not None:
+                raise error
+        _raise_if_stopped(stop, pipeline, result)
         current = staged
     result.message = (
         f"{len(result.promoted)} batch(es) promoted in this run ({result.records} records read): "
@@ -165,15 +180,19 @@ class _Finish(threading.Thread):
             self.error = exc
 
 
-def _abandon_lookahead(settings: Settings, pipeline: Pipeline, after_batch_id: int) -> None:
-    """The batch before the lookahead was not promoted: the lookahead's heads will never exist."""
+def _abandon_lookahead(settings: Settings, pipeline: Pipeline, lookahead: Batch, after_batch_id: int) -> None:
+    """The batch before this run's lookahead was not promoted: abandon the lookahead, if this run
+    still holds it (a run fenced off meanwhile leaves it, and anything newer, to the new owner)."""
     with transaction(settings.database_url) as conn:
         lock_plan(conn, pipeline.name)
-        abandoned = abandon_lookaheads(
-            conn, pipeline, f"batch {after_batch_id} before it was not promoted", after_id=after_batch_id
-        )
-    if abandoned:
-        log.warning("pipeline=%s lookahead batch(es) %s abandoned", pipeline.name, abandoned)
+        try:
+            batch = load_claimed(conn, pipeline, lookahead.batch_id, lookahead.epoch)
+        except LedgerConflictError:
+            return
+        if batch.state not in OPEN_STATES:
+            return
+        abandon_unpromoted(conn, pipeline, batch, f"batch {after_batch_id} before it was not promoted")
+    log.warning("pipeline=%s lookahead batch %s abandoned", pipeline.name, lookahead.batch_id)
 
 
 def _timed(result: RunResult, phase: str, step, *args, **kwargs):
@@ -184,11 +203,15 @@ def _timed(result: RunResult, phase: str, step, *args, **kwargs):
         result.phases[phase] += time.monotonic() - started
 
 
+def _stopped(stop: threading.Event | None) -> bool:
+    return stop is not None and stop.is_set()
+
+
 def _raise_if_stopped(stop: threading.Event | None, pipeline: Pipeline, result: RunResult) -> None:
-    if stop is not None and stop.is_set():
+    if _stopped(stop):
         raise StageInterrupted(
             f"pipeline {pipeline.name!r}: stopped by SIGTERM after promoting batches {result.promoted}; "
-            "no batch is half-done. The next run goes on from the ledger's heads."
+            "a batch planned or staged after them stays open and the next run (or a retry) resumes it."
         )
 
 

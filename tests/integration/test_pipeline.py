@@ -13,7 +13,6 @@ import pytest
 from psycopg import sql
 
 from kafka2pg.exceptions import (
-    BatchStateError,
     DatabaseUnavailableError,
     KafkaUnavailableError,
     LedgerConflictError,
@@ -186,9 +185,12 @@ def test_a_new_run_resumes_the_open_batch_and_voids_a_dead_runs_lookahead(make_p
     stage_batch(spark, env.settings, env.pipeline, first.batch_id, first.epoch)
     lookahead = plan_lookahead(env.settings, env.pipeline, first.batch_id, first.epoch, run_id="dead-run")
     assert [(r.start, r.end) for r in lookahead.plan.ranges] == [(50, 100)]
-    with pytest.raises(BatchStateError, match=f"batch {lookahead.batch_id} is already planned after"):
-        plan_lookahead(env.settings, env.pipeline, first.batch_id, first.epoch)
-    stage_batch(spark, env.settings, env.pipeline, lookahead.batch_id, lookahead.epoch)
+    # A retry of the same job (same claim on the first batch) takes its lookahead over.
+    retried = plan_lookahead(env.settings, env.pipeline, first.batch_id, first.epoch, run_id="dead-run")
+    assert (retried.batch_id, retried.epoch) == (lookahead.batch_id, lookahead.epoch + 1)
+    with pytest.raises(LedgerConflictError):  # the killed attempt's claim is fenced off
+        stage_batch(spark, env.settings, env.pipeline, lookahead.batch_id, lookahead.epoch)
+    stage_batch(spark, env.settings, env.pipeline, retried.batch_id, retried.epoch)
     # The run died here. The next one resumes the first batch and voids the lookahead.
     opened = open_batch(env.settings, env.pipeline, run_id="next-run")
     assert opened.resumed and opened.batch.batch_id == first.batch_id
@@ -197,6 +199,22 @@ def test_a_new_run_resumes_the_open_batch_and_voids_a_dead_runs_lookahead(make_p
     assert db.execute(sql.SQL("SELECT DISTINCT batch_id FROM {}").format(staging)).fetchall() == [(first.batch_id,)]
     result = run_batches(spark, env.settings, env.pipeline, first.batch_id, opened.batch.epoch, batches=5)
     assert len(result.promoted) == 3 and count(db, env) == 120
+
+
+def test_a_failure_to_plan_the_lookahead_still_promotes_the_staged_batch(make_pipeline, spark, db, monkeypatch):
+    import kafka2pg.runner
+
+    def unreachable(*args, **kwargs):
+        raise KafkaUnavailableError("broker gone while planning the next batch")
+
+    env = make_pipeline(max_records_per_batch=100)
+    produce_sample(env.settings.bootstrap_servers, env.topic, 150, seed=26)
+    first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
+    monkeypatch.setattr(kafka2pg.runner, "plan_lookahead", unreachable)
+    with pytest.raises(KafkaUnavailableError, match="broker gone"):
+        run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=5, run_id="run-1")
+    assert [state for _, state, _ in batch_states(db, env)] == ["promoted"]
+    assert count(db, env) == 100
 
 
 def test_stage_job_without_the_kafka_source_jars_says_what_to_do(make_pipeline, db):
