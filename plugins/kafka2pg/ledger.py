@@ -248,7 +248,8 @@ def open_batch(
             abandon_lookaheads(conn, pipeline, f"run {run_id} took the pipeline over before it was promoted")
         heads = read_heads(conn, pipeline.name)
         _warn_loss_horizons(settings, pipeline, offsets, heads)
-        resumed = _resume_or_abandon(conn, pipeline, open_id, heads, run_id, dry_run=dry_run)
+        lows = {o.partition: o.low for o in offsets}
+        resumed = _resume_or_abandon(conn, pipeline, open_id, heads, lows, run_id, dry_run=dry_run)
         if resumed is not None:
             verb = "dry run: would resume" if dry_run else "resuming"
             return OpenedBatch(
@@ -465,6 +466,7 @@ def _resume_or_abandon(
     pipeline: Pipeline,
     open_id: int | None,
     heads: dict[int, int],
+    lows: dict[int, int],
     run_id: str | None,
     *,
     dry_run: bool,
@@ -473,8 +475,23 @@ def _resume_or_abandon(
         return None
     batch = load_batch(conn, open_id)
     stale = [p.partition for p in batch.plan.partitions if heads.get(p.partition) != p.expected_head]
-    if not stale:
+    # Not read yet, and Kafka no longer holds its start (retention or delete-records since planning):
+    # re-reading it can only fail; planning afresh reports the loss (or records it, under `skip`).
+    expired = [
+        r.partition for r in batch.plan.ranges if batch.state == "planned" and r.start < lows.get(r.partition, 0)
+    ]
+    if not stale and not expired:
         return batch if dry_run else _claim(conn, batch, run_id)
+    if expired and not stale:
+        if not dry_run:
+            log.warning(
+                "pipeline=%s batch_id=%s abandoned: Kafka deleted planned offsets of partitions %s before it was read",
+                pipeline.name,
+                batch.batch_id,
+                expired,
+            )
+            set_state(conn, batch, "abandoned", error=f"offsets of partitions {expired} deleted before they were read")
+        return None
     if dry_run:
         log.info(
             "pipeline=%s dry run: would abandon batch %s (heads of %s moved)", pipeline.name, batch.batch_id, stale

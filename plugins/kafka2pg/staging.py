@@ -24,7 +24,7 @@ from pyspark.sql.types import StringType, StructField, StructType, _parse_dataty
 
 from kafka2pg.config import STAGE_JVM_CONF, Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, ConfigError, StageInterrupted
+from kafka2pg.exceptions import BatchStateError, ConfigError, RetentionLossError, StageInterrupted
 from kafka2pg.ledger import Batch, load_claimed, set_state, staged_counts, staging_lost
 from kafka2pg.planner import BatchPlan
 
@@ -203,7 +203,7 @@ def _read_and_write(
     writer = _chunk_writer(settings.database_url, pipeline.staging_table, columns, batch.batch_id, batch.epoch)
     try:
         return decode(raw, pipeline).select(*columns).mapInArrow(writer, STATS_SCHEMA).collect()
-    except (PySparkException, Py4JError):
+    except (PySparkException, Py4JError) as exc:
         _raise_if_stopped(stop, pipeline, batch.batch_id)
         # A chunk writer refuses to write once the claim is lost: report that, not a Java trace.
         with transaction(settings.database_url) as conn:
@@ -212,6 +212,14 @@ def _read_and_write(
             raise BatchStateError(
                 f"batch {batch.batch_id} became {current.state} while this attempt was staging it (a concurrent "
                 "attempt finished first); this attempt wrote nothing that counts"
+            ) from None
+        if "Some data may have been lost" in str(exc):
+            raise RetentionLossError(
+                f"pipeline {pipeline.name!r} batch {batch.batch_id}: Kafka no longer holds some of its planned "
+                f"offsets ({' '.join(f'p{r.partition}[{r.start},{r.end})' for r in batch.plan.ranges)}): they were "
+                "deleted (retention, delete-records or a recreated topic) after the batch was planned. Nothing was "
+                "promoted. The next run abandons this batch and plans from the ledger's heads, which reports the "
+                "lost offsets (or records them as a gap under on_retention_loss: skip)."
             ) from None
         raise
 

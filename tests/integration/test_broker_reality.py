@@ -18,6 +18,7 @@ from kafka2pg.kafka_offsets import client_config, count_range, offsets_for_times
 from kafka2pg.ledger import open_batch, reset_head
 from kafka2pg.producer import produce, sample_events
 from kafka2pg.report import ledger_report
+from kafka2pg.staging import stage_batch
 
 
 def admin(env) -> AdminClient:
@@ -170,6 +171,27 @@ def test_retention_loss_fails_naming_the_offsets_then_skip_records_the_gap(make_
         (0, 150, 200, "batch", 50),
     ]
     assert_audit_clean(skipping)
+
+
+def test_offsets_deleted_between_plan_and_read_fail_clearly_and_the_next_run_reports_the_loss(
+    make_pipeline, run_batch, spark, db
+):
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(100, seed=36)))
+    run_batch(env)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(100, seed=37)))
+    planned = open_batch(env.settings, env.pipeline).batch
+    client = admin(env)  # kept referenced until the deletion's future is resolved
+    deleted = client.delete_records([TopicPartition(env.topic, 0, 140)])
+    assert next(iter(deleted.values())).result(timeout=10).low_watermark == 140
+    before = ledger(db, env)
+    with pytest.raises(RetentionLossError, match=r"no longer holds some of its planned offsets \(p0\[100,200\)\)"):
+        stage_batch(spark, env.settings, env.pipeline, planned.batch_id, planned.epoch)
+    # The next run does not resume the batch (it could only fail again): planning afresh names the
+    # lost offsets (that run fails whole, so nothing changes).
+    with pytest.raises(RetentionLossError, match=r"partition 0: offsets \[100, 140\) \(40 records\)"):
+        open_batch(env.settings, env.pipeline)
+    assert ledger(db, env) == before
 
 
 def test_time_to_data_loss_is_logged_and_shown_with_a_warning_under_the_threshold(make_pipeline, db, caplog):
