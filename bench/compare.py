@@ -301,7 +301,7 @@ def run_airflow(settings: Settings, topic: str, work: Path) -> dict:
     produce(settings.bootstrap_servers, fixed["topic"], list(sample_events(1)))
     _, one_s = dag_run("kafka2pg_airflow_fixed", "one")
     _, backlog_s = dag_run("kafka2pg_airflow_backlog", "backlog", {"batches_per_run": 10**6})
-    per_batch_s = per_batch_runs = None
+    per_batch_s = None
     if os.environ.get("BENCH_AIRFLOW_PER_BATCH"):  # the same backlog, one batch per DAG run (the default)
         started = time.monotonic()
         for per_batch_runs in range(1, 10**6):
@@ -315,21 +315,18 @@ def run_airflow(settings: Settings, topic: str, work: Path) -> dict:
         batches = conn.execute(
             "SELECT count(*) FROM kafka2pg.batches WHERE pipeline = 'airflow_backlog' AND state = 'promoted'"
         ).fetchone()[0]
+        result = {
+            "empty_run_s": empty_s,
+            "one_record_batch_s": one_s,
+            "rows": landed,
+            "backlog_s": backlog_s,
+            "backlog_rows": backlog_rows,
+            "backlog_batches": batches,
+        }
         if per_batch_s is not None:
             per_batch_rows = conn.execute("SELECT count(*) FROM public.airflow_per_batch").fetchone()[0]
-    return {
-        "empty_run_s": empty_s,
-        "one_record_batch_s": one_s,
-        "rows": landed,
-        "backlog_s": backlog_s,
-        "backlog_rows": backlog_rows,
-        "backlog_batches": batches,
-        **(
-            {"per_batch_s": per_batch_s, "per_batch_runs": per_batch_runs, "per_batch_rows": per_batch_rows}
-            if per_batch_s is not None
-            else {}
-        ),
-    }
+            result.update(per_batch_s=per_batch_s, per_batch_runs=per_batch_runs, per_batch_rows=per_batch_rows)
+    return result
 
 
 def child(name: str, master: str) -> int:

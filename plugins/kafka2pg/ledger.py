@@ -18,7 +18,7 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, LedgerConflictError, RangeLockedError, StagingLostError
 from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, record_timestamp, topic_retention
-from kafka2pg.planner import BatchPlan, LossHorizon, PartitionState, loss_horizon, plan_batch
+from kafka2pg.planner import BatchPlan, LossHorizon, PartitionState, describe_ranges, loss_horizon, plan_batch
 
 log = logging.getLogger(__name__)
 
@@ -482,28 +482,18 @@ def _resume_or_abandon(
     ]
     if not stale and not expired:
         return batch if dry_run else _claim(conn, batch, run_id)
-    if expired and not stale:
-        if not dry_run:
-            log.warning(
-                "pipeline=%s batch_id=%s abandoned: Kafka deleted planned offsets of partitions %s before it was read",
-                pipeline.name,
-                batch.batch_id,
-                expired,
-            )
-            set_state(conn, batch, "abandoned", error=f"offsets of partitions {expired} deleted before they were read")
-        return None
-    if dry_run:
-        log.info(
-            "pipeline=%s dry run: would abandon batch %s (heads of %s moved)", pipeline.name, batch.batch_id, stale
+    if stale:
+        why, error = (
+            f"ledger heads of partitions {stale} moved since it was planned",
+            f"heads of partitions {stale} moved before promotion",
         )
+    else:
+        why = error = f"Kafka deleted planned offsets of partitions {expired} before they were read"
+    if dry_run:
+        log.info("pipeline=%s dry run: would abandon batch %s (%s)", pipeline.name, batch.batch_id, why)
         return None
-    log.warning(
-        "pipeline=%s batch_id=%s abandoned: ledger heads of partitions %s moved since it was planned",
-        pipeline.name,
-        batch.batch_id,
-        stale,
-    )
-    set_state(conn, batch, "abandoned", error=f"heads of partitions {stale} moved before promotion")
+    log.warning("pipeline=%s batch_id=%s abandoned: %s", pipeline.name, batch.batch_id, why)
+    set_state(conn, batch, "abandoned", error=error)
     return None
 
 
@@ -533,7 +523,7 @@ def insert_batch(
 
 
 def _describe(plan: BatchPlan) -> str:
-    parts = [f"p{r.partition}[{r.start},{r.end})" for r in plan.ranges]
+    parts = [describe_ranges(plan.ranges)] if plan.ranges else []
     parts += [f"p{g.partition} {g.kind}[{g.start},{g.end})" for g in plan.gaps]
     return " ".join(parts)
 

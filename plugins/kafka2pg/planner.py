@@ -31,6 +31,11 @@ class OffsetRange:
         return self.end - self.start
 
 
+def describe_ranges(ranges) -> str:
+    """`p0[100,200) p1[0,50)`: how ranges read in logs and messages."""
+    return " ".join(f"p{r.partition}[{r.start},{r.end})" for r in ranges)
+
+
 @dataclass(frozen=True)
 class Gap:
     """Offsets [start, end) the ledger skips on purpose, with the reason."""

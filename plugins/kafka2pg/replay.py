@@ -45,7 +45,7 @@ from kafka2pg.ledger import (
     set_state,
     staging_lost,
 )
-from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan
+from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan, describe_ranges
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def open_replay(
         batch = insert_batch(conn, pipeline, plan, run_id, kind="replay")
         batch_id = batch.batch_id
         _record(conn, pipeline, batch_id, request.mode, ranges, request, run_id)
-    described = " ".join(f"p{r.partition}[{r.start},{r.end})" for r in ranges)
+    described = describe_ranges(ranges)
     message = f"planned replay batch {batch_id} ({request.mode}) of {plan.record_budget} offsets: {described}{window}"
     log.info("pipeline=%s %s", pipeline.name, message)
     return OpenedBatch(batch, False, message)
@@ -571,7 +571,7 @@ def undo_batch(
         ranges = tuple(OffsetRange(p.partition, p.gap.start if p.gap else p.range.start, p.new_head) for p in parts)
         in_range = range_predicate(ranges, floors)
         rows = _count(conn, pipeline, in_range)
-        described = " ".join(f"p{r.partition}[{r.start},{r.end})" for r in ranges)
+        described = describe_ranges(ranges)
         message = (
             f"{where}: delete {rows[0]} target and {rows[1]} quarantine rows of {described}, rewind heads to "
             + ", ".join(f"p{p.partition}@{p.expected_head if p.expected_head is not None else 'unread'}" for p in parts)

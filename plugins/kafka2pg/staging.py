@@ -26,7 +26,7 @@ from kafka2pg.config import STAGE_JVM_CONF, Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ConfigError, RetentionLossError, StageInterrupted
 from kafka2pg.ledger import Batch, load_claimed, set_state, staged_counts, staging_lost
-from kafka2pg.planner import BatchPlan
+from kafka2pg.planner import BatchPlan, describe_ranges
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def stage_batch(
         batch_id,
         epoch,
         batch.plan.record_budget,
-        " ".join(f"p{r.partition}[{r.start},{r.end})" for r in batch.plan.ranges),
+        describe_ranges(batch.plan.ranges),
     )
     rows = _read_and_write(spark, settings, pipeline, batch, columns, stop) if batch.plan.ranges else []
     reads = _merge_stats(rows, batch)
@@ -216,7 +216,7 @@ def _read_and_write(
         if "Some data may have been lost" in str(exc):
             raise RetentionLossError(
                 f"pipeline {pipeline.name!r} batch {batch.batch_id}: Kafka no longer holds some of its planned "
-                f"offsets ({' '.join(f'p{r.partition}[{r.start},{r.end})' for r in batch.plan.ranges)}): they were "
+                f"offsets ({describe_ranges(batch.plan.ranges)}): they were "
                 "deleted (retention, delete-records or a recreated topic) after the batch was planned. Nothing was "
                 "promoted. The next run abandons this batch and plans from the ledger's heads, which reports the "
                 "lost offsets (or records them as a gap under on_retention_loss: skip)."
