@@ -361,7 +361,38 @@ def _replay_scope(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
 
 
 def _not_already_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
-    overlap = conn.execute(
+    overlap = _offsets_already_landed(conn, pipeline, batch) if _ranges_touched(conn, pipeline, batch) else 0
+    details = f"{overlap} staged offsets already in the target or the quarantine"
+    if overlap:
+        details += (
+            " (a recreated topic reuses offsets: `kafka2pg reset --archive-old-rows` moves the old topic's rows away)"
+        )
+    return Check("provenance_not_already_promoted", overlap == 0, overlap, details)
+
+
+def _ranges_touched(conn: Connection, pipeline: Pipeline, batch: Batch) -> bool:
+    """Whether the target or the quarantine holds any offset of the batch's planned ranges: one
+    index range scan per partition, where a probe per staged row costs 100k lookups per batch.
+    Staged offsets lie inside the planned ranges (stage_batch checks it), so False means none of
+    them landed; True is answered exactly by `_offsets_already_landed`."""
+    if not batch.plan.ranges:
+        return False
+    ranges = sql.SQL(", ").join(
+        sql.SQL("({}, {}, {})").format(sql.Literal(r.partition), sql.Literal(r.start), sql.Literal(r.end))
+        for r in batch.plan.ranges
+    )
+    touched = sql.SQL(
+        "SELECT EXISTS (SELECT 1 FROM (VALUES {ranges}) r(p, s, e) JOIN {target} t ON t.kafka_topic = %(topic)s"
+        "  AND t.kafka_partition = r.p AND t.kafka_offset >= r.s AND t.kafka_offset < r.e)"
+        " OR EXISTS (SELECT 1 FROM (VALUES {ranges}) r(p, s, e) JOIN kafka2pg.quarantine q"
+        "  ON q.pipeline = %(pipeline)s AND q.kafka_topic = %(topic)s"
+        "  AND q.kafka_partition = r.p AND q.kafka_offset >= r.s AND q.kafka_offset < r.e)"
+    ).format(ranges=ranges, target=_target(pipeline))
+    return conn.execute(touched, {"topic": batch.plan.topic, "pipeline": pipeline.name}).fetchone()[0]
+
+
+def _offsets_already_landed(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
+    return conn.execute(
         sql.SQL(
             "SELECT (SELECT count(*) FROM {staging} s"
             "  JOIN {target} t USING (kafka_topic, kafka_partition, kafka_offset) WHERE s.batch_id = %(batch)s)"
@@ -372,12 +403,6 @@ def _not_already_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) ->
         ).format(staging=_staging(pipeline), target=_target(pipeline)),
         {"batch": batch.batch_id, "pipeline": pipeline.name},
     ).fetchone()[0]
-    details = f"{overlap} staged offsets already in the target or the quarantine"
-    if overlap:
-        details += (
-            " (a recreated topic reuses offsets: `kafka2pg reset --archive-old-rows` moves the old topic's rows away)"
-        )
-    return Check("provenance_not_already_promoted", overlap == 0, overlap, details)
 
 
 def _required_not_null(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:

@@ -160,6 +160,55 @@ def test_an_error_inside_great_expectations_blocks_promotion(make_pipeline, spar
     assert target_ids(db, env) == []
 
 
+def test_offsets_already_in_the_target_or_quarantine_are_rejected(make_pipeline, spark, db):
+    """Rows of the same offsets already landed (an unarchived recreated topic, a manual load): the
+    batch is held with their exact count, quarantine and target both counted; the same offsets
+    of another topic are other records."""
+    env = make_pipeline(partitions=2)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(20, seed=61)))
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+
+    def stage() -> tuple[int, list]:
+        batch = open_batch(env.settings, env.pipeline).batch
+        stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+        staged = db.execute(
+            sql.SQL("SELECT kafka_partition, kafka_offset FROM {} WHERE batch_id = %s ORDER BY 1, 2").format(
+                sql.Identifier("kafka2pg", env.pipeline.staging_table)
+            ),
+            (batch.batch_id,),
+        ).fetchall()
+        return batch.batch_id, staged
+
+    batch_id, staged = stage()
+    (p0, o0), (p1, o1) = staged[0], staged[-1]
+    assert p0 != p1
+    db.execute(
+        "INSERT INTO kafka2pg.quarantine (pipeline, batch_id, kafka_topic, kafka_partition, kafka_offset, reason)"
+        " VALUES (%s, %s, %s, %s, %s, 'old quarantine row')",
+        (env.pipeline.name, batch_id, env.topic, p1, o1),
+    )
+    already = "provenance_not_already_promoted: {} staged offsets already in the target or the quarantine"
+    with pytest.raises(QualityGateFailed, match=already.format(1)):
+        validate_batch(env.settings, env.pipeline, batch_id)
+
+    batch_id, _ = stage()  # the rejected batch's offsets, planned again
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (event_id, customer_id, kafka_topic, kafka_partition, kafka_offset, batch_id)"
+            " VALUES ('old-row', 1, %s, %s, %s, %s)"
+        ).format(target),
+        (env.topic, p0, o0, batch_id),
+    )
+    with pytest.raises(QualityGateFailed, match=already.format(2)):
+        validate_batch(env.settings, env.pipeline, batch_id)
+    assert target_ids(db, env) == ["old-row"]
+
+    db.execute(sql.SQL("UPDATE {} SET kafka_topic = 'another-topic'").format(target))
+    db.execute("UPDATE kafka2pg.quarantine SET kafka_topic = 'another-topic' WHERE pipeline = %s", (env.pipeline.name,))
+    batch_id, _ = stage()
+    assert validate_batch(env.settings, env.pipeline, batch_id).state == "validated"
+
+
 def test_a_record_staged_twice_is_rejected_by_provenance_uniqueness(make_pipeline, spark, db):
     """Two staged rows of one offset (say a chunk copied twice) must never reach the target."""
     env = make_pipeline(partitions=1)
