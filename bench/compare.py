@@ -358,9 +358,29 @@ def child(name: str, master: str) -> int:
 # ------------------------------------------------------------------ parent: orchestrate and measure
 
 
-def measure(name: str, env: dict, master: str = "local[2]") -> dict:
-    """Run one contender in a child process; wall time and peak RSS of its whole process tree."""
+def _busy_core_seconds() -> float:
+    """CPU time the whole machine spent busy since boot (all cores, /proc/stat)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(v) for v in stat.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time of a process and of its children it has reaped (PostgreSQL's exited backends)."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def _cpu_snapshot(servers: dict[str, int]) -> dict[str, float]:
+    return {"machine": _busy_core_seconds(), **{name: _cpu_seconds(pid) for name, pid in servers.items()}}
+
+
+def measure(name: str, env: dict, master: str = "local[2]", servers: dict[str, int] | None = None) -> dict:
+    """Run one contender in a child process; wall time and peak RSS of its whole process tree, and
+    the CPU core-seconds the machine spent meanwhile, split into `servers` (name -> pid) and the rest."""
     command = [sys.executable, __file__, "--run-one", name, "--master", master]
+    servers = servers or {}
+    before = _cpu_snapshot(servers)
     started = time.monotonic()
     errors = Path(env["BENCH_WORK"]) / f"{name}-{master[6]}.stderr"
     with open(errors, "w") as err:
@@ -375,6 +395,9 @@ def measure(name: str, env: dict, master: str = "local[2]") -> dict:
             pass
         time.sleep(0.2)
     wall = time.monotonic() - started
+    time.sleep(0.5)  # the child's PostgreSQL backends exit (and are reaped) just after it
+    after = _cpu_snapshot(servers)
+    cpu = {key: after[key] - before[key] for key in after}
     output = process.stdout.read()
     line = next((x for x in output.splitlines() if x.startswith("RESULT ")), None)
     if process.returncode != 0 or line is None:
@@ -382,7 +405,7 @@ def measure(name: str, env: dict, master: str = "local[2]") -> dict:
             f"contender {name} failed (exit {process.returncode}):\n{output[-3000:]}\n"
             f"stderr ({errors}):\n{errors.read_text(errors='replace')[-3000:]}"
         )
-    return {**json.loads(line.removeprefix("RESULT ")), "wall_s": wall, "peak_rss_mb": peak / 2**20}
+    return {**json.loads(line.removeprefix("RESULT ")), "wall_s": wall, "peak_rss_mb": peak / 2**20, "cpu": cpu}
 
 
 def main() -> int:
@@ -428,12 +451,13 @@ def main() -> int:
             "SPARK_LOCAL_IP": "127.0.0.1",
             **({"BENCH_AIRFLOW_PER_BATCH": "1"} if args.airflow_per_batch else {}),
         }
+        servers = {"PostgreSQL": stack.postgres.pid, "Kafka broker": stack.kafka.pid}
         results = {}
         for name in args.contenders.split(","):
-            results[name] = measure(name, env)
+            results[name] = measure(name, env, servers=servers)
             print(f"  {name}: {results[name]['wall_s']:.1f}s", flush=True)
         if "ours" in results and not args.no_scaling:
-            results["ours local[1]"] = measure("ours", env, "local[1]")
+            results["ours local[1]"] = measure("ours", env, "local[1]", servers)
         fixed = measure("fixed", env)
         airflow = None if args.no_airflow else measure("airflow", env)
     print_table(results, produced, megabytes, fixed, airflow)
@@ -451,6 +475,16 @@ def print_table(results: dict, produced: int, megabytes: float, fixed: dict, air
         print(
             f"{name:<14} {r['rows']:>9} {seconds:>8.1f} {produced / seconds:>9.0f} {megabytes / seconds:>7.1f} "
             f"{r['peak_rss_mb']:>12.0f}"
+        )
+    print(f"\nCPU core-seconds while each ran (the machine: {os.cpu_count()} cores x wall at most)")
+    print(f"{'contender':<14} {'machine':>8} {'busy %':>7} {'PostgreSQL':>11} {'Kafka':>6} {'the rest':>9}")
+    for name, r in results.items():
+        cpu = r["cpu"]
+        rest = cpu["machine"] - cpu.get("PostgreSQL", 0) - cpu.get("Kafka broker", 0)
+        busy = 100 * cpu["machine"] / ((os.cpu_count() or 1) * r["wall_s"])
+        print(
+            f"{name:<14} {cpu['machine']:>8.1f} {busy:>7.0f} {cpu.get('PostgreSQL', 0):>11.1f} "
+            f"{cpu.get('Kafka broker', 0):>6.1f} {rest:>9.1f}"
         )
     ours = results.get("ours")
     if ours:
@@ -487,7 +521,10 @@ def print_table(results: dict, produced: int, megabytes: float, fixed: dict, air
                 f"the same backlog with one batch per DAG run (batches_per_run 1): {airflow['per_batch_rows']} rows "
                 f"in {airflow['per_batch_s']:.1f}s over {airflow['per_batch_runs']} runs (the last one empty)"
             )
-    print("floor = COPY from a local file only (file prepared untimed); wall of other contenders includes start-up")
+    print(
+        "floor = COPY from a local file only (file prepared untimed); wall of other contenders includes start-up;"
+        " 'the rest' = the contender's own processes (Spark JVM, Python) and anything else on the machine"
+    )
 
 
 if __name__ == "__main__":

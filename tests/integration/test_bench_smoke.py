@@ -23,6 +23,7 @@ def test_compare_benchmark_smoke_runs_every_contender_and_prints_the_ratios():
         "throughput ours/peer:",
         "ours per phase:",
         "fixed costs:",
+        "CPU core-seconds while each ran",
         "through `airflow dags test`",
         "ours through the DAG, one `airflow dags test` run with batches_per_run unlimited: 2000 rows",
         "throughput ours-via-DAG/peer:",
