@@ -8,6 +8,7 @@ context: GX's SQL backend computes uniqueness with NOT IN sub-queries that took 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -142,6 +143,9 @@ def warm_up() -> None:
         )
     except Exception:  # noqa: BLE001 - the batch's own validation reports whatever this hit
         log.debug("Great Expectations warm-up failed", exc_info=True)
+    # What exists now (Spark's, GX's and pandas' modules, mostly) lives as long as the process:
+    # freezing it keeps the full collection after each batch's validation short (0.2 s -> 0.015 s).
+    gc.freeze()
 
 
 def run_suite(frame, suite: list[Expectation]) -> GxOutcome:
@@ -175,6 +179,13 @@ def run_suite(frame, suite: list[Expectation]) -> GxOutcome:
         _result(e, by_key[key]) if key in by_key else ExpectationResult(e, False, 0, [], "GX returned no result")
         for key, e in ours.items()
     ]
+    # GX's context, batch and validator reference each other and the DataFrame. Python frees such
+    # cycles only in a full collection, which a process holding GX's and Spark's millions of
+    # long-lived objects runs rarely: a multi-batch run kept every batch's frame (3M records: the
+    # driver grew from 0.3 to 1.1 GB). The context of the latest validation stays GX's current
+    # one until the next; collecting here frees every earlier one.
+    del context, asset, batch, gx_suite, validation, by_key
+    gc.collect()
     return GxOutcome(tuple(results), len(frame), time.monotonic() - started, gx.__version__)
 
 
