@@ -78,12 +78,18 @@ def run_batches(
     if batches < 1:
         raise ValueError(f"batches must be at least 1, got {batches}")
     result = RunResult()
-    if batches > 1:  # the first quality gate's GX import, paid beside the first stage instead of after it
-        threading.Thread(target=warm_up, name="kafka2pg-gx-warm-up", daemon=True).start()
-    current = _stage(result, spark, settings, pipeline, batch_id, epoch, stop)
     if batches == 1:
+        current = _stage(result, spark, settings, pipeline, batch_id, epoch, stop)
         result.message = current.message
         return result
+    # The first quality gate's GX import, paid beside the first stage instead of after it; joined
+    # before any validation (and before an error leaves), so GX is never imported by two threads.
+    warming = threading.Thread(target=warm_up, name="kafka2pg-gx-warm-up", daemon=True)
+    warming.start()
+    try:
+        current = _stage(result, spark, settings, pipeline, batch_id, epoch, stop)
+    finally:
+        warming.join()
     while current is not None:
         following = planning_error = None
         if len(result.promoted) + 1 < batches and not _stopped(stop):
