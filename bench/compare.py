@@ -359,20 +359,34 @@ def child(name: str, master: str) -> int:
 
 
 def _busy_core_seconds() -> float:
-    """CPU time the whole machine spent busy since boot (all cores, /proc/stat)."""
+    """CPU time the whole machine spent busy since boot (all cores, /proc/stat): user, nice,
+    system, irq, softirq (guest time is already inside user and nice; idle, iowait, steal are not busy)."""
     with open("/proc/stat") as stat:
         ticks = [int(v) for v in stat.readline().split()[1:]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+    return sum(ticks[i] for i in (0, 1, 2, 5, 6)) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_seconds(pid: int) -> float:
-    """CPU time of a process and of its children it has reaped (PostgreSQL's exited backends)."""
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system + times.children_user + times.children_system
+    """CPU time of a server: the process, its live children (PostgreSQL's backends, checkpointer,
+    WAL writer) and the children it has reaped (exited backends)."""
+    process = psutil.Process(pid)
+    times = process.cpu_times()
+    total = times.user + times.system + times.children_user + times.children_system
+    for child in process.children(recursive=True):
+        try:
+            child_times = child.cpu_times()
+        except psutil.NoSuchProcess:  # exited meanwhile: counted as reaped in the next snapshot
+            continue
+        total += child_times.user + child_times.system
+    return total
 
 
 def _cpu_snapshot(servers: dict[str, int]) -> dict[str, float]:
-    return {"machine": _busy_core_seconds(), **{name: _cpu_seconds(pid) for name, pid in servers.items()}}
+    return {
+        "at": time.monotonic(),
+        "machine": _busy_core_seconds(),
+        **{name: _cpu_seconds(pid) for name, pid in servers.items()},
+    }
 
 
 def measure(name: str, env: dict, master: str = "local[2]", servers: dict[str, int] | None = None) -> dict:
@@ -397,7 +411,7 @@ def measure(name: str, env: dict, master: str = "local[2]", servers: dict[str, i
     wall = time.monotonic() - started
     time.sleep(0.5)  # the child's PostgreSQL backends exit (and are reaped) just after it
     after = _cpu_snapshot(servers)
-    cpu = {key: after[key] - before[key] for key in after}
+    cpu = {key: after[key] - before[key] for key in after}  # "at": the seconds the snapshots span
     output = process.stdout.read()
     line = next((x for x in output.splitlines() if x.startswith("RESULT ")), None)
     if process.returncode != 0 or line is None:
@@ -481,7 +495,7 @@ def print_table(results: dict, produced: int, megabytes: float, fixed: dict, air
     for name, r in results.items():
         cpu = r["cpu"]
         rest = cpu["machine"] - cpu.get("PostgreSQL", 0) - cpu.get("Kafka broker", 0)
-        busy = 100 * cpu["machine"] / ((os.cpu_count() or 1) * r["wall_s"])
+        busy = 100 * cpu["machine"] / ((os.cpu_count() or 1) * cpu["at"])
         print(
             f"{name:<14} {cpu['machine']:>8.1f} {busy:>7.0f} {cpu.get('PostgreSQL', 0):>11.1f} "
             f"{cpu.get('Kafka broker', 0):>6.1f} {rest:>9.1f}"
