@@ -211,16 +211,17 @@ def _read_and_write(
             "them or set spark.jars.packages in the pipeline's spark_conf. Nothing was staged."
         ) from None
     writer = _chunk_writer(settings.database_url, pipeline.staging_table, columns, batch.batch_id, batch.epoch)
-    frame = decode(raw, pipeline).select(*columns)
-    context = spark.sparkContext
-    if context.master.startswith("local"):
-        # One chunk (Spark task, COPY, PostgreSQL connection) per task slot, not per Kafka partition:
-        # each task has a fixed cost (a Python worker's run, a connection, a claim check) that six
-        # small tasks on two slots paid three times over. coalesce() merges Kafka partitions without
-        # a shuffle; a chunk's id (its task's partition) stays the same on a task retry. Only in
-        # local mode: on a cluster, defaultParallelism can be 2 before the executors register.
-        frame = frame.coalesce(max(1, context.defaultParallelism))
     try:
+        frame = decode(raw, pipeline).select(*columns)
+        context = spark.sparkContext
+        if context.master.startswith("local"):
+            # One chunk (Spark task, COPY, PostgreSQL connection) per task slot, not per Kafka
+            # partition: each task has a fixed cost (a Python worker's run, a connection, a claim
+            # check) that six small tasks on two slots paid three times over. coalesce() merges Kafka
+            # partitions without a shuffle; a chunk's id (its task's partition) stays the same on a
+            # task retry. Only in local mode: on a cluster, defaultParallelism can be 2 before the
+            # executors register.
+            frame = frame.coalesce(max(1, context.defaultParallelism))
         return frame.mapInArrow(writer, STATS_SCHEMA).collect()
     except (PySparkException, Py4JError) as exc:
         _raise_if_stopped(stop, pipeline, batch.batch_id)
