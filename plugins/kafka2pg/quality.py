@@ -433,6 +433,12 @@ def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: B
         " FROM {staging} s WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL"
         " WINDOW w AS (PARTITION BY {keys} ORDER BY s.kafka_timestamp, s.kafka_partition, s.kafka_offset)"
     ).format(staging=_staging(pipeline), keys=_key_columns(pipeline, "s"))
+    # The count, with a hashed GROUP BY: the window above sorts the batch by its key (0.24 s per
+    # 100k rows here, 0.09 s hashed) and is only needed to flag duplicates once there are some.
+    counted = sql.SQL(
+        "SELECT coalesce(sum(n - 1), 0)::bigint FROM (SELECT count(*) AS n FROM {staging} s"
+        " WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL GROUP BY {keys} HAVING count(*) > 1) d"
+    ).format(staging=_staging(pipeline), keys=_key_columns(pipeline, "s"))
     return _flag_duplicates(
         conn,
         pipeline,
@@ -441,6 +447,7 @@ def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: B
         ranked,
         "'duplicate business key within batch ' || %(batch)s || ': kept partition ' || d.kept_partition"
         " || ' offset ' || d.kept_offset",
+        counted,
     )
 
 
@@ -467,11 +474,18 @@ def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batc
 
 
 def _flag_duplicates(
-    conn: Connection, pipeline: Pipeline, batch: Batch, name: str, ranked: sql.Composed, reason: str
+    conn: Connection,
+    pipeline: Pipeline,
+    batch: Batch,
+    name: str,
+    ranked: sql.Composed,
+    reason: str,
+    counted: sql.Composed | None = None,
 ) -> Check:
-    count = conn.execute(
-        sql.SQL("SELECT count(*) FROM ({}) d WHERE d.n > 1").format(ranked), {"batch": batch.batch_id}
-    ).fetchone()[0]
+    """Count the rows `ranked` numbers n > 1 (or what `counted` returns, the same number found
+    more cheaply); flag them to quarantine with `reason`, or fail under duplicate_policy: fail."""
+    counted = counted or sql.SQL("SELECT count(*) FROM ({}) d WHERE d.n > 1").format(ranked)
+    count = conn.execute(counted, {"batch": batch.batch_id}).fetchone()[0]
     if count == 0:
         return Check(name, True, 0, "no duplicates")
     if pipeline.duplicate_policy == "fail":

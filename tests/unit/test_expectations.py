@@ -31,3 +31,24 @@ def test_validating_a_batch_frees_the_frame_of_the_batch_before():
     del first
     assert run_suite(frame(1000), suite).success
     assert freed() is None
+
+
+def test_validation_does_not_fingerprint_the_frame(monkeypatch):
+    """GX's md5 over every row (a batch marker nothing reads) was half of a batch's validation
+    CPU; run_suite turns it off. Fails if a GX upgrade drops the setting it uses."""
+    from great_expectations.execution_engine import pandas_execution_engine
+
+    assert hasattr(pandas_execution_engine, "HASH_THRESHOLD")
+    hashed = []
+    original = pandas_execution_engine.hash_pandas_dataframe
+    monkeypatch.setattr(
+        pandas_execution_engine, "hash_pandas_dataframe", lambda df: hashed.append(len(df)) or original(df)
+    )
+    data = frame(1000).assign(kafka_topic=lambda f: f.kafka_topic.astype("category"))
+    data.loc[5, "event_id"] = "e4"  # a duplicate: the checks still see every row
+    outcome = run_suite(data, suite_for(get_pipeline("orders"), 1000))
+    assert hashed == []
+    by_type = {r.expectation.type: r for r in outcome.results}
+    assert not by_type["ExpectColumnValuesToBeUnique"].success
+    assert by_type["ExpectColumnValuesToBeUnique"].unexpected == 2
+    assert by_type["ExpectCompoundColumnsToBeUnique"].success
