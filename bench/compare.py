@@ -61,7 +61,7 @@ def run_ours(settings: Settings, topic: str, master: str) -> dict:
     pipeline = bench_pipeline(f"ours_{master[6]}", topic)
     migrate(settings.database_url, [pipeline])
     started = time.monotonic()
-    spark = bench_spark(master, "bench-ours", settings.state_dir)
+    spark = bench_spark(master, "bench-ours", settings.state_dir, batches=10**9)
     spark_start = time.monotonic() - started
     started = time.monotonic()
     first = open_batch(settings, pipeline, run_id="bench").batch

@@ -10,7 +10,13 @@ import os
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from kafka2pg.config import PROJECT_ROOT, STAGE_JVM_CONF, Pipeline, load_pipelines
+from kafka2pg.config import (
+    PROJECT_ROOT,
+    STAGE_JVM_OPTIONS_ONE_BATCH,
+    STAGE_JVM_OPTIONS_SEVERAL_BATCHES,
+    Pipeline,
+    load_pipelines,
+)
 
 SPARK_CONN_ID = "kafka2pg_spark"
 JOB = PROJECT_ROOT / "jobs" / "stage_batch.py"
@@ -127,7 +133,13 @@ def _stage_operator(pipeline: Pipeline, *, several_batches: bool = False):
 
     planned = "ti.xcom_pull(task_ids='plan')"
     more = []
+    jvm_options = STAGE_JVM_OPTIONS_ONE_BATCH
     if several_batches:
+        # The JIT options follow the run's batches_per_run (config.stage_jvm_conf's choice).
+        jvm_options = (
+            f"{{{{ {STAGE_JVM_OPTIONS_ONE_BATCH!r} if {planned}['batches'] == 1"
+            f" else {STAGE_JVM_OPTIONS_SEVERAL_BATCHES!r} }}}}"
+        )
         more = [
             "--batches",
             f"{{{{ {planned}['batches'] }}}}",
@@ -145,7 +157,7 @@ def _stage_operator(pipeline: Pipeline, *, several_batches: bool = False):
         jars=spark_jars(),
         # kafka2pg's Spark defaults are applied by the job's session (staging.SPARK_DEFAULTS);
         # JVM options only work on spark-submit's command line.
-        conf={**STAGE_JVM_CONF, **pipeline.spark_conf},
+        conf={"spark.driver.extraJavaOptions": jvm_options, **pipeline.spark_conf},
         application_args=[
             "--pipeline",
             pipeline.name,

@@ -236,7 +236,9 @@ def run_job(
     """Entry point of jobs/stage_batch.py (spark-submit supplies master and jars)."""
     settings = Settings.from_env()
     pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
-    spark = spark_session(None, app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}", conf=pipeline.spark_conf)
+    spark = spark_session(
+        None, app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}", conf=pipeline.spark_conf, batches=batches
+    )
     spark.sparkContext.setLogLevel("WARN")
     archive = package_zip(settings.state_dir / "spark")
     stop = threading.Event()

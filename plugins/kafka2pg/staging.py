@@ -22,7 +22,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType, _parse_datatype_string
 
-from kafka2pg.config import STAGE_JVM_CONF, Pipeline, Settings
+from kafka2pg.config import Pipeline, Settings, stage_jvm_conf
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ConfigError, RetentionLossError, StageInterrupted
 from kafka2pg.ledger import Batch, load_claimed, set_state, staged_counts, staging_lost
@@ -396,13 +396,22 @@ def package_zip(state_dir: Path) -> Path:
 
 
 def spark_session(
-    master: str | None, *, app_name: str, jars: list[Path] | None = None, conf: dict[str, str] | None = None
+    master: str | None,
+    *,
+    app_name: str,
+    jars: list[Path] | None = None,
+    conf: dict[str, str] | None = None,
+    batches: int = 1,
 ) -> SparkSession:
-    """A Spark session with kafka2pg's defaults; `master=None` keeps what spark-submit set."""
+    """A Spark session with kafka2pg's defaults; `master=None` keeps what spark-submit set.
+
+    `batches`: how many batches the session may stage; it picks the JVM's JIT options, which
+    take effect only where this call starts the JVM (tests, CLI, bench), not under spark-submit.
+    """
     builder = SparkSession.builder.appName(app_name)
     if master is not None:
         builder = builder.master(master)
-    for key, value in {**SPARK_DEFAULTS, **(conf or {})}.items():
+    for key, value in {**SPARK_DEFAULTS, **stage_jvm_conf(batches), **(conf or {})}.items():
         builder = builder.config(key, value)
     if jars:
         builder = builder.config("spark.jars", ",".join(str(j) for j in jars))
@@ -415,5 +424,4 @@ SPARK_DEFAULTS = {
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.shuffle.partitions": "4",
     "spark.sql.execution.arrow.maxRecordsPerBatch": "20000",
-    **STAGE_JVM_CONF,  # takes effect where this session starts the JVM (tests, CLI, bench)
 }

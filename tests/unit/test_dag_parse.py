@@ -27,11 +27,14 @@ print(json.dumps({
     },
     "replay_paused": replay.is_paused_upon_creation,
     "replay_timetable": type(replay.timetable).__name__,
+    "jvm_options": dag.get_task("read_and_stage").conf["spark.driver.extraJavaOptions"],
+    "replay_jvm_options": replay.get_task("read_and_stage").conf["spark.driver.extraJavaOptions"],
 }))
 """
 
 
-def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
+def _parse_dag_file() -> dict:
+    """The DAG file parsed in a fresh interpreter (so heavy imports show), summarised by PROBE."""
     out = subprocess.run(
         [sys.executable, "-c", PROBE, str(ROOT / "dags" / "kafka2pg_pipelines.py")],
         capture_output=True,
@@ -40,6 +43,11 @@ def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
         env={"PYTHONPATH": str(ROOT / "plugins"), "PATH": "/usr/bin:/bin"},
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
+    result = _parse_dag_file()
     assert result["dags"] == ["kafka2pg_orders", "kafka2pg_orders_replay"]
     assert result["heavy"] == [], f"parsing the DAG imported {result['heavy']}"
     assert result["tasks"] == ["has_batch", "plan", "promote", "read_and_stage", "validate"]
@@ -53,3 +61,32 @@ def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
     assert all(schema.get("description") for schema in params.values())
     assert result["replay_paused"] is True
     assert result["replay_timetable"] == "CronDataIntervalTimetable"
+
+
+def test_stage_jvm_options_follow_the_runs_batches():
+    """C1-only JIT for a job of one batch, tiered (C2) once it catches up several: what
+    spark-submit gets once Airflow renders the template with the plan task's XCom."""
+    import jinja2
+
+    from kafka2pg.config import STAGE_JVM_OPTIONS_ONE_BATCH, STAGE_JVM_OPTIONS_SEVERAL_BATCHES, stage_jvm_conf
+
+    assert "TieredStopAtLevel=1" in STAGE_JVM_OPTIONS_ONE_BATCH
+    assert "TieredStopAtLevel" not in STAGE_JVM_OPTIONS_SEVERAL_BATCHES
+    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": STAGE_JVM_OPTIONS_ONE_BATCH}
+    assert stage_jvm_conf(2) == {"spark.driver.extraJavaOptions": STAGE_JVM_OPTIONS_SEVERAL_BATCHES}
+    result = _parse_dag_file()
+
+    class PlannedBatches:
+        def __init__(self, batches: int):
+            self.batches = batches
+
+        def xcom_pull(self, task_ids: str) -> dict:
+            assert task_ids == "plan"
+            return {"batches": self.batches}
+
+    def render(batches: int) -> str:
+        return jinja2.Template(result["jvm_options"]).render(ti=PlannedBatches(batches))
+
+    assert render(1) == STAGE_JVM_OPTIONS_ONE_BATCH
+    assert render(7) == STAGE_JVM_OPTIONS_SEVERAL_BATCHES
+    assert result["replay_jvm_options"] == STAGE_JVM_OPTIONS_ONE_BATCH
