@@ -11,9 +11,11 @@ Each contender runs in its own child process; the parent samples the child's who
 tree (Spark JVM included) for peak RSS. Also: the fixed cost of an empty run and of a
 1-record batch, ours with Spark local[1] vs local[2], and (unless --no-airflow) the fixed costs
 and the whole backlog through `airflow dags test` of the real DAG (one run, batches_per_run
-unlimited).
+unlimited). With --rounds N every contender loads the backlog N times (each into a new table,
+the order reversed every other round): the table shows each one's median run, the ratios are
+the median of the per-round ratios (a shared machine drifts by tens of percent between runs).
     ./kafka2pg python bench/compare.py [--events 1000000] [--partitions 6] [--size 200] [--no-airflow]
-                                       [--airflow-per-batch]
+                                       [--airflow-per-batch] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -58,7 +61,7 @@ def run_ours(settings: Settings, topic: str, master: str) -> dict:
     from kafka2pg.ledger import open_batch
     from kafka2pg.runner import run_batches
 
-    pipeline = bench_pipeline(f"ours_{master[6]}", topic)
+    pipeline = bench_pipeline(_fresh(f"ours_{master[6]}"), topic)
     migrate(settings.database_url, [pipeline])
     started = time.monotonic()
     spark = bench_spark(master, "bench-ours", settings.state_dir, batches=10**9)
@@ -78,7 +81,7 @@ def run_peer(settings: Settings, topic: str, work: Path) -> dict:
 
     from kafka2pg.staging import decode
 
-    pipeline = bench_pipeline("peer", topic)
+    pipeline = bench_pipeline(_fresh("peer"), topic)
     migrate(settings.database_url, [pipeline])
     # The JVM as a Structured Streaming user starts it (JDK 17 defaults: tiered JIT, G1), not
     # kafka2pg's C1-only stage JVM.
@@ -114,7 +117,7 @@ def run_peer(settings: Settings, topic: str, work: Path) -> dict:
     query = (
         decode(stream, pipeline)
         .writeStream.foreachBatch(write)
-        .option("checkpointLocation", str(work / "peer-checkpoint"))
+        .option("checkpointLocation", str(work / f"{pipeline.name}-checkpoint"))
         .trigger(availableNow=True)
         .start()
     )
@@ -129,7 +132,7 @@ def run_worker(settings: Settings, topic: str, batch_size: int = 50_000) -> dict
 
     from kafka2pg.kafka_offsets import client_config
 
-    pipeline = bench_pipeline("worker", topic)
+    pipeline = bench_pipeline(_fresh("worker"), topic)
     migrate(settings.database_url, [pipeline])
     columns = [c.name for c in pipeline.columns]
     ends = {o.partition: o.last_stable for o in partition_offsets(settings.bootstrap_servers, topic)}
@@ -185,7 +188,7 @@ def write_floor_file(settings: Settings, topic: str, path: Path) -> None:
 
 def run_floor(settings: Settings, topic: str, work: Path) -> dict:
     """COPY the same decoded rows from a local file (`write_floor_file`) into the same table."""
-    pipeline = bench_pipeline("floor", topic)
+    pipeline = bench_pipeline(_fresh("floor"), topic)
     migrate(settings.database_url, [pipeline])
     columns = [c.name for c in pipeline.columns]
     path = work / "floor.csv"
@@ -227,6 +230,12 @@ def _row(event: dict, topic: str, partition: int, offset: int) -> tuple:
     """A target row (the sample columns, provenance, batch 0) from a decoded event."""
     fields = (event["event_id"], event["customer_id"], event["amount"], event["currency"], event["ts"])
     return (*fields, json.dumps(event["payload"]), topic, partition, offset, 0)
+
+
+def _fresh(name: str) -> str:
+    """A contender's pipeline and table name, new in each round (`--rounds`): every run loads the
+    whole backlog into its own empty table."""
+    return name + os.environ.get("BENCH_ROUND_SUFFIX", "")
 
 
 def _count(settings: Settings, pipeline) -> int:
@@ -396,7 +405,7 @@ def measure(name: str, env: dict, master: str = "local[2]", servers: dict[str, i
     servers = servers or {}
     before = _cpu_snapshot(servers)
     started = time.monotonic()
-    errors = Path(env["BENCH_WORK"]) / f"{name}-{master[6]}.stderr"
+    errors = Path(env["BENCH_WORK"]) / f"{name}-{master[6]}{env.get('BENCH_ROUND_SUFFIX', '')}.stderr"
     with open(errors, "w") as err:
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
     peak = 0
@@ -428,6 +437,13 @@ def main() -> int:
     parser.add_argument("--partitions", type=int, default=6)
     parser.add_argument("--size", type=int, default=200, help="approximate JSON bytes per event")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="load the backlog this many times per contender, alternating their order; the table shows "
+        "each contender's median run and the ratios their median over rounds (for a noisy machine)",
+    )
     parser.add_argument("--no-scaling", action="store_true", help="skip ours with local[1]")
     parser.add_argument("--no-airflow", action="store_true", help="skip the figures through `airflow dags test`")
     parser.add_argument(
@@ -438,6 +454,8 @@ def main() -> int:
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
     parser.add_argument("--master", default="local[2]", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.run_one:
         return child(args.run_one, args.master)
     with bench_stack("kafka2pg-compare-") as (settings, stack, work):
@@ -466,23 +484,46 @@ def main() -> int:
             **({"BENCH_AIRFLOW_PER_BATCH": "1"} if args.airflow_per_batch else {}),
         }
         servers = {"PostgreSQL": stack.postgres.pid, "Kafka broker": stack.kafka.pid}
-        results = {}
-        for name in args.contenders.split(","):
-            results[name] = measure(name, env, servers=servers)
-            print(f"  {name}: {results[name]['wall_s']:.1f}s", flush=True)
+        names = args.contenders.split(",")
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for round_no in range(args.rounds):
+            # Odd rounds run the contenders in reverse order: neither always goes first.
+            suffix = f"_r{round_no + 1}" if round_no else ""
+            for name in names if round_no % 2 == 0 else names[::-1]:
+                runs[name].append(measure(name, {**env, "BENCH_ROUND_SUFFIX": suffix}, servers=servers))
+                label = f" (round {round_no + 1})" if args.rounds > 1 else ""
+                print(f"  {name}: {runs[name][-1]['wall_s']:.1f}s{label}", flush=True)
+        results = {name: _median_run(rs) for name, rs in runs.items()}
         if "ours" in results and not args.no_scaling:
             results["ours local[1]"] = measure("ours", env, "local[1]", servers)
         fixed = measure("fixed", env)
         airflow = None if args.no_airflow else measure("airflow", env)
-    print_table(results, produced, megabytes, fixed, airflow)
-    landed = all(r["rows"] == produced for r in results.values()) and (
+    print_table(results, produced, megabytes, fixed, airflow, runs)
+    landed = all(r["rows"] == produced for rs in [*runs.values(), results.values()] for r in rs) and (
         airflow is None
         or (airflow["rows"] == 1 and airflow["backlog_rows"] == produced == airflow.get("per_batch_rows", produced))
     )
     return 0 if landed else 1
 
 
-def print_table(results: dict, produced: int, megabytes: float, fixed: dict, airflow: dict | None = None) -> None:
+def _seconds(run: dict) -> float:
+    return run.get("timed_seconds", run["wall_s"])
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median time (of an even count, the faster of the middle two)."""
+    return sorted(runs, key=_seconds)[(len(runs) - 1) // 2]
+
+
+def print_table(
+    results: dict,
+    produced: int,
+    megabytes: float,
+    fixed: dict,
+    airflow: dict | None = None,
+    runs: dict[str, list[dict]] | None = None,
+) -> None:
+    """`results`: one run per contender (the median one with --rounds, all rounds in `runs`)."""
     print(f"\n{'contender':<14} {'rows':>9} {'wall s':>8} {'rec/s':>9} {'MB/s':>7} {'peak RSS MB':>12}")
     for name, r in results.items():
         seconds = r.get("timed_seconds", r["wall_s"])
@@ -501,11 +542,16 @@ def print_table(results: dict, produced: int, megabytes: float, fixed: dict, air
             f"{cpu.get('Kafka broker', 0):>6.1f} {rest:>9.1f}"
         )
     ours = results.get("ours")
+    runs = runs or {name: [r] for name, r in results.items()}
     if ours:
         for other in ("peer", "worker", "floor"):
             if other in results:
-                ratio = results[other].get("timed_seconds", results[other]["wall_s"]) / ours["wall_s"]
-                print(f"throughput ours/{other}: {ratio:.2f}")
+                # Paired by round (same minutes of the box's drift); the median of the rounds.
+                ratios = sorted(_seconds(o) / _seconds(u) for o, u in zip(runs[other], runs["ours"], strict=True))
+                line = f"throughput ours/{other}: {statistics.median(ratios):.2f}"
+                if len(ratios) > 1:
+                    line += f" (median of {len(ratios)} rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+                print(line)
         print(
             "ours per phase: "
             + ", ".join(f"{k} {v:.1f}s" for k, v in ours["phases"].items())

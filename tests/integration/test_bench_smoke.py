@@ -38,3 +38,24 @@ def test_compare_benchmark_smoke_runs_every_contender_and_prints_the_ratios():
         "worker": 2000,
         "floor": 2000,
     }
+
+
+def test_compare_benchmark_rounds_load_the_backlog_each_time_and_give_the_median_ratio():
+    """--rounds 2: each contender loads the whole backlog twice (new tables; the run fails if a
+    round lands fewer rows) and the ratio is the median over rounds."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "compare.py"),
+            *("--events", "500", "--partitions", "2", "--contenders", "ours,floor", "--rounds", "2"),
+            *("--no-scaling", "--no-airflow"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "ours: " in done.stdout and "(round 2)" in done.stdout, done.stdout
+    assert "throughput ours/floor: " in done.stdout and "(median of 2 rounds: " in done.stdout, done.stdout
+    table = [ln.split() for ln in done.stdout.splitlines() if ln.split()[:1] in (["ours"], ["floor"])]
+    assert {r[0]: int(r[1]) for r in table if r[1].isdigit()} == {"ours": 500, "floor": 500}, done.stdout
