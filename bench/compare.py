@@ -405,9 +405,11 @@ def measure(name: str, env: dict, master: str = "local[2]", servers: dict[str, i
     servers = servers or {}
     before = _cpu_snapshot(servers)
     started = time.monotonic()
-    errors = Path(env["BENCH_WORK"]) / f"{name}-{master[6]}{env.get('BENCH_ROUND_SUFFIX', '')}.stderr"
-    with open(errors, "w") as err:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    logs = Path(env["BENCH_WORK"]) / f"{name}-{master[6]}{env.get('BENCH_ROUND_SUFFIX', '')}"
+    errors, out = logs.with_suffix(".stderr"), logs.with_suffix(".stdout")
+    # To files, not pipes: a child that printed more than a pipe holds would block until it exits.
+    with open(errors, "w") as err, open(out, "w") as stdout:
+        process = subprocess.Popen(command, env=env, stdout=stdout, stderr=err, text=True)
     peak = 0
     root = psutil.Process(process.pid)
     while process.poll() is None:
@@ -421,7 +423,7 @@ def measure(name: str, env: dict, master: str = "local[2]", servers: dict[str, i
     time.sleep(0.5)  # the child's PostgreSQL backends exit (and are reaped) just after it
     after = _cpu_snapshot(servers)
     cpu = {key: after[key] - before[key] for key in after}  # "at": the seconds the snapshots span
-    output = process.stdout.read()
+    output = out.read_text(errors="replace")
     line = next((x for x in output.splitlines() if x.startswith("RESULT ")), None)
     if process.returncode != 0 or line is None:
         raise SystemExit(
