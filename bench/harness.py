@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
 
-from kafka2pg import local_stack  # noqa: E402
-from kafka2pg.config import Pipeline, Settings, get_pipeline  # noqa: E402
+from kafka2pg import class_archive, local_stack  # noqa: E402
+from kafka2pg.config import Pipeline, Settings, class_archive_path, get_pipeline  # noqa: E402
 from kafka2pg.local_stack import Stack  # noqa: E402
 
 # Spark JDBC writer options of the contenders that write through JDBC (batched, typed by PG).
@@ -31,6 +31,12 @@ JDBC_PROPERTIES = {
 def bench_stack(prefix: str) -> Iterator[tuple[Settings, Stack, Path]]:
     """A local broker and PostgreSQL for one benchmark run, stopped afterwards."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
+    # This run's state dir is a scratch folder: it gets set-up's class-data archive, as it gets
+    # set-up's jars (local_stack.spark_jars), so ours starts Spark as a set-up machine does.
+    archive = class_archive.ensure(local_stack.DEFAULT_CACHE)
+    if archive is not None:
+        class_archive_path(work).parent.mkdir(parents=True)
+        class_archive_path(work).symlink_to(archive)
     stack = local_stack.start_stack(work)
     try:
         yield Settings(stack.kafka.bootstrap_servers, stack.postgres.url, state_dir=work), stack, work

@@ -37,8 +37,13 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
     cache = Path(os.environ.get("KAFKA2PG_STATE_DIR", PROJECT_ROOT / ".cache"))
     if args.action == "install":
+        from kafka2pg import class_archive
+
         for name, path in local_stack.resolve_jars(cache).items():
             print(f"{name} jars: {path}")
+        if not class_archive.class_archive_path(cache).is_file():
+            print("making the Spark class-data archive (once; about 30 s)", file=sys.stderr)
+        print(f"Spark class-data archive: {class_archive.ensure(cache) or 'none (stage jobs start without it)'}")
         return 0
     current = local_stack.load_stack(cache)
     if args.action == "status":

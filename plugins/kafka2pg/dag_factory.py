@@ -12,10 +12,9 @@ from pathlib import Path
 
 from kafka2pg.config import (
     PROJECT_ROOT,
-    STAGE_JVM_OPTIONS_ONE_BATCH,
-    STAGE_JVM_OPTIONS_SEVERAL_BATCHES,
     Pipeline,
     load_pipelines,
+    stage_jvm_options,
 )
 
 SPARK_CONN_ID = "kafka2pg_spark"
@@ -133,13 +132,11 @@ def _stage_operator(pipeline: Pipeline, *, several_batches: bool = False):
 
     planned = "ti.xcom_pull(task_ids='plan')"
     more = []
-    jvm_options = STAGE_JVM_OPTIONS_ONE_BATCH
+    # With the class-data archive, if set-up made one (checked when the DAG file is parsed).
+    jvm_options = stage_jvm_options(1)
     if several_batches:
-        # The JIT options follow the run's batches_per_run (config.stage_jvm_conf's choice).
-        jvm_options = (
-            f"{{{{ {STAGE_JVM_OPTIONS_ONE_BATCH!r} if {planned}['batches'] == 1"
-            f" else {STAGE_JVM_OPTIONS_SEVERAL_BATCHES!r} }}}}"
-        )
+        # The JIT options follow the run's batches_per_run (config.stage_jvm_options' choice).
+        jvm_options = f"{{{{ {jvm_options!r} if {planned}['batches'] == 1 else {stage_jvm_options(2)!r} }}}}"
         more = [
             "--batches",
             f"{{{{ {planned}['batches'] }}}}",

@@ -1,6 +1,7 @@
 """DAG files parse fast and light: a live and a replay DAG per pipeline, no heavy import at parse time."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,14 +34,15 @@ print(json.dumps({
 """
 
 
-def _parse_dag_file() -> dict:
+def _parse_dag_file(env: dict[str, str] | None = None) -> dict:
     """The DAG file parsed in a fresh interpreter (so heavy imports show), summarised by PROBE."""
+    inherited = {k: os.environ[k] for k in ("KAFKA2PG_STATE_DIR", "JAVA_HOME") if k in os.environ}
     out = subprocess.run(
         [sys.executable, "-c", PROBE, str(ROOT / "dags" / "kafka2pg_pipelines.py")],
         capture_output=True,
         text=True,
         check=True,
-        env={"PYTHONPATH": str(ROOT / "plugins"), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(ROOT / "plugins"), "PATH": "/usr/bin:/bin", **inherited, **(env or {})},
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -63,18 +65,22 @@ def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
     assert result["replay_timetable"] == "CronDataIntervalTimetable"
 
 
-def test_stage_jvm_options_follow_the_runs_batches():
-    """C1-only JIT for a job of one batch, tiered (C2) once it catches up several: what
-    spark-submit gets once Airflow renders the template with the plan task's XCom."""
+def test_stage_jvm_options_follow_the_runs_batches_and_name_the_class_archive(tmp_path, monkeypatch):
+    """C1-only JIT for a job of one batch, tiered (C2) once it catches up several, and the class-data
+    archive once set-up has made one: what spark-submit gets once Airflow renders the template
+    with the plan task's XCom."""
     import jinja2
 
-    from kafka2pg.config import STAGE_JVM_OPTIONS_ONE_BATCH, STAGE_JVM_OPTIONS_SEVERAL_BATCHES, stage_jvm_conf
+    from kafka2pg.config import (
+        STAGE_JVM_OPTIONS_ONE_BATCH,
+        STAGE_JVM_OPTIONS_SEVERAL_BATCHES,
+        class_archive_path,
+        stage_jvm_conf,
+    )
 
     assert "TieredStopAtLevel=1" in STAGE_JVM_OPTIONS_ONE_BATCH
     assert "TieredStopAtLevel" not in STAGE_JVM_OPTIONS_SEVERAL_BATCHES
-    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": STAGE_JVM_OPTIONS_ONE_BATCH}
-    assert stage_jvm_conf(2) == {"spark.driver.extraJavaOptions": STAGE_JVM_OPTIONS_SEVERAL_BATCHES}
-    result = _parse_dag_file()
+    monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path))
 
     class PlannedBatches:
         def __init__(self, batches: int):
@@ -84,9 +90,20 @@ def test_stage_jvm_options_follow_the_runs_batches():
             assert task_ids == "plan"
             return {"batches": self.batches}
 
-    def render(batches: int) -> str:
-        return jinja2.Template(result["jvm_options"]).render(ti=PlannedBatches(batches))
+    def rendered(batches: int) -> tuple[str, str]:
+        result = _parse_dag_file()
+        return jinja2.Template(result["jvm_options"]).render(ti=PlannedBatches(batches)), result["replay_jvm_options"]
 
-    assert render(1) == STAGE_JVM_OPTIONS_ONE_BATCH
-    assert render(7) == STAGE_JVM_OPTIONS_SEVERAL_BATCHES
-    assert result["replay_jvm_options"] == STAGE_JVM_OPTIONS_ONE_BATCH
+    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": STAGE_JVM_OPTIONS_ONE_BATCH}
+    assert stage_jvm_conf(2) == {"spark.driver.extraJavaOptions": STAGE_JVM_OPTIONS_SEVERAL_BATCHES}
+    assert rendered(1) == (STAGE_JVM_OPTIONS_ONE_BATCH, STAGE_JVM_OPTIONS_ONE_BATCH)
+    assert rendered(7)[0] == STAGE_JVM_OPTIONS_SEVERAL_BATCHES
+
+    archive = class_archive_path()
+    assert archive.parent.parent == tmp_path and archive.suffix == ".jsa"
+    archive.parent.mkdir(parents=True)
+    archive.write_bytes(b"made by set-up")
+    shared = f" -XX:SharedArchiveFile={archive}"
+    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": STAGE_JVM_OPTIONS_ONE_BATCH + shared}
+    assert rendered(1) == (STAGE_JVM_OPTIONS_ONE_BATCH + shared, STAGE_JVM_OPTIONS_ONE_BATCH + shared)
+    assert rendered(7)[0] == STAGE_JVM_OPTIONS_SEVERAL_BATCHES + shared
