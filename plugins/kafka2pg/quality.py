@@ -7,6 +7,8 @@ closed: a batch is promoted only from `validated`, which only this module sets.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -372,22 +374,31 @@ def _not_already_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) ->
 
 def _ranges_touched(conn: Connection, pipeline: Pipeline, batch: Batch) -> bool:
     """Whether the target or the quarantine holds any offset of the batch's planned ranges: one
-    index range scan per partition, where a probe per staged row costs 100k lookups per batch.
-    Staged offsets lie inside the planned ranges (stage_batch checks it), so False means none of
-    them landed; True is answered exactly by `_offsets_already_landed`."""
-    if not batch.plan.ranges:
+    primary-key range probe per partition and table, where a probe per staged row costs 100k
+    lookups per batch. Staged offsets lie inside the planned ranges (stage_batch checks it), so
+    False means none of them landed; True is answered exactly by `_offsets_already_landed`.
+    One EXISTS per range, not one join against a VALUES list of them: the planner answers the
+    join with a hash join over the whole target (0.2 s per batch at 1M target rows, 1.1 s at 5M
+    on this box) and each EXISTS with an index probe (under 1 ms)."""
+    probes = []
+    for r in batch.plan.ranges:
+        in_range = sql.SQL("kafka_partition = {} AND kafka_offset >= {} AND kafka_offset < {}").format(
+            sql.Literal(r.partition), sql.Literal(r.start), sql.Literal(r.end)
+        )
+        probes.append(
+            sql.SQL("EXISTS (SELECT 1 FROM {target} WHERE kafka_topic = %(topic)s AND {in_range})").format(
+                target=_target(pipeline), in_range=in_range
+            )
+        )
+        probes.append(
+            sql.SQL(
+                "EXISTS (SELECT 1 FROM kafka2pg.quarantine WHERE pipeline = %(pipeline)s"
+                " AND kafka_topic = %(topic)s AND {in_range})"
+            ).format(in_range=in_range)
+        )
+    if not probes:
         return False
-    ranges = sql.SQL(", ").join(
-        sql.SQL("({}, {}, {})").format(sql.Literal(r.partition), sql.Literal(r.start), sql.Literal(r.end))
-        for r in batch.plan.ranges
-    )
-    touched = sql.SQL(
-        "SELECT EXISTS (SELECT 1 FROM (VALUES {ranges}) r(p, s, e) JOIN {target} t ON t.kafka_topic = %(topic)s"
-        "  AND t.kafka_partition = r.p AND t.kafka_offset >= r.s AND t.kafka_offset < r.e)"
-        " OR EXISTS (SELECT 1 FROM (VALUES {ranges}) r(p, s, e) JOIN kafka2pg.quarantine q"
-        "  ON q.pipeline = %(pipeline)s AND q.kafka_topic = %(topic)s"
-        "  AND q.kafka_partition = r.p AND q.kafka_offset >= r.s AND q.kafka_offset < r.e)"
-    ).format(ranges=ranges, target=_target(pipeline))
+    touched = sql.SQL("SELECT {}").format(sql.SQL(" OR ").join(probes))
     return conn.execute(touched, {"topic": batch.plan.topic, "pipeline": pipeline.name}).fetchone()[0]
 
 
@@ -417,6 +428,19 @@ def _required_not_null(conn: Connection, pipeline: Pipeline, batch: Batch) -> Ch
         (batch.batch_id,),
     ).fetchone()[0]
     return Check("required_columns_not_null", nulls == 0, nulls, f"{nulls} accepted rows with a null in {required}")
+
+
+@contextmanager
+def _planner(conn: Connection, **settings: str) -> Iterator[None]:
+    """Planner settings for one statement of the caller's transaction, restored after it. Turning
+    hash and merge joins off leaves a nested loop over an index where there is one; without an
+    index the planner still falls back to the other joins (they are discouraged, not removed)."""
+    previous = {name: conn.execute("SELECT current_setting(%s)", (name,)).fetchone()[0] for name in settings}
+    for name, value in settings.items():
+        conn.execute("SELECT set_config(%s, %s, true)", (name, value))
+    yield  # an error aborts the transaction, whose rollback restores them
+    for name, value in previous.items():
+        conn.execute("SELECT set_config(%s, %s, true)", (name, value))
 
 
 def _key_columns(pipeline: Pipeline, alias: str) -> sql.Composed:
@@ -462,6 +486,14 @@ def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batc
         " FROM {staging} s JOIN {target} t ON {join}"
         " WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL"
     ).format(staging=_staging(pipeline), target=_target(pipeline), join=join)
+    # The count probes the target's unique business-key index once per staged key, in key order,
+    # so consecutive probes share the index's pages. The planner's own choice, a hash join, reads
+    # the whole target for every batch: 1.5-1.9 s per 100k keys against a 5M-row target on this
+    # box, against 0.4 s sorted (0.35 s and 0.24 s against 900k rows).
+    counted = sql.SQL(
+        "SELECT count(*) FROM (SELECT {keys} FROM {staging} s WHERE s.batch_id = %(batch)s"
+        " AND s.quarantine_reason IS NULL ORDER BY {keys} OFFSET 0) s JOIN {target} t ON {join}"
+    ).format(keys=_key_columns(pipeline, "s"), staging=_staging(pipeline), target=_target(pipeline), join=join)
     return _flag_duplicates(
         conn,
         pipeline,
@@ -470,6 +502,8 @@ def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batc
         ranked,
         "'business key already promoted by batch ' || d.kept_batch || ' at partition ' || d.kept_partition"
         " || ' offset ' || d.kept_offset",
+        counted,
+        index_probes=True,
     )
 
 
@@ -481,11 +515,15 @@ def _flag_duplicates(
     ranked: sql.Composed,
     reason: str,
     counted: sql.Composed | None = None,
+    *,
+    index_probes: bool = False,
 ) -> Check:
     """Count the rows `ranked` numbers n > 1 (or what `counted` returns, the same number found
-    more cheaply); flag them to quarantine with `reason`, or fail under duplicate_policy: fail."""
+    more cheaply, by index probes if `index_probes`); flag them to quarantine with `reason`, or
+    fail under duplicate_policy: fail."""
     counted = counted or sql.SQL("SELECT count(*) FROM ({}) d WHERE d.n > 1").format(ranked)
-    count = conn.execute(counted, {"batch": batch.batch_id}).fetchone()[0]
+    with _planner(conn, enable_hashjoin="off", enable_mergejoin="off") if index_probes else nullcontext():
+        count = conn.execute(counted, {"batch": batch.batch_id}).fetchone()[0]
     if count == 0:
         return Check(name, True, 0, "no duplicates")
     if pipeline.duplicate_policy == "fail":
