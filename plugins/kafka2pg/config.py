@@ -267,9 +267,11 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
     business_key = raw.get("business_key") or []
     if isinstance(business_key, str):
         business_key = [business_key]
-    for key in business_key:
+    for i, key in enumerate(business_key):
         if key not in names:
             raise ConfigError(f"{where}.business_key: {key!r} is not one of the columns")
+        if key in business_key[:i]:
+            raise ConfigError(f"{where}.business_key: {key!r} is listed twice")
     return Pipeline(
         name=name,
         topic=topic,

@@ -433,8 +433,9 @@ def _required_not_null(conn: Connection, pipeline: Pipeline, batch: Batch) -> Ch
 @contextmanager
 def _planner(conn: Connection, **settings: str) -> Iterator[None]:
     """Planner settings for one statement of the caller's transaction, restored after it. Turning
-    hash and merge joins off leaves a nested loop over an index where there is one; without an
-    index the planner still falls back to the other joins (they are discouraged, not removed)."""
+    hash and merge joins off leaves a nested loop over an index; only for joins that have one
+    (the setting discourages the other joins by a fixed cost, it does not forbid them, and a
+    nested loop without an index can look cheaper than that cost)."""
     previous = {name: conn.execute("SELECT current_setting(%s)", (name,)).fetchone()[0] for name in settings}
     for name, value in settings.items():
         conn.execute("SELECT set_config(%s, %s, true)", (name, value))
@@ -503,8 +504,20 @@ def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batc
         "'business key already promoted by batch ' || d.kept_batch || ' at partition ' || d.kept_partition"
         " || ' offset ' || d.kept_offset",
         counted,
-        index_probes=True,
+        index_probes=_key_indexed(conn, pipeline),
     )
+
+
+def _key_indexed(conn: Connection, pipeline: Pipeline) -> bool:
+    """Whether an index on the target leads with a business-key column. Without one (a
+    business_key changed after the target was created keeps the old key's index), probing
+    key by key would be a nested loop over the whole target: leave the join to the planner."""
+    return conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a"
+        " ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]"
+        " WHERE i.indrelid = to_regclass(%s) AND i.indisvalid AND a.attname = ANY(%s))",
+        (_target(pipeline).as_string(conn), list(pipeline.business_key)),
+    ).fetchone()[0]
 
 
 def _flag_duplicates(

@@ -272,6 +272,7 @@ def test_the_business_key_check_probes_the_target_index_instead_of_reading_the_w
     deadline = time.monotonic() + 30
     while target_scans(db, env)[1] == probes and time.monotonic() < deadline:
         time.sleep(0.2)
+    time.sleep(1)  # a backend publishes its table and index counts one after the other
     after = target_scans(db, env)
     assert after[1] > probes, "the business-key check did not use the target's unique index"
     assert after[0] == scans, f"validation read the whole target {after[0] - scans} time(s)"
@@ -283,3 +284,24 @@ def test_the_business_key_check_probes_the_target_index_instead_of_reading_the_w
     assert quarantine(db, env)[0][1].startswith(
         "business key already promoted by batch 0 at partition 0 offset 1000777"
     )
+
+
+def test_without_a_business_key_index_the_gate_still_catches_a_promoted_key(make_pipeline, run_batch, db):
+    """A target whose business-key index is gone (a business_key changed after the target was
+    created keeps the old key's index): the check falls back to the planner's join, and a key
+    promoted before is still caught."""
+    env = make_pipeline(partitions=1)
+    db.execute(
+        sql.SQL("DROP INDEX {}").format(
+            sql.Identifier(env.pipeline.target_schema, f"{env.pipeline.target_table}_business_key")
+        )
+    )
+    events = list(sample_events(4, seed=72))
+    produce(env.settings.bootstrap_servers, env.topic, events[:3], key_field=None)
+    assert run_batch(env).promoted == 3
+    produce(
+        env.settings.bootstrap_servers, env.topic, [{**events[3], "event_id": events[1]["event_id"]}], key_field=None
+    )
+    second = run_batch(env)
+    assert (second.promoted, second.quarantined) == (0, 1)
+    assert quarantine(db, env)[0][1].startswith("business key already promoted by batch")

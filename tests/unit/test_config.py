@@ -45,6 +45,7 @@ def test_good_file_parses_with_defaults(tmp_path):
         ({"on_retention_loss": "ignore"}, r"on_retention_loss: expected one of fail, skip"),
         ({"columns": [{"name": "x", "type": "money"}]}, r"columns\[0\]\.type: unsupported type 'money'"),
         ({"business_key": ["nope"]}, r"business_key: 'nope' is not one of the columns"),
+        ({"business_key": ["event_id", "event_id"]}, r"business_key: 'event_id' is listed twice"),
         ({"target_table": "Bad-Name"}, r"target_table: expected 'table' or 'schema.table'"),
         ({"colums": []}, r"unknown field\(s\) colums"),
         ({"name": "Orders!"}, r"pipelines\[0\]\.name: expected a lower-case identifier"),
