@@ -230,8 +230,8 @@ def test_a_record_staged_twice_is_rejected_by_provenance_uniqueness(make_pipelin
 
 
 def target_scans(db, env) -> tuple[int, int]:
-    """(whole-table scans of the target, scans of its business-key index), once the backends
-    that ran the batch have reported them (PostgreSQL publishes a backend's counts when it ends)."""
+    """(whole-table scans of the target, scans of its business-key index) as PostgreSQL last
+    published them: a backend publishes its counts when it ends, so callers wait for them."""
     table = f"{env.pipeline.target_schema}.{env.pipeline.target_table}"
     return db.execute(
         "SELECT coalesce(t.seq_scan, 0), coalesce(sum(i.idx_scan), 0) FROM pg_stat_user_tables t"
