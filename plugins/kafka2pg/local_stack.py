@@ -215,6 +215,16 @@ logger.state.level = WARN
 """
 
 
+def new_cluster_id() -> str:
+    """A random KRaft cluster id (22 URL-safe base64 characters) that never starts with "-": one
+    in 64 does, and StorageTool's parser then reads `-t -xyz…` as a missing id and an unknown
+    option (a broker start failed so). Kafka's own `Uuid.randomUuid()` draws again in that case too."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
 def start_kafka(work_dir: Path, cache: Path = DEFAULT_CACHE, timeout_s: float = 90) -> KafkaProcess:
     """Format (once) and start a single-node KRaft broker; wait until it answers."""
     jars = resolve_jars(cache)["kafka"]
@@ -239,7 +249,7 @@ def start_kafka(work_dir: Path, cache: Path = DEFAULT_CACHE, timeout_s: float = 
         f"{jars}/*",
     ]
     if not (work_dir / "logs" / "meta.properties").exists():
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = new_cluster_id()
         done = subprocess.run(
             [*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props_file)],
             capture_output=True,
