@@ -38,12 +38,41 @@ def promote_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: 
     """
     try:
         return _promote(settings, pipeline, batch_id, epoch)
+    except KeyCollisionError as exc:
+        if not _send_back(settings, pipeline, batch_id, epoch):
+            raise
+        collision = exc
+    # The gate left the promoted-key check to the target's unique index, which just refused a
+    # key: the check runs now, flags the promoted keys' rows to quarantine (or rejects the batch
+    # under duplicate_policy: fail, raising QualityGateFailed), and the rest is promoted.
+    log.warning(
+        "pipeline=%s batch_id=%s a business key is already in the target (%s): validating again with the "
+        "promoted-key check",
+        pipeline.name,
+        batch_id,
+        collision.__cause__ or collision,
+    )
+    from kafka2pg.quality import validate_batch
+
+    validate_batch(settings, pipeline, batch_id, epoch, probe_promoted_keys=True)
+    try:
+        return _promote(settings, pipeline, batch_id, epoch)
     except KeyCollisionError:
-        with transaction(settings.database_url) as conn:
-            batch = load_claimed(conn, pipeline, batch_id, epoch)
-            if batch.state == "validated":
-                set_state(conn, batch, "staged", error="business key promoted since validation: validate again")
+        _send_back(settings, pipeline, batch_id, epoch)
         raise
+
+
+def _send_back(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None) -> bool:
+    """After a key collision: the validated batch goes back to `staged`. True when its gate had
+    deferred the promoted-key check to promotion (so running it now explains the collision)."""
+    from kafka2pg.quality import key_probe_deferred
+
+    with transaction(settings.database_url) as conn:
+        batch = load_claimed(conn, pipeline, batch_id, epoch)
+        if batch.state != "validated":
+            return False
+        set_state(conn, batch, "staged", error="business key promoted since validation: validate again")
+        return key_probe_deferred(conn, batch_id)
 
 
 def _promote(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None):

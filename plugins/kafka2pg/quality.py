@@ -48,8 +48,20 @@ class ValidationResult:
         return all(c.success for c in self.checks)
 
 
-def validate_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None = None) -> ValidationResult:
-    """Run every check on the staged batch; mark it `validated` or `rejected` (and raise)."""
+def validate_batch(
+    settings: Settings,
+    pipeline: Pipeline,
+    batch_id: int,
+    epoch: int | None = None,
+    *,
+    probe_promoted_keys: bool = False,
+) -> ValidationResult:
+    """Run every check on the staged batch; mark it `validated` or `rejected` (and raise).
+
+    The check that no business key was promoted before is deferred to the target's unique
+    index at promotion when `_may_defer_key_probe` allows it; `probe_promoted_keys` runs it
+    here whatever the history (promotion asks for that after a key collision).
+    """
     checks: list[Check] = []
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
@@ -62,7 +74,7 @@ def validate_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch:
             )
         lost = staging_lost(conn, pipeline, batch)
         if not lost:
-            sql_checks = _run_checks(conn, settings, pipeline, batch)
+            sql_checks = _run_checks(conn, settings, pipeline, batch, probe_promoted_keys)
             quarantined = _quarantined(conn, pipeline, batch_id)
             gx_checks, gx_rows = _great_expectations(conn, pipeline, batch, quarantined)
             checks = sql_checks + gx_checks
@@ -210,7 +222,9 @@ def _quarantined(conn: Connection, pipeline: Pipeline, batch_id: int) -> int:
     return conn.execute(query.format(_staging(pipeline)), (batch_id,)).fetchone()[0]
 
 
-def _run_checks(conn: Connection, settings: Settings, pipeline: Pipeline, batch: Batch) -> list[Check]:
+def _run_checks(
+    conn: Connection, settings: Settings, pipeline: Pipeline, batch: Batch, probe_promoted_keys: bool
+) -> list[Check]:
     checks = [
         _completeness(conn, pipeline, batch),
         _offset_gaps_explained(conn, settings, pipeline, batch),
@@ -223,8 +237,62 @@ def _run_checks(conn: Connection, settings: Settings, pipeline: Pipeline, batch:
     checks += [_quarantine_rule_violations(conn, pipeline, batch, c) for c in pipeline.columns if _quarantines(c)]
     if pipeline.business_key:
         checks.append(_business_key_unique_in_batch(conn, pipeline, batch))
-        checks.append(_business_key_not_promoted(conn, pipeline, batch))
+        if not probe_promoted_keys and _may_defer_key_probe(conn, pipeline, batch):
+            checks.append(Check(KEY_PROMOTED_CHECK, True, 0, DEFERRED_KEY_PROBE))
+        else:
+            checks.append(_business_key_not_promoted(conn, pipeline, batch))
     return checks
+
+
+KEY_PROMOTED_CHECK = "business_key_not_already_promoted"
+DEFERRED_KEY_PROBE = (
+    "deferred to promotion: the target's unique index on the business key refuses a promoted key there, "
+    "and a collision sends the batch back through this check, which then flags the row"
+)
+
+
+def _may_defer_key_probe(conn: Connection, pipeline: Pipeline, batch: Batch) -> bool:
+    """Whether the check that no staged business key is in the target yet may be left to the
+    target's unique index at promotion (`promote_batch` validates again with the probe when
+    that index refuses a key). Only for live batches (a replay's keys are in the target by
+    design), only with a valid unique index on exactly the business key, and only while the
+    pipeline's previous batch found none: a stream that repeats keys across batches is probed
+    up front, so a collision costs one failed insert when such keys start, not one per batch.
+    The probe is 0.27 s per 100k keys against a 1M-row target on this box (README "Benchmark")."""
+    if batch.kind != "live":
+        return False
+    previous = conn.execute(
+        "SELECT c.unexpected_count FROM kafka2pg.batches b JOIN kafka2pg.batch_checks c"
+        " ON c.batch_id = b.batch_id AND c.check_name = %s"
+        " WHERE b.pipeline = %s AND b.batch_id < %s ORDER BY b.batch_id DESC LIMIT 1",
+        (KEY_PROMOTED_CHECK, pipeline.name, batch.batch_id),
+    ).fetchone()
+    if previous is not None and previous[0] > 0:
+        return False
+    return _unique_key_index(conn, pipeline)
+
+
+def _unique_key_index(conn: Connection, pipeline: Pipeline) -> bool:
+    """Whether the target has a valid, whole-table unique index on exactly the business key's
+    columns (in any order, no expressions, no included columns)."""
+    return conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = to_regclass(%(table)s)"
+        " AND i.indisunique AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL"
+        " AND i.indnatts = cardinality(%(keys)s::name[])"
+        " AND (SELECT array_agg(a.attname ORDER BY a.attname) FROM pg_attribute a"
+        "      WHERE a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey::int2[]))"
+        "     = (SELECT array_agg(k ORDER BY k) FROM unnest(%(keys)s::name[]) k))",
+        {"table": _target(pipeline).as_string(conn), "keys": list(pipeline.business_key)},
+    ).fetchone()[0]
+
+
+def key_probe_deferred(conn: Connection, batch_id: int) -> bool:
+    """Whether the batch's last validation left the promoted-key check to promotion."""
+    row = conn.execute(
+        "SELECT details FROM kafka2pg.batch_checks WHERE batch_id = %s AND check_name = %s",
+        (batch_id, KEY_PROMOTED_CHECK),
+    ).fetchone()
+    return row is not None and row[0] == DEFERRED_KEY_PROBE
 
 
 def _quarantines(column) -> bool:
@@ -499,7 +567,7 @@ def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batc
         conn,
         pipeline,
         batch,
-        "business_key_not_already_promoted",
+        KEY_PROMOTED_CHECK,
         ranked,
         "'business key already promoted by batch ' || d.kept_batch || ' at partition ' || d.kept_partition"
         " || ' offset ' || d.kept_offset",

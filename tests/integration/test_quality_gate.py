@@ -16,7 +16,7 @@ from kafka2pg.exceptions import QualityGateFailed
 from kafka2pg.ledger import open_batch
 from kafka2pg.producer import produce, sample_events
 from kafka2pg.promote import promote_batch
-from kafka2pg.quality import validate_batch
+from kafka2pg.quality import DEFERRED_KEY_PROBE, validate_batch
 from kafka2pg.report import quality_summary
 from kafka2pg.staging import stage_batch
 
@@ -250,7 +250,8 @@ def test_the_business_key_check_probes_the_target_index_instead_of_reading_the_w
     checks that no staged offset and no staged business key landed before probe the target's
     indexes and never read the whole target (the planner's hash joins did, which made the
     gate's time per batch grow with the target: 1.1 s of 1.9 s per batch at 5M rows). A key
-    promoted long ago is still caught."""
+    promoted long ago is still caught (there by the unique index at promotion, the probe
+    having been deferred, then by the probe)."""
     env = make_pipeline(partitions=3)
     target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
     db.execute(
@@ -268,7 +269,7 @@ def test_the_business_key_check_probes_the_target_index_instead_of_reading_the_w
     db.execute(sql.SQL("ANALYZE {}").format(sql.Identifier("kafka2pg", env.pipeline.staging_table)))
     scans, probes = target_scans(db, env)
 
-    validate_batch(env.settings, env.pipeline, batch_id)
+    validate_batch(env.settings, env.pipeline, batch_id, probe_promoted_keys=True)
     deadline = time.monotonic() + 30
     while target_scans(db, env)[1] == probes and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -305,3 +306,88 @@ def test_without_a_business_key_index_the_gate_still_catches_a_promoted_key(make
     second = run_batch(env)
     assert (second.promoted, second.quarantined) == (0, 1)
     assert quarantine(db, env)[0][1].startswith("business key already promoted by batch")
+
+
+def key_check(db, batch_id: int) -> tuple[bool, int, str]:
+    return db.execute(
+        "SELECT success, unexpected_count, details FROM kafka2pg.batch_checks"
+        " WHERE batch_id = %s AND check_name = 'business_key_not_already_promoted'",
+        (batch_id,),
+    ).fetchone()
+
+
+def heads(db, env) -> list[tuple[int, int]]:
+    return db.execute(
+        "SELECT kafka_partition, next_offset FROM kafka2pg.ledger_heads WHERE pipeline = %s ORDER BY 1",
+        (env.pipeline.name,),
+    ).fetchall()
+
+
+def test_a_deferred_promoted_key_check_is_run_when_the_unique_index_refuses_a_key(make_pipeline, spark, run_batch, db):
+    """While the previous batch found no promoted keys, the gate leaves that check to the
+    target's unique index. When the index refuses a key at promotion, nothing of that attempt
+    lands: the batch is validated again with the check, the row is flagged to quarantine with
+    the batch that promoted the key, and the rest is promoted in the same call. The batch after
+    it is checked up front; once one is clean again the check is deferred again."""
+    env = make_pipeline(partitions=1)
+    events = list(sample_events(6, seed=73))
+    produce(env.settings.bootstrap_servers, env.topic, events[:3], key_field=None)
+    first = run_batch(env)
+    assert first.promoted == 3 and key_check(db, first.batch_id) == (True, 0, DEFERRED_KEY_PROBE)
+
+    repeat = {**events[3], "event_id": events[1]["event_id"]}
+    produce(env.settings.bootstrap_servers, env.topic, [repeat, events[4]], key_field=None)
+    second = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, second)
+    assert validate_batch(env.settings, env.pipeline, second).state == "validated"
+    assert key_check(db, second) == (True, 0, DEFERRED_KEY_PROBE)
+    promoted = promote_batch(env.settings, env.pipeline, second)
+    assert (promoted.promoted, promoted.quarantined, promoted.already_promoted) == (1, 1, False)
+    assert key_check(db, second) == (True, 1, "1 duplicate(s) flagged to quarantine")
+    assert target_ids(db, env) == sorted(e["event_id"] for e in [*events[:3], events[4]])
+    assert quarantine(db, env) == [
+        (3, f"business key already promoted by batch {first.batch_id} at partition 0 offset 1")
+    ]
+    assert heads(db, env) == [(0, 5)]
+    summary = quality_summary(env.settings, env.pipeline, second)
+    assert "business_key_not_already_promoted: 1" in summary, summary
+
+    produce(env.settings.bootstrap_servers, env.topic, [events[5]], key_field=None)
+    third = run_batch(env)
+    assert third.promoted == 1 and key_check(db, third.batch_id) == (True, 0, "no duplicates")
+    produce(env.settings.bootstrap_servers, env.topic, [dict(e) for e in sample_events(1, seed=74)], key_field=None)
+    fourth = run_batch(env)
+    assert fourth.promoted == 1 and key_check(db, fourth.batch_id) == (True, 0, DEFERRED_KEY_PROBE)
+    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+
+
+def test_under_the_fail_policy_a_key_refused_at_promotion_rejects_the_batch(make_pipeline, spark, run_batch, db):
+    env = make_pipeline(partitions=1, duplicate_policy="fail")
+    events = list(sample_events(4, seed=75))
+    produce(env.settings.bootstrap_servers, env.topic, events[:2], key_field=None)
+    assert run_batch(env).promoted == 2
+    produce(env.settings.bootstrap_servers, env.topic, [events[2], {**events[3], "event_id": events[0]["event_id"]}])
+    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, batch_id)
+    validate_batch(env.settings, env.pipeline, batch_id)
+    with pytest.raises(QualityGateFailed, match="business_key_not_already_promoted: 1 duplicate business key"):
+        promote_batch(env.settings, env.pipeline, batch_id)
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
+    assert state == "rejected"
+    assert target_ids(db, env) == sorted(e["event_id"] for e in events[:2]) and quarantine(db, env) == []
+    assert heads(db, env) == [(0, 2)]
+
+
+def test_without_a_unique_business_key_index_the_check_is_never_deferred(make_pipeline, run_batch, db):
+    env = make_pipeline(partitions=1)
+    index = sql.Identifier(env.pipeline.target_schema, f"{env.pipeline.target_table}_business_key")
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    db.execute(sql.SQL("DROP INDEX {}").format(index))
+    db.execute(  # not unique
+        sql.SQL("CREATE INDEX {} ON {} (event_id)").format(
+            sql.Identifier(f"{env.pipeline.target_table}_business_key"), target
+        )
+    )
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(2, seed=76)), key_field=None)
+    first = run_batch(env)
+    assert first.promoted == 2 and key_check(db, first.batch_id) == (True, 0, "no duplicates")
