@@ -41,17 +41,15 @@ def promote_batch(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: 
     except KeyCollisionError as exc:
         if not _send_back(settings, pipeline, batch_id, epoch):
             raise
-        collision = exc
-    # The gate left the promoted-key check to the target's unique index, which just refused a
-    # key: the check runs now, flags the promoted keys' rows to quarantine (or rejects the batch
+        why = f"a business key is already in the target ({exc.__cause__ or exc})"
+    except BatchStateError:
+        if not _sent_back(settings, pipeline, batch_id, epoch):
+            raise
+        why = "an earlier attempt stopped after a key collision"  # a retry of the promote task
+    # The gate left the promoted-key check to the target's unique index, which refused a key:
+    # the check runs now, flags the promoted keys' rows to quarantine (or rejects the batch
     # under duplicate_policy: fail, raising QualityGateFailed), and the rest is promoted.
-    log.warning(
-        "pipeline=%s batch_id=%s a business key is already in the target (%s): validating again with the "
-        "promoted-key check",
-        pipeline.name,
-        batch_id,
-        collision.__cause__ or collision,
-    )
+    log.warning("pipeline=%s batch_id=%s %s: running the deferred promoted-key check", pipeline.name, batch_id, why)
     from kafka2pg.quality import validate_batch
 
     validate_batch(settings, pipeline, batch_id, epoch, probe_promoted_keys=True)
@@ -73,6 +71,17 @@ def _send_back(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int
             return False
         set_state(conn, batch, "staged", error="business key promoted since validation: validate again")
         return key_probe_deferred(conn, batch_id)
+
+
+def _sent_back(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None) -> bool:
+    """Whether the batch is `staged` by `_send_back` with its promoted-key check still deferred:
+    an attempt stopped between the collision and the check (the check and then the promotion
+    are what a retry of the promote task has left to do)."""
+    from kafka2pg.quality import key_probe_deferred
+
+    with transaction(settings.database_url) as conn:
+        batch = load_claimed(conn, pipeline, batch_id, epoch)
+        return batch.state == "staged" and key_probe_deferred(conn, batch_id)
 
 
 def _promote(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None):

@@ -74,7 +74,14 @@ def validate_batch(
             )
         lost = staging_lost(conn, pipeline, batch)
         if not lost:
-            sql_checks = _run_checks(conn, settings, pipeline, batch, probe_promoted_keys)
+            if probe_promoted_keys and key_probe_deferred(conn, batch_id):
+                # After a key collision at promotion: the rows the other checks judged did not
+                # change, and the rows they flagged are out of their reach now (run again, they
+                # would report 0): their results stand, only the deferred check runs.
+                stored = _stored_sql_checks(conn, batch_id, but=KEY_PROMOTED_CHECK)
+                sql_checks = [*stored, _business_key_not_promoted(conn, pipeline, batch)]
+            else:
+                sql_checks = _run_checks(conn, settings, pipeline, batch, probe_promoted_keys)
             quarantined = _quarantined(conn, pipeline, batch_id)
             gx_checks, gx_rows = _great_expectations(conn, pipeline, batch, quarantined)
             checks = sql_checks + gx_checks
@@ -274,16 +281,41 @@ def _may_defer_key_probe(conn: Connection, pipeline: Pipeline, batch: Batch) -> 
 
 def _unique_key_index(conn: Connection, pipeline: Pipeline) -> bool:
     """Whether the target has a valid, whole-table unique index on exactly the business key's
-    columns (in any order, no expressions, no included columns)."""
+    columns (in any order, no expressions, no included columns), checked at each insert (not
+    DEFERRABLE: a violation at COMMIT would escape the promotion's collision handling)."""
     return conn.execute(
         "SELECT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = to_regclass(%(table)s)"
-        " AND i.indisunique AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL"
-        " AND i.indnatts = cardinality(%(keys)s::name[])"
+        " AND i.indisunique AND i.indisvalid AND i.indimmediate AND i.indpred IS NULL AND i.indexprs IS NULL"
+        " AND i.indnatts = i.indnkeyatts AND i.indnatts = cardinality(%(keys)s::name[])"
         " AND (SELECT array_agg(a.attname ORDER BY a.attname) FROM pg_attribute a"
         "      WHERE a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey::int2[]))"
         "     = (SELECT array_agg(k ORDER BY k) FROM unnest(%(keys)s::name[]) k))",
         {"table": _target(pipeline).as_string(conn), "keys": list(pipeline.business_key)},
     ).fetchone()[0]
+
+
+def _stored_sql_checks(conn: Connection, batch_id: int, *, but: str) -> list[Check]:
+    """The batch's stored SQL check results (not GX's, not `but`), in the order the gate runs them."""
+    rows = conn.execute(
+        "SELECT check_name, success, unexpected_count, details FROM kafka2pg.batch_checks"
+        " WHERE batch_id = %s AND check_name NOT LIKE 'gx:%%' AND check_name <> %s",
+        (batch_id, but),
+    ).fetchall()
+    flagging = ("rule_", "business_key_")  # the checks that flag rows to quarantine instead of failing
+    checks = [
+        Check(n, ok, count, details, count if ok and n.startswith(flagging) else 0) for n, ok, count, details in rows
+    ]
+    return sorted(checks, key=lambda c: (_CHECK_ORDER.index(c.name) if c.name in _CHECK_ORDER else 4.5, c.name))
+
+
+_CHECK_ORDER = (
+    "staged_rows_equal_records_read",
+    "offset_gaps_explained",
+    "provenance_unique",
+    "provenance_not_already_promoted",
+    "required_columns_not_null",
+    "business_key_unique_in_batch",  # after the rule_<column> checks (4.5)
+)
 
 
 def key_probe_deferred(conn: Connection, batch_id: int) -> bool:

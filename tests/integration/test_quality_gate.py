@@ -323,34 +323,53 @@ def heads(db, env) -> list[tuple[int, int]]:
     ).fetchall()
 
 
-def test_a_deferred_promoted_key_check_is_run_when_the_unique_index_refuses_a_key(make_pipeline, spark, run_batch, db):
+def test_a_deferred_promoted_key_check_is_run_when_the_unique_index_refuses_a_key(
+    make_pipeline, spark, run_batch, db, monkeypatch
+):
     """While the previous batch found no promoted keys, the gate leaves that check to the
-    target's unique index. When the index refuses a key at promotion, nothing of that attempt
-    lands: the batch is validated again with the check, the row is flagged to quarantine with
-    the batch that promoted the key, and the rest is promoted in the same call. The batch after
-    it is checked up front; once one is clean again the check is deferred again."""
+    target's unique index. When the index refuses a key at promotion, nothing of that insert
+    lands: the check runs (an attempt that dies in it is resumed by the next promote call), the
+    row is flagged to quarantine with the batch that promoted the key, the batch's other
+    findings stand, and the rest is promoted. The batch after it is checked up front; once one
+    is clean again the check is deferred again."""
+    import kafka2pg.quality
+
     env = make_pipeline(partitions=1)
     events = list(sample_events(6, seed=73))
     produce(env.settings.bootstrap_servers, env.topic, events[:3], key_field=None)
     first = run_batch(env)
     assert first.promoted == 3 and key_check(db, first.batch_id) == (True, 0, DEFERRED_KEY_PROBE)
 
-    repeat = {**events[3], "event_id": events[1]["event_id"]}
-    produce(env.settings.bootstrap_servers, env.topic, [repeat, events[4]], key_field=None)
+    repeat = {**events[3], "event_id": events[1]["event_id"]}  # offset 3: promoted by the first batch
+    produce(env.settings.bootstrap_servers, env.topic, [repeat, events[4], events[4]], key_field=None)
     second = open_batch(env.settings, env.pipeline).batch.batch_id
     stage_batch(spark, env.settings, env.pipeline, second)
     assert validate_batch(env.settings, env.pipeline, second).state == "validated"
     assert key_check(db, second) == (True, 0, DEFERRED_KEY_PROBE)
-    promoted = promote_batch(env.settings, env.pipeline, second)
-    assert (promoted.promoted, promoted.quarantined, promoted.already_promoted) == (1, 1, False)
+
+    def dies(*args):
+        raise RuntimeError("worker lost during the deferred check")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kafka2pg.quality, "_business_key_not_promoted", dies)
+        with pytest.raises(RuntimeError, match="worker lost"):
+            promote_batch(env.settings, env.pipeline, second)
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (second,)).fetchone()[0]
+    assert state == "staged" and target_ids(db, env) == sorted(e["event_id"] for e in events[:3])
+
+    promoted = promote_batch(env.settings, env.pipeline, second)  # a retry of the promote task
+    assert (promoted.promoted, promoted.quarantined, promoted.already_promoted) == (1, 2, False)
     assert key_check(db, second) == (True, 1, "1 duplicate(s) flagged to quarantine")
     assert target_ids(db, env) == sorted(e["event_id"] for e in [*events[:3], events[4]])
-    assert quarantine(db, env) == [
-        (3, f"business key already promoted by batch {first.batch_id} at partition 0 offset 1")
-    ]
-    assert heads(db, env) == [(0, 5)]
+    reasons = quarantine(db, env)
+    assert [o for o, _ in reasons] == [3, 5]
+    assert reasons[0][1].startswith(f"business key already promoted by batch {first.batch_id} at partition 0 offset 1")
+    assert (
+        reasons[1][1].startswith("duplicate business key within batch") and "kept partition 0 offset 4" in reasons[1][1]
+    )
+    assert heads(db, env) == [(0, 6)]
     summary = quality_summary(env.settings, env.pipeline, second)
-    assert "business_key_not_already_promoted: 1" in summary, summary
+    assert "caught and quarantined: business_key_not_already_promoted: 1; business_key_unique_in_batch: 1" in summary
 
     produce(env.settings.bootstrap_servers, env.topic, [events[5]], key_field=None)
     third = run_batch(env)
