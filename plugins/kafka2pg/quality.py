@@ -60,7 +60,8 @@ def validate_batch(
 
     The check that no business key was promoted before is deferred to the target's unique
     index at promotion when `_may_defer_key_probe` allows it; `probe_promoted_keys` runs it
-    here whatever the history (promotion asks for that after a key collision).
+    here whatever the history. A batch sent back by a collision at promotion gets only that
+    check (whoever validates it: the promotion itself, a retry, the next run).
     """
     checks: list[Check] = []
     with transaction(settings.database_url) as conn:
@@ -74,10 +75,11 @@ def validate_batch(
             )
         lost = staging_lost(conn, pipeline, batch)
         if not lost:
-            if probe_promoted_keys and key_probe_deferred(conn, batch_id):
-                # After a key collision at promotion: the rows the other checks judged did not
-                # change, and the rows they flagged are out of their reach now (run again, they
-                # would report 0): their results stand, only the deferred check runs.
+            if key_probe_deferred(conn, batch_id):
+                # A staged batch with stored results was sent back by a key collision at
+                # promotion (staging a batch clears its results): the rows the other checks
+                # judged did not change, and the rows they flagged are out of their reach now
+                # (run again, they would report 0). Their results stand; the deferred one runs.
                 stored = _stored_sql_checks(conn, batch_id, but=KEY_PROMOTED_CHECK)
                 sql_checks = [*stored, _business_key_not_promoted(conn, pipeline, batch)]
             else:

@@ -157,6 +157,9 @@ def stage_batch(
                 batch_id, batch.state, (), f"batch {batch_id} is already {batch.state}: nothing to stage"
             )
         conn.execute(_staging_sql("DELETE FROM {} WHERE batch_id = %s", pipeline), (batch_id,))
+        # Check results of earlier staging rows (lost in a crash after validation) judge rows
+        # that are gone; the quality gate reuses stored results of a batch sent back to it.
+        conn.execute("DELETE FROM kafka2pg.batch_checks WHERE batch_id = %s", (batch_id,))
     epoch = batch.epoch
     columns = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp"]
     columns += [c.name for c in pipeline.columns] + ["raw_value", "quarantine_reason"]

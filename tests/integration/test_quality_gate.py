@@ -12,7 +12,7 @@ import pytest
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline
-from kafka2pg.exceptions import QualityGateFailed
+from kafka2pg.exceptions import QualityGateFailed, StagingLostError
 from kafka2pg.ledger import open_batch
 from kafka2pg.producer import produce, sample_events
 from kafka2pg.promote import promote_batch
@@ -323,6 +323,19 @@ def heads(db, env) -> list[tuple[int, int]]:
     ).fetchall()
 
 
+def promote_dying_in_the_deferred_check(monkeypatch, env, batch_id: int) -> None:
+    """A promotion whose key collision sends the batch back, then dies in the deferred check."""
+    import kafka2pg.quality
+
+    def dies(*args):
+        raise RuntimeError("worker lost during the deferred check")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kafka2pg.quality, "_business_key_not_promoted", dies)
+        with pytest.raises(RuntimeError, match="worker lost"):
+            promote_batch(env.settings, env.pipeline, batch_id)
+
+
 def test_a_deferred_promoted_key_check_is_run_when_the_unique_index_refuses_a_key(
     make_pipeline, spark, run_batch, db, monkeypatch
 ):
@@ -332,8 +345,6 @@ def test_a_deferred_promoted_key_check_is_run_when_the_unique_index_refuses_a_ke
     row is flagged to quarantine with the batch that promoted the key, the batch's other
     findings stand, and the rest is promoted. The batch after it is checked up front; once one
     is clean again the check is deferred again."""
-    import kafka2pg.quality
-
     env = make_pipeline(partitions=1)
     events = list(sample_events(6, seed=73))
     produce(env.settings.bootstrap_servers, env.topic, events[:3], key_field=None)
@@ -347,13 +358,7 @@ def test_a_deferred_promoted_key_check_is_run_when_the_unique_index_refuses_a_ke
     assert validate_batch(env.settings, env.pipeline, second).state == "validated"
     assert key_check(db, second) == (True, 0, DEFERRED_KEY_PROBE)
 
-    def dies(*args):
-        raise RuntimeError("worker lost during the deferred check")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(kafka2pg.quality, "_business_key_not_promoted", dies)
-        with pytest.raises(RuntimeError, match="worker lost"):
-            promote_batch(env.settings, env.pipeline, second)
+    promote_dying_in_the_deferred_check(monkeypatch, env, second)
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (second,)).fetchone()[0]
     assert state == "staged" and target_ids(db, env) == sorted(e["event_id"] for e in events[:3])
 
@@ -410,3 +415,50 @@ def test_without_a_unique_business_key_index_the_check_is_never_deferred(make_pi
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(2, seed=76)), key_field=None)
     first = run_batch(env)
     assert first.promoted == 2 and key_check(db, first.batch_id) == (True, 0, "no duplicates")
+
+
+def test_a_batch_sent_back_by_a_collision_keeps_its_findings_when_the_next_run_validates_it(
+    make_pipeline, spark, run_batch, db, monkeypatch
+):
+    """The promotion dies between the collision and the deferred check: the next run's validate
+    step runs that check only (its in-batch duplicate stays counted), then promotes; a batch
+    whose staging is lost and staged again is judged afresh (its stored results are cleared)."""
+    env = make_pipeline(partitions=1)
+    events = list(sample_events(5, seed=77))
+    produce(env.settings.bootstrap_servers, env.topic, events[:2], key_field=None)
+    assert run_batch(env).promoted == 2
+    produce(
+        env.settings.bootstrap_servers,
+        env.topic,
+        [{**events[2], "event_id": events[0]["event_id"]}, events[3], events[3]],
+    )
+    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, batch_id)
+    validate_batch(env.settings, env.pipeline, batch_id)
+
+    promote_dying_in_the_deferred_check(monkeypatch, env, batch_id)
+    assert validate_batch(env.settings, env.pipeline, batch_id).state == "validated"
+    checks = dict(
+        db.execute(
+            "SELECT check_name, unexpected_count FROM kafka2pg.batch_checks"
+            " WHERE batch_id = %s AND unexpected_count > 0",
+            (batch_id,),
+        ).fetchall()
+    )
+    assert checks == {"business_key_unique_in_batch": 1, "business_key_not_already_promoted": 1}
+    promoted = promote_batch(env.settings, env.pipeline, batch_id)
+    assert (promoted.promoted, promoted.quarantined) == (1, 2)
+
+    produce(env.settings.bootstrap_servers, env.topic, [events[4]], key_field=None)
+    lost = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, lost)
+    validate_batch(env.settings, env.pipeline, lost)
+    db.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier("kafka2pg", env.pipeline.staging_table)))
+    with pytest.raises(StagingLostError, match="staged rows are gone"):
+        promote_batch(env.settings, env.pipeline, lost)
+    stage_batch(spark, env.settings, env.pipeline, lost)
+    stored = db.execute("SELECT count(*) FROM kafka2pg.batch_checks WHERE batch_id = %s", (lost,)).fetchone()[0]
+    assert stored == 0, "staging a batch again must clear the results that judged its lost rows"
+    validate_batch(env.settings, env.pipeline, lost)
+    assert promote_batch(env.settings, env.pipeline, lost).promoted == 1
+    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
