@@ -79,9 +79,14 @@ def validate_batch(
                 # A staged batch with stored results was sent back by a key collision at
                 # promotion (staging a batch clears its results): the rows the other checks
                 # judged did not change, and the rows they flagged are out of their reach now
-                # (run again, they would report 0). Their results stand; the deferred one runs.
-                stored = _stored_sql_checks(conn, batch_id, but=KEY_PROMOTED_CHECK)
-                sql_checks = [*stored, _business_key_not_promoted(conn, pipeline, batch)]
+                # (run again, they would report 0). Their results stand; what looks into the
+                # target runs again: the deferred key check, and the offsets one (the collision
+                # may have been on the target's primary key: offsets landed meanwhile).
+                fresh = [
+                    _not_already_promoted(conn, pipeline, batch),
+                    _business_key_not_promoted(conn, pipeline, batch),
+                ]
+                sql_checks = _with_stored_checks(conn, batch_id, fresh)
             else:
                 sql_checks = _run_checks(conn, settings, pipeline, batch, probe_promoted_keys)
             quarantined = _quarantined(conn, pipeline, batch_id)
@@ -295,18 +300,20 @@ def _unique_key_index(conn: Connection, pipeline: Pipeline) -> bool:
     ).fetchone()[0]
 
 
-def _stored_sql_checks(conn: Connection, batch_id: int, *, but: str) -> list[Check]:
-    """The batch's stored SQL check results (not GX's, not `but`), in the order the gate runs them."""
+def _with_stored_checks(conn: Connection, batch_id: int, fresh: list[Check]) -> list[Check]:
+    """`fresh` and the batch's other stored SQL check results (not GX's), in the gate's order."""
     rows = conn.execute(
         "SELECT check_name, success, unexpected_count, details FROM kafka2pg.batch_checks"
-        " WHERE batch_id = %s AND check_name NOT LIKE 'gx:%%' AND check_name <> %s",
-        (batch_id, but),
+        " WHERE batch_id = %s AND check_name NOT LIKE 'gx:%%' AND check_name <> ALL(%s)",
+        (batch_id, [c.name for c in fresh]),
     ).fetchall()
     flagging = ("rule_", "business_key_")  # the checks that flag rows to quarantine instead of failing
     checks = [
         Check(n, ok, count, details, count if ok and n.startswith(flagging) else 0) for n, ok, count, details in rows
     ]
-    return sorted(checks, key=lambda c: (_CHECK_ORDER.index(c.name) if c.name in _CHECK_ORDER else 4.5, c.name))
+    return sorted(
+        [*checks, *fresh], key=lambda c: (_CHECK_ORDER.index(c.name) if c.name in _CHECK_ORDER else 4.5, c.name)
+    )
 
 
 _CHECK_ORDER = (

@@ -462,3 +462,32 @@ def test_a_batch_sent_back_by_a_collision_keeps_its_findings_when_the_next_run_v
     validate_batch(env.settings, env.pipeline, lost)
     assert promote_batch(env.settings, env.pipeline, lost).promoted == 1
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+
+
+def test_a_deferred_batch_whose_offsets_landed_meanwhile_is_rejected_at_promotion(make_pipeline, spark, run_batch, db):
+    """The collision that sends a batch back may be on the target's primary key (a row of the
+    same offset written after validation, say by hand): the offsets check runs again with the
+    deferred one, and the batch is rejected with the count, instead of colliding again."""
+    env = make_pipeline(partitions=1)
+    events = list(sample_events(4, seed=78))
+    produce(env.settings.bootstrap_servers, env.topic, events[:2], key_field=None)
+    assert run_batch(env).promoted == 2
+    produce(env.settings.bootstrap_servers, env.topic, events[2:], key_field=None)
+    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, batch_id)
+    validate_batch(env.settings, env.pipeline, batch_id)
+    assert key_check(db, batch_id) == (True, 0, DEFERRED_KEY_PROBE)
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (event_id, customer_id, kafka_topic, kafka_partition, kafka_offset, batch_id)"
+            " VALUES ('written-by-hand', 1, %s, 0, 3, 0)"
+        ).format(sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)),
+        (env.topic,),
+    )
+    with pytest.raises(
+        QualityGateFailed, match="provenance_not_already_promoted: 1 staged offsets already in the target"
+    ):
+        promote_batch(env.settings, env.pipeline, batch_id)
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
+    assert state == "rejected" and heads(db, env) == [(0, 2)]
+    assert target_ids(db, env) == sorted([e["event_id"] for e in events[:2]] + ["written-by-hand"])
