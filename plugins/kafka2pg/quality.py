@@ -259,9 +259,8 @@ def _run_checks(
 
 
 KEY_PROMOTED_CHECK = "business_key_not_already_promoted"
-DEFERRED_KEY_PROBE = (
-    "deferred to promotion: the target's unique business-key index refuses a promoted key, which runs this check"
-)
+DEFERRED = "deferred to promotion"
+DEFERRED_KEY_PROBE = f"{DEFERRED}: the target's unique business-key index refuses a promoted key, which runs this check"
 
 
 def _may_defer_key_probe(conn: Connection, pipeline: Pipeline, batch: Batch) -> bool:
@@ -289,15 +288,21 @@ def _unique_key_index(conn: Connection, pipeline: Pipeline) -> bool:
     """Whether the target has a valid, whole-table unique index on exactly the business key's
     columns (in any order, no expressions, no included columns), checked at each insert (not
     DEFERRABLE: a violation at COMMIT would escape the promotion's collision handling)."""
+    keys = sorted(pipeline.business_key)
+    return any(plain_unique and sorted(columns) == keys for plain_unique, columns in _target_indexes(conn, pipeline))
+
+
+def _target_indexes(conn: Connection, pipeline: Pipeline) -> list[tuple[bool, list[str | None]]]:
+    """The target's valid indexes: whether each is a plain unique index (checked at each insert,
+    no expression, predicate or included column), and its columns in order (None: an expression)."""
     return conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = to_regclass(%(table)s)"
-        " AND i.indisunique AND i.indisvalid AND i.indimmediate AND i.indpred IS NULL AND i.indexprs IS NULL"
-        " AND i.indnatts = i.indnkeyatts AND i.indnatts = cardinality(%(keys)s::name[])"
-        " AND (SELECT array_agg(a.attname ORDER BY a.attname) FROM pg_attribute a"
-        "      WHERE a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey::int2[]))"
-        "     = (SELECT array_agg(k ORDER BY k) FROM unnest(%(keys)s::name[]) k))",
-        {"table": _target(pipeline).as_string(conn), "keys": list(pipeline.business_key)},
-    ).fetchone()[0]
+        "SELECT i.indisunique AND i.indimmediate AND i.indpred IS NULL AND i.indexprs IS NULL"
+        "       AND i.indnatts = i.indnkeyatts,"
+        " array(SELECT a.attname::text FROM unnest(i.indkey::int2[]) WITH ORDINALITY k(attnum, n)"
+        "       LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum ORDER BY k.n)"
+        " FROM pg_index i WHERE i.indrelid = to_regclass(%s) AND i.indisvalid",
+        (_target(pipeline).as_string(conn),),
+    ).fetchall()
 
 
 def _with_stored_checks(conn: Connection, batch_id: int, fresh: list[Check]) -> list[Check]:
@@ -332,7 +337,7 @@ def key_probe_deferred(conn: Connection, batch_id: int) -> bool:
         "SELECT details FROM kafka2pg.batch_checks WHERE batch_id = %s AND check_name = %s",
         (batch_id, KEY_PROMOTED_CHECK),
     ).fetchone()
-    return row is not None and (row[0] or "").startswith(DEFERRED_KEY_PROBE.split(":")[0])
+    return row is not None and (row[0] or "").startswith(DEFERRED)
 
 
 def _quarantines(column) -> bool:
@@ -620,12 +625,7 @@ def _key_indexed(conn: Connection, pipeline: Pipeline) -> bool:
     """Whether an index on the target leads with a business-key column. Without one (a
     business_key changed after the target was created keeps the old key's index), probing
     key by key would be a nested loop over the whole target: leave the join to the planner."""
-    return conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a"
-        " ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]"
-        " WHERE i.indrelid = to_regclass(%s) AND i.indisvalid AND a.attname = ANY(%s))",
-        (_target(pipeline).as_string(conn), list(pipeline.business_key)),
-    ).fetchone()[0]
+    return any(columns and columns[0] in pipeline.business_key for _, columns in _target_indexes(conn, pipeline))
 
 
 def _flag_duplicates(
