@@ -46,11 +46,17 @@ PHASES = ("plan", "stage", "validate", "promote")
 
 @dataclass
 class RunResult:
-    """What one run did: the batches it finished (or only staged) and seconds per phase."""
+    """What one run did: the batches it finished (or only staged) and seconds per phase.
+
+    `records`: records this run read from Kafka (a batch staged by an earlier attempt adds
+    none); `rows_promoted` / `rows_quarantined`: what the batches this run promoted landed.
+    """
 
     staged: list[int] = field(default_factory=list)
     promoted: list[int] = field(default_factory=list)
     records: int = 0
+    rows_promoted: int = 0
+    rows_quarantined: int = 0
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     message: str = ""
 
@@ -115,13 +121,14 @@ def run_batches(
             raise finishing.error
         result.promoted.append(current.batch_id)
         log.info(
-            "pipeline=%s run %s: batch %s/%s done (%s), %s records so far; seconds: %s",
+            "pipeline=%s run %s: batch %s/%s done (%s); so far %s records read, %s rows promoted; seconds: %s",
             pipeline.name,
             run_id,
             len(result.promoted),
             batches,
             finishing.message,
             result.records,
+            result.rows_promoted,
             ", ".join(f"{k} {v:.1f}" for k, v in result.phases.items()),
         )
         for error in (stage_error, planning_error):
@@ -131,7 +138,8 @@ def run_batches(
         current = staged
     result.message = (
         f"{len(result.promoted)} batch(es) promoted in this run ({result.records} records read): "
-        f"{', '.join(map(str, result.promoted))}"
+        f"{', '.join(map(str, result.promoted))}; {result.rows_promoted} rows to "
+        f"{pipeline.target_schema}.{pipeline.target_table}, {result.rows_quarantined} to quarantine"
     )
     log.info("pipeline=%s %s", pipeline.name, result.message)
     return result
@@ -184,7 +192,10 @@ class _Finish(threading.Thread):
         result, settings, pipeline, batch_id, epoch = self.args_
         try:
             _timed(result, "validate", validate_batch, settings, pipeline, batch_id, epoch)
-            self.message = _timed(result, "promote", promote_batch, settings, pipeline, batch_id, epoch).message
+            promoted = _timed(result, "promote", promote_batch, settings, pipeline, batch_id, epoch)
+            self.message = promoted.message
+            result.rows_promoted += promoted.promoted
+            result.rows_quarantined += promoted.quarantined
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
             self.error = exc
 

@@ -70,6 +70,7 @@ def test_one_dag_run_catches_up_a_backlog_with_batches_per_run(airflow_home, mak
     assert code == 0, output[-3000:]
     assert "--batches 5" in output and "--max-records-per-batch 150" in output
     assert "3 batch(es) promoted in this run (400 records read)" in output
+    assert f"400 rows to {env.pipeline.target_schema}.{env.pipeline.target_table}, 0 to quarantine" in output
     target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
     assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 400
     states = db.execute(

@@ -123,6 +123,7 @@ def test_one_run_catches_up_a_backlog_in_several_batches_of_one_spark_session(ma
     assert len(result.promoted) == 3 and result.staged == result.promoted and result.records == 300
     assert result.promoted[0] == first.batch_id
     assert count(db, env) + quarantined(db, env) == 300
+    assert (result.rows_promoted, result.rows_quarantined) == (count(db, env), quarantined(db, env))
     assert [(state, run) for _, state, run in batch_states(db, env)] == [("promoted", "run-1")] * 3
     after = db.execute(
         "SELECT after_batch_id FROM kafka2pg.batches WHERE pipeline = %s ORDER BY batch_id", (env.pipeline.name,)
@@ -135,6 +136,11 @@ def test_one_run_catches_up_a_backlog_in_several_batches_of_one_spark_session(ma
     result = run_batches(spark, env.settings, env.pipeline, second.batch_id, second.epoch, batches=10, run_id="run-2")
     assert len(result.promoted) == 1 and result.records == 52
     assert count(db, env) == 350 and quarantined(db, env) == 2
+    assert result.rows_promoted + result.rows_quarantined == 52
+    assert result.message.endswith(
+        f"{result.rows_promoted} rows to {env.pipeline.target_schema}.{env.pipeline.target_table}, "
+        f"{result.rows_quarantined} to quarantine"
+    )
     ranges = ledger_ranges(db, env)
     for partition in range(env.partitions):
         mine = [r for r in ranges if r[0] == partition]
@@ -151,6 +157,12 @@ def test_one_batch_per_run_only_stages_and_leaves_the_gate_to_the_dag(make_pipel
     assert result.staged == [first.batch_id] and result.promoted == [] and result.records == 100
     assert [state for _, state, _ in batch_states(db, env)] == ["staged"]
     assert count(db, env) == 0
+
+    # A job with more batches resuming it (e.g. the same run retried with batches_per_run 5) reads
+    # only the next batch, and reports both that and what it promoted.
+    result = run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=5, run_id="run-1")
+    assert result.records == 50 and (result.rows_promoted, result.rows_quarantined) == (150, 0)
+    assert count(db, env) == 150
 
 
 def test_a_rejected_batch_stops_the_run_and_voids_the_lookahead_staged_meanwhile(make_pipeline, spark, db):
