@@ -198,9 +198,10 @@ def staged_counts(conn: Connection, pipeline: Pipeline, batch_id: int) -> dict[i
     return dict(conn.execute(query, (batch_id,)).fetchall())
 
 
-def staging_lost(conn: Connection, pipeline: Pipeline, batch: Batch) -> bool:
+def staging_lost(conn: Connection, pipeline: Pipeline, batch: Batch, staged: dict[int, int] | None = None) -> bool:
     """True when a staged batch's rows are no longer all there (crash recovery empties UNLOGGED
-    tables); the batch is then put back to `planned` so the next run re-reads it from Kafka."""
+    tables); the batch is then put back to `planned` so the next run re-reads it from Kafka.
+    `staged`: the batch's `staged_counts`, when the caller has them from this transaction."""
     read = dict(
         conn.execute(
             "SELECT kafka_partition, coalesce(records_read, 0) FROM kafka2pg.batch_partitions"
@@ -208,7 +209,7 @@ def staging_lost(conn: Connection, pipeline: Pipeline, batch: Batch) -> bool:
             (batch.batch_id,),
         ).fetchall()
     )
-    if staged_counts(conn, pipeline, batch.batch_id) == read:
+    if (staged_counts(conn, pipeline, batch.batch_id) if staged is None else staged) == read:
         return False
     log.error("pipeline=%s batch_id=%s staging rows lost; batch reset to planned", pipeline.name, batch.batch_id)
     set_state(conn, batch, "planned", error="staging rows lost (PostgreSQL crash recovery?); re-staged by next run")

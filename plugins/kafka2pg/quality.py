@@ -18,7 +18,7 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, QualityGateFailed
 from kafka2pg.kafka_offsets import count_range, topic_retention
-from kafka2pg.ledger import Batch, load_claimed, raise_staging_lost, set_state, staging_lost
+from kafka2pg.ledger import Batch, load_claimed, raise_staging_lost, set_state, staged_counts, staging_lost
 from kafka2pg.planner import account_gap
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ def validate_batch(
                 f"batch {batch_id} of pipeline {pipeline.name!r} is {batch.state}, not staged: "
                 "run the stage step first (or trigger a new run)"
             )
-        lost = staging_lost(conn, pipeline, batch)
+        staged = staged_counts(conn, pipeline, batch_id)  # one count: the loss guard and completeness
+        lost = staging_lost(conn, pipeline, batch, staged)
         if not lost:
             if key_probe_deferred(conn, batch_id):
                 # A staged batch with stored results was sent back by a key collision at
@@ -88,7 +89,7 @@ def validate_batch(
                 ]
                 sql_checks = _with_stored_checks(conn, batch_id, fresh)
             else:
-                sql_checks = _run_checks(conn, settings, pipeline, batch, probe_promoted_keys)
+                sql_checks = _run_checks(conn, settings, pipeline, batch, probe_promoted_keys, staged)
             quarantined = _quarantined(conn, pipeline, batch_id)
             gx_checks, gx_rows = _great_expectations(conn, pipeline, batch, quarantined)
             checks = sql_checks + gx_checks
@@ -237,10 +238,15 @@ def _quarantined(conn: Connection, pipeline: Pipeline, batch_id: int) -> int:
 
 
 def _run_checks(
-    conn: Connection, settings: Settings, pipeline: Pipeline, batch: Batch, probe_promoted_keys: bool
+    conn: Connection,
+    settings: Settings,
+    pipeline: Pipeline,
+    batch: Batch,
+    probe_promoted_keys: bool,
+    staged: dict[int, int],
 ) -> list[Check]:
     checks = [
-        _completeness(conn, pipeline, batch),
+        _completeness(conn, batch, staged),
         _offset_gaps_explained(conn, settings, pipeline, batch),
         _provenance_unique(conn, pipeline, batch),
         _replay_scope(conn, pipeline, batch)
@@ -384,18 +390,16 @@ def _quarantine_rule_violations(conn: Connection, pipeline: Pipeline, batch: Bat
     )
 
 
-def _completeness(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
-    rows = conn.execute(
-        sql.SQL(
-            "SELECT bp.kafka_partition, bp.records_read, count(s.kafka_offset)"
-            " FROM kafka2pg.batch_partitions bp LEFT JOIN {} s"
-            "   ON s.batch_id = bp.batch_id AND s.kafka_partition = bp.kafka_partition"
-            " WHERE bp.batch_id = %s GROUP BY bp.kafka_partition, bp.records_read"
-        ).format(_staging(pipeline)),
+def _completeness(conn: Connection, batch: Batch, staged: dict[int, int]) -> Check:
+    """Every planned partition's records read (by Spark) equal its staged rows (`staged_counts`,
+    counted in this transaction)."""
+    reads = conn.execute(
+        "SELECT kafka_partition, records_read FROM kafka2pg.batch_partitions WHERE batch_id = %s ORDER BY 1",
         (batch.batch_id,),
     ).fetchall()
-    bad = [(p, read, staged) for p, read, staged in rows if read is None or read != staged]
-    details = "; ".join(f"p{p}: read {read}, staged {staged}" for p, read, staged in bad)
+    rows = [(p, read, staged.get(p, 0)) for p, read in reads]
+    bad = [(p, read, count) for p, read, count in rows if read is None or read != count]
+    details = "; ".join(f"p{p}: read {read}, staged {count}" for p, read, count in bad)
     return Check("staged_rows_equal_records_read", not bad, len(bad), details or "every record read is staged")
 
 

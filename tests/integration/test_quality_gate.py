@@ -229,6 +229,38 @@ def test_a_record_staged_twice_is_rejected_by_provenance_uniqueness(make_pipelin
     assert target_ids(db, env) == []
 
 
+def test_validation_counts_staged_rows_once_for_the_loss_guard_and_the_completeness_check(make_pipeline, spark, db):
+    """One count of the staged rows per partition serves both: fewer rows than were read means
+    staging was lost (the batch goes back to planned); a partition without a read count fails
+    completeness and nothing is promoted."""
+    env = make_pipeline(partitions=2)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(20, seed=61)))
+    batch = open_batch(env.settings, env.pipeline).batch
+    assert {r.partition for r in batch.plan.ranges} == {0, 1}
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    db.execute(
+        sql.SQL(
+            "DELETE FROM {0} WHERE ctid = (SELECT ctid FROM {0} WHERE batch_id = %s AND kafka_partition = 1 LIMIT 1)"
+        ).format(staging),
+        (batch.batch_id,),
+    )
+    with pytest.raises(StagingLostError, match="staged rows are gone"):
+        validate_batch(env.settings, env.pipeline, batch.batch_id)
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch.batch_id,)).fetchone()[0]
+    assert state == "planned"
+
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    db.execute(
+        "UPDATE kafka2pg.batch_partitions SET records_read = NULL WHERE batch_id = %s AND kafka_partition = 1",
+        (batch.batch_id,),
+    )
+    db.execute(sql.SQL("DELETE FROM {} WHERE batch_id = %s AND kafka_partition = 1").format(staging), (batch.batch_id,))
+    with pytest.raises(QualityGateFailed, match="staged_rows_equal_records_read: p1: read None, staged 0"):
+        validate_batch(env.settings, env.pipeline, batch.batch_id)
+    assert target_ids(db, env) == []
+
+
 def target_scans(db, env) -> tuple[int, int]:
     """(whole-table scans of the target, scans of its business-key index) as PostgreSQL last
     published them: a backend publishes its counts when it ends, so callers wait for them."""
