@@ -28,10 +28,12 @@ DEFAULT_PIPELINES_FILE = PROJECT_ROOT / "dags" / "pipelines.yaml"
 # JSON decode and Arrow transfer stage a warm 100k batch in about 1.4 s instead of 2.0 s
 # (README "Benchmark"). C2 only for code run per record: with the default tier-4 thresholds C2
 # also compiled the driver's per-batch machinery (Spark's closure cleaner, planner, task
-# serialisation), 13 of the JVM's 25 core-seconds over 1M records in 10 batches. Thresholds 20x
-# the default (a method called 100k times, about once per record of a batch) leave that code to
+# serialisation), 13 of the JVM's 25 core-seconds over 1M records in 10 batches. Raised tier-4
+# thresholds (invocations 5,000 -> 100,000, about once per record of a batch; minimum 600 ->
+# 20,000; calls + loops 15,000 -> 100,000; loop back-edges 40,000 -> 400,000) leave that code to
 # C1: the compiler threads' CPU fell 12.3-13.2 -> 6.6-7.2 s, the decoding threads' rose 9.0-10.1
-# -> 9.7-10.8 s (JFR and per-thread /proc times, two A/B pairs). The parallel GC suits a batch job.
+# -> 9.7-10.8 s (JFR and per-thread /proc times, two A/B pairs). Tuned for batches of ~100k
+# records: with much smaller ones, per-record code reaches C2 later. Parallel GC suits a batch job.
 STAGE_JVM_OPTIONS_ONE_BATCH = "-XX:TieredStopAtLevel=1 -XX:+UseParallelGC"
 STAGE_JVM_OPTIONS_SEVERAL_BATCHES = (
     "-XX:+UseParallelGC -XX:Tier4InvocationThreshold=100000 -XX:Tier4MinInvocationThreshold=20000"

@@ -49,7 +49,8 @@ class RunResult:
     """What one run did: the batches it finished (or only staged) and seconds per phase.
 
     `records`: records this run read from Kafka (a batch staged by an earlier attempt adds
-    none); `rows_promoted` / `rows_quarantined`: what the batches this run promoted landed.
+    none); `rows_promoted` / `rows_quarantined`: the rows this run's promotions landed (a batch
+    an earlier attempt promoted is listed in `promoted` but adds none).
     """
 
     staged: list[int] = field(default_factory=list)
@@ -194,8 +195,9 @@ class _Finish(threading.Thread):
             _timed(result, "validate", validate_batch, settings, pipeline, batch_id, epoch)
             promoted = _timed(result, "promote", promote_batch, settings, pipeline, batch_id, epoch)
             self.message = promoted.message
-            result.rows_promoted += promoted.promoted
-            result.rows_quarantined += promoted.quarantined
+            if not promoted.already_promoted:  # an earlier attempt landed those rows
+                result.rows_promoted += promoted.promoted
+                result.rows_quarantined += promoted.quarantined
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
             self.error = exc
 
