@@ -151,6 +151,20 @@ def db(base_settings):
         yield conn
 
 
+@pytest.fixture
+def heads(db):
+    """The pipeline's ledger heads, next offset per partition: `heads(env)`, or `heads(env, conn)`
+    over another connection (a thread's own)."""
+
+    def read(env: PipelineEnv, conn=None) -> dict[int, int]:
+        rows = (conn or db).execute(
+            "SELECT kafka_partition, next_offset FROM kafka2pg.ledger_heads WHERE pipeline = %s", (env.pipeline.name,)
+        )
+        return dict(rows.fetchall())
+
+    return read
+
+
 def pytest_configure(config):
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     for marker, text in (

@@ -51,15 +51,7 @@ def quarantined(db, env):
     ]
 
 
-def heads(db, env):
-    return dict(
-        db.execute(
-            "SELECT kafka_partition, next_offset FROM kafka2pg.ledger_heads WHERE pipeline = %s", (env.pipeline.name,)
-        ).fetchall()
-    )
-
-
-def test_all_records_land_once_with_provenance(make_pipeline, run_batch, db):
+def test_all_records_land_once_with_provenance(make_pipeline, run_batch, db, heads):
     env = make_pipeline()
     produce_sample(env.settings.bootstrap_servers, env.topic, 500, seed=1)
     result = run_batch(env)
@@ -77,13 +69,13 @@ def test_all_records_land_once_with_provenance(make_pipeline, run_batch, db):
     per_partition = {}
     for _, _, partition, offset, _ in rows:
         per_partition.setdefault(partition, []).append(offset)
-    assert heads(db, env) == {p: max(o) + 1 for p, o in per_partition.items()}
+    assert heads(env) == {p: max(o) + 1 for p, o in per_partition.items()}
     for offsets in per_partition.values():
         assert sorted(offsets) == list(range(len(offsets)))
     assert run_batch(env) is None, "a second run with nothing new must plan nothing"
 
 
-def test_max_records_per_batch_splits_backlog_into_contiguous_ranges(make_pipeline, run_batch, db):
+def test_max_records_per_batch_splits_backlog_into_contiguous_ranges(make_pipeline, run_batch, db, heads):
     env = make_pipeline(max_records_per_batch=120)
     produce_sample(env.settings.bootstrap_servers, env.topic, 500, seed=2)
     runs = 0
@@ -98,7 +90,7 @@ def test_max_records_per_batch_splits_backlog_into_contiguous_ranges(make_pipeli
         assert mine[0][1] == 0
         for before, after in zip(mine, mine[1:], strict=False):
             assert before[2] == after[1], f"gap or overlap in partition {partition}: {before} {after}"
-        assert mine[-1][2] == heads(db, env)[partition]
+        assert mine[-1][2] == heads(env)[partition]
     sizes = db.execute(
         "SELECT sum(end_offset - start_offset) FROM kafka2pg.ledger_ranges WHERE pipeline = %s GROUP BY batch_id",
         (env.pipeline.name,),
@@ -113,7 +105,7 @@ def batch_states(db, env):
     ).fetchall()
 
 
-def test_one_run_catches_up_a_backlog_in_several_batches_of_one_spark_session(make_pipeline, spark, db):
+def test_one_run_catches_up_a_backlog_in_several_batches_of_one_spark_session(make_pipeline, spark, db, heads):
     """batches_per_run > 1: the stage job finishes each batch (gate, promotion) and plans the next."""
     env = make_pipeline(max_records_per_batch=100)
     events = list(sample_events(350, seed=21))
@@ -143,7 +135,7 @@ def test_one_run_catches_up_a_backlog_in_several_batches_of_one_spark_session(ma
     for partition in range(env.partitions):
         mine = [r for r in ranges if r[0] == partition]
         assert [r[1] for r in mine[1:]] == [r[2] for r in mine[:-1]], f"gap or overlap in partition {partition}"
-        assert mine[-1][2] == heads(db, env)[partition]
+        assert mine[-1][2] == heads(env)[partition]
     assert open_batch(env.settings, env.pipeline).batch is None
 
 
@@ -167,7 +159,7 @@ def test_one_batch_per_run_only_stages_and_leaves_the_gate_to_the_dag(make_pipel
     assert (result.records, result.rows_promoted, result.rows_quarantined) == (0, 0, 0)
 
 
-def test_a_rejected_batch_stops_the_run_and_voids_the_lookahead_staged_meanwhile(make_pipeline, spark, db):
+def test_a_rejected_batch_stops_the_run_and_voids_the_lookahead_staged_meanwhile(make_pipeline, spark, db, heads):
     env = make_pipeline(partitions=1, max_records_per_batch=100, duplicate_policy="fail")
     events = list(sample_events(300, seed=23))
     # A producer retry of event 0 at offset 150: batch 2 ([100, 200)) is rejected while the run
@@ -182,7 +174,7 @@ def test_a_rejected_batch_stops_the_run_and_voids_the_lookahead_staged_meanwhile
         (env.pipeline.name,),
     ).fetchall()
     assert [r[1:] for r in rows] == [("promoted", False), ("rejected", True), ("abandoned", True)]
-    assert count(db, env) == 100 and heads(db, env) == {0: 100}
+    assert count(db, env) == 100 and heads(env) == {0: 100}
     staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
     staged = db.execute(sql.SQL("SELECT DISTINCT batch_id FROM {}").format(staging)).fetchall()
     # The rejected batch keeps its rows for inspection; the void lookahead's are gone.
@@ -265,7 +257,7 @@ def test_stage_job_without_the_kafka_source_jars_says_what_to_do(make_pipeline, 
     assert [state for _, state, _ in batch_states(db, env)] == ["planned"]
 
 
-def test_stale_promote_fails_with_ledger_conflict_and_changes_nothing(make_pipeline, spark, db):
+def test_stale_promote_fails_with_ledger_conflict_and_changes_nothing(make_pipeline, spark, db, heads):
     env = make_pipeline()
     produce_sample(env.settings.bootstrap_servers, env.topic, 90, seed=3)
     first = open_batch(env.settings, env.pipeline).batch
@@ -276,27 +268,27 @@ def test_stale_promote_fails_with_ledger_conflict_and_changes_nothing(make_pipel
         "INSERT INTO kafka2pg.ledger_heads (pipeline, topic, kafka_partition, next_offset) VALUES (%s, %s, 0, 7)",
         (env.pipeline.name, env.topic),
     )
-    before_heads = heads(db, env)
+    before_heads = heads(env)
     with pytest.raises(LedgerConflictError, match=r"partition 0: planned from head None but the ledger has head 7"):
         promote_batch(env.settings, env.pipeline, first.batch_id)
     assert count(db, env) == 0
-    assert heads(db, env) == before_heads
+    assert heads(env) == before_heads
     assert ledger_ranges(db, env) == []
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (first.batch_id,)).fetchone()[0]
     assert state == "validated"
 
 
-def test_promote_rerun_of_a_promoted_batch_is_a_noop(make_pipeline, run_batch, db):
+def test_promote_rerun_of_a_promoted_batch_is_a_noop(make_pipeline, run_batch, db, heads):
     env = make_pipeline()
     produce_sample(env.settings.bootstrap_servers, env.topic, 60, seed=4)
     result = run_batch(env)
-    snapshot = (count(db, env), heads(db, env), ledger_ranges(db, env))
+    snapshot = (count(db, env), heads(env), ledger_ranges(db, env))
     again = promote_batch(env.settings, env.pipeline, result.batch_id)
     assert again.already_promoted
-    assert (count(db, env), heads(db, env), ledger_ranges(db, env)) == snapshot
+    assert (count(db, env), heads(env), ledger_ranges(db, env)) == snapshot
 
 
-def test_bad_records_are_quarantined_with_reason_and_never_vanish(make_pipeline, run_batch, db):
+def test_bad_records_are_quarantined_with_reason_and_never_vanish(make_pipeline, run_batch, db, heads):
     env = make_pipeline(partitions=1)
     good = list(sample_events(3, seed=5))
     produce(
@@ -318,7 +310,7 @@ def test_bad_records_are_quarantined_with_reason_and_never_vanish(make_pipeline,
         (5, "required field 'event_id' is missing or null"),
     ]
     assert rows[0][2] == "{not json"
-    assert heads(db, env) == {0: 7}
+    assert heads(env) == {0: 7}
 
 
 def test_producer_retry_duplicate_is_flagged_not_promoted(make_pipeline, run_batch, db):
@@ -357,7 +349,7 @@ def test_unreachable_postgres_names_the_server_without_password(make_pipeline):
     assert "secret" not in str(info.value)
 
 
-def test_zombie_run_with_an_older_claim_is_fenced_at_every_step(make_pipeline, spark, db):
+def test_zombie_run_with_an_older_claim_is_fenced_at_every_step(make_pipeline, spark, db, heads):
     env = make_pipeline(partitions=2)
     produce_sample(env.settings.bootstrap_servers, env.topic, 80, seed=7)
     zombie = open_batch(env.settings, env.pipeline, run_id="scheduled__1").batch
@@ -372,7 +364,7 @@ def test_zombie_run_with_an_older_claim_is_fenced_at_every_step(make_pipeline, s
     ):
         with pytest.raises(LedgerConflictError, match=r"holds claim epoch 1 but run 'manual__2' claimed the batch"):
             step()
-    assert count(db, env) == 0 and heads(db, env) == {}
+    assert count(db, env) == 0 and heads(env) == {}
     stage_batch(spark, env.settings, env.pipeline, zombie.batch_id, 2)
     validate_batch(env.settings, env.pipeline, zombie.batch_id, 2)
     assert promote_batch(env.settings, env.pipeline, zombie.batch_id, 2).promoted == 80

@@ -348,13 +348,6 @@ def key_check(db, batch_id: int) -> tuple[bool, int, str]:
     ).fetchone()
 
 
-def heads(db, env) -> list[tuple[int, int]]:
-    return db.execute(
-        "SELECT kafka_partition, next_offset FROM kafka2pg.ledger_heads WHERE pipeline = %s ORDER BY 1",
-        (env.pipeline.name,),
-    ).fetchall()
-
-
 def promote_dying_in_the_deferred_check(monkeypatch, env, batch_id: int) -> None:
     """A promotion whose key collision sends the batch back, then dies in the deferred check."""
     import kafka2pg.quality
@@ -369,7 +362,7 @@ def promote_dying_in_the_deferred_check(monkeypatch, env, batch_id: int) -> None
 
 
 def test_a_deferred_promoted_key_check_is_run_when_the_unique_index_refuses_a_key(
-    make_pipeline, spark, run_batch, db, monkeypatch
+    make_pipeline, spark, run_batch, db, monkeypatch, heads
 ):
     """While the previous batch found no promoted keys, the gate leaves that check to the
     target's unique index. When the index refuses a key at promotion, nothing of that insert
@@ -404,7 +397,7 @@ def test_a_deferred_promoted_key_check_is_run_when_the_unique_index_refuses_a_ke
     assert (
         reasons[1][1].startswith("duplicate business key within batch") and "kept partition 0 offset 4" in reasons[1][1]
     )
-    assert heads(db, env) == [(0, 6)]
+    assert heads(env) == {0: 6}
     summary = quality_summary(env.settings, env.pipeline, second)
     assert "caught and quarantined: business_key_not_already_promoted: 1; business_key_unique_in_batch: 1" in summary
 
@@ -417,7 +410,7 @@ def test_a_deferred_promoted_key_check_is_run_when_the_unique_index_refuses_a_ke
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
 
 
-def test_under_the_fail_policy_a_key_refused_at_promotion_rejects_the_batch(make_pipeline, spark, run_batch, db):
+def test_under_the_fail_policy_a_key_refused_at_promotion_rejects_the_batch(make_pipeline, spark, run_batch, db, heads):
     env = make_pipeline(partitions=1, duplicate_policy="fail")
     events = list(sample_events(4, seed=75))
     produce(env.settings.bootstrap_servers, env.topic, events[:2], key_field=None)
@@ -431,7 +424,7 @@ def test_under_the_fail_policy_a_key_refused_at_promotion_rejects_the_batch(make
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
     assert state == "rejected"
     assert target_ids(db, env) == sorted(e["event_id"] for e in events[:2]) and quarantine(db, env) == []
-    assert heads(db, env) == [(0, 2)]
+    assert heads(env) == {0: 2}
 
 
 def test_without_a_unique_business_key_index_the_check_is_never_deferred(make_pipeline, run_batch, db):
@@ -496,7 +489,9 @@ def test_a_batch_sent_back_by_a_collision_keeps_its_findings_when_the_next_run_v
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
 
 
-def test_a_deferred_batch_whose_offsets_landed_meanwhile_is_rejected_at_promotion(make_pipeline, spark, run_batch, db):
+def test_a_deferred_batch_whose_offsets_landed_meanwhile_is_rejected_at_promotion(
+    make_pipeline, spark, run_batch, db, heads
+):
     """The collision that sends a batch back may be on the target's primary key (a row of the
     same offset written after validation, say by hand): the offsets check runs again with the
     deferred one, and the batch is rejected with the count, instead of colliding again."""
@@ -521,5 +516,5 @@ def test_a_deferred_batch_whose_offsets_landed_meanwhile_is_rejected_at_promotio
     ):
         promote_batch(env.settings, env.pipeline, batch_id)
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
-    assert state == "rejected" and heads(db, env) == [(0, 2)]
+    assert state == "rejected" and heads(env) == {0: 2}
     assert target_ids(db, env) == sorted([e["event_id"] for e in events[:2]] + ["written-by-hand"])

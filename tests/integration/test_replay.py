@@ -68,14 +68,6 @@ def snapshot(db, env) -> tuple[list, list]:
     return rows, quarantined
 
 
-def heads(db, env) -> dict[int, int]:
-    return dict(
-        db.execute(
-            "SELECT kafka_partition, next_offset FROM kafka2pg.ledger_heads WHERE pipeline = %s", (env.pipeline.name,)
-        ).fetchall()
-    )
-
-
 def assert_clean(env) -> None:
     audits = audit_pipeline(env.settings, env.pipeline)
     assert all(a.clean for a in audits), format_audit(env.pipeline, audits)
@@ -116,9 +108,9 @@ def loaded(make_pipeline, run_batch, sample_columns):
     return old, fixed, fresh, first_day, events
 
 
-def test_replay_by_offsets_then_by_time_window_equals_a_fresh_load_with_the_new_logic(loaded, replay, db):
+def test_replay_by_offsets_then_by_time_window_equals_a_fresh_load_with_the_new_logic(loaded, replay, db, heads):
     old, fixed, fresh, first_day, events = loaded
-    before_heads = heads(db, old)
+    before_heads = heads(old)
     v1_rows, v1_quarantine = snapshot(db, old)
     assert len(v1_rows) == len(events) and v1_quarantine == []
     env = fixed()
@@ -133,7 +125,7 @@ def test_replay_by_offsets_then_by_time_window_equals_a_fresh_load_with_the_new_
     assert [r for r in rows if r[0] in (0, 1)] == [r for r in expected_rows if r[0] in (0, 1)]
     assert [r for r in rows if r[0] == 2] == [r for r in v1_rows if r[0] == 2]
     assert [q for q in quarantined if q[0] in (0, 1)] == [q for q in expected_quarantine if q[0] in (0, 1)]
-    assert heads(db, env) == before_heads
+    assert heads(env) == before_heads
     assert_clean(env)
 
     # By time window: day 2 only (all partitions).
@@ -156,7 +148,7 @@ def test_replay_by_offsets_then_by_time_window_equals_a_fresh_load_with_the_new_
     result = replay(env, ReplayRequest("replace", window=everything, requested_by="test"))
     assert result.promoted == len(expected_rows) and result.quarantined == len(expected_quarantine)
     assert snapshot(db, env) == (expected_rows, expected_quarantine)
-    assert heads(db, env) == before_heads
+    assert heads(env) == before_heads
     assert_clean(env)
     recorded = db.execute(
         "SELECT operation, requested_by, target_rows_before, target_rows_after, quarantine_rows_after, window_from"
@@ -169,11 +161,11 @@ def test_replay_by_offsets_then_by_time_window_equals_a_fresh_load_with_the_new_
     assert recorded[1][5] == day2[0]
 
 
-def test_backfill_over_three_dates_twice_gives_an_identical_target(loaded, replay, db):
+def test_backfill_over_three_dates_twice_gives_an_identical_target(loaded, replay, db, heads):
     old, fixed, fresh, first_day, _ = loaded
     env = fixed()
     expected = snapshot(db, fresh())
-    before_heads = heads(db, env)
+    before_heads = heads(env)
     results = []
     for attempt in range(2):
         for day in range(DAYS):
@@ -182,7 +174,7 @@ def test_backfill_over_three_dates_twice_gives_an_identical_target(loaded, repla
             assert request.window == interval
             results.append(replay(env, request))
         assert snapshot(db, env) == expected, f"backfill attempt {attempt + 1}"
-        assert heads(db, env) == before_heads
+        assert heads(env) == before_heads
     assert all(r is not None for r in results)
     assert_clean(env)
     # A date with no events replays nothing and launches no Spark.
@@ -190,7 +182,7 @@ def test_backfill_over_three_dates_twice_gives_an_identical_target(loaded, repla
     assert open_replay(env.settings, env.pipeline, empty).batch is None
 
 
-def test_verify_only_reports_a_planted_difference_and_changes_nothing(loaded, replay, db):
+def test_verify_only_reports_a_planted_difference_and_changes_nothing(loaded, replay, db, heads):
     old, *_ = loaded
     table = sql.Identifier(old.pipeline.target_schema, old.pipeline.target_table)
     db.execute(
@@ -198,14 +190,14 @@ def test_verify_only_reports_a_planted_difference_and_changes_nothing(loaded, re
     )
     db.execute(sql.SQL("DELETE FROM {} WHERE kafka_partition = 2 AND kafka_offset = 5").format(table))
     before = snapshot(db, old)
-    before_heads = heads(db, old)
+    before_heads = heads(old)
     ranges = tuple(OffsetRange(p, 0, h) for p, h in sorted(before_heads.items()))
     result = replay(old, ReplayRequest("verify-only", ranges, requested_by="test"))
     assert result.mode == "verify-only"
     assert {k: v["count"] for k, v in result.differences.items()} == {"changed": 1, "only_in_replay": 1}
     assert result.differences["changed"]["sample"] == ["1:3"]
     assert result.differences["only_in_replay"]["sample"] == ["2:5"]
-    assert snapshot(db, old) == before and heads(db, old) == before_heads
+    assert snapshot(db, old) == before and heads(old) == before_heads
     state, stored = db.execute(
         "SELECT b.state, r.differences FROM kafka2pg.batches b JOIN kafka2pg.replays r USING (batch_id)"
         " WHERE b.batch_id = %s",
@@ -216,11 +208,11 @@ def test_verify_only_reports_a_planted_difference_and_changes_nothing(loaded, re
     assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(staging)).fetchone()[0] == 0
 
 
-def test_replays_beyond_the_head_or_outside_the_loaded_ledger_are_refused(make_pipeline, run_batch, db):
+def test_replays_beyond_the_head_or_outside_the_loaded_ledger_are_refused(make_pipeline, run_batch, db, heads):
     env = make_pipeline(partitions=2)
     produce(env.settings.bootstrap_servers, env.topic, sample_events(40, seed=3))
     run_batch(env)
-    head = heads(db, env)
+    head = heads(env)
     produce(env.settings.bootstrap_servers, env.topic, sample_events(10, seed=4))
     with pytest.raises(ReplayRefusedError, match=f"beyond the live head {head[0]}"):
         open_replay(env.settings, env.pipeline, ReplayRequest("replace", (OffsetRange(0, 0, head[0] + 1),)))
@@ -230,10 +222,12 @@ def test_replays_beyond_the_head_or_outside_the_loaded_ledger_are_refused(make_p
     assert count[0] == 1, "a refused replay records nothing"
 
 
-def test_undo_of_the_newest_batch_rewinds_atomically_and_older_batches_need_a_replay(loaded, run_batch, spark, db):
+def test_undo_of_the_newest_batch_rewinds_atomically_and_older_batches_need_a_replay(
+    loaded, run_batch, spark, db, heads
+):
     old, *_ = loaded
     before = snapshot(db, old)
-    before_heads = heads(db, old)
+    before_heads = heads(old)
     batches = [
         r[0]
         for r in db.execute(
@@ -264,7 +258,7 @@ def test_undo_of_the_newest_batch_rewinds_atomically_and_older_batches_need_a_re
     assert undone.applied
     removed = sum(undone.rows)
     assert removed > 0 and len(snapshot(db, old)[0]) == len(before[0]) - removed
-    rewound = heads(db, old)
+    rewound = heads(old)
     assert all(rewound[r.partition] == r.start for r in undone.ranges)
     assert_clean(old)
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batches[-1],)).fetchone()[0]
@@ -273,7 +267,7 @@ def test_undo_of_the_newest_batch_rewinds_atomically_and_older_batches_need_a_re
         promote_batch(old.settings, old.pipeline, stale.batch_id)
     # The next live run loads the range again: the target is as before.
     load_all(run_batch, old)
-    assert snapshot(db, old) == before and heads(db, old) == before_heads
+    assert snapshot(db, old) == before and heads(old) == before_heads
     assert_clean(old)
     # The stale replay (planned before the reload) still must not overwrite the reloaded rows.
     with pytest.raises(ReplayRefusedError, match="newer than this replay"):
@@ -281,7 +275,7 @@ def test_undo_of_the_newest_batch_rewinds_atomically_and_older_batches_need_a_re
     assert snapshot(db, old) == before
 
 
-def test_range_lock_makes_a_live_promotion_wait_for_a_replay_of_the_same_partition(make_pipeline, spark, db):
+def test_range_lock_makes_a_live_promotion_wait_for_a_replay_of_the_same_partition(make_pipeline, spark, db, heads):
     env = make_pipeline(partitions=1)
     produce(env.settings.bootstrap_servers, env.topic, sample_events(30, seed=5))
     batch = open_batch(env.settings, env.pipeline).batch
@@ -304,10 +298,10 @@ def test_range_lock_makes_a_live_promotion_wait_for_a_replay_of_the_same_partiti
         holder.rollback()
     worker.join(60)
     assert done.is_set()
-    assert heads(db, env) == {0: 30}
+    assert heads(env) == {0: 30}
 
 
-def test_replays_racing_live_batches_never_duplicate_or_lose(make_pipeline, run_batch, replay, db):
+def test_replays_racing_live_batches_never_duplicate_or_lose(make_pipeline, run_batch, replay, db, heads):
     env = make_pipeline(partitions=3, max_records_per_batch=40)
     produced = produce(env.settings.bootstrap_servers, env.topic, sample_events(120, seed=6))
     load_all(run_batch, env)
@@ -332,7 +326,7 @@ def test_replays_racing_live_batches_never_duplicate_or_lose(make_pipeline, run_
         try:
             while not stop.is_set():
                 with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
-                    current = heads(conn, env)
+                    current = heads(env, conn)
                 p = rng.choice(sorted(current))
                 start = rng.randrange(0, current[p])
                 end = current[p]  # up to the head: overlaps the batch just promoted
