@@ -255,7 +255,8 @@ def run_job(
     spark.sparkContext.setLogLevel("WARN")
     archive = package_zip(settings.state_dir / "spark")
     stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm(spark, stop, pipeline.name, batch_id))
+    cancelling: list[threading.Thread] = []
+    previous = signal.signal(signal.SIGTERM, _on_sigterm(spark, stop, pipeline.name, batch_id, cancelling))
     try:
         spark.sparkContext.addPyFile(str(archive))
         return run_batches(
@@ -271,11 +272,18 @@ def run_job(
         )
     finally:
         signal.signal(signal.SIGTERM, previous)
+        # A daemon thread still inside py4j (which logs when the JVM is gone) as the interpreter
+        # exits is ended holding the logging lock; py4j's finalizers then log and the driver
+        # hangs for good (seen in the fault suite: SIGTERM to the process group). Let it finish.
+        for thread in cancelling:
+            thread.join(timeout=30)
         spark.stop()
         archive.unlink(missing_ok=True)
 
 
-def _on_sigterm(spark: SparkSession, stop: threading.Event, pipeline_name: str, batch_id: int):
+def _on_sigterm(
+    spark: SparkSession, stop: threading.Event, pipeline_name: str, batch_id: int, threads: list[threading.Thread]
+):
     """SIGTERM (Airflow killing the task, a node draining): cancel Spark's jobs, then stop.
 
     The handler only flags and starts a thread: the main thread is inside a py4j call, whose
@@ -283,6 +291,7 @@ def _on_sigterm(spark: SparkSession, stop: threading.Event, pipeline_name: str, 
     stage_batch turns the flag into `StageInterrupted` before the batch could become staged.
     Chunks already committed stay; the next attempt replaces them. Between batches the loop
     stops at the flag; a quality gate or promotion under way finishes its transaction first.
+    The cancelling threads are appended to `threads`, for the job to join before it exits.
     """
 
     def cancel() -> None:
@@ -292,6 +301,8 @@ def _on_sigterm(spark: SparkSession, stop: threading.Event, pipeline_name: str, 
     def handler(signum: int, frame: object) -> None:
         log.warning("pipeline=%s batch_id=%s SIGTERM: cancelling Spark jobs", pipeline_name, batch_id)
         stop.set()
-        threading.Thread(target=cancel, name="kafka2pg-cancel", daemon=True).start()
+        thread = threading.Thread(target=cancel, name="kafka2pg-cancel", daemon=True)
+        threads.append(thread)
+        thread.start()
 
     return handler
