@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil  # noqa: E402
-from harness import JDBC_PROPERTIES, bench_pipeline, bench_spark, bench_stack  # noqa: E402
+from harness import JDBC_PROPERTIES, bench_pipeline, bench_spark, bench_stack, spark_sql_decode  # noqa: E402
 from psycopg import sql  # noqa: E402
 
 from kafka2pg.config import Settings  # noqa: E402
@@ -79,8 +79,6 @@ def run_ours(settings: Settings, topic: str, master: str) -> dict:
 def run_peer(settings: Settings, topic: str, work: Path) -> dict:
     from pyspark.sql import functions as F
 
-    from kafka2pg.staging import decode
-
     pipeline = bench_pipeline(_fresh("peer"), topic)
     migrate(settings.database_url, [pipeline])
     # The JVM as a Structured Streaming user starts it (JDK 17 defaults: tiered JIT, G1), not
@@ -115,7 +113,7 @@ def run_peer(settings: Settings, topic: str, work: Path) -> dict:
         .load()
     )
     query = (
-        decode(stream, pipeline)
+        spark_sql_decode(stream, pipeline)
         .writeStream.foreachBatch(write)
         .option("checkpointLocation", str(work / f"{pipeline.name}-checkpoint"))
         .trigger(availableNow=True)

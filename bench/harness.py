@@ -68,3 +68,42 @@ def best_of(rounds: int, action: Callable[[], object]) -> float:
         action()
         times.append(time.monotonic() - started)
     return min(times)
+
+
+def spark_sql_decode(raw, pipeline: Pipeline):
+    """The decode a Structured Streaming user writes: `from_json` into the columns' Spark types,
+    PERMISSIVE, with a quarantine reason for nulls, malformed records and missing required fields
+    (none of kafka2pg's admission rules: what `from_json` accepts, lands)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StringType, StructField, StructType, _parse_datatype_string
+
+    corrupt = "_corrupt_record"
+    schema = StructType(
+        [StructField(c.field, _parse_datatype_string(c.spark_type)) for c in pipeline.columns]
+        + [StructField(corrupt, StringType())]
+    )
+    parsed = raw.select(
+        F.col("topic").alias("kafka_topic"),
+        F.col("partition").alias("kafka_partition"),
+        F.col("offset").alias("kafka_offset"),
+        F.col("timestamp").alias("kafka_timestamp"),
+        F.col("value").isNull().alias("_is_null"),
+        F.from_json(
+            F.col("value").cast("string"), schema, {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": corrupt}
+        ).alias("_parsed"),
+    )
+    record = F.col("_parsed")
+    reason = F.when(F.col("_is_null"), F.lit("null value"))
+    reason = reason.when(record.isNull(), F.lit("not a JSON object"))
+    reason = reason.when(record.getField(corrupt).isNotNull(), F.lit("malformed JSON or a field of the wrong type"))
+    for column in pipeline.columns:
+        if column.required or column.name in pipeline.business_key:
+            reason = reason.when(record.getField(column.field).isNull(), F.lit(f"{column.field} missing"))
+    return parsed.select(
+        "kafka_topic",
+        "kafka_partition",
+        "kafka_offset",
+        "kafka_timestamp",
+        *[record.getField(c.field).alias(c.name) for c in pipeline.columns],
+        reason.alias("quarantine_reason"),
+    )

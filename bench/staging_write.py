@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import JDBC_PROPERTIES, bench_pipeline, bench_spark, bench_stack, best_of  # noqa: E402
+from harness import JDBC_PROPERTIES, bench_pipeline, bench_spark, bench_stack, best_of, spark_sql_decode  # noqa: E402
 from psycopg import sql  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
@@ -23,7 +23,7 @@ from kafka2pg.kafka_offsets import ensure_topic  # noqa: E402
 from kafka2pg.ledger import open_batch  # noqa: E402
 from kafka2pg.migrations import migrate  # noqa: E402
 from kafka2pg.producer import produce_sample  # noqa: E402
-from kafka2pg.staging import decode, kafka_read_options, stage_batch  # noqa: E402
+from kafka2pg.staging import kafka_read_options, stage_batch  # noqa: E402
 
 
 def _reset(settings: Settings, pipeline: Pipeline, batch_id: int) -> None:
@@ -51,7 +51,7 @@ def main() -> int:
 
         def decoded():
             raw = spark.read.format("kafka").options(**kafka_read_options(settings, batch.plan)).load()
-            return decode(raw, pipeline).withColumn("batch_id", F.lit(batch.batch_id))
+            return spark_sql_decode(raw, pipeline).withColumn("batch_id", F.lit(batch.batch_id))
 
         def floor():
             decoded().count()

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from kafka2pg.config import DEFAULT_PIPELINES_FILE, STAGE_JVM_OPTIONS_SEVERAL_BATCHES, class_archive_path
+from kafka2pg.config import STAGE_JVM_OPTIONS_SEVERAL_BATCHES, class_archive_path
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,9 @@ def train(archive: Path) -> None:
     from pyspark import SparkContext
     from pyspark.sql import functions as F
 
-    from kafka2pg.config import get_pipeline
+    from kafka2pg.chunk_writer import KAFKA_COLUMNS
     from kafka2pg.local_stack import spark_jars
-    from kafka2pg.staging import decode, spark_session
+    from kafka2pg.staging import spark_session
 
     options = f"{STAGE_JVM_OPTIONS_SEVERAL_BATCHES} -XX:ArchiveClassesAtExit={archive}"
     spark = spark_session(
@@ -97,9 +97,10 @@ def train(archive: Path) -> None:
         )
         .cast("binary")
         .alias("value"),
+        F.col("id").cast("string").cast("binary").alias("key"),
+        F.array(F.struct(F.lit("h").alias("key"), F.lit("v").cast("binary").alias("value"))).alias("headers"),
     )
-    frame = decode(events, get_pipeline("orders", DEFAULT_PIPELINES_FILE))
-    frame.coalesce(2).mapInArrow(_count_rows, "rows long").collect()
+    events.select(*KAFKA_COLUMNS).coalesce(2).mapInArrow(_count_rows, "rows long").collect()
     gateway = SparkContext._gateway
     spark.stop()
     # The JVM exits (and writes the archive) when its stdin closes; wait for it to finish writing.

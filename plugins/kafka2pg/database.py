@@ -5,7 +5,7 @@ Connection errors are translated into `DatabaseUnavailableError` naming host and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
@@ -52,3 +52,41 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
         ) from exc
     finally:
         conn.close()
+
+
+# SQLSTATEs that mean "this row's data", never "this database": data exceptions (class 22),
+# integrity violations (class 23) and program_limit_exceeded (an index row or a row too big).
+DATA_ERRORS = (psycopg.errors.DataError, psycopg.errors.IntegrityError, psycopg.errors.ProgramLimitExceeded)
+
+
+def isolate_refused(conn: psycopg.Connection, write: Callable[[int, int], None], rows: int) -> dict[int, str]:
+    """`write(start, stop)` rows [0, rows) in the caller's transaction, leaving out those PostgreSQL
+    refuses on data: a write that fails is rolled back to its savepoint and split in halves down
+    to single rows. Returns the refused rows' indexes with the database's reason (`refusal`);
+    any other error propagates. k refused rows cost O(k log rows) writes."""
+    return _bisect(conn, write, 0, rows)
+
+
+def _bisect(conn: psycopg.Connection, write: Callable[[int, int], None], start: int, stop: int) -> dict[int, str]:
+    if start >= stop:
+        return {}
+    try:
+        with conn.transaction():
+            write(start, stop)
+        return {}
+    except DATA_ERRORS as exc:
+        if stop - start == 1:
+            return {start: refusal(exc)}
+    middle = (start + stop) // 2
+    return {**_bisect(conn, write, start, middle), **_bisect(conn, write, middle, stop)}
+
+
+def refusal(exc: psycopg.Error) -> str:
+    """The database's own words for a refused row: SQLSTATE, message, and the column if named."""
+    diag = exc.diag
+    column = diag.column_name
+    context = (diag.context or "").split("\n")[0]
+    if not column and ", column " in context:  # COPY names the column only in its context line
+        column = context.split(", column ", 1)[1].split(":", 1)[0]
+    constraint = f" (constraint {diag.constraint_name})" if diag.constraint_name else ""
+    return f"{diag.sqlstate} {diag.message_primary}" + (f" (column {column})" if column else "") + constraint

@@ -13,7 +13,7 @@ import psycopg
 from psycopg import Connection, sql
 
 from kafka2pg.config import Pipeline, Settings
-from kafka2pg.database import transaction
+from kafka2pg.database import DATA_ERRORS, isolate_refused, transaction
 from kafka2pg.exceptions import BatchStateError, KeyCollisionError, LedgerConflictError
 from kafka2pg.ledger import Batch, load_claimed, lock_partitions, raise_staging_lost, set_state, staging_lost
 from kafka2pg.planner import PartitionPlan
@@ -202,25 +202,90 @@ def _record_ranges(
 
 
 def insert_target(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
+    """Insert the batch's accepted staging rows into the target; rows the target refuses on data
+    (a CHECK or a type the admission rules do not know of) are flagged to quarantine instead,
+    with the database's reason, and the rest land. A unique violation on the business key or
+    the provenance key raises `KeyCollisionError` (the quality gate has to judge it)."""
+    accepted = sql.SQL("batch_id = %s AND quarantine_reason IS NULL")
+    try:
+        with conn.transaction():  # a savepoint: a refused row leaves the promotion's transaction usable
+            return conn.execute(_insert_target_sql(pipeline, accepted), (batch.batch_id,)).rowcount
+    except psycopg.errors.UniqueViolation as exc:
+        if exc.diag.constraint_name in _collision_indexes(conn, pipeline):
+            raise KeyCollisionError(
+                f"pipeline {pipeline.name!r} batch {batch.batch_id}: promotion hit a unique key already in the "
+                f"target ({exc.diag.message_detail}); nothing was promoted. A replay or a manual write loaded it "
+                "after this batch was validated. The batch goes back to 'staged': the next run (trigger one) "
+                "validates it again, and the duplicate check then flags the row."
+            ) from exc
+    except DATA_ERRORS:
+        pass
+    return _insert_isolating(conn, pipeline, batch)
+
+
+def _insert_target_sql(pipeline: Pipeline, where: sql.Composable) -> sql.Composed:
     columns = [sql.Identifier(c.name) for c in pipeline.columns] + [
         sql.Identifier(n) for n in ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "batch_id")
     ]
-    query = sql.SQL(
-        "INSERT INTO {target} ({cols}) SELECT {cols} FROM {staging} WHERE batch_id = %s AND quarantine_reason IS NULL"
-    ).format(
+    return sql.SQL("INSERT INTO {target} ({cols}) SELECT {cols} FROM {staging} WHERE {where}").format(
         target=sql.Identifier(pipeline.target_schema, pipeline.target_table),
         cols=sql.SQL(", ").join(columns),
         staging=sql.Identifier("kafka2pg", pipeline.staging_table),
+        where=where,
     )
-    try:
-        return conn.execute(query, (batch.batch_id,)).rowcount
-    except psycopg.errors.UniqueViolation as exc:
-        raise KeyCollisionError(
-            f"pipeline {pipeline.name!r} batch {batch.batch_id}: promotion hit a unique key already in the "
-            f"target ({exc.diag.message_detail}); nothing was promoted. A replay or a manual write loaded it "
-            "after this batch was validated. The batch goes back to 'staged': the next run (trigger one) "
-            "validates it again, and the duplicate check then flags the row."
-        ) from exc
+
+
+def _collision_indexes(conn: Connection, pipeline: Pipeline) -> set[str]:
+    """Names of the target's primary key and of its unique indexes on exactly the business key."""
+    rows = conn.execute(
+        "SELECT c.relname, i.indisprimary, array(SELECT a.attname::text FROM unnest(i.indkey::int2[]) k(attnum)"
+        " JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum)"
+        " FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass(%s)",
+        (sql.Identifier(pipeline.target_schema, pipeline.target_table).as_string(conn),),
+    ).fetchall()
+    return {name for name, primary, columns in rows if primary or sorted(columns) == sorted(pipeline.business_key)}
+
+
+def _insert_isolating(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
+    """Insert the accepted rows range by range (bisecting in (partition, offset) order) and flag
+    each row the target refuses to quarantine with the database's reason; returns rows inserted."""
+    staging = sql.Identifier("kafka2pg", pipeline.staging_table)
+    keys = conn.execute(
+        sql.SQL(
+            "SELECT kafka_partition, kafka_offset FROM {} WHERE batch_id = %s AND quarantine_reason IS NULL"
+            " ORDER BY 1, 2"
+        ).format(staging),
+        (batch.batch_id,),
+    ).fetchall()
+    in_range = sql.SQL(
+        "batch_id = %s AND quarantine_reason IS NULL"
+        " AND (kafka_partition, kafka_offset) >= (%s, %s) AND (kafka_partition, kafka_offset) <= (%s, %s)"
+    )
+    query = _insert_target_sql(pipeline, in_range)
+
+    def write(start: int, stop: int) -> None:
+        conn.execute(query, (batch.batch_id, *keys[start], *keys[stop - 1]))
+
+    refused = isolate_refused(conn, write, len(keys))
+    with conn.cursor() as cur:
+        cur.executemany(
+            sql.SQL(
+                "UPDATE {} SET quarantine_reason = %s"
+                " WHERE batch_id = %s AND kafka_partition = %s AND kafka_offset = %s"
+            ).format(staging),
+            [
+                (f"PostgreSQL refused the row at promotion: {message}", batch.batch_id, *keys[index])
+                for index, message in refused.items()
+            ],
+        )
+    log.warning(
+        "pipeline=%s batch_id=%s the target refused %s row(s) on data; flagged to quarantine: %s",
+        pipeline.name,
+        batch.batch_id,
+        len(refused),
+        ", ".join(f"p{keys[i][0]}@{keys[i][1]}" for i in sorted(refused)[:10]),
+    )
+    return len(keys) - len(refused)
 
 
 def insert_quarantine(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
@@ -231,9 +296,9 @@ def insert_quarantine(conn: Connection, pipeline: Pipeline, batch: Batch) -> int
     )
     query = sql.SQL(
         "INSERT INTO kafka2pg.quarantine (pipeline, batch_id, kafka_topic, kafka_partition, kafka_offset,"
-        " kafka_timestamp, reason, raw_value, record)"
+        " kafka_timestamp, reason, raw_key, raw_value, raw_headers, record)"
         " SELECT %s, s.batch_id, s.kafka_topic, s.kafka_partition, s.kafka_offset, s.kafka_timestamp,"
-        " s.quarantine_reason, s.raw_value, {record} FROM {staging} s"
+        " s.quarantine_reason, s.raw_key, s.raw_value, s.raw_headers, {record} FROM {staging} s"
         " WHERE s.batch_id = %s AND s.quarantine_reason IS NOT NULL"
     ).format(record=record, staging=sql.Identifier("kafka2pg", pipeline.staging_table))
     return conn.execute(query, (pipeline.name, batch.batch_id)).rowcount

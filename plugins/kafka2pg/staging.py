@@ -17,11 +17,9 @@ from pathlib import Path
 from psycopg import sql
 from py4j.protocol import Py4JError
 from pyspark.errors import PySparkException
-from pyspark.sql import Column as SparkColumn
-from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
-from pyspark.sql.types import StringType, StructField, StructType, _parse_datatype_string
+from pyspark.sql import SparkSession
 
+from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer
 from kafka2pg.config import Pipeline, Settings, stage_jvm_conf
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ConfigError, RetentionLossError, StageInterrupted
@@ -29,9 +27,6 @@ from kafka2pg.ledger import Batch, load_claimed, set_state, staged_counts, stagi
 from kafka2pg.planner import BatchPlan, describe_ranges
 
 log = logging.getLogger(__name__)
-
-CORRUPT = "_corrupt_record"
-STATS_SCHEMA = "kafka_partition int, records long, quarantined long, min_offset long, max_offset long"
 
 
 @dataclass(frozen=True)
@@ -86,50 +81,9 @@ def kafka_read_options(settings: Settings, plan: BatchPlan) -> dict[str, str]:
         # batch); a stable one reuses them, positioned where the previous batch ended, as a streaming
         # query does. Only `assign` is used and nothing is committed, so the group stays empty.
         "kafka.group.id": f"kafka2pg-stage-{plan.pipeline}",
+        # A record that goes to quarantine keeps its headers (as bytes) beside its key and value.
+        "includeHeaders": "true",
     }
-
-
-def decode(raw: DataFrame, pipeline: Pipeline) -> DataFrame:
-    """Kafka rows -> provenance + typed columns + raw value and quarantine reason (or null)."""
-    schema = StructType(
-        [StructField(c.field, _parse_datatype_string(c.spark_type)) for c in pipeline.columns]
-        + [StructField(CORRUPT, StringType())]
-    )
-    parsed = raw.select(
-        F.col("topic").alias("kafka_topic"),
-        F.col("partition").alias("kafka_partition"),
-        F.col("offset").alias("kafka_offset"),
-        F.col("timestamp").alias("kafka_timestamp"),
-        F.col("value").isNull().alias("_is_null"),
-        F.col("value").cast("string").alias("raw_value"),
-    ).withColumn(
-        "_parsed",
-        F.from_json("raw_value", schema, {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT}),
-    )
-    reason = _reason(pipeline)
-    return parsed.select(
-        "kafka_topic",
-        "kafka_partition",
-        "kafka_offset",
-        "kafka_timestamp",
-        *[F.col("_parsed").getField(c.field).alias(c.name) for c in pipeline.columns],
-        F.when(reason.isNotNull(), F.col("raw_value")).alias("raw_value"),
-        reason.alias("quarantine_reason"),
-    )
-
-
-def _reason(pipeline: Pipeline) -> SparkColumn:
-    parsed = F.col("_parsed")
-    reason = F.when(F.col("_is_null"), F.lit("null value (tombstone or empty record)"))
-    reason = reason.when(parsed.isNull(), F.lit("value is not a JSON object"))
-    reason = reason.when(parsed.getField(CORRUPT).isNotNull(), F.lit("malformed JSON or a field of the wrong type"))
-    for column in pipeline.columns:
-        if column.required or column.name in pipeline.business_key:
-            reason = reason.when(
-                parsed.getField(column.field).isNull(),
-                F.lit(f"required field {column.field!r} is missing or null"),
-            )
-    return reason
 
 
 def stage_batch(
@@ -161,8 +115,6 @@ def stage_batch(
         # that are gone; the quality gate reuses stored results of a batch sent back to it.
         conn.execute("DELETE FROM kafka2pg.batch_checks WHERE batch_id = %s", (batch_id,))
     epoch = batch.epoch
-    columns = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp"]
-    columns += [c.name for c in pipeline.columns] + ["raw_value", "quarantine_reason"]
     log.info(
         "pipeline=%s batch_id=%s epoch=%s reading %s offsets: %s",
         pipeline.name,
@@ -171,7 +123,7 @@ def stage_batch(
         batch.plan.record_budget,
         describe_ranges(batch.plan.ranges),
     )
-    rows = _read_and_write(spark, settings, pipeline, batch, columns, stop) if batch.plan.ranges else []
+    rows = _read_and_write(spark, settings, pipeline, batch, stop) if batch.plan.ranges else []
     reads = _merge_stats(rows, batch)
     _raise_if_stopped(stop, pipeline, batch_id)
     with transaction(settings.database_url) as conn:
@@ -199,7 +151,6 @@ def _read_and_write(
     settings: Settings,
     pipeline: Pipeline,
     batch: Batch,
-    columns: list[str],
     stop: threading.Event | None,
 ) -> list:
     try:
@@ -213,9 +164,9 @@ def _read_and_write(
             "setup` resolves them) or the comma-separated list in KAFKA2PG_SPARK_JARS; on a cluster, install "
             "them or set spark.jars.packages in the pipeline's spark_conf. Nothing was staged."
         ) from None
-    writer = _chunk_writer(settings.database_url, pipeline.staging_table, columns, batch.batch_id, batch.epoch)
+    writer = chunk_writer(settings.database_url, pipeline, batch.batch_id, batch.epoch)
     try:
-        frame = decode(raw, pipeline).select(*columns)
+        frame = raw.select(*KAFKA_COLUMNS)
         context = spark.sparkContext
         if context.master.startswith("local"):
             # One chunk (Spark task, COPY, PostgreSQL connection) per task slot, not per Kafka
@@ -297,94 +248,6 @@ def _merge_stats(rows: list, batch: Batch) -> tuple[PartitionRead, ...]:
             )
         reads.append(PartitionRead(partition, records, quarantined, low, high))
     return tuple(reads)
-
-
-def _chunk_writer(database_url: str, staging_table: str, columns: list[str], batch_id: int, epoch: int):
-    """A mapInArrow function: COPY one Spark partition into staging, yield its read stats.
-
-    Each chunk is one transaction that checks the run's claim (batch still `planned`, same
-    epoch; FOR SHARE so a newer claim or the `staged` transition waits for it) and replaces
-    the chunk's earlier rows under a per-chunk lock, so twin attempts cannot double it.
-    """
-
-    def write(batches):
-        import io
-
-        import psycopg
-        import pyarrow as pa
-        from psycopg import sql
-        from pyarrow import csv
-        from pyspark import TaskContext
-
-        chunk = TaskContext.get().partitionId()
-        table = sql.Identifier("kafka2pg", staging_table)
-        # CSV straight from Arrow (C++): quoted strings, NULL as an unquoted empty field, which is
-        # exactly PostgreSQL's CSV COPY (an empty string stays "", a null stays NULL).
-        copy_sql = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
-            table, sql.SQL(", ").join(map(sql.Identifier, ["batch_id", "chunk", *columns]))
-        )
-        no_header = csv.WriteOptions(include_header=False)
-        stats: dict[int, list] = {}
-        with psycopg.connect(database_url) as conn:
-            claim = conn.execute(
-                "SELECT state, epoch FROM kafka2pg.batches WHERE batch_id = %s FOR SHARE", (batch_id,)
-            ).fetchone()
-            if claim is None or tuple(claim) != ("planned", epoch):
-                raise BatchStateError(
-                    f"batch {batch_id} is {claim and claim[0]} at epoch {claim and claim[1]}; this attempt "
-                    f"(epoch {epoch}) must not write its staging rows"
-                )
-            conn.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"kafka2pg.stage:{batch_id}:{chunk}",)
-            )
-            conn.execute(sql.SQL("DELETE FROM {} WHERE batch_id = %s AND chunk = %s").format(table), (batch_id, chunk))
-            with conn.cursor() as cur, cur.copy(copy_sql) as copy:
-                for record_batch in batches:
-                    rows = record_batch.num_rows
-                    if not rows:
-                        continue
-                    framed = pa.Table.from_arrays(
-                        [
-                            pa.repeat(pa.scalar(batch_id, pa.int64()), rows),
-                            pa.repeat(pa.scalar(chunk, pa.int32()), rows),
-                        ]
-                        + list(record_batch.columns),
-                        names=["batch_id", "chunk", *columns],
-                    )
-                    buffer = io.BytesIO()
-                    csv.write_csv(framed, buffer, no_header)
-                    copy.write(buffer.getbuffer())
-                    _accumulate(stats, framed)
-        yield pa.RecordBatch.from_pylist(
-            [
-                {"kafka_partition": p, "records": a[0], "quarantined": a[1], "min_offset": a[2], "max_offset": a[3]}
-                for p, a in stats.items()
-            ],
-            schema=pa.schema(
-                [
-                    ("kafka_partition", pa.int32()),
-                    ("records", pa.int64()),
-                    ("quarantined", pa.int64()),
-                    ("min_offset", pa.int64()),
-                    ("max_offset", pa.int64()),
-                ]
-            ),
-        )
-
-    return write
-
-
-def _accumulate(stats: dict[int, list], framed) -> None:
-    """Per Kafka partition: records, quarantined (non-null reason), min and max offset, summed over chunks."""
-    grouped = framed.group_by("kafka_partition").aggregate(
-        [("kafka_offset", "count"), ("quarantine_reason", "count"), ("kafka_offset", "min"), ("kafka_offset", "max")]
-    )
-    for row in grouped.to_pylist():
-        acc = stats.setdefault(row["kafka_partition"], [0, 0, row["kafka_offset_min"], row["kafka_offset_max"]])
-        acc[0] += row["kafka_offset_count"]
-        acc[1] += row["quarantine_reason_count"]
-        acc[2] = min(acc[2], row["kafka_offset_min"])
-        acc[3] = max(acc[3], row["kafka_offset_max"])
 
 
 def package_zip(state_dir: Path) -> Path:

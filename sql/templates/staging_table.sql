@@ -9,7 +9,9 @@ CREATE UNLOGGED TABLE IF NOT EXISTS {table} (
     kafka_offset      bigint  NOT NULL,
     kafka_timestamp   timestamptz,
     {columns},
-    raw_value         text,
+    raw_key           bytea,  -- raw_*: only for a record admission refused (kafka2pg.admission)
+    raw_value         bytea,
+    raw_headers       bytea[],
     quarantine_reason text
 );
 CREATE INDEX IF NOT EXISTS {index} ON {table} (batch_id, chunk);

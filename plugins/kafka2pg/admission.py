@@ -1,0 +1,620 @@
+"""Record admission: one Kafka record's value bytes -> the row's typed values, or the reason it
+goes to quarantine. Pure rules, per column type, for everything PostgreSQL would refuse or alter.
+
+Decided before any write (the stage step runs it inside each Spark task), so no record, whatever
+its bytes, reaches PostgreSQL in a form the database refuses or silently changes. The rules are
+listed, per column type, in the README ("What lands and what goes to quarantine").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta, timezone
+from decimal import Decimal, InvalidOperation
+from typing import Annotated, Any, NamedTuple
+
+import msgspec
+
+# A btree index entry holds at most 2704 bytes (a third of an 8 kB page); a business key over
+# that makes promotion fail ("index row requires N bytes").
+KEY_INDEX_LIMIT = 2704
+# Per-column overhead counted on top of the key's bytes: a varlena header and alignment padding,
+# plus the index tuple's own header. Conservative, so a key admitted here always fits.
+_KEY_COLUMN_OVERHEAD = 8
+_KEY_TUPLE_OVERHEAD = 16
+_SHORT_KEY_CHARS = KEY_INDEX_LIMIT - _KEY_COLUMN_OVERHEAD - _KEY_TUPLE_OVERHEAD
+
+INT_RANGES = {"bigint": (-(2**63), 2**63 - 1), "integer": (-(2**31), 2**31 - 1)}
+# Years every client reads back (Python's datetime, Spark, JDBC): PostgreSQL's own range is wider,
+# but a value outside 1-9999 would land and then fail whoever reads it.
+MIN_YEAR, MAX_YEAR = 1, 9999
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+EPOCH_UNITS = {"seconds": 1_000_000, "milliseconds": 1_000, "microseconds": 1}
+
+_SHOWN = 40  # characters of an offending value quoted in a reason
+
+_TIMESTAMP = re.compile(
+    r"(?P<year>[+-]?\d+)-(?P<month>\d{2})-(?P<day>\d{2})"
+    r"(?:[Tt ](?P<hour>\d{2}):(?P<minute>\d{2})(?::(?P<second>\d{2})(?:[.,](?P<fraction>\d+))?)?)?"
+    r"(?P<zone>Z|z|[+-]\d{2}(?::?\d{2})?)?",
+    re.ASCII,
+)
+_DATE = re.compile(r"(?P<year>[+-]?\d+)-(?P<month>\d{2})-(?P<day>\d{2})", re.ASCII)
+_INTEGER_TOKEN = re.compile(rb"-?(?:0|[1-9][0-9]*)")
+
+
+class Refused(ValueError):
+    """A record (or one field of it) that must go to quarantine; the message is the reason."""
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """How one target column is filled from one top-level field of the JSON value."""
+
+    name: str
+    field: str
+    type: str
+    required: bool = False
+    epoch: str | None = None  # timestamptz: how a JSON number is read; None refuses numbers
+
+    @property
+    def kind(self) -> str:
+        return "numeric" if self.type.startswith("numeric") else self.type
+
+    @property
+    def precision_scale(self) -> tuple[int, int]:
+        precision, scale = re.findall(r"\d+", self.type, re.ASCII)
+        return int(precision), int(scale)
+
+
+class Admitted(NamedTuple):
+    """The outcome for one record: `values` (one per rule, in order) or a quarantine `reason`."""
+
+    values: tuple | None
+    reason: str | None = None
+
+
+class RecordDecoder:
+    """Decodes record values for one pipeline's columns; build once, call per record.
+
+    Two paths, one rule set: `decode_strictly` is the definition (every rule in plain Python,
+    field by field, naming the first field that breaks one); `decode` first tries a fast path
+    (one typed msgspec parse in C, then the checks C does not make) and falls back to the strict
+    path whenever the fast one has any doubt, so both always give the same outcome (a property
+    test holds them to it).
+    """
+
+    def __init__(self, rules: Sequence[FieldRule], business_key: Sequence[str] = ()) -> None:
+        self.rules = tuple(rules)
+        self._converters = tuple(_converter(rule) for rule in self.rules)
+        names = [r.name for r in self.rules]
+        self._key_positions = tuple(names.index(k) for k in business_key)
+        self._decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
+        self._fast_decoder = msgspec.json.Decoder(_fast_struct(self.rules))
+        # Only the fields the fast path still has to look at: checks, required, raw tokens.
+        self._fast_plan = tuple(
+            (position, rule.required, _fast_check(rule))
+            for position, rule in enumerate(self.rules)
+            if rule.required or _fast_check(rule) is not None
+        )
+
+    def decode(self, value: bytes | None) -> Admitted:
+        """The row's values, or the reason the record is quarantined. Never raises on data."""
+        values = self._fast(value)
+        if values is not None:
+            return Admitted(values)
+        return self.decode_strictly(value)
+
+    def decode_strictly(self, value: bytes | None) -> Admitted:
+        """`decode` without the fast path: the rules, field by field."""
+        try:
+            return Admitted(self._values(value))
+        except Refused as refused:
+            return Admitted(None, str(refused))
+
+    def _fast(self, value: bytes | None) -> tuple | None:
+        """The values when every rule surely holds, else None (the strict path decides)."""
+        if not value or b"\\u0000" in value:  # the only way a JSON string holds NUL
+            return None
+        try:
+            value.decode("utf-8")  # msgspec leaves strings it skips or keeps raw unchecked
+            parsed = msgspec.structs.astuple(self._fast_decoder.decode(value))
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            return None
+        values = list(parsed)
+        try:
+            for position, required, check in self._fast_plan:
+                item = values[position]
+                if item is not None and item is not _ABSENT and check is not None:
+                    item = check(item)
+                    if item is _DOUBT:
+                        return None
+                if item is None or item is _ABSENT:
+                    if required:
+                        return None
+                    item = None
+                values[position] = item
+            self._check_key_size(values)
+        except (Refused, ValueError, OverflowError, msgspec.DecodeError):
+            return None
+        return tuple(values)
+
+    def _values(self, value: bytes | None) -> tuple:
+        if value is None:
+            raise Refused("value is null (a tombstone)")
+        if not value:
+            raise Refused("value is empty (0 bytes)")
+        _check_utf8(value, "value")
+        try:
+            fields = self._decoder.decode(value)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise Refused(_malformed(value, exc)) from None
+        values = []
+        for rule, convert in zip(self.rules, self._converters, strict=True):
+            token = fields.get(rule.field)
+            raw = None if token is None else bytes(token)
+            if raw is None or raw == b"null":
+                if rule.required:
+                    raise Refused(f"field {rule.field!r}: required but {'missing' if raw is None else 'null'}")
+                values.append(None)
+                continue
+            try:
+                values.append(convert(raw))
+            except Refused as refused:
+                raise Refused(f"field {rule.field!r}: {refused}") from None
+        self._check_key_size(values)
+        return tuple(values)
+
+    def _check_key_size(self, values: list) -> None:
+        if not self._key_positions:
+            return
+        # A character is at most 4 bytes in UTF-8: most keys are settled without encoding them.
+        if len(self._key_positions) == 1:
+            key = values[self._key_positions[0]]
+            if not isinstance(key, str) or 4 * len(key) <= _SHORT_KEY_CHARS:
+                return
+        size = _KEY_TUPLE_OVERHEAD
+        for position in self._key_positions:
+            size += _datum_size(values[position]) + _KEY_COLUMN_OVERHEAD
+        if size > KEY_INDEX_LIMIT:
+            raise Refused(f"business key is {size} bytes, over the {KEY_INDEX_LIMIT}-byte index limit")
+
+
+# ---------------------------------------------------------------- the fast path
+
+_DOUBT = object()
+_ABSENT = msgspec.Raw(b"")
+
+
+def _fast_struct(rules: Sequence[FieldRule]) -> type:
+    """A msgspec Struct reading every rule's field with the strictest type msgspec checks in C;
+    kinds whose rules need the token's text (numbers, jsonb, epoch timestamps) stay raw."""
+    fields = []
+    for index, rule in enumerate(rules):
+        kind = rule.kind
+        if kind == "text":
+            spec: Any = str | None
+        elif kind in INT_RANGES:
+            low, high = INT_RANGES[kind]
+            spec = Annotated[int, msgspec.Meta(ge=low, le=high)] | None
+        elif kind == "boolean":
+            spec = bool | None
+        elif kind == "date":
+            spec = date | None
+        else:
+            fields.append((f"f{index}", msgspec.Raw, _ABSENT))
+            continue
+        fields.append((f"f{index}", spec, None))
+    rename = {f"f{index}": rule.field for index, rule in enumerate(rules)}
+    return msgspec.defstruct("FastRecord", fields, rename=rename)
+
+
+def _fast_check(rule: FieldRule):
+    """What the fast path still checks of a value msgspec parsed (or converts, for raw tokens):
+    a function returning the value, None (JSON null) or `_DOUBT`; None when nothing is left."""
+    kind = rule.kind
+    if kind == "timestamptz" and rule.epoch is None:
+        return _fast_timestamp
+    if kind == "jsonb":
+        return _fast_jsonb
+    if kind == "numeric":
+        plain = _plain_decimal(*rule.precision_scale)
+        convert = _converter(rule)
+
+        def numeric(raw: msgspec.Raw) -> str | None:
+            token = bytes(raw)
+            if token == b"null":
+                return None
+            return token.decode() if plain.fullmatch(token) else convert(token)
+
+        return numeric
+    if kind in ("double precision", "timestamptz"):
+        convert = _converter(rule)
+
+        def raw_token(raw: msgspec.Raw) -> Any:
+            token = bytes(raw)
+            return None if token == b"null" else convert(token)
+
+        return raw_token
+    return None
+
+
+_TIMESTAMP_TYPE = msgspec.json.Decoder(datetime)
+
+
+def _fast_timestamp(raw: msgspec.Raw) -> datetime | None | object:
+    """msgspec's RFC 3339 parser, which rounds sub-microsecond digits: a 7th digit after the
+    point is left to the strict path (which refuses it)."""
+    token = bytes(raw)
+    if token == b"null":
+        return None
+    dot = token.find(b".")
+    if dot > 0 and token[dot + 7 : dot + 8].isdigit():
+        return _DOUBT
+    value = _TIMESTAMP_TYPE.decode(token)
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)  # OverflowError beyond year 1-9999: the strict path refuses it
+
+
+def _fast_jsonb(raw: msgspec.Raw) -> str | None:
+    """`_to_jsonb` for a value the fast path already searched for NUL escapes."""
+    token = bytes(raw)
+    if token == b"null":
+        return None
+    if _BIG_EXPONENT.search(token) or (len(token) >= _LONG_DIGITS_RUN and _LONG_DIGITS.search(token)):
+        _check_json_numbers(token)
+    return token.decode("utf-8")
+
+
+def rules_for(pipeline: Any) -> tuple[FieldRule, ...]:
+    """The admission rules of a pipeline's columns (a `kafka2pg.config.Pipeline`)."""
+    return tuple(
+        FieldRule(c.name, c.field, c.type, c.required or c.name in pipeline.business_key, getattr(c, "epoch", None))
+        for c in pipeline.columns
+    )
+
+
+def decoder_for(pipeline: Any) -> RecordDecoder:
+    return RecordDecoder(rules_for(pipeline), pipeline.business_key)
+
+
+# ---------------------------------------------------------------- whole-value checks
+
+
+def _check_utf8(data: bytes, what: str) -> None:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise Refused(
+            f"{what} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at position {exc.start}: {exc.reason})"
+        ) from None
+
+
+def _malformed(value: bytes, error: Exception) -> str:
+    """Why msgspec refused a (valid UTF-8) value, named as precisely as the standard parser can."""
+    if isinstance(error, RecursionError):
+        return "value is JSON nested too deeply to store"
+    text = value.decode("utf-8")
+    try:
+        document = json.loads(text, parse_constant=_no_constant, object_pairs_hook=dict)
+    except json.JSONDecodeError as exc:
+        return f"value is not valid JSON ({exc.msg} at character {exc.pos}: {_show(text[exc.pos : exc.pos + 20])})"
+    except Refused as refused:
+        return f"value is not valid JSON ({refused})"
+    except RecursionError:
+        return "value is JSON nested too deeply to store"
+    if not isinstance(document, dict):
+        return f"value is a JSON {_json_kind(document)}, not an object"
+    for name, item in document.items():
+        problem = _text_problem(name) or _deep_text_problem(item)
+        if problem:
+            return f"field {_show(name)}: {problem}"
+    return f"value is not valid JSON ({error})"
+
+
+def _no_constant(name: str) -> None:
+    raise Refused(f"{name} is not a JSON number")
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    if value is None:
+        return "null"
+    return "number"
+
+
+def _deep_text_problem(value: Any) -> str | None:
+    """The first string (or object key) inside a JSON value PostgreSQL cannot store, described."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            problem = _text_problem(item)
+            if problem:
+                return problem
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
+def _text_problem(text: str) -> str | None:
+    if "\x00" in text:
+        return "contains NUL (U+0000), not storable in text or jsonb"
+    for char in text:
+        if "\ud800" <= char <= "\udfff":
+            return f"contains a lone surrogate U+{ord(char):04X} (not valid Unicode)"
+    return None
+
+
+def _show(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return repr(text if len(text) <= _SHOWN else text[:_SHOWN] + "…")
+
+
+# ---------------------------------------------------------------- per-type converters
+
+
+def _converter(rule: FieldRule):
+    kind = rule.kind
+    if kind == "text":
+        return _to_text
+    if kind in INT_RANGES:
+        low, high = INT_RANGES[kind]
+        return lambda raw: _to_int(raw, kind, low, high)
+    if kind == "double precision":
+        return _to_double
+    if kind == "boolean":
+        return _to_bool
+    if kind == "numeric":
+        precision, scale = rule.precision_scale
+        return lambda raw: _to_numeric(raw, precision, scale)
+    if kind == "timestamptz":
+        return lambda raw: _to_timestamp(raw, rule.epoch)
+    if kind == "date":
+        return _to_date
+    if kind == "jsonb":
+        return _to_jsonb
+    raise ValueError(f"no admission rule for column type {rule.type!r}")
+
+
+def _describe_token(raw: bytes) -> str:
+    first = raw[:1]
+    kind = {b'"': "a string", b"{": "an object", b"[": "an array", b"t": "a boolean", b"f": "a boolean"}.get(
+        first, "a number"
+    )
+    return f"{kind} ({_show(raw.decode('utf-8'))})"
+
+
+def _string(raw: bytes, expected: str) -> str:
+    if raw[:1] != b'"':
+        raise Refused(f"expected {expected}, got {_describe_token(raw)}")
+    text = msgspec.json.decode(raw, type=str)
+    if "\x00" in text:
+        raise Refused("contains NUL (U+0000), not storable in text")
+    return text
+
+
+def _to_text(raw: bytes) -> str:
+    return _string(raw, "a JSON string")
+
+
+def _number(raw: bytes, expected: str) -> Decimal:
+    if raw[:1] not in b"-0123456789" or not raw:
+        raise Refused(f"expected {expected}, got {_describe_token(raw)}")
+    return Decimal(raw.decode("ascii"))
+
+
+def _to_int(raw: bytes, kind: str, low: int, high: int) -> int:
+    if _INTEGER_TOKEN.fullmatch(raw) and len(raw) <= 20:
+        value = int(raw)
+    else:
+        number = _number(raw, f"a JSON integer for {kind}")
+        if number != number.to_integral_value():
+            raise Refused(f"{_show(raw.decode())} is not a whole number, {kind} would round it")
+        if not low <= number <= high:  # compared as decimals: never expand a huge exponent
+            raise Refused(f"{_show(raw.decode())} is out of range for {kind} [{low}, {high}]")
+        value = int(number)
+    if not low <= value <= high:
+        raise Refused(f"{_show(raw.decode())} is out of range for {kind} [{low}, {high}]")
+    return value
+
+
+def _to_double(raw: bytes) -> float:
+    if raw[:1] not in b"-0123456789" or not raw:
+        raise Refused(f"expected a JSON number for double precision, got {_describe_token(raw)}")
+    value = float(raw)
+    if math.isinf(value):
+        raise Refused(f"{_show(raw.decode())} is out of range for double precision")
+    if value == 0 and re.split(rb"[eE]", raw)[0].strip(b"-0."):
+        raise Refused(f"{_show(raw.decode())} underflows double precision (it would become 0)")
+    return value
+
+
+def _to_bool(raw: bytes) -> bool:
+    if raw == b"true":
+        return True
+    if raw == b"false":
+        return False
+    raise Refused(f"expected true or false, got {_describe_token(raw)}")
+
+
+def _to_numeric(raw: bytes, precision: int, scale: int) -> str:
+    """The number's decimal text (PostgreSQL parses it exactly) when numeric(p,s) holds it unchanged."""
+    number = _number(raw, f"a JSON number for numeric({precision},{scale})")
+    _sign, digits, exponent = number.as_tuple()
+    if not any(digits):
+        return format(number, "f")
+    digits = list(digits)
+    while exponent < 0 and digits[-1] == 0:  # trailing fractional zeros change nothing
+        digits.pop()
+        exponent += 1
+    if exponent < -scale:
+        raise Refused(
+            f"{_show(raw.decode())} has {-exponent} digits after the point; numeric({precision},{scale}) keeps "
+            f"{scale} and would round it"
+        )
+    integer_digits = max(0, len(digits) + exponent)
+    if integer_digits > precision - scale:
+        raise Refused(
+            f"{_show(raw.decode())} has {integer_digits} digits before the point; numeric({precision},{scale}) "
+            f"allows {precision - scale}"
+        )
+    return format(number, "f")
+
+
+def _plain_decimal(precision: int, scale: int) -> re.Pattern:
+    """Plain decimal tokens numeric(p,s) surely holds: no exponent, at most p-s and s digits."""
+    integer = "0" if precision == scale else f"(?:0|[1-9][0-9]{{0,{precision - scale - 1}}})"
+    fraction = f"(?:\\.[0-9]{{1,{scale}}})?" if scale else ""
+    return re.compile(f"-?{integer}{fraction}".encode())
+
+
+def _to_timestamp(raw: bytes, epoch: str | None) -> datetime:
+    if raw[:1] == b'"':
+        return parse_timestamp(_string(raw, "an ISO-8601 timestamp string"))
+    if raw[:1] in b"-0123456789" and raw:
+        if epoch is None:
+            raise Refused(
+                f"a number ({_show(raw.decode())}) for a timestamp: set the column's `epoch` (seconds, "
+                "milliseconds or microseconds) to read numbers"
+            )
+        return _from_epoch(_number(raw, "a number"), epoch, raw)
+    raise Refused(f"expected an ISO-8601 timestamp string, got {_describe_token(raw)}")
+
+
+def parse_timestamp(text: str) -> datetime:
+    """An ISO-8601 / RFC 3339 timestamp -> an aware datetime in UTC; no offset means UTC."""
+    match = _TIMESTAMP.fullmatch(text)
+    if match is None:
+        raise Refused(f"{_show(text)} is not an ISO-8601 timestamp (e.g. 2025-11-25T10:00:00.123456Z)")
+    year = _year(match["year"], text)
+    fraction = match["fraction"] or ""
+    if fraction[6:].strip("0"):
+        raise Refused(f"{_show(text)} has sub-microsecond digits; timestamptz keeps microseconds")
+    try:
+        local = datetime(
+            year,
+            int(match["month"]),
+            int(match["day"]),
+            int(match["hour"] or 0),
+            int(match["minute"] or 0),
+            int(match["second"] or 0),
+            int(fraction[:6].ljust(6, "0")),
+            tzinfo=_zone(match["zone"], text),
+        )
+        value = local.astimezone(UTC)
+    except (ValueError, OverflowError) as exc:
+        raise Refused(f"{_show(text)} is not a valid timestamp ({exc})") from None
+    if not MIN_YEAR <= value.year <= MAX_YEAR:
+        raise Refused(f"{_show(text)} is out of range for timestamptz (year {value.year} in UTC)")
+    return value
+
+
+def _year(digits: str, text: str) -> int:
+    year = int(digits)
+    if len(digits) != 4 or not MIN_YEAR <= year <= MAX_YEAR:
+        raise Refused(
+            f"timestamp out of range for timestamptz (year {year}; kafka2pg accepts {MIN_YEAR}-{MAX_YEAR}): "
+            f"{_show(text)}"
+        )
+    return year
+
+
+def _zone(zone: str | None, text: str) -> timezone:
+    if zone is None or zone in "Zz":
+        return UTC
+    sign = -1 if zone[0] == "-" else 1
+    digits = zone[1:].replace(":", "")
+    hours, minutes = int(digits[:2]), int(digits[2:] or 0)
+    if hours > 23 or minutes > 59:
+        raise Refused(f"{_show(text)} has an impossible UTC offset {zone}")
+    return timezone(sign * timedelta(hours=hours, minutes=minutes))
+
+
+def _from_epoch(number: Decimal, unit: str, raw: bytes) -> datetime:
+    micros = number * EPOCH_UNITS[unit]
+    if micros != micros.to_integral_value():
+        raise Refused(f"{_show(raw.decode())} {unit} has sub-microsecond digits; timestamptz keeps microseconds")
+    low = (datetime(MIN_YEAR, 1, 1, tzinfo=UTC) - EPOCH) // timedelta(microseconds=1)
+    high = (datetime(MAX_YEAR, 12, 31, 23, 59, 59, 999999, tzinfo=UTC) - EPOCH) // timedelta(microseconds=1)
+    if not low <= micros <= high:
+        raise Refused(
+            f"{_show(raw.decode())} {unit} since 1970 is out of range for timestamptz (years {MIN_YEAR}-{MAX_YEAR})"
+        )
+    return EPOCH + timedelta(microseconds=int(micros))
+
+
+def _to_date(raw: bytes) -> date:
+    text = _string(raw, "an ISO-8601 date string (YYYY-MM-DD)")
+    match = _DATE.fullmatch(text)
+    if match is None:
+        raise Refused(f"{_show(text)} is not an ISO-8601 date (YYYY-MM-DD)")
+    year = int(match["year"])
+    if len(match["year"]) != 4 or not MIN_YEAR <= year <= MAX_YEAR:
+        raise Refused(f"date out of range (year {year}; kafka2pg accepts {MIN_YEAR}-{MAX_YEAR}): {_show(text)}")
+    try:
+        return date(year, int(match["month"]), int(match["day"]))
+    except ValueError as exc:
+        raise Refused(f"{_show(text)} is not a valid date ({exc})") from None
+
+
+def _to_jsonb(raw: bytes) -> str:
+    """The field's JSON text exactly as written (PostgreSQL normalises it as jsonb does): a string
+    stays a JSON string. Refused: NUL in a string or key, numbers PostgreSQL's numeric cannot hold."""
+    if b"\\u0000" in raw:
+        problem = _deep_text_problem(msgspec.json.decode(raw))
+        if problem:
+            raise Refused(problem.replace("text or jsonb", "jsonb"))
+    if _BIG_EXPONENT.search(raw) or (len(raw) >= _LONG_DIGITS_RUN and _LONG_DIGITS.search(raw)):
+        _check_json_numbers(raw)
+    return raw.decode("utf-8")
+
+
+# PostgreSQL's numeric (jsonb's numbers) holds up to 131072 digits before the point and 16383
+# after it. A number beyond that has an exponent of 5 digits or more, or a run of 6000 digits
+# (with a 4-digit exponent and fewer digits it is within both): the searches find every such
+# number (and a few strings that look like one), the parse decides.
+_NUMERIC_INTEGER_DIGITS = 131_072
+_NUMERIC_FRACTION_DIGITS = 16_383
+_BIG_EXPONENT = re.compile(rb"[eE][-+]?[0-9]{5}")
+_LONG_DIGITS_RUN = 6000
+_LONG_DIGITS = re.compile(rb"[0-9]{%d}" % _LONG_DIGITS_RUN)
+
+
+def _check_json_numbers(raw: bytes) -> None:
+    """Every number inside a jsonb value, checked against numeric's range."""
+    try:
+        json.loads(raw, parse_float=_checked_decimal, parse_int=_checked_decimal)
+    except (InvalidOperation, ValueError) as exc:
+        raise Refused(str(exc)) from None
+
+
+def _checked_decimal(token: str) -> Decimal:
+    number = Decimal(token)
+    _sign, digits, exponent = number.as_tuple()
+    if any(digits) and (len(digits) + exponent > _NUMERIC_INTEGER_DIGITS or -exponent > _NUMERIC_FRACTION_DIGITS):
+        raise ValueError(f"number {_show(token)} is out of range for jsonb (PostgreSQL numeric)")
+    return number
+
+
+def _datum_size(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.encode("utf-8"))
+    if isinstance(value, Decimal):
+        return len(str(value))
+    return 8

@@ -1,0 +1,185 @@
+"""The Spark task's side of staging: admit each Kafka record (kafka2pg.admission) and COPY the
+task's chunk into the staging table, isolating any row PostgreSQL still refuses.
+
+Runs inside Spark's Python workers (`mapInArrow`), so it imports only what an executor has.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator, Sequence
+
+import psycopg
+import pyarrow as pa
+from psycopg import sql
+from pyarrow import csv
+
+from kafka2pg.admission import Admitted, RecordDecoder, decoder_for
+from kafka2pg.config import Pipeline
+from kafka2pg.database import isolate_refused
+from kafka2pg.exceptions import BatchStateError
+
+# What the stage job reads from Spark's Kafka source, in this order.
+KAFKA_COLUMNS = ("topic", "partition", "offset", "timestamp", "key", "value", "headers")
+PROVENANCE = ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp")
+RAW = ("raw_key", "raw_value", "raw_headers")
+STATS_SCHEMA = "kafka_partition int, records long, quarantined long, min_offset long, max_offset long"
+
+_ARROW_TYPES = {
+    "text": pa.string(),
+    "bigint": pa.int64(),
+    "integer": pa.int32(),
+    "double precision": pa.float64(),
+    "boolean": pa.bool_(),
+    "timestamptz": pa.timestamp("us", tz="UTC"),
+    "date": pa.date32(),
+    "jsonb": pa.string(),
+    "numeric": pa.string(),  # the decimal's exact text: PostgreSQL parses it
+}
+
+
+def staging_columns(pipeline: Pipeline) -> list[str]:
+    """The staging table's columns a chunk writes, after (batch_id, chunk), in COPY order."""
+    return [*PROVENANCE, *(c.name for c in pipeline.columns), *RAW, "quarantine_reason"]
+
+
+def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: int):
+    """A mapInArrow function: admit and COPY one Spark partition into staging, yield its read stats.
+
+    Each chunk is one transaction that checks the run's claim (batch still `planned`, same
+    epoch; FOR SHARE so a newer claim or the `staged` transition waits for it) and replaces
+    the chunk's earlier rows under a per-chunk lock, so twin attempts cannot double it.
+    """
+
+    def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        chunk = TaskContext.get().partitionId()
+        decoder = decoder_for(pipeline)
+        table = sql.Identifier("kafka2pg", pipeline.staging_table)
+        copy_sql = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
+            table, sql.SQL(", ").join(map(sql.Identifier, ["batch_id", "chunk", *staging_columns(pipeline)]))
+        )
+        stats: dict[int, list] = {}
+        with psycopg.connect(database_url, client_encoding="UTF8") as conn:
+            claim = conn.execute(
+                "SELECT state, epoch FROM kafka2pg.batches WHERE batch_id = %s FOR SHARE", (batch_id,)
+            ).fetchone()
+            if claim is None or tuple(claim) != ("planned", epoch):
+                raise BatchStateError(
+                    f"batch {batch_id} is {claim and claim[0]} at epoch {claim and claim[1]}; this attempt "
+                    f"(epoch {epoch}) must not write its staging rows"
+                )
+            conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"kafka2pg.stage:{batch_id}:{chunk}",)
+            )
+            conn.execute(sql.SQL("DELETE FROM {} WHERE batch_id = %s AND chunk = %s").format(table), (batch_id, chunk))
+            for record_batch in batches:
+                if not record_batch.num_rows:
+                    continue
+                outcomes = [decoder.decode(v) for v in record_batch.column("value").to_pylist()]
+                framed = frame(record_batch, outcomes, decoder, batch_id, chunk)
+                refused = copy_isolating(conn, copy_sql, framed)
+                if refused:
+                    for index, message in refused.items():
+                        outcomes[index] = Admitted(None, f"PostgreSQL refused the row in staging: {message}")
+                    framed = frame(record_batch, outcomes, decoder, batch_id, chunk)
+                    # Now NULLs, raw bytes as bytea and a reason: nothing left to refuse.
+                    _copy(conn, copy_sql, framed.take(sorted(refused)))
+                _accumulate(stats, framed)
+        yield pa.RecordBatch.from_pylist(
+            [
+                {"kafka_partition": p, "records": a[0], "quarantined": a[1], "min_offset": a[2], "max_offset": a[3]}
+                for p, a in stats.items()
+            ],
+            schema=pa.schema(
+                [
+                    ("kafka_partition", pa.int32()),
+                    ("records", pa.int64()),
+                    ("quarantined", pa.int64()),
+                    ("min_offset", pa.int64()),
+                    ("max_offset", pa.int64()),
+                ]
+            ),
+        )
+
+    return write
+
+
+def frame(
+    record_batch: pa.RecordBatch, outcomes: Sequence[Admitted], decoder: RecordDecoder, batch_id: int, chunk: int
+) -> pa.Table:
+    """The staging rows of Kafka records and their admission outcomes, as an Arrow table in COPY order.
+
+    An admitted record carries its typed values; a refused one NULLs and its raw key, value and
+    headers (as bytea), with the reason.
+    """
+    rows = record_batch.num_rows
+    refused = [i for i, o in enumerate(outcomes) if o.reason is not None]
+    columns: list[pa.Array] = [
+        pa.repeat(pa.scalar(batch_id, pa.int64()), rows),
+        pa.repeat(pa.scalar(chunk, pa.int32()), rows),
+        record_batch.column("topic"),
+        record_batch.column("partition"),
+        record_batch.column("offset"),
+        record_batch.column("timestamp"),
+    ]
+    for position, rule in enumerate(decoder.rules):
+        values = [None if o.values is None else o.values[position] for o in outcomes]
+        columns.append(pa.array(values, _ARROW_TYPES[rule.kind]))
+    keys, values, headers = ([None] * rows for _ in RAW)
+    if refused:
+        raw_keys = record_batch.column("key").take(refused).to_pylist()
+        raw_values = record_batch.column("value").take(refused).to_pylist()
+        raw_headers = record_batch.column("headers").take(refused).to_pylist()
+        for i, key, value, header in zip(refused, raw_keys, raw_values, raw_headers, strict=True):
+            keys[i], values[i], headers[i] = _bytea(key), _bytea(value), _headers(header)
+    columns += [pa.array(keys, pa.string()), pa.array(values, pa.string()), pa.array(headers, pa.string())]
+    columns.append(pa.array([o.reason for o in outcomes], pa.string()))
+    names = ["batch_id", "chunk", *PROVENANCE, *(r.name for r in decoder.rules), *RAW, "quarantine_reason"]
+    return pa.Table.from_arrays(columns, names=names)
+
+
+def _bytea(data: bytes | None) -> str | None:
+    return None if data is None else "\\x" + data.hex()
+
+
+def _headers(headers: list[dict] | None) -> str | None:
+    """Kafka headers as a bytea[][] literal: one (key, value) pair per header, in order."""
+    if not headers:
+        return None
+    pairs = []
+    for header in headers:
+        key = '"\\\\x' + header["key"].encode("utf-8", "surrogatepass").hex() + '"'
+        value = "NULL" if header["value"] is None else '"\\\\x' + header["value"].hex() + '"'
+        pairs.append(f"{{{key},{value}}}")
+    return "{" + ",".join(pairs) + "}"
+
+
+def copy_isolating(conn: psycopg.Connection, copy_sql: sql.Composed, table: pa.Table) -> dict[int, str]:
+    """COPY `table`; the rows PostgreSQL refuses on data are left out (see `isolate_refused`)."""
+
+    def write(start: int, stop: int) -> None:
+        _copy(conn, copy_sql, table.slice(start, stop - start))
+
+    return isolate_refused(conn, write, table.num_rows)
+
+
+def _copy(conn: psycopg.Connection, copy_sql: sql.Composed, table: pa.Table) -> None:
+    buffer = io.BytesIO()
+    csv.write_csv(table, buffer, csv.WriteOptions(include_header=False))
+    with conn.cursor() as cur, cur.copy(copy_sql) as copy:
+        copy.write(buffer.getbuffer())
+
+
+def _accumulate(stats: dict[int, list], framed: pa.Table) -> None:
+    """Per Kafka partition: records, quarantined (non-null reason), min and max offset, summed over chunks."""
+    grouped = framed.group_by("kafka_partition").aggregate(
+        [("kafka_offset", "count"), ("quarantine_reason", "count"), ("kafka_offset", "min"), ("kafka_offset", "max")]
+    )
+    for row in grouped.to_pylist():
+        acc = stats.setdefault(row["kafka_partition"], [0, 0, row["kafka_offset_min"], row["kafka_offset_max"]])
+        acc[0] += row["kafka_offset_count"]
+        acc[1] += row["quarantine_reason_count"]
+        acc[2] = min(acc[2], row["kafka_offset_min"])
+        acc[3] = max(acc[3], row["kafka_offset_max"])

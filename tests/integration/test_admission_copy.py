@@ -1,0 +1,183 @@
+"""What admission accepts goes through the stage step's COPY into a real table and reads back
+equal to what the producer wrote; random records never stop the write."""
+
+import json
+import math
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import psycopg
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from psycopg import sql
+
+from kafka2pg.admission import decoder_for
+from kafka2pg.chunk_writer import copy_isolating, frame, staging_columns
+
+COLUMNS = [
+    {"name": "event_id", "type": "text", "required": True},
+    {"name": "customer_id", "type": "bigint", "required": True},
+    {"name": "amount", "type": "numeric(12,2)"},
+    {"name": "note", "type": "text"},
+    {"name": "event_time", "type": "timestamptz", "field": "ts"},
+    {"name": "payload", "type": "jsonb"},
+    {"name": "day", "type": "date"},
+    {"name": "flag", "type": "boolean"},
+    {"name": "ratio", "type": "double precision"},
+    {"name": "qty", "type": "integer"},
+]
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**30), 10**30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=10,
+)
+events = st.fixed_dictionaries(
+    {"event_id": st.text(min_size=1), "customer_id": st.integers(-(2**63), 2**63 - 1)},
+    optional={
+        "amount": st.decimals(places=2, min_value=-(10**10) + 1, max_value=10**10 - 1, allow_nan=False),
+        "note": st.text(),
+        "ts": st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30), timezones=st.timezones()),
+        "payload": json_values,
+        "day": st.dates(),
+        "flag": st.booleans(),
+        "ratio": st.floats(allow_nan=False, allow_infinity=False),
+        "qty": st.integers(-(2**31), 2**31 - 1),
+        "extra": json_values,
+    },
+)
+
+
+def _encode(event: dict) -> bytes:
+    wire = {
+        k: (str(v) if isinstance(v, Decimal) else v.isoformat() if hasattr(v, "isoformat") else v)
+        for k, v in event.items()
+    }
+    text = json.dumps(wire, ensure_ascii=False)
+    if "amount" in event:  # a JSON number, exactly as written
+        text = text.replace(json.dumps(str(event["amount"])), str(event["amount"]))
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _expected(event: dict) -> dict:
+    """What the target must hold for an accepted event: the producer's values, independently."""
+    ts = event.get("ts")
+    return {
+        "event_id": event["event_id"],
+        "customer_id": event["customer_id"],
+        "amount": event.get("amount"),
+        "note": event.get("note"),
+        "event_time": None if ts is None else (ts if ts.tzinfo else ts.replace(tzinfo=UTC)).astimezone(UTC),
+        "payload": event.get("payload"),
+        "day": event.get("day"),
+        "flag": event.get("flag"),
+        "ratio": event.get("ratio"),
+        "qty": event.get("qty"),
+    }
+
+
+def _same(name: str, stored, produced) -> bool:
+    if name == "payload":  # jsonb keeps a JSON number's decimal value exactly: compare as decimals
+        exact = {"parse_float": Decimal, "parse_int": Decimal}
+        return (
+            stored is None
+            and produced is None
+            or (stored is not None and json.loads(stored, **exact) == json.loads(json.dumps(produced), **exact))
+        )
+    if isinstance(stored, float) and isinstance(produced, float):
+        return stored == produced and math.copysign(1, stored) == math.copysign(1, produced)
+    return stored == produced
+
+
+def _record_batch(values: list[bytes]) -> pa.RecordBatch:
+    rows = len(values)
+    header = pa.struct([("key", pa.string()), ("value", pa.binary())])
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(["t"] * rows),
+            pa.array([0] * rows, pa.int32()),
+            pa.array(range(rows), pa.int64()),
+            pa.array([datetime(2026, 1, 1, tzinfo=UTC)] * rows, pa.timestamp("us", tz="UTC")),
+            pa.array([b"k\x00\xff"] * rows, pa.binary()),
+            pa.array(values, pa.binary()),
+            pa.array([[{"key": "h", "value": b"\x00v"}, {"key": "n", "value": None}]] * rows, pa.list_(header)),
+        ],
+        names=["topic", "partition", "offset", "timestamp", "key", "value", "headers"],
+    )
+
+
+@pytest.fixture(scope="module")
+def staged(base_settings, tmp_path_factory):
+    """A pipeline's real staging table, and a function that COPYs records into it and reads them back."""
+    import yaml
+
+    from kafka2pg.config import get_pipeline
+    from kafka2pg.migrations import migrate
+
+    path = tmp_path_factory.mktemp("admission") / "p.yaml"
+    spec = {"name": "p_admission_copy", "topic": "t-admission", "target_table": "public.admission_copy"}
+    path.write_text(yaml.safe_dump({"pipelines": [{**spec, "business_key": ["event_id"], "columns": COLUMNS}]}))
+    pipeline = get_pipeline("p_admission_copy", path)
+    migrate(base_settings.database_url, [pipeline])
+    decoder = decoder_for(pipeline)
+    table = sql.Identifier("kafka2pg", pipeline.staging_table)
+    copy_sql = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
+        table, sql.SQL(", ").join(map(sql.Identifier, ["batch_id", "chunk", *staging_columns(pipeline)]))
+    )
+    names = [c["name"] for c in COLUMNS]
+    selected = [sql.SQL("{}::text").format(sql.Identifier(n)) if n == "payload" else sql.Identifier(n) for n in names]
+
+    def copy(values: list[bytes]):
+        outcomes = [decoder.decode(v) for v in values]
+        with psycopg.connect(base_settings.database_url) as conn:
+            conn.execute(sql.SQL("TRUNCATE {}").format(table))
+            refused = copy_isolating(conn, copy_sql, frame(_record_batch(values), outcomes, decoder, 1, 0))
+            rows = conn.execute(
+                sql.SQL(
+                    "SELECT {}, raw_key, raw_value, raw_headers, quarantine_reason FROM {} ORDER BY kafka_offset"
+                ).format(sql.SQL(", ").join(selected), table)
+            ).fetchall()
+        return (
+            outcomes,
+            refused,
+            [dict(zip([*names, "raw_key", "raw_value", "raw_headers", "reason"], r, strict=True)) for r in rows],
+        )
+
+    return copy
+
+
+@settings(
+    max_examples=150, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture], deadline=None
+)
+@given(st.lists(events, min_size=1, max_size=8))
+def test_what_admission_accepts_reads_back_as_produced(staged, batch):
+    values = [_encode(e) for e in batch]
+    outcomes, refused, rows = staged(values)
+    assert refused == {}, "PostgreSQL refused a row admission accepted"
+    assert len(rows) == len(batch)
+    for event, outcome, row in zip(batch, outcomes, rows, strict=True):
+        if outcome.reason is not None:
+            assert row["reason"] == outcome.reason and row["raw_value"] == _encode(event)
+            continue
+        assert row["reason"] is None and row["raw_value"] is None
+        for name, value in _expected(event).items():
+            assert _same(name, row[name], value), (name, row[name], value)
+
+
+@settings(
+    max_examples=150, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture], deadline=None
+)
+@given(st.lists(st.binary(max_size=200), min_size=1, max_size=5))
+def test_random_bytes_never_stop_the_write_and_keep_their_raw_bytes(staged, values):
+    outcomes, refused, rows = staged(values)
+    assert refused == {} and len(rows) == len(values)
+    for value, row in zip(values, rows, strict=True):
+        assert row["reason"] is not None
+        assert (row["raw_key"], row["raw_value"]) == (b"k\x00\xff", value)
+        assert row["raw_headers"] == [[b"h", b"\x00v"], [b"n", None]]

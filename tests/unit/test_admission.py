@@ -1,0 +1,227 @@
+"""Record admission rules (pure): what lands, with which value, and the reason for what does not."""
+
+import json
+from datetime import UTC, date, datetime, timedelta, timezone
+from decimal import Decimal
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kafka2pg.admission import FieldRule, RecordDecoder
+
+RULES = [
+    FieldRule("event_id", "event_id", "text", required=True),
+    FieldRule("customer_id", "customer_id", "bigint", required=True),
+    FieldRule("amount", "amount", "numeric(12,2)"),
+    FieldRule("note", "note", "text"),
+    FieldRule("event_time", "ts", "timestamptz"),
+    FieldRule("payload", "payload", "jsonb"),
+    FieldRule("day", "day", "date"),
+    FieldRule("flag", "flag", "boolean"),
+    FieldRule("ratio", "ratio", "double precision"),
+    FieldRule("qty", "qty", "integer"),
+    FieldRule("epoch_ms", "epoch_ms", "timestamptz", epoch="milliseconds"),
+    FieldRule("epoch_s", "epoch_s", "timestamptz", epoch="seconds"),
+]
+DECODER = RecordDecoder(RULES, ["event_id"])
+BASE = b'{"event_id":"e1","customer_id":5'
+
+
+def outcome(value: bytes | None):
+    """The decoder's outcome, checked against the strict path: both must always agree."""
+    admitted = DECODER.decode(value)
+    assert admitted == DECODER.decode_strictly(value)
+    return admitted
+
+
+def field(name: str, value: bytes | None):
+    admitted = outcome(value)
+    assert admitted.reason is None, admitted.reason
+    return admitted.values[[r.name for r in RULES].index(name)]
+
+
+def reason(value: bytes | None) -> str:
+    admitted = outcome(value)
+    assert admitted.values is None
+    return admitted.reason
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, "value is null (a tombstone)"),
+        (b"", "value is empty (0 bytes)"),
+        (b"\xff\xfe", "value is not valid UTF-8 (byte 0xff at position 0: invalid start byte)"),
+        (b'{"event_id":"a\xffb","customer_id":1}', "value is not valid UTF-8 (byte 0xff at position 14"),
+        (b"[1, 2]", "value is a JSON array, not an object"),
+        (b'"text"', "value is a JSON string, not an object"),
+        (BASE + b"} }{garbage", "value is not valid JSON (Extra data at character 34"),
+        (BASE + b',"note":"a\\u0000b"}', "field 'note': contains NUL (U+0000), not storable in text"),
+        (b'{"event_id":"\\u0000","customer_id":1}', "field 'event_id': contains NUL (U+0000)"),
+        (BASE + b',"payload":{"a":"\\u0000"}}', "field 'payload': contains NUL (U+0000), not storable in jsonb"),
+        (BASE + b',"payload":{"\\u0000":1}}', "field 'payload': contains NUL (U+0000), not storable in jsonb"),
+        (BASE + b',"payload":{"a":"\\ud800"}}', "field 'payload': contains a lone surrogate U+D800"),
+        (BASE + b',"note":"\\udc00x"}', "field 'note': contains a lone surrogate U+DC00"),
+        (BASE + b',"ts":"-5000-01-01T00:00:00Z"}', "field 'ts': timestamp out of range for timestamptz (year -5000"),
+        (BASE + b',"ts":"+40000-01-01T00:00:00Z"}', "field 'ts': timestamp out of range for timestamptz (year 40000"),
+        (BASE + b',"ts":"+67561-11-25T10:00:00Z"}', "field 'ts': timestamp out of range for timestamptz (year 67561"),
+        (BASE + b',"ts":-3e11}', "field 'ts': a number ('-3e11') for a timestamp: set the column's `epoch`"),
+        (BASE + b',"ts":2069880429600}', "field 'ts': a number ('2069880429600') for a timestamp"),
+        (BASE + b',"ts":"2025-11-25T10:00:00.1234567Z"}', "field 'ts': '2025-11-25T10:00:00.1234567Z' has sub-micro"),
+        (BASE + b',"ts":"2025-11-25T23:59:60Z"}', "field 'ts': '2025-11-25T23:59:60Z' is not a valid timestamp"),
+        (BASE + b',"ts":"0001-01-01T00:00:00+01:00"}', "field 'ts': '0001-01-01T00:00:00+01:00' is not a valid"),
+        (BASE + b',"ts":"25/11/2025"}', "field 'ts': '25/11/2025' is not an ISO-8601 timestamp"),
+        (BASE + b',"epoch_ms":-3e16}', "field 'epoch_ms': '-3e16' milliseconds since 1970 is out of range"),
+        (BASE + b',"epoch_ms":1.0005}', "field 'epoch_ms': '1.0005' milliseconds has sub-microsecond digits"),
+        (b'{"event_id":"' + b"x" * 12000 + b'","customer_id":1}', "business key is 12024 bytes, over the 2704-byte"),
+        (BASE + b',"amount":1.234}', "field 'amount': '1.234' has 3 digits after the point; numeric(12,2) keeps 2"),
+        (BASE + b',"amount":12345678901.5}', "field 'amount': '12345678901.5' has 11 digits before the point"),
+        (BASE + b',"amount":1e400}', "field 'amount': '1e400' has 401 digits before the point"),
+        (BASE + b',"amount":"12.50"}', "field 'amount': expected a JSON number for numeric(12,2), got a string"),
+        (b'{"event_id":"e","customer_id":"5"}', "field 'customer_id': expected a JSON integer for bigint, got a str"),
+        (b'{"event_id":"e","customer_id":true}', "field 'customer_id': expected a JSON integer for bigint, got a b"),
+        (b'{"event_id":"e","customer_id":1.5}', "field 'customer_id': '1.5' is not a whole number"),
+        (b'{"event_id":"e","customer_id":9223372036854775808}', "field 'customer_id': '9223372036854775808' is out"),
+        (b'{"event_id":"e","customer_id":1e999999999}', "field 'customer_id': '1e999999999' is out of range"),
+        (BASE + b',"qty":2147483648}', "field 'qty': '2147483648' is out of range for integer"),
+        (BASE + b',"ratio":1e400}', "field 'ratio': '1e400' is out of range for double precision"),
+        (BASE + b',"ratio":1e-400}', "field 'ratio': '1e-400' underflows double precision"),
+        (BASE + b',"ratio":NaN}', "value is not valid JSON (NaN is not a JSON number)"),
+        (BASE + b',"ratio":"1.5"}', "field 'ratio': expected a JSON number for double precision, got a string"),
+        (BASE + b',"flag":1}', "field 'flag': expected true or false, got a number ('1')"),
+        (BASE + b',"day":"2025-02-30"}', "field 'day': '2025-02-30' is not a valid date"),
+        (BASE + b',"day":"2025-11-25T10:00Z"}', "field 'day': '2025-11-25T10:00Z' is not an ISO-8601 date"),
+        (BASE + b',"payload":{"n":1e999999}}', "field 'payload': number '1e999999' is out of range for jsonb"),
+        (BASE + b',"payload":' + b"[" * 5000 + b"]" * 5000 + b"}", "value is JSON nested too deeply to store"),
+        (b'{"customer_id":1}', "field 'event_id': required but missing"),
+        (b'{"event_id":null,"customer_id":1}', "field 'event_id': required but null"),
+        (b'{"event_id":"e","customer_id":1,"note":"x\x01y"}', "value is not valid JSON (Invalid control character"),
+    ],
+)
+def test_a_record_postgresql_would_refuse_or_alter_is_refused_naming_field_and_rule(value, expected):
+    assert reason(value).startswith(expected)
+
+
+def test_faithful_values_of_every_type():
+    value = (
+        b'{"event_id":"\\ud83d\\ude00 \xd9\x85 e\xcc\x81","customer_id":-9223372036854775808,"amount":-0.50,'
+        b'"note":"","ts":"2025-11-25T10:00:00.123456+01:00","payload":"123","day":"9999-12-31","flag":false,'
+        b'"ratio":5e-324,"qty":2147483647,"epoch_ms":2069880429600,"epoch_s":-1.5}'
+    )
+    values = dict(zip([r.name for r in RULES], outcome(value).values, strict=True))
+    assert values == {
+        "event_id": "\U0001f600 \u0645 e\u0301",
+        "customer_id": -(2**63),
+        "amount": "-0.50",
+        "note": "",
+        "event_time": datetime(2025, 11, 25, 9, 0, 0, 123456, tzinfo=UTC),
+        "payload": '"123"',  # a JSON string stays a JSON string
+        "day": date(9999, 12, 31),
+        "flag": False,
+        "ratio": 5e-324,
+        "qty": 2**31 - 1,
+        "epoch_ms": datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=2069880429600),
+        "epoch_s": datetime(1969, 12, 31, 23, 59, 58, 500000, tzinfo=UTC),
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2025-11-25T10:00:00Z", datetime(2025, 11, 25, 10, tzinfo=UTC)),
+        ("2025-11-25t10:00:00z", datetime(2025, 11, 25, 10, tzinfo=UTC)),
+        ("2025-11-25 10:00:00", datetime(2025, 11, 25, 10, tzinfo=UTC)),  # no offset: UTC
+        ("2025-11-25T10:00", datetime(2025, 11, 25, 10, tzinfo=UTC)),
+        ("2025-11-25", datetime(2025, 11, 25, tzinfo=UTC)),
+        ("2025-11-25T10:00:00.1234560-0230", datetime(2025, 11, 25, 12, 30, 0, 123456, tzinfo=UTC)),
+        ("2025-11-25T10:00:00,5+01", datetime(2025, 11, 25, 9, 0, 0, 500000, tzinfo=UTC)),
+        ("9999-12-31T23:59:59.999999Z", datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)),
+    ],
+)
+def test_timestamp_forms_accepted(text, expected):
+    assert field("event_time", BASE + b',"ts":' + json.dumps(text).encode() + b"}") == expected
+
+
+def test_jsonb_keeps_the_json_value_as_written():
+    assert field("payload", BASE + b',"payload":{"a":1.10,"b":[true,null]}}') == '{"a":1.10,"b":[true,null]}'
+    assert field("payload", BASE + b',"payload":"{\\"a\\":1}"}') == '"{\\"a\\":1}"'
+    assert field("payload", BASE + b',"payload":null}') is None
+
+
+def test_a_repeated_field_keeps_its_last_value_as_jsonb_does():
+    assert field("event_id", b'{"event_id":"a","customer_id":1,"event_id":"b"}') == "b"
+
+
+def test_extra_fields_are_ignored_and_missing_optional_fields_are_null():
+    admitted = outcome(BASE + b',"unknown":{"deep":[1,2,3]}}')
+    assert admitted.values[:4] == ("e1", 5, None, None)
+
+
+# ---------------------------------------------------------------- properties
+
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+names = st.sampled_from(["event_id", "customer_id", "amount", "note", "ts", "payload", "day", "flag", "ratio", "qty"])
+field_values = (
+    json_values
+    | st.datetimes(timezones=st.timezones()).map(lambda d: d.isoformat())
+    | st.dates().map(lambda d: d.isoformat())
+    | st.decimals(allow_nan=False, allow_infinity=False).map(str)
+    | st.sampled_from(["\x00", "\ud800", "\udfff", "\U0001f600", "", "1e400", "-0"])
+)
+fractions = st.from_regex(r"[.,][0-9]{1,9}", fullmatch=True) | st.just("")
+zones = st.sampled_from(["", "Z", "z", "+01:00", "-0230", "+01", "+24:00", "-00:00"])
+timestamps = st.builds(
+    lambda moment, sep, fraction, zone: moment.strftime(f"%Y-%m-%d{sep}%H:%M:%S") + fraction + zone,
+    st.datetimes(min_value=datetime(1, 1, 1), max_value=datetime(9999, 12, 31)),
+    st.sampled_from(["T", "t", " ", "_"]),
+    fractions,
+    zones,
+)
+fields = st.dictionaries(names, field_values | timestamps, max_size=10)
+# Half of them valid apart from what the random fields change, so every rule gets reached.
+documents = fields | fields.map(lambda more: {"event_id": "e", "customer_id": 1, **more})
+
+
+def _encode(document: dict, raw_numbers: bool) -> bytes:
+    text = json.dumps(document, ensure_ascii=raw_numbers)
+    return text.encode("utf-8", "surrogatepass")
+
+
+@settings(max_examples=600, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(documents, st.booleans())
+def test_any_json_document_gets_values_or_a_reason_and_both_paths_agree(document, ascii_only):
+    admitted = outcome(_encode(document, ascii_only))
+    assert (admitted.values is None) != (admitted.reason is None)
+
+
+@settings(max_examples=600, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.binary(max_size=300) | st.binary(max_size=40).map(lambda b: BASE + b))
+def test_any_bytes_get_values_or_a_reason_and_both_paths_agree(value):
+    admitted = outcome(value)
+    assert (admitted.values is None) != (admitted.reason is None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30)), st.integers(-1439, 1439))
+def test_an_accepted_timestamp_is_the_same_instant(moment, offset_minutes):
+    zone = timezone(timedelta(minutes=offset_minutes))
+    local = moment.replace(tzinfo=zone)
+    assert field("event_time", BASE + b',"ts":"' + local.isoformat().encode() + b'"}') == local.astimezone(UTC)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.decimals(allow_nan=False, allow_infinity=False, places=2, min_value=-(10**10) + 1, max_value=10**10 - 1))
+def test_a_numeric_that_fits_lands_exactly(number):
+    assert Decimal(field("amount", BASE + b',"amount":' + str(number).encode() + b"}")) == number
+
+
+@settings(max_examples=400, deadline=None)
+@given(timestamps)
+def test_any_timestamp_text_gets_the_same_outcome_on_both_paths(text):
+    outcome(BASE + b',"ts":' + json.dumps(text).encode() + b"}")
