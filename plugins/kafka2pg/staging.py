@@ -22,7 +22,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType, _parse_datatype_string
 
-from kafka2pg.config import Pipeline, Settings, stage_jvm_conf
+from kafka2pg.config import CORRUPT_RECORD_FIELD, Pipeline, Settings, stage_jvm_conf
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ConfigError, RetentionLossError, StageInterrupted
 from kafka2pg.ledger import Batch, load_claimed, set_state, staged_counts, staging_lost
@@ -30,7 +30,6 @@ from kafka2pg.planner import BatchPlan, describe_ranges
 
 log = logging.getLogger(__name__)
 
-CORRUPT = "_corrupt_record"
 STATS_SCHEMA = "kafka_partition int, records long, quarantined long, min_offset long, max_offset long"
 
 
@@ -93,7 +92,7 @@ def decode(raw: DataFrame, pipeline: Pipeline) -> DataFrame:
     """Kafka rows -> provenance + typed columns + raw value and quarantine reason (or null)."""
     schema = StructType(
         [StructField(c.field, _parse_datatype_string(c.spark_type)) for c in pipeline.columns]
-        + [StructField(CORRUPT, StringType())]
+        + [StructField(CORRUPT_RECORD_FIELD, StringType())]
     )
     parsed = raw.select(
         F.col("topic").alias("kafka_topic"),
@@ -104,7 +103,7 @@ def decode(raw: DataFrame, pipeline: Pipeline) -> DataFrame:
         F.col("value").cast("string").alias("raw_value"),
     ).withColumn(
         "_parsed",
-        F.from_json("raw_value", schema, {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT}),
+        F.from_json("raw_value", schema, {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT_RECORD_FIELD}),
     )
     reason = _reason(pipeline)
     return parsed.select(
@@ -122,7 +121,9 @@ def _reason(pipeline: Pipeline) -> SparkColumn:
     parsed = F.col("_parsed")
     reason = F.when(F.col("_is_null"), F.lit("null value (tombstone or empty record)"))
     reason = reason.when(parsed.isNull(), F.lit("value is not a JSON object"))
-    reason = reason.when(parsed.getField(CORRUPT).isNotNull(), F.lit("malformed JSON or a field of the wrong type"))
+    reason = reason.when(
+        parsed.getField(CORRUPT_RECORD_FIELD).isNotNull(), F.lit("malformed JSON or a field of the wrong type")
+    )
     for column in pipeline.columns:
         if column.required or column.name in pipeline.business_key:
             reason = reason.when(

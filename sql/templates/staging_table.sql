@@ -12,4 +12,3 @@ CREATE UNLOGGED TABLE IF NOT EXISTS {table} (
     raw_value         text,
     quarantine_reason text
 );
-CREATE INDEX IF NOT EXISTS {index} ON {table} (batch_id, chunk);
