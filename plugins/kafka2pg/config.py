@@ -13,7 +13,7 @@ import shutil
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 
@@ -81,18 +81,33 @@ def class_archive_path(state_dir: Path | None = None) -> Path:
 
 
 # PostgreSQL column types a JSON field may be mapped to, and the Spark type read for each.
-_TYPE_PATTERNS: dict[str, str] = {
-    r"text": "string",
-    r"bigint": "bigint",
-    r"integer": "int",
-    r"double precision": "double",
-    r"boolean": "boolean",
-    r"timestamptz": "timestamp",
-    r"date": "date",
-    r"jsonb": "string",
-    r"numeric\((\d{1,2}),\s*(\d{1,2})\)": "decimal({0},{1})",
+_SPARK_TYPES: dict[str, str] = {
+    "text": "string",
+    "bigint": "bigint",
+    "integer": "int",
+    "double precision": "double",
+    "boolean": "boolean",
+    "timestamptz": "timestamp",
+    "date": "date",
+    "jsonb": "string",
 }
-_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+# re.ASCII: \s and the digits must not match full-width or other Unicode characters, which
+# PostgreSQL's parser refuses (the type goes into the DDL as written here).
+_DECIMAL = re.compile(r"numeric\(([0-9]{1,4}),\s*([0-9]{1,4})\)", re.ASCII)
+# PostgreSQL's limit for a declared numeric precision (admission reads numbers as exact decimals).
+MAX_NUMERIC_PRECISION = 1000
+
+# PostgreSQL keeps identifiers to 63 bytes (NAMEDATALEN - 1) and silently truncates longer ones,
+# so two names kafka2pg derives could end up one. Every derived name is built to fit instead:
+# the pipeline name is limited so that its longest derived name (the staging index) fits, and
+# the business-key index name is shortened with a hash of the table name (`business_key_index`).
+PG_NAME_MAX = 63
+_STAGING_TABLE_PREFIX = "stg_"
+# Not `stg_`: the staging index can never have another pipeline's staging table's name.
+_STAGING_INDEX_PREFIX = "idx_stg_"
+MAX_PIPELINE_NAME = PG_NAME_MAX - len(_STAGING_INDEX_PREFIX)
+_BUSINESS_KEY_SUFFIX = "_business_key"
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
 _RESERVED_COLUMNS = {
     "kafka_topic",
     "kafka_partition",
@@ -101,18 +116,27 @@ _RESERVED_COLUMNS = {
     "batch_id",
     "promoted_at",
     "chunk",
+    "raw_key",
     "raw_value",
+    "raw_headers",
     "quarantine_reason",
 }
+# Every PostgreSQL table has these; a column of the same name cannot be created.
+_SYSTEM_COLUMNS = {"tableoid", "xmin", "cmin", "xmax", "cmax", "ctid"}
+# kafka2pg's own tables live in the schema kafka2pg and in public.kafka2pg_migrations; the
+# other schemas are PostgreSQL's (CREATE SCHEMA refuses names starting with pg_).
+_CONTROL_SCHEMA = "kafka2pg"
+_CONTROL_TABLES = {("public", "kafka2pg_migrations")}
+EpochUnit = Literal["seconds", "milliseconds", "microseconds"]
+_EPOCH_UNITS: tuple[EpochUnit, ...] = get_args(EpochUnit)
 
 
 def spark_type_for(pg_type: str) -> str | None:
-    """Spark SQL type name for a supported PostgreSQL type, or None if unsupported."""
-    for pattern, spark_type in _TYPE_PATTERNS.items():
-        match = re.fullmatch(pattern, pg_type.strip().lower())
-        if match:
-            return spark_type.format(*match.groups())
-    return None
+    """Spark SQL type name for a supported PostgreSQL type (as `Column.type` holds it), or None."""
+    if pg_type in _SPARK_TYPES:
+        return _SPARK_TYPES[pg_type]
+    match = _DECIMAL.fullmatch(pg_type)
+    return f"decimal({int(match[1])},{int(match[2])})" if match else None
 
 
 @dataclass(frozen=True)
@@ -127,6 +151,9 @@ class Column:
     maximum: float | None = None
     allowed: tuple[str | int | bool, ...] | None = None
     on_violation: Literal["fail", "quarantine"] = "fail"
+    #: timestamptz columns: how a JSON number in the field is read (seconds, milliseconds or
+    #: microseconds since 1970-01-01 UTC); None: a number is refused, only strings are read.
+    epoch: EpochUnit | None = None
 
     @property
     def spark_type(self) -> str:
@@ -164,7 +191,26 @@ class Pipeline:
 
     @property
     def staging_table(self) -> str:
-        return f"stg_{self.name}"
+        return f"{_STAGING_TABLE_PREFIX}{self.name}"
+
+    @property
+    def staging_index(self) -> str:
+        """The staging table's (batch_id, chunk) index. Databases migrated before this name was
+        chosen keep theirs (`stg_<name>_batch`): migrations look the index up by its columns."""
+        return f"{_STAGING_INDEX_PREFIX}{self.name}"
+
+    @property
+    def business_key_index(self) -> str:
+        """The target's unique business-key index: `<table>_business_key`, or, when that would
+        exceed 63 bytes, the table name cut to 41 bytes + `_<8 hex digits of the table name's
+        SHA-256>_business_key` (63 bytes): never truncated by PostgreSQL, never the table's own
+        name, and different for two long tables sharing a prefix."""
+        name = f"{self.target_table}{_BUSINESS_KEY_SUFFIX}"
+        if len(name) <= PG_NAME_MAX:
+            return name
+        digest = hashlib.sha256(self.target_table.encode()).hexdigest()[:8]
+        keep = PG_NAME_MAX - len(_BUSINESS_KEY_SUFFIX) - len(digest) - 1
+        return f"{self.target_table[:keep]}_{digest}{_BUSINESS_KEY_SUFFIX}"
 
     @property
     def required_columns(self) -> tuple[str, ...]:
@@ -229,7 +275,39 @@ def load_pipelines(path: Path | None = None) -> dict[str, Pipeline]:
         if pipeline.name in pipelines:
             raise ConfigError(f"{path}: pipelines[{index}].name: duplicate name {pipeline.name!r}")
         pipelines[pipeline.name] = pipeline
+    _check_distinct(path, list(pipelines.values()))
     return pipelines
+
+
+def _claims(pipeline: Pipeline) -> list[tuple[tuple[str, str], str, str]]:
+    """The names a pipeline takes where another pipeline could take them too, as
+    ((namespace, name), field that decides it, what it is). Names in the schema kafka2pg
+    (staging table and index) differ by design: they embed the (unique) pipeline name."""
+    schema = f"relations of schema {pipeline.target_schema}"
+    claims = [
+        (("Airflow DAG ids", pipeline.dag_id), "name", "DAG id"),
+        (("Airflow DAG ids", pipeline.replay_dag_id), "name", "replay DAG id"),
+        ((schema, pipeline.target_table), "target_table", "target table"),
+    ]
+    if pipeline.business_key:
+        claims.append(((schema, pipeline.business_key_index), "target_table", "business-key index"))
+    return claims
+
+
+def _check_distinct(path: Path, pipelines: list[Pipeline]) -> None:
+    """Two pipelines must not share a target table, a DAG id or a name migrations create in one
+    schema: one of them would silently use (or never create) the other's."""
+    taken: dict[tuple[str, str], tuple[int, Pipeline, str]] = {}
+    for index, pipeline in enumerate(pipelines):
+        for key, field_name, what in _claims(pipeline):
+            if key in taken:
+                other_index, other, other_what = taken[key]
+                raise ConfigError(
+                    f"{path}: pipelines[{index}] ({pipeline.name}).{field_name}: its {what} {key[1]!r} is also the "
+                    f"{other_what} of pipeline {other.name!r} (pipelines[{other_index}]) among the {key[0]}. "
+                    "Give each pipeline its own target table and name."
+                )
+            taken[key] = (index, pipeline, what)
 
 
 def get_pipeline(name: str, path: Path | None = None) -> Pipeline:
@@ -266,29 +344,25 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
     unknown = sorted(set(raw) - _PIPELINE_KEYS)
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
-    name = _identifier(raw, "name", where)
+    name = _identifier(raw, "name", where, MAX_PIPELINE_NAME)
     where = f"{where} ({name})"
-    topic = raw.get("topic")
-    if not isinstance(topic, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", topic):
-        raise ConfigError(f"{where}.topic: expected a Kafka topic name, got {topic!r}")
+    topic = _topic(raw.get("topic"), where)
     schema, table = _target(raw.get("target_table"), where)
     columns = _columns(raw.get("columns"), where)
-    names = {c.name for c in columns}
-    business_key = raw.get("business_key") or []
-    if isinstance(business_key, str):
-        business_key = [business_key]
-    for i, key in enumerate(business_key):
-        if key not in names:
-            raise ConfigError(f"{where}.business_key: {key!r} is not one of the columns")
-        if key in business_key[:i]:
-            raise ConfigError(f"{where}.business_key: {key!r} is listed twice")
+    business_key = _business_key(raw.get("business_key"), columns, where)
+    for index, spec in enumerate(raw["columns"]):
+        if spec.get("required") is False and spec["name"] in business_key:
+            raise ConfigError(
+                f"{where}.columns[{index}].required: {spec['name']!r} is in business_key, and a business key is "
+                "always required (a record without it is quarantined): remove `required: false`"
+            )
     return Pipeline(
         name=name,
         topic=topic,
         target_schema=schema,
         target_table=table,
         columns=columns,
-        business_key=tuple(business_key),
+        business_key=business_key,
         max_records_per_batch=_positive_int(raw, "max_records_per_batch", where, 100_000),
         max_records_per_partition=_positive_int(raw, "max_records_per_partition", where, None),
         batches_per_run=_positive_int(raw, "batches_per_run", where, 1),
@@ -296,10 +370,51 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         new_partition_start=_choice(raw, "new_partition_start", where, ("earliest", "latest")),
         duplicate_policy=_choice(raw, "duplicate_policy", where, ("quarantine", "fail")),
         data_loss_warning_hours=_positive_number(raw, "data_loss_warning_hours", where, 24.0),
-        spark_conf={str(k): str(v) for k, v in (raw.get("spark_conf") or {}).items()},
+        spark_conf=_spark_conf(raw.get("spark_conf"), where),
         schedule=_schedule(raw, where),
         replay_interval=_cron(raw, "replay_interval", where, "0 0 * * *"),
     )
+
+
+def _topic(value: Any, where: str) -> str:
+    # Kafka's own rule (Topic.validate): 1-249 of these characters, and not "." or "..".
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", value) or value in (".", ".."):
+        raise ConfigError(
+            f"{where}.topic: expected a Kafka topic name (1-249 characters of A-Z a-z 0-9 . _ -, "
+            f"not '.' or '..'), got {value!r}"
+        )
+    return value
+
+
+def _business_key(value: Any, columns: tuple[Column, ...], where: str) -> tuple[str, ...]:
+    keys = [value] if isinstance(value, str) else value or []
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ConfigError(f"{where}.business_key: expected a column name or a list of column names, got {value!r}")
+    by_name = {c.name: c for c in columns}
+    for i, key in enumerate(keys):
+        if key not in by_name:
+            raise ConfigError(f"{where}.business_key: {key!r} is not one of the columns")
+        if key in keys[:i]:
+            raise ConfigError(f"{where}.business_key: {key!r} is listed twice")
+        if by_name[key].type == "jsonb":
+            # Equal jsonb values can differ as text, and the quality gate's uniqueness check of a
+            # key of several columns cannot compare JSON documents (every batch would fail it).
+            raise ConfigError(
+                f"{where}.business_key: {key!r} is a jsonb column; a business key must be scalar: map the "
+                "identifying JSON field to a text, bigint or other scalar column and use that"
+            )
+    return tuple(keys)
+
+
+def _spark_conf(value: Any, where: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}.spark_conf: expected a mapping of Spark settings, got {value!r}")
+    wrong = sorted(str(k) for k, v in value.items() if not isinstance(v, str | int | float | bool))
+    if wrong:
+        raise ConfigError(f"{where}.spark_conf: {', '.join(wrong)}: expected a string or number as the value")
+    return {str(k): str(v) for k, v in value.items()}
 
 
 def _positive_number(raw: dict, key: str, where: str, default: float) -> float:
@@ -323,11 +438,12 @@ def _cron(raw: dict, key: str, where: str, default: str) -> str:
     return value
 
 
-def _identifier(raw: dict, key: str, where: str) -> str:
+def _identifier(raw: dict, key: str, where: str, max_length: int = PG_NAME_MAX) -> str:
     value = raw.get(key)
-    if not isinstance(value, str) or not _IDENTIFIER.match(value):
+    if not isinstance(value, str) or not _IDENTIFIER.fullmatch(value) or len(value) > max_length:
         raise ConfigError(
-            f"{where}.{key}: expected a lower-case identifier ([a-z_][a-z0-9_]*, at most 63 chars), got {value!r}"
+            f"{where}.{key}: expected a lower-case identifier ([a-z_][a-z0-9_]*, at most {max_length} "
+            f"characters), got {value!r}"
         )
     return value
 
@@ -336,36 +452,64 @@ def _target(value: Any, where: str) -> tuple[str, str]:
     parts = value.split(".") if isinstance(value, str) else []
     if len(parts) == 1:
         parts = ["public", *parts]
-    if len(parts) != 2 or not all(_IDENTIFIER.match(p) for p in parts):
-        raise ConfigError(f"{where}.target_table: expected 'table' or 'schema.table' in lower case, got {value!r}")
-    return parts[0], parts[1]
+    if len(parts) != 2 or not all(_IDENTIFIER.fullmatch(p) and len(p) <= PG_NAME_MAX for p in parts):
+        raise ConfigError(
+            f"{where}.target_table: expected 'table' or 'schema.table' in lower case (each at most "
+            f"{PG_NAME_MAX} characters of a-z 0-9 _), got {value!r}"
+        )
+    schema, table = parts
+    if schema == _CONTROL_SCHEMA or (schema, table) in _CONTROL_TABLES:
+        raise ConfigError(
+            f"{where}.target_table: {value!r} is kafka2pg's own (the schema kafka2pg holds its ledger and "
+            "staging tables, public.kafka2pg_migrations its migrations): choose another schema or table"
+        )
+    if schema.startswith("pg_") or schema == "information_schema":
+        raise ConfigError(f"{where}.target_table: schema {schema!r} is PostgreSQL's own: choose another schema")
+    return schema, table
 
 
 def _columns(value: Any, where: str) -> tuple[Column, ...]:
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{where}.columns: expected a non-empty list of columns")
     columns = []
+    fields: dict[str, int] = {}  # JSON field -> column index
     for index, raw in enumerate(value):
         here = f"{where}.columns[{index}]"
         if not isinstance(raw, dict):
             raise ConfigError(f"{here}: expected a mapping with name and type")
-        unknown = sorted(set(raw) - {"name", "type", "field", "required", "min", "max", "allowed", "on_violation"})
+        unknown = sorted(set(raw) - _COLUMN_KEYS)
         if unknown:
             raise ConfigError(f"{here}: unknown field(s) {', '.join(unknown)}")
         name = _identifier(raw, "name", here)
         if name in _RESERVED_COLUMNS:
             raise ConfigError(f"{here}.name: {name!r} is reserved for provenance/bookkeeping")
-        pg_type = raw.get("type")
-        if not isinstance(pg_type, str) or spark_type_for(pg_type) is None:
-            supported = "text, bigint, integer, double precision, boolean, timestamptz, date, "
-            raise ConfigError(f"{here}.type: unsupported type {pg_type!r} (supported: {supported}jsonb, numeric(p,s))")
-        json_field = raw.get("field", name)
-        if not isinstance(json_field, str) or not json_field:
-            raise ConfigError(f"{here}.field: expected the JSON field name, got {json_field!r}")
+        if name in _SYSTEM_COLUMNS:
+            raise ConfigError(f"{here}.name: {name!r} is a PostgreSQL system column of every table: rename it")
+        pg_type = _column_type(raw.get("type"), here)
+        json_field = _json_field(raw.get("field", name), here)
+        if json_field in fields:
+            raise ConfigError(
+                f"{here}.field: JSON field {json_field!r} is already read by columns[{fields[json_field]}]: "
+                "each column reads its own field"
+            )
+        fields[json_field] = index
         required = raw.get("required", False)
         if not isinstance(required, bool):
             raise ConfigError(f"{here}.required: expected true or false, got {required!r}")
-        columns.append(Column(name, pg_type.strip().lower(), json_field, required, *_rules(raw, here, pg_type)))
+        minimum, maximum, allowed, on_violation = _rules(raw, here, pg_type)
+        columns.append(
+            Column(
+                name,
+                pg_type,
+                json_field,
+                required,
+                minimum,
+                maximum,
+                allowed,
+                on_violation,
+                epoch=_epoch(raw, here, pg_type),
+            )
+        )
     names = [c.name for c in columns]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -373,14 +517,55 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
     return tuple(columns)
 
 
-_NUMERIC = re.compile(r"(bigint|integer|double precision|numeric\(\d+,\s*\d+\))")
+_COLUMN_KEYS = {"name", "type", "field", "required", "min", "max", "allowed", "on_violation", "epoch"}
+
+
+def _column_type(value: Any, here: str) -> str:
+    """The column's type as PostgreSQL DDL will get it: lower case, `numeric(p,s)` without spaces."""
+    pg_type = value.strip().lower() if isinstance(value, str) else value
+    if pg_type in _SPARK_TYPES:
+        return pg_type
+    match = _DECIMAL.fullmatch(pg_type) if isinstance(pg_type, str) else None
+    if match is None:
+        supported = ", ".join(_SPARK_TYPES)
+        raise ConfigError(f"{here}.type: unsupported type {value!r} (supported: {supported}, numeric(p,s))")
+    precision, scale = int(match[1]), int(match[2])
+    if not 1 <= precision <= MAX_NUMERIC_PRECISION:
+        raise ConfigError(
+            f"{here}.type: {value!r}: precision must be 1 to {MAX_NUMERIC_PRECISION} (PostgreSQL's limit)"
+        )
+    if scale > precision:
+        raise ConfigError(f"{here}.type: {value!r}: scale {scale} is above precision {precision}")
+    return f"numeric({precision},{scale})"
+
+
+def _json_field(value: Any, here: str) -> str:
+    if not isinstance(value, str) or not value or re.search(r"[\x00-\x1f\x7f]", value):
+        raise ConfigError(
+            f"{here}.field: expected the JSON field name (no control characters such as a newline), got {value!r}"
+        )
+    return value
+
+
+def _epoch(raw: dict, here: str, pg_type: str) -> EpochUnit | None:
+    value = raw.get("epoch")
+    if value is None:
+        return None
+    if pg_type != "timestamptz":
+        raise ConfigError(f"{here}.epoch: only timestamptz columns read epoch numbers, not {pg_type}")
+    if value not in _EPOCH_UNITS:
+        raise ConfigError(f"{here}.epoch: expected one of {', '.join(_EPOCH_UNITS)}, got {value!r}")
+    return value
+
+
+_NUMERIC = re.compile(r"bigint|integer|double precision|numeric\([0-9]+,[0-9]+\)")
 _ALLOWED_TYPES = {"text": str, "bigint": int, "integer": int, "boolean": bool}
 
 
 def _rules(raw: dict, here: str, pg_type: str) -> tuple:
     """A column's declared value rules: min/max (numeric columns), allowed values (text, integer,
-    boolean columns, typed like the column), and what a violation does."""
-    pg_type = pg_type.strip().lower()
+    boolean columns, typed like the column), and what a violation does. `pg_type` as
+    `_column_type` returns it."""
     bounds = []
     for key in ("min", "max"):
         value = raw.get(key)

@@ -2,7 +2,8 @@
 
 Kafka2PgError
  ├── ConfigError              bad pipelines file / settings (names the field and the file)
- │    └── UnknownPipelineError
+ │    ├── UnknownPipelineError
+ │    └── ObjectNameTakenError a table or index name migrations need belongs to another relation
  ├── ServiceUnavailableError  transient: retrying may help
  │    ├── KafkaUnavailableError
  │    └── DatabaseUnavailableError
@@ -37,6 +38,10 @@ class ConfigError(Kafka2PgError):
 
 class UnknownPipelineError(ConfigError):
     """A pipeline name that is not in the pipelines file."""
+
+
+class ObjectNameTakenError(ConfigError):
+    """A table or index name a pipeline needs is held by another relation in PostgreSQL."""
 
 
 class ServiceUnavailableError(Kafka2PgError):

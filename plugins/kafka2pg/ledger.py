@@ -60,6 +60,15 @@ def read_heads(conn: Connection, pipeline: str) -> dict[int, int]:
     return {partition: offset for partition, offset in rows}
 
 
+def read_head_batches(conn: Connection, pipeline: str) -> dict[int, int | None]:
+    """Per partition with a head: the batch that last moved it (None: set by a reset)."""
+    rows = conn.execute(
+        "SELECT kafka_partition, last_batch_id FROM kafka2pg.ledger_heads WHERE pipeline = %s",
+        (pipeline,),
+    ).fetchall()
+    return dict(rows)
+
+
 def load_batch(conn: Connection, batch_id: int, *, for_update: bool = False) -> Batch:
     query = (
         "SELECT batch_id, pipeline, topic, state, plan, epoch, run_id, records_read, rows_staged,"
@@ -256,7 +265,7 @@ def open_batch(
             return OpenedBatch(
                 resumed, True, f"{verb} unfinished batch {resumed.batch_id} ({resumed.state}, epoch {resumed.epoch})"
             )
-        plan = _plan_from(pipeline, offsets, heads, max_records_per_batch)
+        plan = _plan_from(pipeline, offsets, heads, read_head_batches(conn, pipeline.name), max_records_per_batch)
         if plan.is_empty:
             return OpenedBatch(None, False, _nothing_new(pipeline, offsets, heads))
         if dry_run:
@@ -311,8 +320,14 @@ def _warn_loss_horizons(
             log.info(message)
 
 
-def _states(offsets: list[PartitionOffsets], heads: dict[int, int]) -> list[PartitionState]:
-    return [PartitionState(o.partition, heads.get(o.partition), o.low, o.last_stable, o.high) for o in offsets]
+def _states(
+    offsets: list[PartitionOffsets], heads: dict[int, int], moved: dict[int, int | None] | None = None
+) -> list[PartitionState]:
+    moved = moved or {}
+    return [
+        PartitionState(o.partition, heads.get(o.partition), o.low, o.last_stable, o.high, moved.get(o.partition))
+        for o in offsets
+    ]
 
 
 def _nothing_new(pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]) -> str:
@@ -421,20 +436,27 @@ def plan_lookahead(
             raise BatchStateError(f"pipeline {pipeline.name!r}: batch {later[0]} is already planned after {after_id}")
         heads = read_heads(conn, pipeline.name)
         heads.update({p.partition: p.new_head for p in current.plan.partitions})
-        plan = _plan_from(pipeline, offsets, heads, max_records_per_batch)
+        moved = read_head_batches(conn, pipeline.name)
+        moved.update({p.partition: after_id for p in current.plan.partitions})
+        plan = _plan_from(pipeline, offsets, heads, moved, max_records_per_batch)
         if plan.is_empty:
             return None
         return insert_batch(conn, pipeline, plan, run_id, after_batch_id=after_id)
 
 
 def _plan_from(
-    pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int], max_records_per_batch: int | None
+    pipeline: Pipeline,
+    offsets: list[PartitionOffsets],
+    heads: dict[int, int],
+    moved: dict[int, int | None],
+    max_records_per_batch: int | None,
 ) -> BatchPlan:
-    """The next batch's plan from these heads, with the pipeline's limits and policies."""
+    """The next batch's plan from these heads (last moved by the `moved` batches), with the
+    pipeline's limits and policies."""
     return plan_batch(
         pipeline.name,
         pipeline.topic,
-        _states(offsets, heads),
+        _states(offsets, heads, moved),
         max_records_per_batch=max_records_per_batch or pipeline.max_records_per_batch,
         max_records_per_partition=pipeline.max_records_per_partition,
         on_retention_loss=pipeline.on_retention_loss,

@@ -56,6 +56,8 @@ class PartitionState:
 
     `head` is the ledger's next offset to read (None: never read). `last_stable` is the
     read_committed end (LSO); `high` the high watermark; `low` the first retained offset.
+    `last_batch_id` is the batch that last moved the head (None: none has): when the budget
+    cannot give every partition a record, the partitions whose heads moved longest ago go first.
     """
 
     partition: int
@@ -63,6 +65,7 @@ class PartitionState:
     low: int
     last_stable: int
     high: int
+    last_batch_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,10 @@ def plan_batch(
 
     The record budget is shared fairly: every partition with new records gets an equal share,
     and what a small partition leaves over goes to the others (deterministic for equal input).
+    Records that do not divide evenly (all of them, with a budget below the number of partitions
+    with new records) go to the partitions whose heads moved longest ago (`last_batch_id`), so
+    with a budget of b and P such partitions each is read at least once in any ceil(P / b)
+    consecutive batches.
     """
     vanished = sorted(set(ledger_partitions) - {s.partition for s in states})
     if vanished:
@@ -172,7 +179,7 @@ def plan_batch(
     available = {s.partition: max(0, s.last_stable - starts[s.partition][1]) for s in states}
     if max_records_per_partition is not None:
         available = {p: min(n, max_records_per_partition) for p, n in available.items()}
-    allotted = _share(available, max_records_per_batch)
+    allotted = _share(available, max_records_per_batch, _least_recently_moved(states))
     plans = []
     for partition, (expected_head, start, gap) in sorted(starts.items()):
         count = allotted.get(partition, 0)
@@ -217,15 +224,26 @@ def _start_of(
     return state.head, state.head, None
 
 
-def _share(available: dict[int, int], budget: int) -> dict[int, int]:
-    """Water-filling split of `budget` over partitions capped by `available`."""
+def _least_recently_moved(states: list[PartitionState]) -> list[int]:
+    """Partitions by how long ago their heads moved: never moved first, then by the batch that
+    last moved them, then by partition id."""
+    return [
+        s.partition
+        for s in sorted(states, key=lambda s: (s.last_batch_id is not None, s.last_batch_id or 0, s.partition))
+    ]
+
+
+def _share(available: dict[int, int], budget: int, priority: list[int]) -> dict[int, int]:
+    """Water-filling split of `budget` over partitions capped by `available`; records that do not
+    divide evenly go first to the partitions earliest in `priority`."""
+    rank = {p: i for i, p in enumerate(priority)}
     allotted = {p: 0 for p in available}
-    open_parts = sorted(p for p, n in available.items() if n > 0)
+    open_parts = [p for p in available if available[p] > 0]
     while budget > 0 and open_parts:
         share, extra = divmod(budget, len(open_parts))
         next_open = []
         # Extras go to the partitions that got least so far, so shares differ by at most one.
-        for index, partition in enumerate(sorted(open_parts, key=lambda p: (allotted[p], p))):
+        for index, partition in enumerate(sorted(open_parts, key=lambda p: (allotted[p], rank[p]))):
             want = share + (1 if index < extra else 0)
             room = available[partition] - allotted[partition]
             take = min(want, room)
@@ -233,7 +251,7 @@ def _share(available: dict[int, int], budget: int) -> dict[int, int]:
             budget -= take
             if allotted[partition] < available[partition]:
                 next_open.append(partition)
-        open_parts = sorted(next_open)
+        open_parts = next_open
     return allotted
 
 

@@ -19,6 +19,7 @@ from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, QualityGateFailed
 from kafka2pg.kafka_offsets import count_range, topic_retention
 from kafka2pg.ledger import Batch, load_claimed, raise_staging_lost, set_state, staged_counts, staging_lost
+from kafka2pg.migrations import has_index, table_indexes
 from kafka2pg.planner import account_gap
 
 log = logging.getLogger(__name__)
@@ -294,21 +295,7 @@ def _unique_key_index(conn: Connection, pipeline: Pipeline) -> bool:
     """Whether the target has a valid, whole-table unique index on exactly the business key's
     columns (in any order, no expressions, no included columns), checked at each insert (not
     DEFERRABLE: a violation at COMMIT would escape the promotion's collision handling)."""
-    keys = sorted(pipeline.business_key)
-    return any(plain_unique and sorted(columns) == keys for plain_unique, columns in _target_indexes(conn, pipeline))
-
-
-def _target_indexes(conn: Connection, pipeline: Pipeline) -> list[tuple[bool, list[str | None]]]:
-    """The target's valid indexes: whether each is a plain unique index (checked at each insert,
-    no expression, predicate or included column), and its columns in order (None: an expression)."""
-    return conn.execute(
-        "SELECT i.indisunique AND i.indimmediate AND i.indpred IS NULL AND i.indexprs IS NULL"
-        "       AND i.indnatts = i.indnkeyatts,"
-        " array(SELECT a.attname::text FROM unnest(i.indkey::int2[]) WITH ORDINALITY k(attnum, n)"
-        "       LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum ORDER BY k.n)"
-        " FROM pg_index i WHERE i.indrelid = to_regclass(%s) AND i.indisvalid",
-        (_target(pipeline).as_string(conn),),
-    ).fetchall()
+    return has_index(conn, _target(pipeline), pipeline.business_key, unique=True)
 
 
 def _with_stored_checks(conn: Connection, batch_id: int, fresh: list[Check]) -> list[Check]:
@@ -629,7 +616,7 @@ def _key_indexed(conn: Connection, pipeline: Pipeline) -> bool:
     """Whether an index on the target leads with a business-key column. Without one (a
     business_key changed after the target was created keeps the old key's index), probing
     key by key would be a nested loop over the whole target: leave the join to the planner."""
-    return any(columns and columns[0] in pipeline.business_key for _, columns in _target_indexes(conn, pipeline))
+    return any(columns and columns[0] in pipeline.business_key for _, columns in table_indexes(conn, _target(pipeline)))
 
 
 def _flag_duplicates(

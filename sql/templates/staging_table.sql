@@ -14,4 +14,3 @@ CREATE UNLOGGED TABLE IF NOT EXISTS {table} (
     raw_headers       bytea[],
     quarantine_reason text
 );
-CREATE INDEX IF NOT EXISTS {index} ON {table} (batch_id, chunk);

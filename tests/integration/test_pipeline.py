@@ -19,6 +19,7 @@ from kafka2pg.exceptions import (
     QualityGateFailed,
     TopicNotFoundError,
 )
+from kafka2pg.kafka_offsets import partition_offsets
 from kafka2pg.ledger import open_batch, plan_lookahead
 from kafka2pg.producer import produce, produce_sample, sample_events
 from kafka2pg.promote import promote_batch
@@ -137,6 +138,29 @@ def test_one_run_catches_up_a_backlog_in_several_batches_of_one_spark_session(ma
         assert [r[1] for r in mine[1:]] == [r[2] for r in mine[:-1]], f"gap or overlap in partition {partition}"
         assert mine[-1][2] == heads(env)[partition]
     assert open_batch(env.settings, env.pipeline).batch is None
+
+
+def test_a_budget_below_the_partitions_with_records_reads_each_in_turn_also_in_lookaheads(make_pipeline, spark, db):
+    """max_records_per_batch 2, three partitions with records: each is read at least once in any
+    ceil(3 / 2) = 2 batches in a row, also when a batch is planned (as a lookahead) before the one
+    before it is promoted."""
+    env = make_pipeline(max_records_per_batch=2)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(60, seed=23)))
+    offsets = partition_offsets(env.settings.bootstrap_servers, env.topic)
+    assert all(o.last_stable >= 4 for o in offsets), "every partition has records for all four batches"
+    first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
+    result = run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=4, run_id="run-1")
+    assert len(result.promoted) == 4 and result.records == 8
+    read = [
+        set(parts)
+        for (parts,) in db.execute(
+            "SELECT array_agg(p.kafka_partition) FROM kafka2pg.batches b JOIN kafka2pg.batch_partitions p"
+            " USING (batch_id) WHERE b.pipeline = %s GROUP BY b.batch_id ORDER BY b.batch_id",
+            (env.pipeline.name,),
+        ).fetchall()
+    ]
+    assert len(read) == 4 and all(len(parts) == 2 for parts in read)
+    assert all(a | b == {0, 1, 2} for a, b in zip(read, read[1:], strict=False)), read
 
 
 def test_one_batch_per_run_only_stages_and_leaves_the_gate_to_the_dag(make_pipeline, spark, db):

@@ -325,9 +325,7 @@ def test_without_a_business_key_index_the_gate_still_catches_a_promoted_key(make
     promoted before is still caught."""
     env = make_pipeline(partitions=1)
     db.execute(
-        sql.SQL("DROP INDEX {}").format(
-            sql.Identifier(env.pipeline.target_schema, f"{env.pipeline.target_table}_business_key")
-        )
+        sql.SQL("DROP INDEX {}").format(sql.Identifier(env.pipeline.target_schema, env.pipeline.business_key_index))
     )
     events = list(sample_events(4, seed=72))
     produce(env.settings.bootstrap_servers, env.topic, events[:3], key_field=None)
@@ -429,13 +427,11 @@ def test_under_the_fail_policy_a_key_refused_at_promotion_rejects_the_batch(make
 
 def test_without_a_unique_business_key_index_the_check_is_never_deferred(make_pipeline, run_batch, db):
     env = make_pipeline(partitions=1)
-    index = sql.Identifier(env.pipeline.target_schema, f"{env.pipeline.target_table}_business_key")
+    index = sql.Identifier(env.pipeline.target_schema, env.pipeline.business_key_index)
     target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
     db.execute(sql.SQL("DROP INDEX {}").format(index))
     db.execute(  # not unique
-        sql.SQL("CREATE INDEX {} ON {} (event_id)").format(
-            sql.Identifier(f"{env.pipeline.target_table}_business_key"), target
-        )
+        sql.SQL("CREATE INDEX {} ON {} (event_id)").format(sql.Identifier(env.pipeline.business_key_index), target)
     )
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(2, seed=76)), key_field=None)
     first = run_batch(env)

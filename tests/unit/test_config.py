@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from kafka2pg.config import DEFAULT_PIPELINES_FILE, Settings, get_pipeline, load_pipelines
+from kafka2pg.config import DEFAULT_PIPELINES_FILE, MAX_PIPELINE_NAME, Settings, get_pipeline, load_pipelines
 from kafka2pg.exceptions import ConfigError, UnknownPipelineError
 
 GOOD = {
@@ -16,10 +16,17 @@ GOOD = {
 
 
 def write(tmp_path, **changes):
-    spec = {**GOOD, **changes}
+    return write_all(tmp_path, {**GOOD, **changes})
+
+
+def write_all(tmp_path, *specs):
     path = tmp_path / "pipelines.yaml"
-    path.write_text(yaml.safe_dump({"pipelines": [spec]}))
+    path.write_text(yaml.safe_dump({"pipelines": list(specs)}))
     return path
+
+
+def column(name="n", **spec):
+    return {"name": name, "type": "text", **spec}
 
 
 def test_shipped_pipelines_file_is_valid():
@@ -50,6 +57,55 @@ def test_good_file_parses_with_defaults(tmp_path):
         ({"colums": []}, r"unknown field\(s\) colums"),
         ({"name": "Orders!"}, r"pipelines\[0\]\.name: expected a lower-case identifier"),
         ({"columns": [{"name": "kafka_offset", "type": "bigint"}]}, r"'kafka_offset' is reserved"),
+        # A `$` anchor lets a trailing newline through (into `public."orders\n"`): names must match whole.
+        ({"name": "orders\n"}, r"pipelines\[0\]\.name: expected a lower-case identifier"),
+        ({"target_table": "public.orders\n"}, r"\(orders\)\.target_table: expected 'table' or 'schema.table'"),
+        ({"target_table": "sales\n.orders"}, r"\(orders\)\.target_table: expected 'table' or 'schema.table'"),
+        ({"columns": [column("event_id\n")]}, r"\(orders\)\.columns\[0\]\.name: expected a lower-case identifier"),
+        ({"topic": "orders\n"}, r"\(orders\)\.topic: expected a Kafka topic name"),
+        ({"topic": "."}, r"\(orders\)\.topic: expected a Kafka topic name .*not '\.' or '\.\.'"),
+        ({"topic": ".."}, r"\(orders\)\.topic: expected a Kafka topic name"),
+        ({"topic": "t" * 250}, r"\(orders\)\.topic: expected a Kafka topic name \(1-249 characters"),
+        # Names PostgreSQL would truncate: `stg_<name>` of two pipelines could become one table.
+        ({"name": "p" * (MAX_PIPELINE_NAME + 1)}, r"pipelines\[0\]\.name: .*at most 55 characters"),
+        ({"target_table": "t" * 64}, r"\(orders\)\.target_table: .*at most 63 characters"),
+        ({"target_table": "s" * 64 + ".t"}, r"\(orders\)\.target_table: .*at most 63 characters"),
+        ({"columns": [column("c" * 64)]}, r"\(orders\)\.columns\[0\]\.name: .*at most 63 characters"),
+        ({"target_table": "kafka2pg.orders"}, r"\(orders\)\.target_table: 'kafka2pg.orders' is kafka2pg's own"),
+        ({"target_table": "kafka2pg_migrations"}, r"\(orders\)\.target_table: 'kafka2pg_migrations' is kafka2pg's"),
+        ({"target_table": "pg_catalog.orders"}, r"\(orders\)\.target_table: schema 'pg_catalog' is PostgreSQL's"),
+        ({"target_table": "information_schema.x"}, r"target_table: schema 'information_schema' is PostgreSQL's"),
+        ({"columns": [column("xmin")]}, r"\(orders\)\.columns\[0\]\.name: 'xmin' is a PostgreSQL system column"),
+        ({"columns": [column("ctid")]}, r"\(orders\)\.columns\[0\]\.name: 'ctid' is a PostgreSQL system column"),
+        ({"columns": [column("tableoid")]}, r"columns\[0\]\.name: 'tableoid' is a PostgreSQL system column"),
+        # PostgreSQL's numeric holds at most 1000 digits.
+        (
+            {"columns": [column(type="numeric(1001,2)")]},
+            r"columns\[0\]\.type: 'numeric\(1001,2\)': precision must be 1 to 1000",
+        ),
+        (
+            {"columns": [column(type="numeric(0,0)")]},
+            r"columns\[0\]\.type: 'numeric\(0,0\)': precision must be 1 to 1000",
+        ),
+        ({"columns": [column(type="numeric(5,10)")]}, r"columns\[0\]\.type: .*scale 10 is above precision 5"),
+        ({"columns": [column(type="numeric(\uff11\uff12,\uff12)")]}, r"columns\[0\]\.type: unsupported type"),
+        ({"columns": [column(type="numeric(12,\u30002)")]}, r"columns\[0\]\.type: unsupported type"),
+        ({"columns": [column(type="numeric(99999,2)")]}, r"columns\[0\]\.type: unsupported type"),
+        ({"columns": [column("raw_key")]}, r"columns\[0\]\.name: 'raw_key' is reserved"),
+        (
+            {"columns": [column("a", field="ts"), column("b", field="ts")]},
+            r"\(orders\)\.columns\[1\]\.field: JSON field 'ts' is already read by columns\[0\]",
+        ),
+        ({"columns": [column(field="ts\n")]}, r"\(orders\)\.columns\[0\]\.field: .*no control characters"),
+        ({"business_key": ["n"], "columns": [column(type="jsonb")]}, r"\(orders\)\.business_key: 'n' is a jsonb"),
+        ({"business_key": {"event_id": 1}}, r"\(orders\)\.business_key: expected a column name or a list"),
+        ({"business_key": [["event_id"]]}, r"\(orders\)\.business_key: expected a column name or a list"),
+        (
+            {"columns": [{"name": "event_id", "type": "text", "required": False}]},
+            r"\(orders\)\.columns\[0\]\.required: 'event_id' is in business_key.*remove `required: false`",
+        ),
+        ({"spark_conf": ["spark.x=1"]}, r"\(orders\)\.spark_conf: expected a mapping of Spark settings"),
+        ({"spark_conf": {"spark.x": None}}, r"\(orders\)\.spark_conf: spark.x: expected a string or number"),
     ],
 )
 def test_bad_field_is_named(tmp_path, changes, message):
@@ -95,3 +151,71 @@ def test_column_rules_parse_typed_and_bad_rules_name_the_field(tmp_path):
         path = write(tmp_path, columns=[GOOD["columns"][0], {"name": "n", **bad}])
         with pytest.raises(ConfigError, match=message):
             get_pipeline("orders", path)
+
+
+def test_type_is_stored_as_the_ddl_gets_it_and_a_business_key_may_be_one_name(tmp_path):
+    spec = {**GOOD, "business_key": "event_id", "columns": [GOOD["columns"][0], column(type=" NUMERIC(38, 0) ")]}
+    pipeline = get_pipeline("orders", write_all(tmp_path, spec))
+    assert pipeline.business_key == ("event_id",)
+    assert (pipeline.columns[1].type, pipeline.columns[1].spark_type) == ("numeric(38,0)", "decimal(38,0)")
+
+
+def test_derived_names_fit_postgresql_and_never_collide(tmp_path):
+    longest = "p" * MAX_PIPELINE_NAME
+    pipeline = get_pipeline(longest, write(tmp_path, name=longest))
+    assert all(len(n) <= 63 for n in (pipeline.staging_table, pipeline.staging_index))
+    assert not pipeline.staging_index.startswith("stg_"), "never another pipeline's staging table"
+    short = get_pipeline("orders", write(tmp_path, target_table="public." + "t" * 50))
+    assert short.business_key_index == "t" * 50 + "_business_key", "the name earlier versions gave it"
+    first, second = (
+        get_pipeline("orders", write(tmp_path, target_table="t" * 60 + suffix)).business_key_index
+        for suffix in ("abc", "xyz")
+    )
+    assert len(first) == len(second) == 63 and first != second
+    assert first != "t" * 60 + "abc" and first.endswith("_business_key")
+
+
+@pytest.mark.parametrize(
+    ("second", "message"),
+    [
+        (
+            {"name": "returns", "target_table": "orders"},
+            r"target table 'orders' is also the target table of pipeline 'orders'",
+        ),
+        (
+            {"name": "orders_replay", "target_table": "r"},
+            r"DAG id 'kafka2pg_orders_replay' is also the replay DAG id of",
+        ),
+        (
+            {"name": "keys", "target_table": "public.orders_business_key"},
+            r"target table 'orders_business_key' is also the business-key index of pipeline 'orders'",
+        ),
+    ],
+)
+def test_two_pipelines_cannot_share_a_name_postgresql_or_airflow_would_mix_up(tmp_path, second, message):
+    path = write_all(tmp_path, GOOD, {**GOOD, "topic": "other", **second})
+    with pytest.raises(ConfigError, match=message) as info:
+        load_pipelines(path)
+    assert f"{path}: pipelines[1] ({second['name']})." in str(info.value) and "(pipelines[0])" in str(info.value)
+    load_pipelines(write_all(tmp_path, GOOD, {**GOOD, "name": "audit", "target_table": "audit.orders"}))
+
+
+def test_epoch_reads_numbers_in_timestamptz_columns_only(tmp_path):
+    columns = [GOOD["columns"][0], column("at", type="timestamptz", field="ts", epoch="milliseconds")]
+    pipeline = get_pipeline("orders", write(tmp_path, columns=columns))
+    assert (pipeline.columns[0].epoch, pipeline.columns[1].epoch) == (None, "milliseconds")
+    for bad, message in (
+        (
+            {"type": "bigint", "epoch": "seconds"},
+            r"columns\[1\]\.epoch: only timestamptz columns read epoch numbers, not bigint",
+        ),
+        (
+            {"type": "timestamptz", "epoch": "nanoseconds"},
+            r"columns\[1\]\.epoch: expected one of seconds, milliseconds, micro",
+        ),
+        ({"type": "timestamptz", "epoch": 1000}, r"\(orders\)\.columns\[1\]\.epoch: expected one of"),
+    ):
+        path = write(tmp_path, columns=[GOOD["columns"][0], column("at", **bad)])
+        with pytest.raises(ConfigError, match=message) as info:
+            get_pipeline("orders", path)
+        assert str(path) in str(info.value)

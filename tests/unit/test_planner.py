@@ -134,3 +134,56 @@ def test_loss_horizon_estimates_time_left_from_the_oldest_unread_record():
     assert (caught_up.unread, caught_up.seconds_left, caught_up.at_risk(24)) == (0, None, False)
     no_limit = loss_horizon(state(0, None, low=5, stable=100), head_timestamp_ms=0, now_ms=hour, retention_ms=None)
     assert (no_limit.unread, no_limit.records_margin, no_limit.seconds_left) == (95, 0, None)
+
+
+def simulate(backlogs, budget):
+    """Plan batches until the backlogs are read, as the ledger would see them: after each batch,
+    the heads it read move to its ends, stamped with its batch id. Returns each batch's records
+    per partition and the final heads."""
+    heads = {p: 0 for p in backlogs}
+    moved = {p: None for p in backlogs}
+    batches = []
+    while len(batches) <= sum(backlogs.values()):
+        states = [PartitionState(p, heads[p], 0, n, n, moved[p]) for p, n in backlogs.items()]
+        result = plan(states, budget=budget)
+        if result.is_empty:
+            break
+        for r in result.ranges:
+            assert r.start == heads[r.partition]
+            heads[r.partition], moved[r.partition] = r.end, len(batches) + 1
+        batches.append({r.partition: r.size for r in result.ranges})
+    return batches, heads
+
+
+@pytest.mark.parametrize(
+    ("backlogs", "budget"),
+    [
+        ({0: 40, 1: 40, 2: 40}, 1),
+        ({p: 30 for p in range(5)}, 2),
+        ({0: 200, 1: 3, 2: 50, 3: 1, 4: 120}, 2),
+        ({0: 500, 1: 7, 2: 90}, 1),
+        ({p: 25 + 10 * p for p in range(7)}, 3),
+    ],
+)
+def test_a_budget_below_the_partitions_with_data_serves_each_within_ceil_p_over_budget_batches(backlogs, budget):
+    batches, heads = simulate(backlogs, budget)
+    total = sum(backlogs.values())
+    assert heads == backlogs and sum(sum(b.values()) for b in batches) == total, "every record exactly once"
+    assert len(batches) == -(-total // budget), "each batch uses the whole budget while records are left"
+    bound = -(-len(backlogs) // budget)
+    for partition, backlog in backlogs.items():
+        read = waited = 0
+        for batch in batches:
+            if read == backlog:
+                break  # caught up: nothing left to wait for
+            waited = 0 if partition in batch else waited + 1
+            read += batch.get(partition, 0)
+            assert waited < bound, f"p{partition} waited {waited} batches in a row (budget {budget})"
+
+
+def test_records_that_do_not_divide_evenly_go_to_the_partitions_read_longest_ago():
+    stamped = [PartitionState(p, 0, 0, 100, 100, last) for p, last in ((0, 9), (1, 4), (2, 7))]
+    assert {r.partition: r.size for r in plan(stamped, budget=5).ranges} == {0: 1, 1: 2, 2: 2}
+    assert [r.partition for r in plan(stamped, budget=1).ranges] == [1]
+    never_moved = [*stamped[:2], PartitionState(2, None, 0, 100, 100)]
+    assert [r.partition for r in plan(never_moved, budget=1).ranges] == [2]

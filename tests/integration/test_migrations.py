@@ -1,0 +1,71 @@
+"""Migrations create each pipeline's tables and indexes under names that fit PostgreSQL, and keep
+what a database migrated by an earlier version already has."""
+
+import dataclasses
+import logging
+import uuid
+
+import pytest
+from psycopg import sql
+
+from kafka2pg.exceptions import ObjectNameTakenError
+from kafka2pg.migrations import migrate
+
+
+def indexes(db, schema: str, table: str) -> dict[str, str]:
+    """Index name -> its definition, of one table."""
+    rows = db.execute(
+        "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = %s AND tablename = %s", (schema, table)
+    )
+    return dict(rows.fetchall())
+
+
+def table_name(length: int) -> str:
+    """A fresh table name of `length` bytes."""
+    return ("t_" + uuid.uuid4().hex * 2)[:length]
+
+
+def rename_index(db, schema: str, old: str, new: str) -> None:
+    db.execute(sql.SQL("ALTER INDEX {} RENAME TO {}").format(sql.Identifier(schema, old), sql.Identifier(new)))
+
+
+def test_a_database_migrated_before_keeps_its_index_names_and_gets_no_second_index(make_pipeline, db):
+    env = make_pipeline(create_topic=False, target_table=table_name(55))
+    pipeline = env.pipeline
+    # The names an earlier version gave: <table>_business_key cut to 63 bytes, stg_<name>_batch.
+    old_key_index = f"{pipeline.target_table}_business_key"[:63]
+    rename_index(db, "public", pipeline.business_key_index, old_key_index)
+    rename_index(db, "kafka2pg", pipeline.staging_index, f"{pipeline.staging_table}_batch")
+    migrate(env.settings.database_url, [pipeline])
+    target = indexes(db, "public", pipeline.target_table)
+    assert sorted(target) == sorted([old_key_index, f"{pipeline.target_table}_pkey"])
+    assert list(indexes(db, "kafka2pg", pipeline.staging_table)) == [f"{pipeline.staging_table}_batch"]
+
+
+def test_a_63_byte_target_gets_its_unique_business_key_index(make_pipeline, db):
+    """The name an earlier version derived was the table's own name, so it was never created."""
+    env = make_pipeline(create_topic=False, target_table=table_name(63))
+    pipeline = env.pipeline
+    target = indexes(db, "public", pipeline.target_table)
+    assert "CREATE UNIQUE INDEX" in target[pipeline.business_key_index]
+    assert "(event_id)" in target[pipeline.business_key_index]
+
+
+def test_a_name_migrations_need_that_another_relation_holds_fails_naming_it(make_pipeline, db):
+    first = make_pipeline(create_topic=False)
+    pkey = f"{first.pipeline.target_table}_pkey"
+    with pytest.raises(ObjectNameTakenError, match=rf"target table public.{pkey} is an index, not a table"):
+        make_pipeline(create_topic=False, target_table=pkey)
+    taken = f"taken_{first.pipeline.name}"
+    db.execute(sql.SQL("CREATE TABLE {} (x int)").format(sql.Identifier("public", f"{taken}_business_key")))
+    with pytest.raises(ObjectNameTakenError, match=rf"index public.{taken}_business_key .*is taken by a table"):
+        make_pipeline(create_topic=False, target_table=taken)
+
+
+def test_a_changed_business_key_keeps_the_old_index_and_says_so(make_pipeline, db, caplog):
+    env = make_pipeline(create_topic=False)
+    changed = dataclasses.replace(env.pipeline, business_key=("customer_id",))
+    with caplog.at_level(logging.WARNING, logger="kafka2pg.migrations"):
+        migrate(env.settings.database_url, [changed])
+    assert "already has an index" in caplog.text and "customer_id" in caplog.text
+    assert "(event_id)" in indexes(db, "public", env.pipeline.target_table)[env.pipeline.business_key_index]
