@@ -274,7 +274,7 @@ def _fast_jsonb(raw: msgspec.Raw) -> str | None:
 def rules_for(pipeline: Any) -> tuple[FieldRule, ...]:
     """The admission rules of a pipeline's columns (a `kafka2pg.config.Pipeline`)."""
     return tuple(
-        FieldRule(c.name, c.field, c.type, c.required or c.name in pipeline.business_key, getattr(c, "epoch", None))
+        FieldRule(c.name, c.field, c.type, c.required or c.name in pipeline.business_key, c.epoch)
         for c in pipeline.columns
     )
 

@@ -7,7 +7,7 @@ merges them, so memory stays flat however large the backlog.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from psycopg import sql
@@ -16,6 +16,7 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect
 from kafka2pg.kafka_offsets import partition_offsets, read_offsets, topic_retention
 from kafka2pg.ledger import last_resets, ranges_since_reset, read_heads
+from kafka2pg.stuck import StuckBatch
 
 SAMPLE = 20
 
@@ -167,7 +168,7 @@ def _not_in_kafka(
     _note(result.unexplained_offsets, offset)
 
 
-def format_audit(pipeline: Pipeline, audits: list[PartitionAudit]) -> str:
+def format_audit(pipeline: Pipeline, audits: list[PartitionAudit], stuck: Sequence[StuckBatch] = ()) -> str:
     lines = [f"audit of pipeline {pipeline.name} (topic {pipeline.topic})"]
     header = f"{'partition':>9} {'head':>10} {'kafka':>10} {'matched':>10} {'missing':>8} {'duplicated':>10} "
     lines.append(header + f"{'unexplained':>11} {'expired':>8} {'compacted':>9}")
@@ -185,6 +186,11 @@ def format_audit(pipeline: Pipeline, audits: list[PartitionAudit]) -> str:
                 lines.append(f"          partition {a.partition} {label} offsets: {', '.join(map(str, sample))}")
         for problem in a.ledger_breaks:
             lines.append(f"          partition {a.partition} ledger: {problem}")
-    clean = all(a.clean for a in audits)
-    lines.append("result: clean" if clean else "result: DISCREPANCIES FOUND")
+    lines += [batch.describe() for batch in stuck]
+    if not all(a.clean for a in audits):
+        lines.append("result: DISCREPANCIES FOUND")
+    elif stuck:
+        lines.append("result: STUCK (what the ledger holds is clean, but the pipeline does not advance)")
+    else:
+        lines.append("result: clean")
     return "\n".join(lines)

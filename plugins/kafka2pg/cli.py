@@ -155,13 +155,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from kafka2pg.audit import audit_pipeline, format_audit
+    from kafka2pg.database import connect
+    from kafka2pg.stuck import stuck_batches
 
     settings = _settings()
     clean = True
     for pipeline in _selected_pipelines(args, settings):
         audits = audit_pipeline(settings, pipeline)
-        print(format_audit(pipeline, audits))
-        clean = clean and all(a.clean for a in audits)
+        with connect(settings.database_url) as conn:
+            stuck = stuck_batches(conn, pipeline.name)
+        print(format_audit(pipeline, audits, stuck))
+        clean = clean and all(a.clean for a in audits) and not stuck
     return 0 if clean else 1
 
 

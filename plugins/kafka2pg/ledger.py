@@ -190,9 +190,12 @@ def lock_partitions(conn: Connection, pipeline: str, partitions: set[int] | list
 
 
 def set_state(conn: Connection, batch: Batch, to_state: str, **counts: int | str | None) -> None:
+    """Move the batch to `to_state`; a change of state is progress, so recorded step failures
+    (kafka2pg.stuck) are cleared."""
     assignments = "".join(f", {name} = %({name})s" for name in counts)
     conn.execute(
-        f"UPDATE kafka2pg.batches SET state = %(state)s, updated_at = now(){assignments}"  # noqa: S608 - names are code constants
+        f"UPDATE kafka2pg.batches SET state = %(state)s, updated_at = now(){assignments},"  # noqa: S608 - names are code constants
+        " failed_step = NULL, failed_epoch = NULL, failures = 0, failing_since = NULL, last_failure = NULL"
         " WHERE batch_id = %(batch_id)s",
         {"state": to_state, "batch_id": batch.batch_id, **counts},
     )

@@ -12,6 +12,7 @@ from kafka2pg.database import connect
 from kafka2pg.kafka_offsets import partition_offsets
 from kafka2pg.ledger import head_status, loss_horizons, read_heads
 from kafka2pg.planner import LossHorizon
+from kafka2pg.stuck import stuck_batches
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -37,6 +38,7 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
             "SELECT state, count(*) FROM kafka2pg.batches WHERE pipeline = %s GROUP BY state ORDER BY state",
             (pipeline.name,),
         ).fetchall()
+        stuck = stuck_batches(conn, pipeline.name)
     rows = [
         [h.partition, h.next_offset, h.low, h.high, h.lag, *_horizon(horizons[h.partition], pipeline)] for h in heads
     ]
@@ -45,6 +47,7 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
             f"pipeline {pipeline.name}: topic {pipeline.topic} -> {pipeline.target_schema}.{pipeline.target_table}",
             f"rows landed in target: {landed}; records in quarantine: {quarantined}",
             "batches: " + (", ".join(f"{n} {s}" for s, n in batches) or "none"),
+            *(batch.describe() for batch in stuck),
             "ledger:",
             _table(
                 ["partition", "next_offset", "low_watermark", "high_watermark", "lag", "margin", "time_to_loss"], rows

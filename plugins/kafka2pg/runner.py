@@ -38,6 +38,7 @@ from kafka2pg.ledger import (
 from kafka2pg.promote import promote_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.staging import package_zip, spark_session, stage_batch
+from kafka2pg.stuck import recording_failures
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,8 @@ class _Staged:
 
 
 def _stage(result: RunResult, spark, settings, pipeline, batch_id: int, epoch: int | None, stop) -> _Staged:
-    staged = _timed(result, "stage", stage_batch, spark, settings, pipeline, batch_id, epoch, stop=stop)
+    with recording_failures(settings, pipeline.name, batch_id, epoch, "stage"):
+        staged = _timed(result, "stage", stage_batch, spark, settings, pipeline, batch_id, epoch, stop=stop)
     result.staged.append(batch_id)
     result.records += staged.records_read
     return _Staged(batch_id, epoch, staged.state, staged.message)
@@ -192,8 +194,10 @@ class _Finish(threading.Thread):
     def run(self) -> None:
         result, settings, pipeline, batch_id, epoch = self.args_
         try:
-            _timed(result, "validate", validate_batch, settings, pipeline, batch_id, epoch)
-            promoted = _timed(result, "promote", promote_batch, settings, pipeline, batch_id, epoch)
+            with recording_failures(settings, pipeline.name, batch_id, epoch, "validate"):
+                _timed(result, "validate", validate_batch, settings, pipeline, batch_id, epoch)
+            with recording_failures(settings, pipeline.name, batch_id, epoch, "promote"):
+                promoted = _timed(result, "promote", promote_batch, settings, pipeline, batch_id, epoch)
             self.message = promoted.message
             if not promoted.already_promoted:  # an earlier attempt landed those rows
                 result.rows_promoted += promoted.promoted

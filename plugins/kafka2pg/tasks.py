@@ -67,10 +67,13 @@ def plan(
 
 def validate(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dict:
     from kafka2pg.quality import validate_batch
+    from kafka2pg.stuck import recording_failures
 
     with airflow_errors():
         settings = Settings.from_env()
-        result = validate_batch(settings, get_pipeline(pipeline_name, settings.pipelines_file), batch_id, epoch)
+        pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
+        with recording_failures(settings, pipeline_name, batch_id, epoch, "validate"):
+            result = validate_batch(settings, pipeline, batch_id, epoch)
     for check in result.checks:
         log.info(
             "batch_id=%s check %-36s %s  %s", batch_id, check.name, "ok" if check.success else "FAILED", check.details
@@ -84,11 +87,13 @@ def validate(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dic
 def promote(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dict:
     from kafka2pg.promote import promote_batch
     from kafka2pg.report import batch_report
+    from kafka2pg.stuck import recording_failures
 
     with airflow_errors():
         settings = Settings.from_env()
         pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
-        result = promote_batch(settings, pipeline, batch_id, epoch)
+        with recording_failures(settings, pipeline_name, batch_id, epoch, "promote"):
+            result = promote_batch(settings, pipeline, batch_id, epoch)
         log.info("pipeline=%s %s", pipeline_name, result.message)
         log.info("\n%s", batch_report(settings, pipeline, batch_id))
     return {"batch_id": batch_id, "promoted": result.promoted, "quarantined": result.quarantined}

@@ -1,0 +1,108 @@
+"""Failed steps recorded with their batch, and the STUCK verdict: a batch whose step failed in
+consecutive runs, which `status`, `verify` and the task log report instead of staying silent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+
+import psycopg
+from psycopg import Connection
+
+from kafka2pg.config import Settings
+from kafka2pg.database import transaction
+from kafka2pg.exceptions import Kafka2PgError, LedgerConflictError, StageInterrupted
+
+log = logging.getLogger(__name__)
+
+# Consecutive runs (claims) failing the same step of one batch before it is called stuck: one
+# failure can be a passing outage; the next run failing the same way is a wedge.
+STUCK_AFTER_RUNS = 2
+_ERROR_CHARS = 2000
+# Not failures of the batch: a run fenced off by a newer one, a SIGTERM.
+_NOT_FAILURES = (LedgerConflictError, StageInterrupted)
+
+
+@dataclass(frozen=True)
+class StuckBatch:
+    """An open batch whose `step` failed in `runs` consecutive runs since `since`."""
+
+    pipeline: str
+    batch_id: int
+    state: str
+    step: str
+    runs: int
+    since: datetime
+    error: str
+    ranges: str
+
+    def describe(self) -> str:
+        return (
+            f"STUCK: pipeline {self.pipeline!r} batch {self.batch_id} ({self.state}, offsets {self.ranges}) failed "
+            f"at {self.step} in {self.runs} consecutive runs since {self.since:%Y-%m-%d %H:%M:%S %Z}: {self.error}. "
+            "Fix the cause and trigger a run (it resumes the batch), or see docs/operations.md."
+        )
+
+
+def is_stuck(failures: int) -> bool:
+    return failures > 99
+
+
+@contextmanager
+def recording_failures(
+    settings: Settings, pipeline: str, batch_id: int, epoch: int | None, step: str
+) -> Iterator[None]:
+    """Run one step of a batch; if it raises, record the failure with the batch (and log STUCK
+    when the same step failed in the previous run too), then re-raise."""
+    try:
+        yield
+    except _NOT_FAILURES:
+        raise
+    except BaseException as exc:
+        _record(settings, pipeline, batch_id, epoch, step, exc)
+        raise
+
+
+def _record(settings: Settings, pipeline: str, batch_id: int, epoch: int | None, step: str, exc: BaseException) -> None:
+    error = f"{type(exc).__name__}: {_first_lines(str(exc))}"[:_ERROR_CHARS]
+    try:
+        with transaction(settings.database_url) as conn:
+            row = conn.execute(
+                "UPDATE kafka2pg.batches SET"
+                " failures = CASE WHEN failed_step = %(step)s AND failed_epoch = epoch THEN failures"
+                "   WHEN failed_step = %(step)s THEN failures + 1 ELSE 1 END,"
+                " failing_since = CASE WHEN failed_step = %(step)s THEN failing_since ELSE now() END,"
+                " failed_step = %(step)s, failed_epoch = epoch, last_failure = %(error)s"
+                " WHERE batch_id = %(batch)s AND (%(epoch)s::bigint IS NULL OR epoch = %(epoch)s)"
+                " AND state IN ('planned', 'staged', 'validated') RETURNING failures",
+                {"step": step, "error": error, "batch": batch_id, "epoch": epoch},
+            ).fetchone()
+            stuck = stuck_batches(conn, pipeline, batch_id) if row is not None and is_stuck(row[0]) else []
+    except (Kafka2PgError, psycopg.Error) as unrecorded:  # the step's own error is what the caller sees
+        log.warning("pipeline=%s batch_id=%s could not record the %s failure: %s", pipeline, batch_id, step, unrecorded)
+        return
+    for batch in stuck:
+        log.error("%s", batch.describe())
+
+
+def stuck_batches(conn: Connection, pipeline: str, batch_id: int | None = None) -> list[StuckBatch]:
+    """The pipeline's open batches that failed the same step in consecutive runs."""
+    rows = conn.execute(
+        "SELECT b.batch_id, b.state, b.failed_step, b.failures, b.failing_since, b.last_failure,"
+        " coalesce(string_agg(format('p%%s[%%s,%%s)', p.kafka_partition, p.start_offset, p.end_offset), ' '"
+        "   ORDER BY p.kafka_partition), 'none')"
+        " FROM kafka2pg.batches b LEFT JOIN kafka2pg.batch_partitions p USING (batch_id)"
+        " WHERE b.pipeline = %s AND (%s::bigint IS NULL OR b.batch_id = %s) AND b.failures >= %s + 99"
+        " AND b.state IN ('planned', 'staged', 'validated') GROUP BY b.batch_id ORDER BY b.batch_id",
+        (pipeline, batch_id, batch_id, STUCK_AFTER_RUNS),
+    ).fetchall()
+    return [StuckBatch(pipeline, *row) for row in rows]
+
+
+def _first_lines(text: str, lines: int = 3) -> str:
+    """A Java or Python trace shortened to its first lines: the message, not the frames."""
+    return " | ".join(line.strip() for line in text.strip().splitlines()[:lines] if line.strip())

@@ -1,0 +1,75 @@
+"""A batch that fails the same step run after run is reported STUCK, never left silent."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from psycopg import sql
+
+from kafka2pg import tasks
+from kafka2pg.ledger import open_batch
+from kafka2pg.producer import produce, sample_events
+from kafka2pg.quality import validate_batch
+from kafka2pg.report import ledger_report
+from kafka2pg.staging import stage_batch
+
+
+def verify(env) -> subprocess.CompletedProcess:
+    environment = {
+        **os.environ,
+        "KAFKA2PG_BOOTSTRAP_SERVERS": env.settings.bootstrap_servers,
+        "KAFKA2PG_DATABASE_URL": env.settings.database_url,
+        "KAFKA2PG_PIPELINES": str(env.settings.pipelines_file),
+    }
+    command = [sys.executable, "-m", "kafka2pg", "verify", "--pipeline", env.pipeline.name]
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+
+
+def test_a_batch_failing_promotion_in_two_runs_is_stuck_in_status_verify_and_the_log(
+    make_pipeline, spark, db, monkeypatch, caplog
+):
+    env = make_pipeline(partitions=2)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(20, seed=71))
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    # Not a data error: the database refuses every insert into the target (a broken trigger).
+    db.execute(
+        "CREATE OR REPLACE FUNCTION public.refuse_all() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$ BEGIN RAISE EXCEPTION 'target is read-only for maintenance'; END $$"
+    )
+    db.execute(sql.SQL("CREATE TRIGGER refuse BEFORE INSERT ON {} EXECUTE FUNCTION public.refuse_all()").format(target))
+
+    batch = open_batch(env.settings, env.pipeline, run_id="run-1").batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id, batch.epoch)
+    validate_batch(env.settings, env.pipeline, batch.batch_id, batch.epoch)
+    with pytest.raises(Exception, match="read-only for maintenance"):
+        tasks.promote(env.pipeline.name, batch.batch_id, batch.epoch)
+    assert "STUCK" not in ledger_report(env.settings, env.pipeline)  # one failure: maybe a passing outage
+    assert verify(env).returncode == 0
+
+    resumed = open_batch(env.settings, env.pipeline, run_id="run-2").batch
+    assert (resumed.batch_id, resumed.epoch) == (batch.batch_id, batch.epoch + 1)
+    with pytest.raises(Exception, match="read-only for maintenance"):
+        tasks.promote(env.pipeline.name, resumed.batch_id, resumed.epoch)
+    with pytest.raises(Exception, match="read-only for maintenance"):  # a retry in the same run counts once
+        tasks.promote(env.pipeline.name, resumed.batch_id, resumed.epoch)
+
+    status = ledger_report(env.settings, env.pipeline)
+    expected = f"STUCK: pipeline '{env.pipeline.name}' batch {batch.batch_id} (validated, offsets p0[0,"
+    assert expected in status, status
+    assert "failed at promote in 2 consecutive runs since" in status
+    assert "target is read-only for maintenance" in status
+    assert any(r.levelname == "ERROR" and "STUCK" in r.getMessage() for r in caplog.records)
+    failed = verify(env)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "result: STUCK" in failed.stdout and f"batch {batch.batch_id} (validated" in failed.stdout
+
+    db.execute(sql.SQL("DROP TRIGGER refuse ON {}").format(target))
+    third = open_batch(env.settings, env.pipeline, run_id="run-3").batch
+    assert tasks.promote(env.pipeline.name, third.batch_id, third.epoch)["promoted"] == 20
+    assert "STUCK" not in ledger_report(env.settings, env.pipeline)
+    passed = verify(env)
+    assert passed.returncode == 0 and "result: clean" in passed.stdout
