@@ -29,7 +29,7 @@ JDBC_PROPERTIES = {
 
 @contextmanager
 def bench_stack(prefix: str) -> Iterator[tuple[Settings, Stack, Path]]:
-    """A local broker and PostgreSQL for one benchmark run, stopped afterwards."""
+    """A local broker and PostgreSQL for one benchmark run, stopped and deleted afterwards."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     # This run's state dir is a scratch folder: it gets set-up's class-data archive, as it gets
     # set-up's jars (local_stack.spark_jars), so ours starts Spark as a set-up machine does.
@@ -41,7 +41,7 @@ def bench_stack(prefix: str) -> Iterator[tuple[Settings, Stack, Path]]:
     try:
         yield Settings(stack.kafka.bootstrap_servers, stack.postgres.url, state_dir=work), stack, work
     finally:
-        local_stack.stop_stack(stack)
+        local_stack.discard_stack(stack)
 
 
 def bench_pipeline(name: str, topic: str | None = None) -> Pipeline:

@@ -43,7 +43,7 @@ def stack(tmp_path_factory):
 
     started = local_stack.start_stack(tmp_path_factory.mktemp("stack"))
     yield started
-    local_stack.stop_stack(started)
+    local_stack.discard_stack(started)
 
 
 @pytest.fixture(scope="session")

@@ -45,33 +45,54 @@ def cmd_stack(args: argparse.Namespace) -> int:
             print("making the Spark class-data archive (once; about 30 s)", file=sys.stderr)
         print(f"Spark class-data archive: {class_archive.ensure(cache) or 'none (stage jobs start without it)'}")
         return 0
+    if args.action == "reset":
+        return _reset_stack(cache, confirm=args.confirm)
     current = local_stack.load_stack(cache)
     if args.action == "status":
         if current is None:
             print("no local stack recorded (start one with ./kafka2pg stack start)")
             return 1
-        for name, line in local_stack.stack_status(current).items():
+        status = local_stack.stack_status(current)
+        for name, line in status.items():
             print(f"{name}: {line}")
+        if any(line.startswith("stopped") for line in status.values()):
+            print("`./kafka2pg stack start` restarts what is stopped, on its ports and with its data")
         return 0
     if args.action == "stop":
         if current is None:
             print("no local stack recorded: nothing to stop")
             return 0
         local_stack.stop_stack(current)
-        local_stack.forget_stack(cache)
-        print("local stack stopped")
+        data = ", ".join(str(p) for p in local_stack.stack_data(current))
+        print(
+            f"local stack stopped; its data stays in {data}: `./kafka2pg stack start` brings it back, "
+            "`./kafka2pg stack reset --confirm` deletes it"
+        )
         return 0
-    if current is not None and all("running" in s for s in local_stack.stack_status(current).values()):
-        print(f"local stack already running; environment in {local_stack.stack_dir(cache) / 'stack.env'}")
+    _, done = local_stack.start_or_resume(cache)
+    for line in done:
+        print(line)
+    print(f"environment: source {local_stack.stack_dir(cache) / 'stack.env'}")
+    return 0
+
+
+def _reset_stack(cache: Path, *, confirm: bool) -> int:
+    """`stack reset`: without --confirm, say what would be deleted and change nothing."""
+    from kafka2pg import local_stack
+
+    targets = local_stack.reset_targets(cache)
+    if not targets:
+        print(f"no local stack in {local_stack.stack_dir(cache)}: nothing to delete")
         return 0
-    if current is not None:
-        local_stack.stop_stack(current)
-        local_stack.forget_stack(cache)
-    stack = local_stack.start_stack(local_stack.stack_dir(cache), cache)
-    env_file = local_stack.save_stack(stack, cache)
-    for name, line in local_stack.stack_status(stack).items():
-        print(f"{name}: {line}")
-    print(f"environment: source {env_file}")
+    listing = "".join(f"\n  {path}  ({what})" for path, what in targets)
+    if not confirm:
+        print(
+            f"would stop the local stack and delete:{listing}\n"
+            "nothing changed: re-run with --confirm to delete (`./kafka2pg stack stop` stops it and keeps the data)"
+        )
+        return 1
+    local_stack.reset_stack(cache)
+    print(f"local stack stopped and deleted:{listing}")
     return 0
 
 
@@ -294,8 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="leave the stack running (stop it with `stack stop`)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("stack", help="the local Kafka + PostgreSQL stack")
-    p.add_argument("action", choices=["install", "start", "stop", "status"])
+    p = sub.add_parser(
+        "stack",
+        help="the local Kafka + PostgreSQL stack: start (restarts only what is down, data kept), stop "
+        "(data kept), status, reset (deletes its data), install",
+    )
+    p.add_argument("action", choices=["install", "start", "stop", "status", "reset"])
+    p.add_argument("--confirm", action="store_true", help="reset: delete; without it, only say what would go")
     p.set_defaults(func=cmd_stack)
 
     sub.add_parser("migrate", help="apply sql/ migrations and create pipeline tables").set_defaults(func=cmd_migrate)

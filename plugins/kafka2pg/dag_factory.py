@@ -18,6 +18,9 @@ from kafka2pg.config import (
 )
 
 SPARK_CONN_ID = "kafka2pg_spark"
+# What a `plan` task returns when there is no batch. Not None: Airflow stores no XCom for None, and
+# `has_batch` pulling the missing XCom logs "[error] XCom not found" on every no-op run.
+NO_BATCH: dict = {}
 JOB = PROJECT_ROOT / "jobs" / "stage_batch.py"
 
 
@@ -65,17 +68,18 @@ def build_dag(pipeline: Pipeline):
     ) as dag:
 
         @task(task_id="plan")
-        def plan_batch(params: dict | None = None, run_id: str | None = None) -> dict | None:
+        def plan_batch(params: dict | None = None, run_id: str | None = None) -> dict:
             from kafka2pg import tasks
 
             params = params or {}
-            return tasks.plan(
+            planned = tasks.plan(
                 name,
                 max_records_per_batch=params.get("max_records_per_batch"),
                 batches_per_run=params.get("batches_per_run"),
                 dry_run=bool(params.get("dry_run")),
                 run_id=run_id,
             )
+            return planned or NO_BATCH
 
         stage = _stage_operator(pipeline, several_batches=True)
 
@@ -104,7 +108,7 @@ def _has_batch_task():
     from airflow.sdk import task
 
     @task.short_circuit(task_id="has_batch")
-    def has_batch(planned: dict | None) -> bool:
+    def has_batch(planned: dict) -> bool:
         return bool(planned)
 
     return has_batch
@@ -238,11 +242,11 @@ def build_replay_dag(pipeline: Pipeline):
     ) as dag:
 
         @task(task_id="plan")
-        def plan_replay(params: dict | None = None, run_id: str | None = None, dag_run=None, **context) -> dict | None:
+        def plan_replay(params: dict | None = None, run_id: str | None = None, dag_run=None, **context) -> dict:
             from kafka2pg import tasks
 
             user = getattr(dag_run, "triggering_user_name", None) or ""
-            return tasks.plan_replay(
+            planned = tasks.plan_replay(
                 name,
                 dict(params or {}),
                 run_id=run_id,
@@ -250,6 +254,7 @@ def build_replay_dag(pipeline: Pipeline):
                 interval=(context.get("data_interval_start"), context.get("data_interval_end")),
                 requested_by=user or f"airflow run {run_id}",
             )
+            return planned or NO_BATCH
 
         @task(task_id="finish")
         def finish(planned: dict) -> dict:

@@ -55,10 +55,13 @@ def run(*, events: int, keep: bool) -> int:
     print("[1/6] resolving Kafka and Spark jars (cached after the first run)")
     local_stack.resolve_jars(cache)
     print("[2/6] starting a real Kafka broker (KRaft) and a throwaway PostgreSQL on 127.0.0.1")
-    existing = local_stack.load_stack(cache)
-    if existing is not None:
-        local_stack.stop_stack(existing)
-        local_stack.forget_stack(cache)
+    if local_stack.reset_targets(cache):
+        # The demo counts what it lands from an empty stack, and never deletes data it did not make.
+        raise local_stack.StackError(
+            f"a local stack already exists in {local_stack.stack_dir(cache)}, with its data: the demo starts "
+            "its own, empty one. `./kafka2pg stack reset` shows what that stack holds, `./kafka2pg stack reset "
+            "--confirm` deletes it; then run the demo again."
+        )
     stack = local_stack.start_stack(local_stack.stack_dir(cache), cache)
     env_file = local_stack.save_stack(stack, cache)
     try:
@@ -67,9 +70,8 @@ def run(*, events: int, keep: bool) -> int:
         if keep:
             print(f"stack left running: `source {env_file}` to use it, `./kafka2pg stack stop` to stop it")
         else:
-            local_stack.stop_stack(stack)
-            local_stack.forget_stack(cache)
-            print("stack stopped")
+            local_stack.reset_stack(cache)
+            print("the demo's stack stopped and deleted")
 
 
 def _run_with_stack(stack: local_stack.Stack, events: int, cache: Path) -> int:

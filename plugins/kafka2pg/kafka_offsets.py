@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
@@ -16,6 +18,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetS
 from kafka2pg.exceptions import KafkaUnavailableError, RetentionLossError, TopicNotFoundError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ def ensure_topic(bootstrap_servers: str, topic: str, partitions: int, timeout_s:
         pass
     futures = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
     try:
-        futures[topic].result(timeout=timeout_s)
+        _answer(futures[topic], f"creating topic {topic!r}", bootstrap_servers, timeout_s)
     except KafkaException as exc:
         if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
             raise _unavailable(bootstrap_servers, timeout_s, exc) from exc
@@ -122,7 +125,8 @@ def topic_retention(bootstrap_servers: str, topic: str, timeout_s: float = 10.0)
     admin = admin_client(bootstrap_servers, timeout_s)
     resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
     try:
-        entries = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(timeout=timeout_s)
+        future = admin.describe_configs([resource], request_timeout=timeout_s)[resource]
+        entries = _answer(future, f"reading the configs of topic {topic!r}", bootstrap_servers, timeout_s)
     except KafkaException as exc:
         raise _unavailable(bootstrap_servers, timeout_s, exc) from exc
     policy = entries["cleanup.policy"].value or "delete"
@@ -232,9 +236,7 @@ def _consume_until(
         messages = consumer.consume(num_messages=5000, timeout=0.2)
         if not messages:
             if time.monotonic() - idle_since > timeout_s:
-                raise KafkaUnavailableError(
-                    f"Kafka at {bootstrap_servers}: no answer reading {where} in {timeout_s:.0f}s"
-                )
+                raise _unavailable(bootstrap_servers, timeout_s, f"while reading {where}")
             continue
         idle_since = time.monotonic()
         for message in messages:
@@ -268,14 +270,24 @@ def _list(
     result = {}
     for tp, future in futures.items():
         try:
-            result[tp.partition] = future.result(timeout=timeout_s).offset
+            answer = _answer(future, f"listing the offsets of {topic}[{tp.partition}]", bootstrap_servers, timeout_s)
+            result[tp.partition] = answer.offset
         except KafkaException as exc:
             raise _unavailable(bootstrap_servers, timeout_s, exc) from exc
     return result
 
 
-def _unavailable(bootstrap_servers: str, timeout_s: float, exc: Exception) -> KafkaUnavailableError:
+def _answer(future: Future[T], what: str, bootstrap_servers: str, timeout_s: float) -> T:
+    """The result of an AdminClient future. Waiting out `timeout_s` raises a bare TimeoutError,
+    without a message, when the cluster is unreachable: translated here; KafkaException passes on."""
+    try:
+        return future.result(timeout=timeout_s)
+    except TimeoutError as exc:
+        raise _unavailable(bootstrap_servers, timeout_s, f"while {what}") from exc
+
+
+def _unavailable(bootstrap_servers: str, timeout_s: float, cause: Exception | str) -> KafkaUnavailableError:
     return KafkaUnavailableError(
-        f"Kafka at {bootstrap_servers} did not answer within {timeout_s:.0f}s ({exc}). Check that "
+        f"Kafka at {bootstrap_servers} did not answer within {timeout_s:.0f}s ({cause}). Check that "
         "the brokers run and KAFKA2PG_BOOTSTRAP_SERVERS is right."
     )

@@ -2,7 +2,8 @@
 
 Kafka runs from Maven Central jars cached under .cache/jars; PostgreSQL from Debian's binaries
 (initdb as the `postgres` user when we are root). Both bind 127.0.0.1 on free ports and are
-stopped by the PIDs this module recorded, never by name.
+stopped by the PIDs this module recorded, never by name. A recorded stack keeps its ports and
+data: starting it again restarts only what is down; only `reset_stack` deletes data.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class KafkaProcess:
     def bootstrap_servers(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def running(self) -> bool:
+        """True when the recorded PID is this broker (after a reboot it may be another program's)."""
+        return _runs(self.pid, str(Path(self.data_dir) / "server.properties"))
+
 
 @dataclass
 class PostgresProcess:
@@ -54,6 +59,15 @@ class PostgresProcess:
     @property
     def url(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/kafka2pg"
+
+    @property
+    def cluster_dir(self) -> Path:
+        """The folder start_postgres made: the data directory and the server log."""
+        return Path(self.data_dir).parent
+
+    def running(self) -> bool:
+        """True when the recorded PID is this cluster's postmaster."""
+        return _runs(self.pid, self.data_dir)
 
 
 @dataclass
@@ -151,6 +165,67 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _runs(pid: int, needle: str) -> bool:
+    """True when `pid` is alive and its command line holds `needle`: a recorded PID may belong to
+    another program after a reboot, and must then be neither trusted nor signalled."""
+    if not _alive(pid):
+        return False
+    try:
+        return needle.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()  # no /proc on this system: the PID is all we have
+
+
+def _proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, ppid, pgrp, session, tty, tpgid, flags..."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
+_PF_KTHREAD = 0x00200000  # in /proc/PID/stat's flags: a kernel thread (no command line either)
+
+
+def _exiting(pid: int) -> bool:
+    """True while a killed `pid` is still torn down or a zombie: its command line is gone, but its
+    PID (and, for a moment, its listening sockets) are not."""
+    try:
+        flags = int(_proc_stat(pid)[6])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return not cmdline and not flags & _PF_KTHREAD
+
+
+def _wait_for_exit(pid: int, what: str, timeout_s: float = 30) -> None:
+    """Before restarting a killed process on its port and data: wait until it is fully gone. Its
+    sockets hold the port until then, and PostgreSQL takes a zombie postmaster's PID, still in
+    postmaster.pid, for a running server (the zombie's parent, often init, reaps it soon)."""
+    deadline = time.monotonic() + timeout_s
+    while _exiting(pid):
+        if not _alive(pid):  # our own child, reaped by this call
+            return
+        if time.monotonic() > deadline:
+            raise StackError(
+                f"{what} (pid {pid}) was killed but is not gone after {timeout_s:.0f}s (a zombie its parent "
+                "has not reaped?): it may still hold the port and data. Run `./kafka2pg stack start` again later."
+            )
+        time.sleep(0.1)
+
+
+def _ensure_port_free(port: int, what: str) -> None:
+    """Refuse to restart `what` when another process listens on its recorded port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As the servers do: connections of the old process in TIME_WAIT do not hold the port.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise StackError(
+                f"{what} must listen on its recorded port 127.0.0.1:{port}, but another process holds it "
+                f"({exc.strerror}). Stop that process (`ss -ltnp 'sport = :{port}'` names it), then run "
+                "`./kafka2pg stack start` again; the stack's data is kept."
+            ) from exc
+
+
 def _tail(path: str, lines: int = 40) -> str:
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
@@ -234,6 +309,8 @@ def start_kafka(work_dir: Path, cache: Path = DEFAULT_CACHE, timeout_s: float = 
     if state_file.exists():  # a restart keeps ports and data
         ports = json.loads(state_file.read_text())
         port, controller_port = ports["port"], ports["controller_port"]
+        for number in (port, controller_port):
+            _ensure_port_free(number, f"the Kafka broker of {work_dir}")
     else:
         port, controller_port = free_port(), free_port()
         state_file.write_text(json.dumps({"port": port, "controller_port": controller_port}))
@@ -330,18 +407,39 @@ def postgres_bin_dir() -> Path:
     )
 
 
-def start_postgres(log_dir: Path, timeout_s: float = 60) -> PostgresProcess:
-    """initdb a throwaway cluster in a temp folder and start it on a free 127.0.0.1 port."""
-    bin_dir = postgres_bin_dir()
-    # The cluster and its log live in a temp folder the `postgres` user can reach (a root-only
-    # parent such as pytest's tmp dir is not); log_dir gets a symlink to the log.
+def _new_cluster_dir(work_dir: Path) -> Path:
+    """Where a new cluster and its log live: `work_dir/postgres` when the `postgres` user can write
+    there, else a temp folder (a root-only parent such as pytest's tmp dir is out of its reach)."""
+    base = work_dir / "postgres"
+    if base.exists():
+        raise StackError(
+            f"{base} already exists (a cluster no recorded stack names?): nothing was started. "
+            "`./kafka2pg stack reset` shows what it would delete, `./kafka2pg stack reset --confirm` "
+            "deletes it; or move the folder away."
+        )
+    base.mkdir(parents=True)
+    _give_to_postgres(base)
+    reachable = subprocess.run([*_as_postgres(), "test", "-w", str(base)], check=False).returncode == 0
+    if reachable:
+        return base
+    base.rmdir()
     base = Path(tempfile.mkdtemp(prefix="kafka2pg-pg-"))
     base.chmod(0o755)
+    _give_to_postgres(base)
+    return base
+
+
+def start_postgres(work_dir: Path, timeout_s: float = 60) -> PostgresProcess:
+    """initdb a new cluster (see _new_cluster_dir) and start it on a free 127.0.0.1 port;
+    `work_dir/logs/postgres.log` links to its log."""
+    bin_dir = postgres_bin_dir()
+    base = _new_cluster_dir(work_dir)
+    log_dir = work_dir / "logs"
     data_dir = base / "data"
     data_dir.mkdir()
     log_file = base / "postgres.log"
     log_file.touch()
-    for path in (base, data_dir, log_file):
+    for path in (data_dir, log_file):
         _give_to_postgres(path)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "postgres.log").unlink(missing_ok=True)
@@ -446,8 +544,11 @@ def restart_kafka(kafka: KafkaProcess, cache: Path = DEFAULT_CACHE) -> KafkaProc
     return start_kafka(Path(kafka.data_dir), cache)
 
 
-def stop_postgres(pg: PostgresProcess, *, remove: bool = True) -> None:
-    if _alive(pg.pid) and Path(pg.data_dir).exists():
+def stop_postgres(pg: PostgresProcess) -> None:
+    """Stop the cluster (a clean shutdown); its data stays."""
+    if not pg.running():
+        return
+    if Path(pg.data_dir).exists():
         subprocess.run(
             [*_as_postgres(), str(Path(pg.bin_dir) / "pg_ctl"), "-D", pg.data_dir, "-m", "fast", "-w", "stop"],
             capture_output=True,
@@ -455,8 +556,66 @@ def stop_postgres(pg: PostgresProcess, *, remove: bool = True) -> None:
             check=False,
         )
     stop_pid(pg.pid)
-    if remove:
-        shutil.rmtree(Path(pg.data_dir).parent, ignore_errors=True)
+
+
+def _start_recorded_kafka(kafka: KafkaProcess, cache: Path) -> KafkaProcess:
+    """Start a stopped broker on its recorded ports and data; never a new, empty one."""
+    if not (Path(kafka.data_dir) / "logs" / "meta.properties").exists():
+        raise StackError(
+            f"the Kafka broker's data recorded in {kafka.data_dir} is gone (no logs/meta.properties): nothing "
+            "was started. `./kafka2pg stack reset --confirm` forgets this stack (and deletes what is left of "
+            "it); `./kafka2pg stack start` then starts a new, empty one."
+        )
+    _wait_for_exit(kafka.pid, f"the Kafka broker of {kafka.data_dir}")
+    return start_kafka(Path(kafka.data_dir), cache)
+
+
+def _orphans(data_dir: str) -> list[int]:
+    """Server processes a killed postmaster left running: their working directory is its data
+    directory and their parent is no postmaster of it. They hold its shared memory, and a new
+    postmaster refuses to start beside them ("pre-existing shared memory block is still in use")."""
+    cwd, found = str(Path(data_dir).resolve()), []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.readlink(proc / "cwd") != cwd or not (proc / "cmdline").read_bytes().startswith(b"postgres: "):
+                continue
+            parent = int(_proc_stat(int(proc.name))[1])
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if not _runs(parent, data_dir):
+            found.append(int(proc.name))
+    return found
+
+
+def _end_orphans(data_dir: str, grace_s: float = 5) -> list[int]:
+    """Give a killed postmaster's leftover server processes `grace_s` to notice and exit (they do
+    when they next wait), then stop those still running (one stuck in a long query); their PIDs."""
+    deadline = time.monotonic() + grace_s
+    while (left := _orphans(data_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        stop_pid(pid)
+    return left
+
+
+def _start_recorded_postgres(pg: PostgresProcess, timeout_s: float = 60) -> tuple[PostgresProcess, list[int]]:
+    """Start a stopped (or killed) cluster on its recorded port and data directory; also return the
+    PIDs of server processes a killed postmaster had left running, which had to be stopped first.
+    The stale postmaster.pid a killed postmaster leaves is the new one's to take over."""
+    data_dir = Path(pg.data_dir)
+    if not (data_dir / "PG_VERSION").exists():
+        raise StackError(
+            f"the PostgreSQL data directory recorded in {data_dir} is gone: nothing was started. "
+            "`./kafka2pg stack reset --confirm` forgets this stack (and deletes what is left of it); "
+            "`./kafka2pg stack start` then starts a new, empty one."
+        )
+    _wait_for_exit(pg.pid, f"the postmaster of {data_dir}")
+    ended = _end_orphans(pg.data_dir)
+    _ensure_port_free(pg.port, f"PostgreSQL of {data_dir}")
+    pid = _pg_ctl_start(Path(pg.bin_dir), data_dir, Path(pg.log_file), pg.port, timeout_s)
+    return PostgresProcess(pid, pg.port, pg.data_dir, pg.log_file, pg.bin_dir), ended
 
 
 # ---------------------------------------------------------------- the whole stack
@@ -467,10 +626,10 @@ def stack_dir(cache: Path = DEFAULT_CACHE) -> Path:
 
 
 def start_stack(work_dir: Path, cache: Path = DEFAULT_CACHE) -> Stack:
-    """Start Kafka and PostgreSQL under `work_dir`; stop whatever started if the other fails."""
+    """Start a new Kafka and PostgreSQL under `work_dir`; stop whatever started if the other fails."""
     kafka = start_kafka(work_dir / "kafka", cache)
     try:
-        postgres = start_postgres(work_dir / "logs")
+        postgres = start_postgres(work_dir)
     except StackError:
         stop_pid(kafka.pid)
         raise
@@ -478,8 +637,59 @@ def start_stack(work_dir: Path, cache: Path = DEFAULT_CACHE) -> Stack:
 
 
 def stop_stack(stack: Stack) -> None:
-    stop_pid(stack.kafka.pid)
+    """Stop both processes; their data stays for a later start (`start_or_resume`)."""
+    if stack.kafka.running():
+        stop_pid(stack.kafka.pid)
     stop_postgres(stack.postgres)
+
+
+def stack_data(stack: Stack) -> list[Path]:
+    """The folders holding the stack's data: the broker's (topics, records) and the cluster's."""
+    return [Path(stack.kafka.data_dir), stack.postgres.cluster_dir]
+
+
+def discard_stack(stack: Stack) -> None:
+    """Stop a throwaway stack (a test session's, a benchmark's) and delete its data."""
+    stop_stack(stack)
+    for path in stack_data(stack):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def start_or_resume(cache: Path = DEFAULT_CACHE) -> tuple[Stack, list[str]]:
+    """`stack start`: with no stack recorded, start a new one; otherwise start only the parts that
+    are down, on their recorded ports and data. Never deletes anything. Returns the stack (recorded)
+    and one line per part saying what was done."""
+    recorded = load_stack(cache)
+    if recorded is None:
+        stack = start_stack(stack_dir(cache), cache)
+        save_stack(stack, cache)
+        return stack, [
+            f"kafka: started a new broker at {stack.kafka.bootstrap_servers}, pid {stack.kafka.pid}, "
+            f"data in {stack.kafka.data_dir}",
+            f"postgres: started a new cluster at 127.0.0.1:{stack.postgres.port}, pid {stack.postgres.pid}, "
+            f"data in {stack.postgres.data_dir}",
+        ]
+    stack, done = Stack(recorded.kafka, recorded.postgres), []
+    if stack.kafka.running():
+        done.append(f"kafka: running at {stack.kafka.bootstrap_servers}, pid {stack.kafka.pid}: left alone")
+    else:
+        stack.kafka = _start_recorded_kafka(stack.kafka, cache)
+        save_stack(stack, cache)  # at once: a failure below must not lose the new PID
+        done.append(
+            f"kafka: was down (pid {recorded.kafka.pid}); restarted at {stack.kafka.bootstrap_servers} with its "
+            f"data in {stack.kafka.data_dir}, pid {stack.kafka.pid}"
+        )
+    if stack.postgres.running():
+        done.append(f"postgres: running at 127.0.0.1:{stack.postgres.port}, pid {stack.postgres.pid}: left alone")
+    else:
+        stack.postgres, ended = _start_recorded_postgres(stack.postgres)
+        save_stack(stack, cache)
+        leftovers = f" (first stopped {len(ended)} server process(es) it had left running: pids {ended})"
+        done.append(
+            f"postgres: was down (pid {recorded.postgres.pid}); restarted at 127.0.0.1:{stack.postgres.port} "
+            f"with its data in {stack.postgres.data_dir}, pid {stack.postgres.pid}{leftovers if ended else ''}"
+        )
+    return stack, done
 
 
 def save_stack(stack: Stack, cache: Path = DEFAULT_CACHE) -> Path:
@@ -499,16 +709,35 @@ def load_stack(cache: Path = DEFAULT_CACHE) -> Stack | None:
     return Stack(KafkaProcess(**data["kafka"]), PostgresProcess(**data["postgres"]))
 
 
-def forget_stack(cache: Path = DEFAULT_CACHE) -> None:
-    for name in ("state.json", "stack.env"):
-        (stack_dir(cache) / name).unlink(missing_ok=True)
-    shutil.rmtree(stack_dir(cache) / "kafka", ignore_errors=True)
+def reset_targets(cache: Path = DEFAULT_CACHE) -> list[tuple[Path, str]]:
+    """What `stack reset` deletes, the existing paths with what each holds: the recorded stack's
+    data (wherever it lives) and the stack folder (record, logs, environment file)."""
+    recorded = load_stack(cache)
+    targets = []
+    if recorded is not None:
+        targets += [
+            (Path(recorded.kafka.data_dir), "the Kafka broker's data: every topic and record"),
+            (recorded.postgres.cluster_dir, "the PostgreSQL cluster: every database, table and row"),
+        ]
+    targets.append((stack_dir(cache), "the stack folder: its record, logs and environment file"))
+    return [(path, what) for path, what in targets if path.exists()]
+
+
+def reset_stack(cache: Path = DEFAULT_CACHE) -> list[tuple[Path, str]]:
+    """Stop the recorded stack and delete everything `reset_targets` lists; returns what was deleted."""
+    targets = reset_targets(cache)
+    recorded = load_stack(cache)
+    if recorded is not None:
+        stop_stack(recorded)
+    for path, _ in targets:
+        shutil.rmtree(path, ignore_errors=True)
+    return targets
 
 
 def stack_status(stack: Stack) -> dict[str, str]:
     return {
-        "kafka": f"{'running' if _alive(stack.kafka.pid) else 'stopped'} pid {stack.kafka.pid} at "
+        "kafka": f"{'running' if stack.kafka.running() else 'stopped'} pid {stack.kafka.pid} at "
         f"{stack.kafka.bootstrap_servers} (log {stack.kafka.log_file})",
-        "postgres": f"{'running' if _alive(stack.postgres.pid) else 'stopped'} pid {stack.postgres.pid} at "
+        "postgres": f"{'running' if stack.postgres.running() else 'stopped'} pid {stack.postgres.pid} at "
         f"127.0.0.1:{stack.postgres.port} (log {stack.postgres.log_file})",
     }

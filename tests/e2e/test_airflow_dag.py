@@ -57,6 +57,8 @@ def test_dag_run_lands_everything_then_second_run_is_a_noop_without_spark(airflo
     assert code == 0, output[-3000:]
     assert "no batch planned, Spark not launched" in output
     assert "Spark-Submit cmd" not in output
+    # A no-op run logs no error: `plan` hands `has_batch` an empty batch, not a missing XCom.
+    assert "XCom not found" not in output and "[error" not in output, output[-3000:]
     batches = db.execute("SELECT count(*) FROM kafka2pg.batches WHERE pipeline = %s", (env.pipeline.name,)).fetchone()
     assert batches[0] == 1
 
