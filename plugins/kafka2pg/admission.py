@@ -94,7 +94,7 @@ class RecordDecoder:
         names = [r.name for r in self.rules]
         self._key_positions = tuple(names.index(k) for k in business_key)
         self._decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
-        self._fast_decoder = msgspec.json.Decoder(_fast_struct(self.rules))
+        self._fast_decoder = _fast_decoder(self.rules)
         # Only the fields the fast path still has to look at: checks, required, raw tokens.
         self._fast_plan = tuple(
             (position, rule.required, _fast_check(rule))
@@ -118,7 +118,7 @@ class RecordDecoder:
 
     def _fast(self, value: bytes | None) -> tuple | None:
         """The values when every rule surely holds, else None (the strict path decides)."""
-        if not value or b"\\u0000" in value:  # the only way a JSON string holds NUL
+        if self._fast_decoder is None or not value or b"\\u0000" in value:  # the only way a string holds NUL
             return None
         try:
             value.decode("utf-8")  # msgspec leaves strings it skips or keeps raw unchecked
@@ -188,6 +188,14 @@ class RecordDecoder:
 
 _DOUBT = object()
 _ABSENT = msgspec.Raw(b"")
+
+
+def _fast_decoder(rules: Sequence[FieldRule]) -> msgspec.json.Decoder | None:
+    """The fast path's parser, or None when msgspec cannot name a field (a quote, a backslash or
+    a control character in its name): such a pipeline's records all take the strict path."""
+    if any(re.search(r'["\\\x00-\x1f]', rule.field) for rule in rules):
+        return None
+    return msgspec.json.Decoder(_fast_struct(rules))
 
 
 def _fast_struct(rules: Sequence[FieldRule]) -> type:

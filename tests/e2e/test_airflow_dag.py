@@ -1,46 +1,20 @@
 """`airflow dags test` on the real DAG file against the embedded stack: success, no-op, failure."""
 
-import os
 from pathlib import Path
 
-import pytest
 from psycopg import sql
 
-from kafka2pg.demo import dags_test, ensure_airflow_db
+from kafka2pg.demo import dags_test
 from kafka2pg.kafka_offsets import partition_offsets
 from kafka2pg.producer import produce_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def airflow_home(tmp_path_factory):
-    home = tmp_path_factory.mktemp("airflow")
-    env = {
-        **os.environ,
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW_CONN_KAFKA2PG_SPARK": '{"conn_type": "spark", "host": "local[2]"}',
-    }
-    ensure_airflow_db(env)
-    return env
-
-
-def airflow_env(airflow_home, env):
-    return {
-        **airflow_home,
-        "KAFKA2PG_PIPELINES": str(env.settings.pipelines_file),
-        "KAFKA2PG_BOOTSTRAP_SERVERS": env.settings.bootstrap_servers,
-        "KAFKA2PG_DATABASE_URL": env.settings.database_url,
-    }
-
-
-def test_dag_run_lands_everything_then_second_run_is_a_noop_without_spark(airflow_home, make_pipeline, db, tmp_path):
+def test_dag_run_lands_everything_then_second_run_is_a_noop_without_spark(airflow_env, make_pipeline, db, tmp_path):
     env = make_pipeline()
     produce_sample(env.settings.bootstrap_servers, env.topic, 400, seed=11)
-    code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(airflow_home, env), tmp_path / "run-1.log")
+    code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(env), tmp_path / "run-1.log")
     assert code == 0, output[-3000:]
     assert "Spark-Submit cmd" in output or "spark-submit" in output
     target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
@@ -53,7 +27,7 @@ def test_dag_run_lands_everything_then_second_run_is_a_noop_without_spark(airflo
     watermarks = {o.partition: o.high for o in partition_offsets(env.settings.bootstrap_servers, env.topic)}
     assert heads == watermarks
 
-    code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(airflow_home, env), tmp_path / "run-2.log")
+    code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(env), tmp_path / "run-2.log")
     assert code == 0, output[-3000:]
     assert "no batch planned, Spark not launched" in output
     assert "Spark-Submit cmd" not in output
@@ -63,11 +37,11 @@ def test_dag_run_lands_everything_then_second_run_is_a_noop_without_spark(airflo
     assert batches[0] == 1
 
 
-def test_one_dag_run_catches_up_a_backlog_with_batches_per_run(airflow_home, make_pipeline, db, tmp_path):
+def test_one_dag_run_catches_up_a_backlog_with_batches_per_run(airflow_env, make_pipeline, db, tmp_path):
     env = make_pipeline(max_records_per_batch=150)
     produce_sample(env.settings.bootstrap_servers, env.topic, 400, seed=12)
     code, output, _ = dags_test(
-        env.pipeline.dag_id, airflow_env(airflow_home, env), tmp_path / "run.log", conf={"batches_per_run": 5}
+        env.pipeline.dag_id, airflow_env(env), tmp_path / "run.log", conf={"batches_per_run": 5}
     )
     assert code == 0, output[-3000:]
     assert "--batches 5" in output and "--max-records-per-batch 150" in output
@@ -84,8 +58,8 @@ def test_one_dag_run_catches_up_a_backlog_with_batches_per_run(airflow_home, mak
     assert "was already promoted: nothing changed" in output
 
 
-def test_failing_task_makes_dags_test_exit_non_zero(airflow_home, make_pipeline, tmp_path):
+def test_failing_task_makes_dags_test_exit_non_zero(airflow_env, make_pipeline, tmp_path):
     env = make_pipeline(create_topic=False)
-    code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(airflow_home, env), tmp_path / "run.log")
+    code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(env), tmp_path / "run.log")
     assert code != 0
     assert "TopicNotFoundError" in output and env.topic in output

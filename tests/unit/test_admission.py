@@ -225,3 +225,9 @@ def test_a_numeric_that_fits_lands_exactly(number):
 @given(timestamps)
 def test_any_timestamp_text_gets_the_same_outcome_on_both_paths(text):
     outcome(BASE + b',"ts":' + json.dumps(text).encode() + b"}")
+
+
+def test_field_names_with_quotes_dots_and_backslashes_are_read():
+    decoder = RecordDecoder([FieldRule("a", 'we"ird\\na.me', "text"), FieldRule("b", "dotted.name", "bigint")])
+    value = json.dumps({'we"ird\\na.me': "odd", "dotted.name": 5}).encode()
+    assert decoder.decode(value) == decoder.decode_strictly(value) == (("odd", 5), None)
