@@ -166,6 +166,9 @@ class RecordDecoder:
                 values.append(convert(raw))
             except Refused as refused:
                 raise Refused(f"field {rule.field!r}: {refused}") from None
+            except (ArithmeticError, ValueError, RecursionError, msgspec.DecodeError) as exc:
+                # A rule that did not foresee this value: still a reason, never a stopped task.
+                raise Refused(f"field {rule.field!r}: cannot be decoded ({type(exc).__name__}: {exc})"[:300]) from None
         self._check_key_size(values)
         return tuple(values)
 
@@ -261,7 +264,7 @@ def _fast_timestamp(raw: msgspec.Raw) -> datetime | None | object:
     if token == b"null":
         return None
     dot = token.find(b".")
-    if dot > 0 and token[dot + 7 : dot + 8].isdigit():
+    if b"\\" in token or dot > 0 and token[dot + 7 : dot + 8].isdigit():  # an escape can hide a digit
         return _DOUBT
     value = _TIMESTAMP_TYPE.decode(token)
     if value.tzinfo is None:
@@ -309,7 +312,7 @@ def _malformed(value: bytes, error: Exception) -> str:
         return "value is JSON nested too deeply to store"
     text = value.decode("utf-8")
     try:
-        document = json.loads(text, parse_constant=_no_constant, object_pairs_hook=dict)
+        document = json.loads(text, parse_constant=_no_constant, parse_int=Decimal)
     except json.JSONDecodeError as exc:
         return f"value is not valid JSON ({exc.msg} at character {exc.pos}: {_show(text[exc.pos : exc.pos + 20])})"
     except Refused as refused:
@@ -424,7 +427,10 @@ def _to_text(raw: bytes) -> str:
 def _number(raw: bytes, expected: str) -> Decimal:
     if raw[:1] not in b"-0123456789" or not raw:
         raise Refused(f"expected {expected}, got {_describe_token(raw)}")
-    return Decimal(raw.decode("ascii"))
+    try:
+        return Decimal(raw.decode("ascii"))
+    except InvalidOperation:  # an exponent beyond what any decimal holds
+        raise Refused(f"{_show(raw.decode())} is out of range for any number type") from None
 
 
 def _to_int(raw: bytes, kind: str, low: int, high: int) -> int:
@@ -465,8 +471,8 @@ def _to_numeric(raw: bytes, precision: int, scale: int) -> str:
     """The number's decimal text (PostgreSQL parses it exactly) when numeric(p,s) holds it unchanged."""
     number = _number(raw, f"a JSON number for numeric({precision},{scale})")
     _sign, digits, exponent = number.as_tuple()
-    if not any(digits):
-        return format(number, "f")
+    if not any(digits):  # a zero's text must not grow with its exponent
+        return format(number, "f") if -scale <= exponent <= 0 else "0"
     digits = list(digits)
     while exponent < 0 and digits[-1] == 0:  # trailing fractional zeros change nothing
         digits.pop()
@@ -554,17 +560,28 @@ def _zone(zone: str | None, text: str) -> timezone:
     return timezone(sign * timedelta(hours=hours, minutes=minutes))
 
 
+_EPOCH_LOW = (datetime(MIN_YEAR, 1, 1, tzinfo=UTC) - EPOCH) // timedelta(microseconds=1)
+_EPOCH_HIGH = (datetime(MAX_YEAR, 12, 31, 23, 59, 59, 999999, tzinfo=UTC) - EPOCH) // timedelta(microseconds=1)
+
+
 def _from_epoch(number: Decimal, unit: str, raw: bytes) -> datetime:
-    micros = number * EPOCH_UNITS[unit]
-    if micros != micros.to_integral_value():
+    """Exact: the number's digits decide, never a rounded product (decimal arithmetic rounds to
+    28 digits and flushes tiny values to 0)."""
+    _sign, digits, exponent = number.as_tuple()
+    places = len(str(EPOCH_UNITS[unit])) - 1  # fractional digits a microsecond allows in this unit
+    while exponent < 0 and len(digits) > 1 and digits[-1] == 0:
+        digits, exponent = digits[:-1], exponent + 1
+    if any(digits) and exponent < -places:
         raise Refused(f"{_show(raw.decode())} {unit} has sub-microsecond digits; timestamptz keeps microseconds")
-    low = (datetime(MIN_YEAR, 1, 1, tzinfo=UTC) - EPOCH) // timedelta(microseconds=1)
-    high = (datetime(MAX_YEAR, 12, 31, 23, 59, 59, 999999, tzinfo=UTC) - EPOCH) // timedelta(microseconds=1)
-    if not low <= micros <= high:
+    if any(digits) and len(digits) + exponent + places > 19:  # beyond any year 1-9999 in microseconds
+        micros = None
+    else:
+        micros = int(number.scaleb(places)) if any(digits) else 0
+    if micros is None or not _EPOCH_LOW <= micros <= _EPOCH_HIGH:
         raise Refused(
             f"{_show(raw.decode())} {unit} since 1970 is out of range for timestamptz (years {MIN_YEAR}-{MAX_YEAR})"
         )
-    return EPOCH + timedelta(microseconds=int(micros))
+    return EPOCH + timedelta(microseconds=micros)
 
 
 def _to_date(raw: bytes) -> date:
@@ -585,7 +602,7 @@ def _to_jsonb(raw: bytes) -> str:
     """The field's JSON text exactly as written (PostgreSQL normalises it as jsonb does): a string
     stays a JSON string. Refused: NUL in a string or key, numbers PostgreSQL's numeric cannot hold."""
     if b"\\u0000" in raw:
-        problem = _deep_text_problem(msgspec.json.decode(raw))
+        problem = _deep_text_problem(_json_document(raw))
         if problem:
             raise Refused(problem.replace("text or jsonb", "jsonb"))
     if _BIG_EXPONENT.search(raw) or (len(raw) >= _LONG_DIGITS_RUN and _LONG_DIGITS.search(raw)):
@@ -606,16 +623,23 @@ _LONG_DIGITS = re.compile(rb"[0-9]{%d}" % _LONG_DIGITS_RUN)
 
 def _check_json_numbers(raw: bytes) -> None:
     """Every number inside a jsonb value, checked against numeric's range."""
+    _json_document(raw, _checked_decimal)
+
+
+def _json_document(raw: bytes, number=Decimal) -> Any:
+    """A JSON value parsed with exact numbers (`number` per token: no int-digit or float limits)."""
     try:
-        json.loads(raw, parse_float=_checked_decimal, parse_int=_checked_decimal)
+        return json.loads(raw, parse_float=number, parse_int=number)
     except (InvalidOperation, ValueError) as exc:
         raise Refused(str(exc)) from None
+    except RecursionError:
+        raise Refused("nested too deeply to check") from None
 
 
 def _checked_decimal(token: str) -> Decimal:
     number = Decimal(token)
     _sign, digits, exponent = number.as_tuple()
-    if any(digits) and (len(digits) + exponent > _NUMERIC_INTEGER_DIGITS or -exponent > _NUMERIC_FRACTION_DIGITS):
+    if len(digits) + exponent > _NUMERIC_INTEGER_DIGITS or -exponent > _NUMERIC_FRACTION_DIGITS:
         raise ValueError(f"number {_show(token)} is out of range for jsonb (PostgreSQL numeric)")
     return number
 

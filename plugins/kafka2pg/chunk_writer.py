@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import psycopg
 import pyarrow as pa
+import pyarrow.compute as pc
 from psycopg import sql
 from pyarrow import csv
 
@@ -19,11 +20,15 @@ from kafka2pg.config import Pipeline
 from kafka2pg.database import isolate_refused
 from kafka2pg.exceptions import BatchStateError
 
-# What the stage job reads from Spark's Kafka source, in this order.
-KAFKA_COLUMNS = ("topic", "partition", "offset", "timestamp", "key", "value", "headers")
+# What the stage job reads from Spark's Kafka source, in this order. Not the headers: Spark's
+# Kafka source builds them per record at a high price (more than reading and moving the value);
+# the stage step fetches them from Kafka for the records that go to quarantine only.
+KAFKA_COLUMNS = ("topic", "partition", "offset", "timestamp", "key", "value")
 PROVENANCE = ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp")
 RAW = ("raw_key", "raw_value", "raw_headers")
-STATS_SCHEMA = "kafka_partition int, records long, quarantined long, min_offset long, max_offset long"
+STATS_SCHEMA = (
+    "kafka_partition int, records long, quarantined long, min_offset long, max_offset long, refused array<long>"
+)
 
 _ARROW_TYPES = {
     "text": pa.string(),
@@ -79,7 +84,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
                     continue
                 outcomes = [decoder.decode(v) for v in record_batch.column("value").to_pylist()]
                 framed = frame(record_batch, outcomes, decoder, batch_id, chunk)
-                refused = copy_isolating(conn, copy_sql, framed)
+                refused = copy_isolating(conn, copy_sql, framed, into=f"kafka2pg.{pipeline.staging_table}")
                 if refused:
                     for index, message in refused.items():
                         outcomes[index] = Admitted(None, f"PostgreSQL refused the row in staging: {message}")
@@ -89,7 +94,14 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
                 _accumulate(stats, framed)
         yield pa.RecordBatch.from_pylist(
             [
-                {"kafka_partition": p, "records": a[0], "quarantined": a[1], "min_offset": a[2], "max_offset": a[3]}
+                {
+                    "kafka_partition": p,
+                    "records": a[0],
+                    "quarantined": a[1],
+                    "min_offset": a[2],
+                    "max_offset": a[3],
+                    "refused": a[4],
+                }
                 for p, a in stats.items()
             ],
             schema=pa.schema(
@@ -99,6 +111,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
                     ("quarantined", pa.int64()),
                     ("min_offset", pa.int64()),
                     ("max_offset", pa.int64()),
+                    ("refused", pa.list_(pa.int64())),
                 ]
             ),
         )
@@ -111,8 +124,8 @@ def frame(
 ) -> pa.Table:
     """The staging rows of Kafka records and their admission outcomes, as an Arrow table in COPY order.
 
-    An admitted record carries its typed values; a refused one NULLs and its raw key, value and
-    headers (as bytea), with the reason.
+    An admitted record carries its typed values; a refused one NULLs and its raw key and value
+    (as bytea), with the reason (its headers are added by the stage step, `stage_batch`).
     """
     rows = record_batch.num_rows
     refused = [i for i, o in enumerate(outcomes) if o.reason is not None]
@@ -131,9 +144,8 @@ def frame(
     if refused:
         raw_keys = record_batch.column("key").take(refused).to_pylist()
         raw_values = record_batch.column("value").take(refused).to_pylist()
-        raw_headers = record_batch.column("headers").take(refused).to_pylist()
-        for i, key, value, header in zip(refused, raw_keys, raw_values, raw_headers, strict=True):
-            keys[i], values[i], headers[i] = _bytea(key), _bytea(value), _headers(header)
+        for i, key, value in zip(refused, raw_keys, raw_values, strict=True):
+            keys[i], values[i] = _bytea(key), _bytea(value)
     columns += [pa.array(keys, pa.string()), pa.array(values, pa.string()), pa.array(headers, pa.string())]
     columns.append(pa.array([o.reason for o in outcomes], pa.string()))
     names = ["batch_id", "chunk", *PROVENANCE, *(r.name for r in decoder.rules), *RAW, "quarantine_reason"]
@@ -144,25 +156,25 @@ def _bytea(data: bytes | None) -> str | None:
     return None if data is None else "\\x" + data.hex()
 
 
-def _headers(headers: list[dict] | None) -> str | None:
-    """Kafka headers as a bytea[][] literal: one (key, value) pair per header, in order."""
+def headers_literal(headers: list[tuple[bytes, bytes | None]]) -> str | None:
+    """Kafka headers as a bytea[][] literal: one {key, value} pair per header, in order."""
     if not headers:
         return None
     pairs = []
-    for header in headers:
-        key = '"\\\\x' + header["key"].encode("utf-8", "surrogatepass").hex() + '"'
-        value = "NULL" if header["value"] is None else '"\\\\x' + header["value"].hex() + '"'
-        pairs.append(f"{{{key},{value}}}")
+    for key, value in headers:
+        shown = "NULL" if value is None else '"\\\\x' + value.hex() + '"'
+        pairs.append(f'{{"\\\\x{key.hex()}",{shown}}}')
     return "{" + ",".join(pairs) + "}"
 
 
-def copy_isolating(conn: psycopg.Connection, copy_sql: sql.Composed, table: pa.Table) -> dict[int, str]:
-    """COPY `table`; the rows PostgreSQL refuses on data are left out (see `isolate_refused`)."""
+def copy_isolating(conn: psycopg.Connection, copy_sql: sql.Composed, table: pa.Table, *, into: str) -> dict[int, str]:
+    """COPY `table` (into the table named `into`); the rows PostgreSQL refuses on data are left
+    out (see `isolate_refused`)."""
 
     def write(start: int, stop: int) -> None:
         _copy(conn, copy_sql, table.slice(start, stop - start))
 
-    return isolate_refused(conn, write, table.num_rows)
+    return isolate_refused(conn, write, table.num_rows, table=into)
 
 
 def _copy(conn: psycopg.Connection, copy_sql: sql.Composed, table: pa.Table) -> None:
@@ -173,13 +185,19 @@ def _copy(conn: psycopg.Connection, copy_sql: sql.Composed, table: pa.Table) -> 
 
 
 def _accumulate(stats: dict[int, list], framed: pa.Table) -> None:
-    """Per Kafka partition: records, quarantined (non-null reason), min and max offset, summed over chunks."""
+    """Per Kafka partition: records, quarantined (non-null reason), min and max offset, and the
+    offsets quarantined here, summed over the chunk's batches."""
     grouped = framed.group_by("kafka_partition").aggregate(
         [("kafka_offset", "count"), ("quarantine_reason", "count"), ("kafka_offset", "min"), ("kafka_offset", "max")]
     )
     for row in grouped.to_pylist():
-        acc = stats.setdefault(row["kafka_partition"], [0, 0, row["kafka_offset_min"], row["kafka_offset_max"]])
+        acc = stats.setdefault(row["kafka_partition"], [0, 0, row["kafka_offset_min"], row["kafka_offset_max"], []])
         acc[0] += row["kafka_offset_count"]
         acc[1] += row["quarantine_reason_count"]
         acc[2] = min(acc[2], row["kafka_offset_min"])
         acc[3] = max(acc[3], row["kafka_offset_max"])
+    quarantined = framed.filter(pc.is_valid(framed.column("quarantine_reason")))
+    for partition, offset in zip(
+        quarantined.column("kafka_partition").to_pylist(), quarantined.column("kafka_offset").to_pylist(), strict=True
+    ):
+        stats[partition][4].append(offset)

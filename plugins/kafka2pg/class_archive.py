@@ -98,7 +98,6 @@ def train(archive: Path) -> None:
         .cast("binary")
         .alias("value"),
         F.col("id").cast("string").cast("binary").alias("key"),
-        F.array(F.struct(F.lit("h").alias("key"), F.lit("v").cast("binary").alias("value"))).alias("headers"),
     )
     events.select(*KAFKA_COLUMNS).coalesce(2).mapInArrow(_count_rows, "rows long").collect()
     gateway = SparkContext._gateway

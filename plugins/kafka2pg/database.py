@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 
-from kafka2pg.exceptions import DatabaseUnavailableError, SchemaNotReadyError
+from kafka2pg.exceptions import DatabaseUnavailableError, SchemaNotReadyError, TableRefusesRowsError
 
 
 def describe(url: str) -> str:
@@ -59,26 +59,48 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
 DATA_ERRORS = (psycopg.errors.DataError, psycopg.errors.IntegrityError, psycopg.errors.ProgramLimitExceeded)
 
 
-def isolate_refused(conn: psycopg.Connection, write: Callable[[int, int], None], rows: int) -> dict[int, str]:
+# Refusals past which isolating rows stops: at least this many, and more than half of the rows
+# tried so far. A constraint only some records break never gets there; a table no row fits does,
+# after a few hundred writes instead of one per row.
+REFUSALS_BEFORE_BLAMING_THE_TABLE = 100
+
+
+def isolate_refused(
+    conn: psycopg.Connection, write: Callable[[int, int], None], rows: int, *, table: str
+) -> dict[int, str]:
     """`write(start, stop)` rows [0, rows) in the caller's transaction, leaving out those PostgreSQL
     refuses on data: a write that fails is rolled back to its savepoint and split in halves down
     to single rows. Returns the refused rows' indexes with the database's reason (`refusal`);
-    any other error propagates. k refused rows cost O(k log rows) writes."""
-    return _bisect(conn, write, 0, rows)
+    any other error propagates. k refused rows cost O(k log rows) writes. When most rows are
+    refused, `TableRefusesRowsError` (the table named `table` is at fault)."""
+    refused: dict[int, str] = {}
+    _bisect(conn, write, 0, rows, refused, table)
+    return refused
 
 
-def _bisect(conn: psycopg.Connection, write: Callable[[int, int], None], start: int, stop: int) -> dict[int, str]:
+def _bisect(
+    conn: psycopg.Connection,
+    write: Callable[[int, int], None],
+    start: int,
+    stop: int,
+    refused: dict[int, str],
+    table: str,
+) -> None:
     if start >= stop:
-        return {}
+        return
     try:
         with conn.transaction():
             write(start, stop)
-        return {}
+        return
     except DATA_ERRORS as exc:
         if stop - start == 1:
-            return {start: refusal(exc)}
+            refused[start] = refusal(exc)
+            if len(refused) >= REFUSALS_BEFORE_BLAMING_THE_TABLE and 2 * len(refused) > stop:
+                raise TableRefusesRowsError(table, len(refused), stop, refused[start]) from exc
+            return
     middle = (start + stop) // 2
-    return {**_bisect(conn, write, start, middle), **_bisect(conn, write, middle, stop)}
+    _bisect(conn, write, start, middle, refused, table)
+    _bisect(conn, write, middle, stop, refused, table)
 
 
 def refusal(exc: psycopg.Error) -> str:

@@ -17,6 +17,7 @@ Kafka2PgError
  ├── BatchStateError          a batch is not in the state a step needs
  │    └── StagingLostError     staged rows vanished (PostgreSQL crash); batch back to planned
  ├── StageInterrupted         SIGTERM stopped the Spark job; the batch stays resumable
+ ├── TableRefusesRowsError    PostgreSQL refused most rows of a batch: the table is at fault, not the records
  ├── QualityGateFailed        validation blocked promotion
  │    └── KeyCollisionError   a business key promoted since validation; batch back to re-validation
  └── StackError               the local embedded Kafka/PostgreSQL stack failed
@@ -108,6 +109,19 @@ class QualityGateFailed(Kafka2PgError):
 
 class KeyCollisionError(QualityGateFailed):
     """Promotion hit a business key promoted since the batch was validated (a replay, a manual write)."""
+
+
+class TableRefusesRowsError(Kafka2PgError):
+    """PostgreSQL refused so many of a batch's rows that the table, not the records, is at fault."""
+
+    def __init__(self, table: str, refused: int, tried: int, example: str) -> None:
+        self.table, self.refused, self.tried, self.example = table, refused, tried, example
+        super().__init__(
+            f"PostgreSQL refused {refused} of the first {tried} rows written to {table} (e.g. {example}). So many "
+            "refusals point at the table (a constraint, trigger or column type the records cannot meet), not at "
+            "some records: nothing of the batch was written and it stays where it was. Fix the table, then trigger "
+            "a run: it resumes the batch."
+        )
 
 
 class StackError(Kafka2PgError):

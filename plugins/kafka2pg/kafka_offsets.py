@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
-from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from kafka2pg.exceptions import KafkaUnavailableError, RetentionLossError, TopicNotFoundError
@@ -206,6 +206,34 @@ def read_offsets(
     timeout_s: float,
 ) -> Iterator[tuple[int, int]]:
     """(offset, timestamp ms) of every record in the half-open `ranges`, ascending; streams."""
+    for message in _read_messages(bootstrap_servers, topic, partition, ranges, isolation, timeout_s):
+        yield message.offset(), message.timestamp()[1]
+
+
+def record_headers(
+    bootstrap_servers: str, topic: str, partition: int, offsets: list[int], timeout_s: float
+) -> dict[int, list[tuple[bytes, bytes | None]]]:
+    """The headers (key as UTF-8 bytes, value) of the committed records at `offsets`, by offset;
+    records without headers, or gone since, are left out."""
+    wanted = set(offsets)
+    found: dict[int, list[tuple[bytes, bytes | None]]] = {}
+    ranges = [(min(wanted), max(wanted) + 1)] if wanted else []
+    for message in _read_messages(bootstrap_servers, topic, partition, ranges, "read_committed", timeout_s):
+        if message.offset() in wanted and message.headers():
+            found[message.offset()] = [
+                (key.encode("utf-8", "surrogateescape"), value) for key, value in message.headers()
+            ]
+    return found
+
+
+def _read_messages(
+    bootstrap_servers: str,
+    topic: str,
+    partition: int,
+    ranges: list[tuple[int, int]],
+    isolation: str,
+    timeout_s: float,
+) -> Iterator[Message]:
     consumer = Consumer(
         {
             **client_config(bootstrap_servers, timeout_s),
@@ -228,7 +256,7 @@ def read_offsets(
 
 def _consume_until(
     consumer: Consumer, bootstrap_servers: str, where: str, end: int, timeout_s: float
-) -> Iterator[tuple[int, int]]:
+) -> Iterator[Message]:
     # consume() waits its whole timeout unless num_messages arrive: poll in short slices and
     # give up only after timeout_s without any message or end-of-partition event.
     idle_since = time.monotonic()
@@ -253,7 +281,7 @@ def _consume_until(
                 raise KafkaUnavailableError(f"Kafka at {bootstrap_servers}: reading {where}: {error}")
             if message.offset() >= end:
                 return
-            yield message.offset(), message.timestamp()[1]
+            yield message
 
 
 def _list(

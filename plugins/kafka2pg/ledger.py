@@ -189,13 +189,19 @@ def lock_partitions(conn: Connection, pipeline: str, partitions: set[int] | list
         conn.execute("SELECT set_config('lock_timeout', %s, true)", (previous,))
 
 
+# How far along a batch is: moving forward (or to an end) is progress, which clears its recorded
+# step failures (kafka2pg.stuck); moving back (staging lost, a key collision) is not.
+_PROGRESS = {"planned": 0, "staged": 1, "validated": 2}
+_CLEAR_FAILURES = ", failed_step = NULL, failed_epoch = NULL, failures = 0, failing_since = NULL, last_failure = NULL"
+
+
 def set_state(conn: Connection, batch: Batch, to_state: str, **counts: int | str | None) -> None:
-    """Move the batch to `to_state`; a change of state is progress, so recorded step failures
-    (kafka2pg.stuck) are cleared."""
+    """Move the batch to `to_state`; a move forward clears its recorded step failures."""
     assignments = "".join(f", {name} = %({name})s" for name in counts)
+    if to_state not in _PROGRESS or _PROGRESS[to_state] > _PROGRESS.get(batch.state, -1):  # an end, or forward
+        assignments += _CLEAR_FAILURES
     conn.execute(
-        f"UPDATE kafka2pg.batches SET state = %(state)s, updated_at = now(){assignments},"  # noqa: S608 - names are code constants
-        " failed_step = NULL, failed_epoch = NULL, failures = 0, failing_since = NULL, last_failure = NULL"
+        f"UPDATE kafka2pg.batches SET state = %(state)s, updated_at = now(){assignments}"  # noqa: S608 - names are code constants
         " WHERE batch_id = %(batch_id)s",
         {"state": to_state, "batch_id": batch.batch_id, **counts},
     )

@@ -207,32 +207,44 @@ def insert_target(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
     with the database's reason, and the rest land. A unique violation on the business key or
     the provenance key raises `KeyCollisionError` (the quality gate has to judge it)."""
     accepted = sql.SQL("batch_id = %s AND quarantine_reason IS NULL")
+    staging = sql.Identifier("kafka2pg", pipeline.staging_table)
+    collisions = _collision_indexes(conn, pipeline)
     try:
         with conn.transaction():  # a savepoint: a refused row leaves the promotion's transaction usable
-            return conn.execute(_insert_target_sql(pipeline, accepted), (batch.batch_id,)).rowcount
-    except psycopg.errors.UniqueViolation as exc:
-        if exc.diag.constraint_name in _collision_indexes(conn, pipeline):
-            raise KeyCollisionError(
-                f"pipeline {pipeline.name!r} batch {batch.batch_id}: promotion hit a unique key already in the "
-                f"target ({exc.diag.message_detail}); nothing was promoted. A replay or a manual write loaded it "
-                "after this batch was validated. The batch goes back to 'staged': the next run (trigger one) "
-                "validates it again, and the duplicate check then flags the row."
-            ) from exc
+            return _insert(conn, pipeline, batch, collisions, staging, accepted, (batch.batch_id,))
     except DATA_ERRORS:
-        pass
-    return _insert_isolating(conn, pipeline, batch)
+        return _insert_isolating(conn, pipeline, batch, collisions)
 
 
-def _insert_target_sql(pipeline: Pipeline, where: sql.Composable) -> sql.Composed:
+def _insert(
+    conn: Connection,
+    pipeline: Pipeline,
+    batch: Batch,
+    collisions: set[str],
+    source: sql.Composable,
+    where: sql.Composable,
+    params: tuple,
+) -> int:
     columns = [sql.Identifier(c.name) for c in pipeline.columns] + [
         sql.Identifier(n) for n in ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "batch_id")
     ]
-    return sql.SQL("INSERT INTO {target} ({cols}) SELECT {cols} FROM {staging} WHERE {where}").format(
+    query = sql.SQL("INSERT INTO {target} ({cols}) SELECT {cols} FROM {source} WHERE {where}").format(
         target=sql.Identifier(pipeline.target_schema, pipeline.target_table),
         cols=sql.SQL(", ").join(columns),
-        staging=sql.Identifier("kafka2pg", pipeline.staging_table),
+        source=source,
         where=where,
     )
+    try:
+        return conn.execute(query, params).rowcount
+    except psycopg.errors.UniqueViolation as exc:
+        if exc.diag.constraint_name not in collisions:
+            raise  # a unique index of the user's own: the row's data, isolated like any other
+        raise KeyCollisionError(
+            f"pipeline {pipeline.name!r} batch {batch.batch_id}: promotion hit a unique key already in the "
+            f"target ({exc.diag.message_detail}); nothing was promoted. A replay or a manual write loaded it "
+            "after this batch was validated. The batch goes back to 'staged': the next run (trigger one) "
+            "validates it again, and the duplicate check then flags the row."
+        ) from exc
 
 
 def _collision_indexes(conn: Connection, pipeline: Pipeline) -> set[str]:
@@ -246,46 +258,52 @@ def _collision_indexes(conn: Connection, pipeline: Pipeline) -> set[str]:
     return {name for name, primary, columns in rows if primary or sorted(columns) == sorted(pipeline.business_key)}
 
 
-def _insert_isolating(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
-    """Insert the accepted rows range by range (bisecting in (partition, offset) order) and flag
-    each row the target refuses to quarantine with the database's reason; returns rows inserted."""
+_ISOLATING = sql.Identifier("pg_temp", "kafka2pg_isolating")
+
+
+def _insert_isolating(conn: Connection, pipeline: Pipeline, batch: Batch, collisions: set[str]) -> int:
+    """Insert the accepted rows range by range (bisecting them in (partition, offset) order,
+    numbered in a temporary table so each range is an index lookup) and flag each row the
+    target refuses to quarantine with the database's reason; returns the rows inserted."""
     staging = sql.Identifier("kafka2pg", pipeline.staging_table)
-    keys = conn.execute(
+    conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(_ISOLATING))
+    conn.execute(
         sql.SQL(
-            "SELECT kafka_partition, kafka_offset FROM {} WHERE batch_id = %s AND quarantine_reason IS NULL"
-            " ORDER BY 1, 2"
-        ).format(staging),
+            "CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT row_number() OVER (ORDER BY kafka_partition,"
+            " kafka_offset) - 1 AS n, s.* FROM {} s WHERE batch_id = %s AND quarantine_reason IS NULL"
+        ).format(_ISOLATING, staging),
         (batch.batch_id,),
-    ).fetchall()
-    in_range = sql.SQL(
-        "batch_id = %s AND quarantine_reason IS NULL"
-        " AND (kafka_partition, kafka_offset) >= (%s, %s) AND (kafka_partition, kafka_offset) <= (%s, %s)"
     )
-    query = _insert_target_sql(pipeline, in_range)
+    conn.execute(sql.SQL("CREATE INDEX ON {} (n)").format(_ISOLATING))
+    rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(_ISOLATING)).fetchone()[0]
+    in_range = sql.SQL("n >= %s AND n < %s")
 
     def write(start: int, stop: int) -> None:
-        conn.execute(query, (batch.batch_id, *keys[start], *keys[stop - 1]))
+        _insert(conn, pipeline, batch, collisions, _ISOLATING, in_range, (start, stop))
 
-    refused = isolate_refused(conn, write, len(keys))
-    with conn.cursor() as cur:
-        cur.executemany(
-            sql.SQL(
-                "UPDATE {} SET quarantine_reason = %s"
-                " WHERE batch_id = %s AND kafka_partition = %s AND kafka_offset = %s"
-            ).format(staging),
-            [
-                (f"PostgreSQL refused the row at promotion: {message}", batch.batch_id, *keys[index])
-                for index, message in refused.items()
-            ],
-        )
+    table = f"{pipeline.target_schema}.{pipeline.target_table}"
+    refused = isolate_refused(conn, write, rows, table=table)
+    conn.execute(
+        sql.SQL(
+            "UPDATE {staging} s SET quarantine_reason = r.reason FROM {isolating} i"
+            " JOIN unnest(%s::bigint[], %s::text[]) r(n, reason) USING (n)"
+            " WHERE s.batch_id = %s AND s.kafka_partition = i.kafka_partition AND s.kafka_offset = i.kafka_offset"
+        ).format(staging=staging, isolating=_ISOLATING),
+        (
+            list(refused),
+            [f"PostgreSQL refused the row at promotion: {m}" for m in refused.values()],
+            batch.batch_id,
+        ),
+    )
     log.warning(
-        "pipeline=%s batch_id=%s the target refused %s row(s) on data; flagged to quarantine: %s",
+        "pipeline=%s batch_id=%s %s refused %s of %s row(s) on data; flagged to quarantine",
         pipeline.name,
         batch.batch_id,
+        table,
         len(refused),
-        ", ".join(f"p{keys[i][0]}@{keys[i][1]}" for i in sorted(refused)[:10]),
+        rows,
     )
-    return len(keys) - len(refused)
+    return rows - len(refused)
 
 
 def insert_quarantine(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:

@@ -19,10 +19,11 @@ from py4j.protocol import Py4JError
 from pyspark.errors import PySparkException
 from pyspark.sql import SparkSession
 
-from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer
+from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer, headers_literal
 from kafka2pg.config import Pipeline, Settings, stage_jvm_conf
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ConfigError, RetentionLossError, StageInterrupted
+from kafka2pg.kafka_offsets import record_headers
 from kafka2pg.ledger import Batch, load_claimed, set_state, staged_counts, staging_lost
 from kafka2pg.planner import BatchPlan, describe_ranges
 
@@ -38,6 +39,7 @@ class PartitionRead:
     quarantined: int
     min_offset: int | None
     max_offset: int | None
+    refused: tuple[int, ...] = ()  # offsets quarantined while staging: their headers are fetched
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,6 @@ def kafka_read_options(settings: Settings, plan: BatchPlan) -> dict[str, str]:
         # batch); a stable one reuses them, positioned where the previous batch ended, as a streaming
         # query does. Only `assign` is used and nothing is committed, so the group stays empty.
         "kafka.group.id": f"kafka2pg-stage-{plan.pipeline}",
-        # A record that goes to quarantine keeps its headers (as bytes) beside its key and value.
-        "includeHeaders": "true",
     }
 
 
@@ -126,12 +126,14 @@ def stage_batch(
     rows = _read_and_write(spark, settings, pipeline, batch, stop) if batch.plan.ranges else []
     reads = _merge_stats(rows, batch)
     _raise_if_stopped(stop, pipeline, batch_id)
+    headers = _refused_headers(settings, pipeline, reads)
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         _check_stageable(batch, pipeline)
         if batch.state != "planned":  # a concurrent attempt holding the same claim finished first
             return StageResult(batch_id, batch.state, reads, f"batch {batch_id} was {batch.state} by another attempt")
         _check_staged(conn, pipeline, batch, reads)
+        _store_headers(conn, pipeline, batch_id, headers)
         with conn.cursor() as cur:
             cur.executemany(
                 "UPDATE kafka2pg.batch_partitions SET records_read = %s, min_offset_read = %s,"
@@ -230,15 +232,16 @@ def _staging_sql(template: str, pipeline: Pipeline) -> sql.Composed:
 
 def _merge_stats(rows: list, batch: Batch) -> tuple[PartitionRead, ...]:
     planned = {r.partition: r for r in batch.plan.ranges}
-    merged: dict[int, list] = {p: [0, 0, None, None] for p in planned}
+    merged: dict[int, list] = {p: [0, 0, None, None, []] for p in planned}
     for row in rows:
-        acc = merged.setdefault(row.kafka_partition, [0, 0, None, None])
+        acc = merged.setdefault(row.kafka_partition, [0, 0, None, None, []])
         acc[0] += row.records
         acc[1] += row.quarantined
         acc[2] = row.min_offset if acc[2] is None else min(acc[2], row.min_offset)
         acc[3] = row.max_offset if acc[3] is None else max(acc[3], row.max_offset)
+        acc[4] += row.refused
     reads = []
-    for partition, (records, quarantined, low, high) in sorted(merged.items()):
+    for partition, (records, quarantined, low, high, refused) in sorted(merged.items()):
         rng = planned.get(partition)
         outside = rng is None or (records and (low < rng.start or high >= rng.end or records > rng.size))
         if outside:
@@ -246,8 +249,34 @@ def _merge_stats(rows: list, batch: Batch) -> tuple[PartitionRead, ...]:
                 f"batch {batch.batch_id}: Spark returned offsets [{low}, {high}] ({records} records) "
                 f"of partition {partition}, outside the planned range; nothing was staged as final"
             )
-        reads.append(PartitionRead(partition, records, quarantined, low, high))
+        reads.append(PartitionRead(partition, records, quarantined, low, high, tuple(sorted(refused))))
     return tuple(reads)
+
+
+def _refused_headers(settings: Settings, pipeline: Pipeline, reads: tuple[PartitionRead, ...]) -> dict:
+    """Headers of the records quarantined while staging, read from Kafka by offset (before any
+    lock is taken): {(partition, offset): bytea[][] literal}. Records without headers are left out."""
+    found = {}
+    for read in reads:
+        if read.refused:
+            headers = record_headers(
+                settings.bootstrap_servers, pipeline.topic, read.partition, list(read.refused), settings.kafka_timeout_s
+            )
+            found.update({(read.partition, offset): headers_literal(h) for offset, h in headers.items()})
+    return found
+
+
+def _store_headers(conn, pipeline: Pipeline, batch_id: int, headers: dict) -> None:
+    if not headers:
+        return
+    partitions, offsets = zip(*headers, strict=True)
+    conn.execute(
+        sql.SQL(
+            "UPDATE {} s SET raw_headers = h.headers::bytea[] FROM unnest(%s::int[], %s::bigint[], %s::text[])"
+            " h(p, o, headers) WHERE s.batch_id = %s AND s.kafka_partition = h.p AND s.kafka_offset = h.o"
+        ).format(sql.Identifier("kafka2pg", pipeline.staging_table)),
+        (list(partitions), list(offsets), list(headers.values()), batch_id),
+    )
 
 
 def package_zip(state_dir: Path) -> Path:

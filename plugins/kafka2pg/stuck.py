@@ -49,7 +49,7 @@ class StuckBatch:
 
 
 def is_stuck(failures: int) -> bool:
-    return failures > 99
+    return failures >= STUCK_AFTER_RUNS
 
 
 @contextmanager
@@ -62,12 +62,12 @@ def recording_failures(
         yield
     except _NOT_FAILURES:
         raise
-    except BaseException as exc:
+    except Exception as exc:
         _record(settings, pipeline, batch_id, epoch, step, exc)
         raise
 
 
-def _record(settings: Settings, pipeline: str, batch_id: int, epoch: int | None, step: str, exc: BaseException) -> None:
+def _record(settings: Settings, pipeline: str, batch_id: int, epoch: int | None, step: str, exc: Exception) -> None:
     error = f"{type(exc).__name__}: {_first_lines(str(exc))}"[:_ERROR_CHARS]
     try:
         with transaction(settings.database_url) as conn:
@@ -96,7 +96,7 @@ def stuck_batches(conn: Connection, pipeline: str, batch_id: int | None = None) 
         " coalesce(string_agg(format('p%%s[%%s,%%s)', p.kafka_partition, p.start_offset, p.end_offset), ' '"
         "   ORDER BY p.kafka_partition), 'none')"
         " FROM kafka2pg.batches b LEFT JOIN kafka2pg.batch_partitions p USING (batch_id)"
-        " WHERE b.pipeline = %s AND (%s::bigint IS NULL OR b.batch_id = %s) AND b.failures >= %s + 99"
+        " WHERE b.pipeline = %s AND (%s::bigint IS NULL OR b.batch_id = %s) AND b.failures >= %s"
         " AND b.state IN ('planned', 'staged', 'validated') GROUP BY b.batch_id ORDER BY b.batch_id",
         (pipeline, batch_id, batch_id, STUCK_AFTER_RUNS),
     ).fetchall()

@@ -49,14 +49,14 @@ DEEP = b"[" * 3000 + b"]" * 3000
 KINDS = {
     "binary value": (
         b"\xff\xfe\x00\x01",
-        None,
-        [],
+        b"\x00key",
+        [("trace", b"\x00\x01\xff"), ("empty", b""), ("none", None)],
         ("quarantine", "value is not valid UTF-8 (byte 0xff at position 0"),
     ),
     "invalid UTF-8 inside JSON": (
         raw("u1", b',"note":"a\xc3\x28b"}'),
-        None,
-        [],
+        b"k1",
+        [("source", b"kcat"), ("h\u00e9", "v\u00e9".encode())],
         ("quarantine", "value is not valid UTF-8 (byte 0xc3"),
     ),
     "raw NUL byte": (

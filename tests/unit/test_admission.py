@@ -231,3 +231,32 @@ def test_field_names_with_quotes_dots_and_backslashes_are_read():
     decoder = RecordDecoder([FieldRule("a", 'we"ird\\na.me', "text"), FieldRule("b", "dotted.name", "bigint")])
     value = json.dumps({'we"ird\\na.me': "odd", "dotted.name": 5}).encode()
     assert decoder.decode(value) == decoder.decode_strictly(value) == (("odd", 5), None)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (b'{"event_id":"e","customer_id":1e99999999999999999999}', "field 'customer_id': '1e99999999999999999999' is"),
+        (BASE + b',"epoch_ms":1e1000000}', "field 'epoch_ms': '1e1000000' milliseconds since 1970 is out of range"),
+        (BASE + b',"epoch_s":1.0000000000000000000000000001}', "field 'epoch_s': '1.0000000000000000000000000001' s"),
+        (BASE + b',"epoch_ms":1e-999999999}', "field 'epoch_ms': '1e-999999999' milliseconds has sub-microsecond"),
+        (b'{"a":' + b"1" * 5000 + b",}", "value is not valid JSON (Expecting property name"),
+        (BASE + b',"payload":' + b"[" * 990 + b"1e99999" + b"]" * 990 + b"}", ""),  # too deep, or out of range
+        (BASE + b',"payload":["\\\\u0000",' + b"1" * 5000 + b"]}", None),
+        (BASE + b',"payload":{"n":0e-16384}}', "field 'payload': number '0e-16384' is out of range for jsonb"),
+        (BASE + b',"ts":"2025-11-25T10:00:00\\u002e1234567Z"}', "field 'ts': '2025-11-25T10:00:00.1234567Z' has sub"),
+        (BASE + b',"ts":"2025-12-31T23:59:59.999999\\u0039Z"}', "field 'ts': '2025-12-31T23:59:59.9999999Z' has sub"),
+    ],
+)
+def test_values_found_by_review_get_a_reason_or_land_never_raise(value, expected):
+    admitted = outcome(value)
+    if expected is None:
+        assert admitted.reason is None, admitted.reason
+    else:
+        assert admitted.reason is not None and admitted.reason.startswith(expected), admitted.reason
+
+
+def test_a_numeric_zero_with_any_exponent_lands_as_zero():
+    assert field("amount", BASE + b',"amount":0e-99999999999}') == "0"
+    assert field("amount", BASE + b',"amount":-0.000}') == "0"
+    assert field("amount", BASE + b',"amount":0.00}') == "0.00"
