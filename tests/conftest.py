@@ -51,7 +51,7 @@ def base_settings(stack, tmp_path_factory):
     from kafka2pg.config import Settings
 
     return Settings(
-        bootstrap_servers=stack.kafka.bootstrap_servers,
+        kafka=stack.kafka.bootstrap_servers,
         database_url=stack.postgres.url,
         pipelines_file=tmp_path_factory.mktemp("cfg") / "none.yaml",
         kafka_timeout_s=10,
@@ -167,6 +167,9 @@ def heads(db):
 
 def pytest_configure(config):
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # Every test names its own services; connections of a sourced stack.env must not win over them.
+    for name in [n for n in os.environ if n.startswith("AIRFLOW_CONN_KAFKA2PG")]:
+        del os.environ[name]
     for marker, text in (
         ("unit", "pure logic, no services"),
         ("integration", "real Kafka broker, PostgreSQL and Spark"),

@@ -85,16 +85,14 @@ def _db_offsets(url: str, pipeline: Pipeline, partition: int, after_batch: int) 
 
 def _kafka_offsets(settings: Settings, topic: str, partition: int, ranges: list[tuple[int, int]]) -> Iterator[int]:
     """Offsets of committed records inside `ranges`, ascending (read_committed)."""
-    records = read_offsets(
-        settings.bootstrap_servers, topic, partition, ranges, "read_committed", settings.kafka_timeout_s
-    )
+    records = read_offsets(settings.kafka, topic, partition, ranges, "read_committed", settings.kafka_timeout_s)
     return (offset for offset, _ in records)
 
 
 def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudit]:
     """Compare every ledgered offset range with what the database holds, per partition."""
-    watermarks = {o.partition: o for o in partition_offsets(settings.bootstrap_servers, pipeline.topic)}
-    compacted = topic_retention(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s).compacted
+    watermarks = {o.partition: o for o in partition_offsets(settings.kafka, pipeline.topic)}
+    compacted = topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s).compacted
     with connect(settings.database_url) as conn:
         resets = last_resets(conn, pipeline.name)
         stored, ledger = ranges_since_reset(conn, pipeline.name, resets)

@@ -15,21 +15,35 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from kafka2pg.config import PROJECT_ROOT, Pipeline, Settings, get_pipeline, load_pipelines
+from kafka2pg.config import (
+    DEFAULT_POSTGRES_CONN_ID,
+    PROJECT_ROOT,
+    Pipeline,
+    Settings,
+    get_pipeline,
+    load_pipelines,
+    pipelines_file_from_env,
+)
 from kafka2pg.exceptions import ConfigError, Kafka2PgError
 
 log = logging.getLogger("kafka2pg")
 
 
-def _settings() -> Settings:
-    return Settings.from_env()
+def _pipeline(args: argparse.Namespace) -> tuple[Settings, Pipeline]:
+    """The pipeline named by --pipeline and its services (its Airflow Connections, or the environment)."""
+    from kafka2pg.connections import settings_for
+
+    pipeline = get_pipeline(args.pipeline, pipelines_file_from_env())
+    return settings_for(pipeline), pipeline
 
 
-def _selected_pipelines(args: argparse.Namespace, settings: Settings) -> list[Pipeline]:
-    """The pipeline named by --pipeline, or every pipeline of the file."""
+def _selected_pipelines(args: argparse.Namespace) -> list[tuple[Settings, Pipeline]]:
+    """The pipeline named by --pipeline, or every pipeline of the file, each with its services."""
+    from kafka2pg.connections import settings_for
+
     if args.pipeline:
-        return [get_pipeline(args.pipeline, settings.pipelines_file)]
-    return list(load_pipelines(settings.pipelines_file).values())
+        return [_pipeline(args)]
+    return [(settings_for(p), p) for p in load_pipelines(pipelines_file_from_env()).values()]
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
@@ -97,22 +111,27 @@ def _reset_stack(cache: Path, *, confirm: bool) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    from kafka2pg.connections import services
     from kafka2pg.migrations import migrate
 
-    settings = _settings()
-    applied = migrate(settings.database_url, list(load_pipelines(settings.pipelines_file).values()))
-    print(f"migrations applied: {', '.join(applied) or 'none pending'}; pipeline tables ensured")
+    pipelines = list(load_pipelines(pipelines_file_from_env()).values())
+    databases = {p.postgres_conn_id for p in pipelines} or {DEFAULT_POSTGRES_CONN_ID}
+    for conn_id in sorted(databases):  # each database its pipelines' tables
+        settings = services(postgres_conn_id=conn_id, who=f"migrate ({conn_id})")
+        applied = migrate(settings.database_url, [p for p in pipelines if p.postgres_conn_id == conn_id])
+        print(f"{conn_id}: migrations applied: {', '.join(applied) or 'none pending'}; pipeline tables ensured")
     return 0
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
+    from kafka2pg.connections import services
     from kafka2pg.kafka_offsets import ensure_topic
     from kafka2pg.producer import produce_sample
 
-    settings = _settings()
-    if ensure_topic(settings.bootstrap_servers, args.topic, args.partitions, settings.kafka_timeout_s):
+    settings = services(who="produce")
+    if ensure_topic(settings.kafka, args.topic, args.partitions, settings.kafka_timeout_s):
         print(f"created topic {args.topic} with {args.partitions} partitions")
-    count = produce_sample(settings.bootstrap_servers, args.topic, args.count, seed=args.seed)
+    count = produce_sample(settings.kafka, args.topic, args.count, seed=args.seed)
     print(f"produced {count} events to {args.topic}")
     return 0
 
@@ -120,8 +139,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from kafka2pg.ledger import open_batch
 
-    settings = _settings()
-    opened = open_batch(settings, get_pipeline(args.pipeline, settings.pipelines_file), dry_run=args.dry_run)
+    settings, pipeline = _pipeline(args)
+    opened = open_batch(settings, pipeline, dry_run=args.dry_run)
     print(opened.message)
     return 0
 
@@ -144,32 +163,31 @@ def _stage_locally(settings: Settings, pipeline: Pipeline, batch_id: int) -> Non
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    settings = _settings()
-    _stage_locally(settings, get_pipeline(args.pipeline, settings.pipelines_file), args.batch_id)
+    settings, pipeline = _pipeline(args)
+    _stage_locally(settings, pipeline, args.batch_id)
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from kafka2pg.quality import validate_batch
 
-    settings = _settings()
-    print(validate_batch(settings, get_pipeline(args.pipeline, settings.pipelines_file), args.batch_id).message)
+    settings, pipeline = _pipeline(args)
+    print(validate_batch(settings, pipeline, args.batch_id).message)
     return 0
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from kafka2pg.promote import promote_batch
 
-    settings = _settings()
-    print(promote_batch(settings, get_pipeline(args.pipeline, settings.pipelines_file), args.batch_id).message)
+    settings, pipeline = _pipeline(args)
+    print(promote_batch(settings, pipeline, args.batch_id).message)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from kafka2pg.report import ledger_report
 
-    settings = _settings()
-    for pipeline in _selected_pipelines(args, settings):
+    for settings, pipeline in _selected_pipelines(args):
         print(ledger_report(settings, pipeline))
     return 0
 
@@ -179,9 +197,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from kafka2pg.database import connect
     from kafka2pg.stuck import stuck_batches
 
-    settings = _settings()
     clean = True
-    for pipeline in _selected_pipelines(args, settings):
+    for settings, pipeline in _selected_pipelines(args):
         audits = audit_pipeline(settings, pipeline)
         with connect(settings.database_url) as conn:
             stuck = stuck_batches(conn, pipeline.name)
@@ -193,8 +210,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from kafka2pg.report import quality_summary
 
-    settings = _settings()
-    for pipeline in _selected_pipelines(args, settings):
+    for settings, pipeline in _selected_pipelines(args):
         print(quality_summary(settings, pipeline, args.batch_id))
     return 0
 
@@ -202,8 +218,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_reset(args: argparse.Namespace) -> int:
     from kafka2pg.ledger import reset_head
 
-    settings = _settings()
-    pipeline = get_pipeline(args.pipeline, settings.pipelines_file)
+    settings, pipeline = _pipeline(args)
     to_offset = None if args.drop else args.to_offset
     if to_offset is None and not args.drop:
         raise ConfigError("reset: give --to-offset N, or --drop for a partition the topic no longer has")
@@ -233,8 +248,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from kafka2pg.quality import validate_batch
     from kafka2pg.replay import open_replay, request_from_params
 
-    settings = _settings()
-    pipeline = get_pipeline(args.pipeline, settings.pipelines_file)
+    settings, pipeline = _pipeline(args)
     params = {
         "mode": args.mode,
         "offset_ranges": args.offsets,
@@ -262,8 +276,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_undo(args: argparse.Namespace) -> int:
     from kafka2pg.replay import undo_batch
 
-    settings = _settings()
-    pipeline = get_pipeline(args.pipeline, settings.pipelines_file)
+    settings, pipeline = _pipeline(args)
     undo = undo_batch(
         settings, pipeline, args.batch_id, confirm=args.confirm, reason=args.reason, requested_by=args.requested_by
     )
@@ -277,12 +290,9 @@ def cmd_undo(args: argparse.Namespace) -> int:
 def cmd_offsets(args: argparse.Namespace) -> int:
     from kafka2pg.kafka_offsets import offsets_for_times
 
-    settings = _settings()
-    pipeline = get_pipeline(args.pipeline, settings.pipelines_file)
-    start = offsets_for_times(
-        settings.bootstrap_servers, pipeline.topic, _epoch_ms(args.start), settings.kafka_timeout_s
-    )
-    end = offsets_for_times(settings.bootstrap_servers, pipeline.topic, _epoch_ms(args.end), settings.kafka_timeout_s)
+    settings, pipeline = _pipeline(args)
+    start = offsets_for_times(settings.kafka, pipeline.topic, _epoch_ms(args.start), settings.kafka_timeout_s)
+    end = offsets_for_times(settings.kafka, pipeline.topic, _epoch_ms(args.end), settings.kafka_timeout_s)
     print(f"topic {pipeline.topic}: records with timestamps in [{args.start}, {args.end})")
     for partition in sorted(start):
         print(f"  partition {partition}: offsets [{start[partition]}, {end[partition]})")

@@ -6,6 +6,7 @@ Both are validated into frozen dataclasses; every error names the file and the f
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -18,8 +19,12 @@ from typing import Any, Literal, get_args
 import yaml
 
 from kafka2pg.exceptions import ConfigError, UnknownPipelineError
+from kafka2pg.kafka_config import KafkaConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# The Airflow Connections a pipeline's services come from, unless it names its own.
+DEFAULT_POSTGRES_CONN_ID = "kafka2pg_postgres"
+DEFAULT_KAFKA_CONN_ID = "kafka2pg_kafka"
 DEFAULT_PIPELINES_FILE = PROJECT_ROOT / "dags" / "pipelines.yaml"
 # JVM options of the stage job's driver (in local mode also its executor); a pipeline's
 # spark_conf may override them. A job that stages one batch (batches_per_run 1, the default)
@@ -180,6 +185,8 @@ class Pipeline:
     spark_conf: dict[str, str] = field(default_factory=dict)
     schedule: str | None = None
     replay_interval: str = "0 0 * * *"
+    postgres_conn_id: str = DEFAULT_POSTGRES_CONN_ID
+    kafka_config_id: str = DEFAULT_KAFKA_CONN_ID
 
     @property
     def dag_id(self) -> str:
@@ -219,38 +226,90 @@ class Pipeline:
 
 @dataclass(frozen=True)
 class Settings:
-    """Where the services are; read from the environment (see README, Configuration)."""
+    """Where the services are and how to reach them. Airflow tasks and the CLI build it from the
+    pipeline's Airflow Connections (`kafka2pg.connections`); the Spark job, from the environment
+    its operator passes (`from_env`, `to_env`)."""
 
-    bootstrap_servers: str
+    kafka: KafkaConfig
     database_url: str
     spark_master: str = "local[*]"
     pipelines_file: Path = DEFAULT_PIPELINES_FILE
     kafka_timeout_s: float = 10.0
     state_dir: Path = PROJECT_ROOT / ".cache"
 
+    def __post_init__(self) -> None:
+        if isinstance(self.kafka, str):  # a bootstrap-servers string: a PLAINTEXT cluster
+            object.__setattr__(self, "kafka", KafkaConfig.plain(self.kafka))
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return self.kafka.servers
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        """KAFKA2PG_KAFKA_CONFIG (a JSON object of client properties) or KAFKA2PG_BOOTSTRAP_SERVERS,
+        and KAFKA2PG_DATABASE_URL."""
         env = dict(os.environ if env is None else env)
-        missing = [name for name in ("KAFKA2PG_BOOTSTRAP_SERVERS", "KAFKA2PG_DATABASE_URL") if not env.get(name)]
-        if missing:
+        kafka = kafka_from_env(env)
+        if kafka is None or not env.get("KAFKA2PG_DATABASE_URL"):
+            missing = [
+                n
+                for n, ok in (
+                    ("KAFKA2PG_BOOTSTRAP_SERVERS", kafka),
+                    ("KAFKA2PG_DATABASE_URL", env.get("KAFKA2PG_DATABASE_URL")),
+                )
+                if not ok
+            ]
             raise ConfigError(
-                f"environment variable(s) {', '.join(missing)} not set: set them to your Kafka "
-                "bootstrap servers and PostgreSQL URL, or start the local stack with "
-                "`./kafka2pg stack start` and `source .cache/stack/stack.env`"
+                f"environment variable(s) {', '.join(missing)} not set: define the Airflow connections "
+                "kafka2pg_kafka and kafka2pg_postgres (README, Configuration), or set these variables, or start "
+                "the local stack with `./kafka2pg stack start` and `source .cache/stack/stack.env`"
             )
-        timeout = env.get("KAFKA2PG_KAFKA_TIMEOUT_S", "10")
-        try:
-            kafka_timeout_s = float(timeout)
-        except ValueError as exc:
-            raise ConfigError(f"KAFKA2PG_KAFKA_TIMEOUT_S must be a number of seconds, got {timeout!r}") from exc
         return cls(
-            bootstrap_servers=env["KAFKA2PG_BOOTSTRAP_SERVERS"],
+            kafka=kafka,
             database_url=env["KAFKA2PG_DATABASE_URL"],
-            spark_master=env.get("KAFKA2PG_SPARK_MASTER", "local[*]"),
-            pipelines_file=Path(env.get("KAFKA2PG_PIPELINES", DEFAULT_PIPELINES_FILE)),
-            kafka_timeout_s=kafka_timeout_s,
-            state_dir=Path(env.get("KAFKA2PG_STATE_DIR", PROJECT_ROOT / ".cache")),
+            **common_settings(env),
         )
+
+    def to_env(self) -> dict[str, str]:
+        """The environment `from_env` reads back: what the stage operator hands the Spark job."""
+        return {
+            "KAFKA2PG_KAFKA_CONFIG": self.kafka.to_json(),
+            "KAFKA2PG_DATABASE_URL": self.database_url,
+            "KAFKA2PG_PIPELINES": str(self.pipelines_file),
+            "KAFKA2PG_KAFKA_TIMEOUT_S": str(self.kafka_timeout_s),
+            "KAFKA2PG_STATE_DIR": str(self.state_dir),
+        }
+
+
+def kafka_from_env(env: dict[str, str]) -> KafkaConfig | None:
+    """KAFKA2PG_KAFKA_CONFIG (JSON client properties) or KAFKA2PG_BOOTSTRAP_SERVERS; None if neither."""
+    if env.get("KAFKA2PG_KAFKA_CONFIG"):
+        try:
+            properties = json.loads(env["KAFKA2PG_KAFKA_CONFIG"])
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"KAFKA2PG_KAFKA_CONFIG is not a JSON object of Kafka client properties ({exc.msg})"
+            ) from None
+        return KafkaConfig.of(properties, "KAFKA2PG_KAFKA_CONFIG")
+    if env.get("KAFKA2PG_BOOTSTRAP_SERVERS"):
+        return KafkaConfig.plain(env["KAFKA2PG_BOOTSTRAP_SERVERS"])
+    return None
+
+
+def common_settings(env: dict[str, str]) -> dict[str, Any]:
+    """The settings that come from the environment however the services are found."""
+    timeout = env.get("KAFKA2PG_KAFKA_TIMEOUT_S", "10")
+    try:
+        kafka_timeout_s = float(timeout)
+    except ValueError as exc:
+        raise ConfigError(f"KAFKA2PG_KAFKA_TIMEOUT_S must be a number of seconds, got {timeout!r}") from exc
+    return {
+        "spark_master": env.get("KAFKA2PG_SPARK_MASTER", "local[*]"),
+        "pipelines_file": Path(env.get("KAFKA2PG_PIPELINES", DEFAULT_PIPELINES_FILE)),
+        "kafka_timeout_s": kafka_timeout_s,
+        "state_dir": Path(env.get("KAFKA2PG_STATE_DIR", PROJECT_ROOT / ".cache")),
+    }
 
 
 def pipelines_file_from_env() -> Path:
@@ -335,6 +394,8 @@ _PIPELINE_KEYS = {
     "spark_conf",
     "schedule",
     "replay_interval",
+    "postgres_conn_id",
+    "kafka_config_id",
 }
 
 
@@ -373,6 +434,8 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         spark_conf=_spark_conf(raw.get("spark_conf"), where),
         schedule=_schedule(raw, where),
         replay_interval=_cron(raw, "replay_interval", where, "0 0 * * *"),
+        postgres_conn_id=_conn_id(raw, "postgres_conn_id", where, DEFAULT_POSTGRES_CONN_ID),
+        kafka_config_id=_conn_id(raw, "kafka_config_id", where, DEFAULT_KAFKA_CONN_ID),
     )
 
 
@@ -415,6 +478,16 @@ def _spark_conf(value: Any, where: str) -> dict[str, str]:
     if wrong:
         raise ConfigError(f"{where}.spark_conf: {', '.join(wrong)}: expected a string or number as the value")
     return {str(k): str(v) for k, v in value.items()}
+
+
+_CONN_ID = re.compile(r"[A-Za-z0-9_.-]{1,250}")
+
+
+def _conn_id(raw: dict, key: str, where: str, default: str) -> str:
+    value = raw.get(key, default)
+    if not isinstance(value, str) or not _CONN_ID.fullmatch(value):
+        raise ConfigError(f"{where}.{key}: expected an Airflow connection id (letters, digits, _ . -), got {value!r}")
+    return value
 
 
 def _positive_number(raw: dict, key: str, where: str, default: float) -> float:

@@ -132,7 +132,7 @@ def _stage_operator(pipeline: Pipeline, *, several_batches: bool = False):
 
     `several_batches` (live DAG): the job may go on with further batches (Param batches_per_run).
     """
-    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+    from kafka2pg.stage_operator import StageOperator
 
     planned = "ti.xcom_pull(task_ids='plan')"
     more = []
@@ -150,7 +150,8 @@ def _stage_operator(pipeline: Pipeline, *, several_batches: bool = False):
             "{{ run_id }}",
         ]
 
-    return SparkSubmitOperator(
+    return StageOperator(
+        pipeline_name=pipeline.name,
         task_id="read_and_stage",
         application=str(JOB),
         conn_id=SPARK_CONN_ID,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kafka2pg import local_stack
 from kafka2pg.cli import airflow_command, run_logged
-from kafka2pg.config import PROJECT_ROOT, Settings, get_pipeline
+from kafka2pg.config import PROJECT_ROOT, get_pipeline, pipelines_file_from_env
 
 PIPELINE = "orders"
 
@@ -75,20 +75,27 @@ def run(*, events: int, keep: bool) -> int:
 
 
 def _run_with_stack(stack: local_stack.Stack, events: int, cache: Path) -> int:
+    from kafka2pg.connections import settings_for
     from kafka2pg.kafka_offsets import ensure_topic
     from kafka2pg.migrations import migrate
     from kafka2pg.producer import produce_sample
     from kafka2pg.report import batch_report, ledger_report
 
-    env = {**os.environ, **stack.env()}
-    os.environ.update(stack.env())
-    settings = Settings.from_env(env)
-    pipeline = get_pipeline(PIPELINE, settings.pipelines_file)
+    # The DAG runs (and this process) find the stack through the Airflow Connections
+    # kafka2pg_postgres and kafka2pg_kafka, defined here as AIRFLOW_CONN_* variables; not through
+    # the KAFKA2PG_* fallback variables.
+    connections = {k: v for k, v in stack.env().items() if k.startswith("AIRFLOW_CONN_")}
+    os.environ.update(connections)
+    for fallback in ("KAFKA2PG_BOOTSTRAP_SERVERS", "KAFKA2PG_KAFKA_CONFIG", "KAFKA2PG_DATABASE_URL"):
+        os.environ.pop(fallback, None)
+    env = dict(os.environ)
+    pipeline = get_pipeline(PIPELINE, pipelines_file_from_env())
+    settings = settings_for(pipeline, env)
     print(f"      kafka {stack.kafka.bootstrap_servers}, postgres 127.0.0.1:{stack.postgres.port}")
     migrate(settings.database_url, [pipeline])
-    ensure_topic(settings.bootstrap_servers, pipeline.topic, 3)
+    ensure_topic(settings.kafka, pipeline.topic, 3)
     print(f"[3/6] producing {events} sample events to topic {pipeline.topic!r} (3 partitions)")
-    produce_sample(settings.bootstrap_servers, pipeline.topic, events)
+    produce_sample(settings.kafka, pipeline.topic, events)
     print("[4/6] preparing Airflow's metadata DB (once)")
     ensure_airflow_db(env)
     logs = cache / "demo"

@@ -16,6 +16,7 @@ from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from kafka2pg.exceptions import KafkaUnavailableError, RetentionLossError, TopicNotFoundError
+from kafka2pg.kafka_config import KafkaLike, kafka_config
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -31,31 +32,32 @@ class PartitionOffsets:
     high: int
 
 
-def client_config(bootstrap_servers: str, timeout_s: float) -> dict:
-    """librdkafka settings that fail fast and quietly when the cluster is unreachable."""
+def client_config(kafka: KafkaLike, timeout_s: float) -> dict:
+    """The connection's client properties (SASL, TLS, ...) and librdkafka settings that fail fast
+    and quietly when the cluster is unreachable (a property the connection sets wins)."""
     timeout_ms = int(timeout_s * 1000)
     return {
-        "bootstrap.servers": bootstrap_servers,
         "socket.timeout.ms": timeout_ms,
         "socket.connection.setup.timeout.ms": timeout_ms,
         "reconnect.backoff.max.ms": 1000,
         # librdkafka logs every failed connect attempt; the raised error says it once.
         "log_level": 0,
+        **kafka_config(kafka).confluent(),
     }
 
 
-def admin_client(bootstrap_servers: str, timeout_s: float) -> AdminClient:
-    return AdminClient(client_config(bootstrap_servers, timeout_s))
+def admin_client(kafka: KafkaLike, timeout_s: float) -> AdminClient:
+    return AdminClient(client_config(kafka, timeout_s))
 
 
-def topic_partitions(admin: AdminClient, topic: str, bootstrap_servers: str, timeout_s: float) -> list[int]:
+def topic_partitions(admin: AdminClient, topic: str, kafka: KafkaLike, timeout_s: float) -> list[int]:
     """Partition ids of `topic`; `TopicNotFoundError` / `KafkaUnavailableError` otherwise."""
     try:
         metadata = admin.list_topics(topic=topic, timeout=timeout_s)
     except KafkaException as exc:
-        raise _unavailable(bootstrap_servers, timeout_s, exc) from exc
+        raise _unavailable(kafka, timeout_s, exc) from exc
     if not metadata.brokers:
-        raise KafkaUnavailableError(f"Kafka at {bootstrap_servers} returned no brokers within {timeout_s:.0f}s")
+        raise KafkaUnavailableError(f"Kafka at {kafka} returned no brokers within {timeout_s:.0f}s")
     topic_meta = metadata.topics.get(topic)
     if (
         topic_meta is None
@@ -67,46 +69,38 @@ def topic_partitions(admin: AdminClient, topic: str, bootstrap_servers: str, tim
         )
     ):
         raise TopicNotFoundError(
-            f"topic {topic!r} does not exist on Kafka at {bootstrap_servers}: create it, or fix "
+            f"topic {topic!r} does not exist on Kafka at {kafka}: create it, or fix "
             "the pipeline's 'topic' in the pipelines file"
         )
     if topic_meta.error is not None:
-        raise KafkaUnavailableError(
-            f"Kafka at {bootstrap_servers}: metadata of topic {topic!r} failed: {topic_meta.error}"
-        )
+        raise KafkaUnavailableError(f"Kafka at {kafka}: metadata of topic {topic!r} failed: {topic_meta.error}")
     return sorted(topic_meta.partitions)
 
 
-def partition_offsets(bootstrap_servers: str, topic: str, timeout_s: float = 10.0) -> list[PartitionOffsets]:
+def partition_offsets(kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> list[PartitionOffsets]:
     """Low watermark, last stable offset (read_committed) and high watermark per partition."""
-    admin = admin_client(bootstrap_servers, timeout_s)
-    partitions = topic_partitions(admin, topic, bootstrap_servers, timeout_s)
-    low = _list(
-        admin, topic, partitions, OffsetSpec.earliest(), IsolationLevel.READ_UNCOMMITTED, bootstrap_servers, timeout_s
-    )
-    stable = _list(
-        admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED, bootstrap_servers, timeout_s
-    )
-    high = _list(
-        admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_UNCOMMITTED, bootstrap_servers, timeout_s
-    )
+    admin = admin_client(kafka, timeout_s)
+    partitions = topic_partitions(admin, topic, kafka, timeout_s)
+    low = _list(admin, topic, partitions, OffsetSpec.earliest(), IsolationLevel.READ_UNCOMMITTED, kafka, timeout_s)
+    stable = _list(admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED, kafka, timeout_s)
+    high = _list(admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_UNCOMMITTED, kafka, timeout_s)
     return [PartitionOffsets(p, low[p], stable[p], high[p]) for p in partitions]
 
 
-def ensure_topic(bootstrap_servers: str, topic: str, partitions: int, timeout_s: float = 10.0) -> bool:
+def ensure_topic(kafka: KafkaLike, topic: str, partitions: int, timeout_s: float = 10.0) -> bool:
     """Create `topic` with `partitions` partitions if missing; True when it was created."""
-    admin = admin_client(bootstrap_servers, timeout_s)
+    admin = admin_client(kafka, timeout_s)
     try:
-        topic_partitions(admin, topic, bootstrap_servers, timeout_s)
+        topic_partitions(admin, topic, kafka, timeout_s)
         return False
     except TopicNotFoundError:
         pass
     futures = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
     try:
-        _answer(futures[topic], f"creating topic {topic!r}", bootstrap_servers, timeout_s)
+        _answer(futures[topic], f"creating topic {topic!r}", kafka, timeout_s)
     except KafkaException as exc:
         if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-            raise _unavailable(bootstrap_servers, timeout_s, exc) from exc
+            raise _unavailable(kafka, timeout_s, exc) from exc
     return True
 
 
@@ -120,15 +114,15 @@ class TopicRetention:
     retention_bytes: int | None
 
 
-def topic_retention(bootstrap_servers: str, topic: str, timeout_s: float = 10.0) -> TopicRetention:
+def topic_retention(kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> TopicRetention:
     """cleanup.policy, retention.ms and retention.bytes of `topic` (-1 means unlimited -> None)."""
-    admin = admin_client(bootstrap_servers, timeout_s)
+    admin = admin_client(kafka, timeout_s)
     resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
     try:
         future = admin.describe_configs([resource], request_timeout=timeout_s)[resource]
-        entries = _answer(future, f"reading the configs of topic {topic!r}", bootstrap_servers, timeout_s)
+        entries = _answer(future, f"reading the configs of topic {topic!r}", kafka, timeout_s)
     except KafkaException as exc:
-        raise _unavailable(bootstrap_servers, timeout_s, exc) from exc
+        raise _unavailable(kafka, timeout_s, exc) from exc
     policy = entries["cleanup.policy"].value or "delete"
 
     def limit(name: str) -> int | None:
@@ -138,28 +132,26 @@ def topic_retention(bootstrap_servers: str, topic: str, timeout_s: float = 10.0)
     return TopicRetention("compact" in policy, "delete" in policy, limit("retention.ms"), limit("retention.bytes"))
 
 
-def offsets_for_times(bootstrap_servers: str, topic: str, timestamp_ms: int, timeout_s: float = 10.0) -> dict[int, int]:
+def offsets_for_times(kafka: KafkaLike, topic: str, timestamp_ms: int, timeout_s: float = 10.0) -> dict[int, int]:
     """Per partition, the first offset whose record timestamp is >= `timestamp_ms`.
 
     A partition with no such record maps to its high watermark (the offset the next record
     will get), so `[offsets_for_times(t0), offsets_for_times(t1))` is the window [t0, t1).
     """
-    admin = admin_client(bootstrap_servers, timeout_s)
-    partitions = topic_partitions(admin, topic, bootstrap_servers, timeout_s)
+    admin = admin_client(kafka, timeout_s)
+    partitions = topic_partitions(admin, topic, kafka, timeout_s)
     found = _list(
         admin,
         topic,
         partitions,
         OffsetSpec.for_timestamp(timestamp_ms),
         IsolationLevel.READ_COMMITTED,
-        bootstrap_servers,
+        kafka,
         timeout_s,
     )
     missing = [p for p, offset in found.items() if offset < 0]
     if missing:
-        high = _list(
-            admin, topic, missing, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED, bootstrap_servers, timeout_s
-        )
+        high = _list(admin, topic, missing, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED, kafka, timeout_s)
         found.update(high)
     return found
 
@@ -173,7 +165,7 @@ class RangeCount:
 
 
 def count_range(
-    bootstrap_servers: str, topic: str, partition: int, start: int, end: int, timeout_s: float = 10.0
+    kafka: KafkaLike, topic: str, partition: int, start: int, end: int, timeout_s: float = 10.0
 ) -> RangeCount:
     """Count committed records and all data records (aborted included) in [start, end).
 
@@ -181,24 +173,24 @@ def count_range(
     independent witness the gap accounting compares Spark's read with.
     """
     counts = [
-        sum(1 for _ in read_offsets(bootstrap_servers, topic, partition, [(start, end)], isolation, timeout_s))
+        sum(1 for _ in read_offsets(kafka, topic, partition, [(start, end)], isolation, timeout_s))
         for isolation in ("read_committed", "read_uncommitted")
     ]
     return RangeCount(*counts)
 
 
 def record_timestamp(
-    bootstrap_servers: str, topic: str, partition: int, offset: int, end: int, timeout_s: float = 10.0
+    kafka: KafkaLike, topic: str, partition: int, offset: int, end: int, timeout_s: float = 10.0
 ) -> int | None:
     """Timestamp (ms) of the first committed record in [offset, end), or None if there is none."""
-    records = read_offsets(bootstrap_servers, topic, partition, [(offset, end)], "read_committed", timeout_s)
+    records = read_offsets(kafka, topic, partition, [(offset, end)], "read_committed", timeout_s)
     first = next(records, None)
     records.close()
     return None if first is None else first[1]
 
 
 def read_offsets(
-    bootstrap_servers: str,
+    kafka: KafkaLike,
     topic: str,
     partition: int,
     ranges: list[tuple[int, int]],
@@ -206,19 +198,19 @@ def read_offsets(
     timeout_s: float,
 ) -> Iterator[tuple[int, int]]:
     """(offset, timestamp ms) of every record in the half-open `ranges`, ascending; streams."""
-    for message in _read_messages(bootstrap_servers, topic, partition, ranges, isolation, timeout_s):
+    for message in _read_messages(kafka, topic, partition, ranges, isolation, timeout_s):
         yield message.offset(), message.timestamp()[1]
 
 
 def record_headers(
-    bootstrap_servers: str, topic: str, partition: int, offsets: list[int], timeout_s: float
+    kafka: KafkaLike, topic: str, partition: int, offsets: list[int], timeout_s: float
 ) -> dict[int, list[tuple[bytes, bytes | None]]]:
     """The headers (key as UTF-8 bytes, value) of the committed records at `offsets`, by offset;
     records without headers, or gone since, are left out."""
     wanted = set(offsets)
     found: dict[int, list[tuple[bytes, bytes | None]]] = {}
     ranges = [(min(wanted), max(wanted) + 1)] if wanted else []
-    for message in _read_messages(bootstrap_servers, topic, partition, ranges, "read_committed", timeout_s):
+    for message in _read_messages(kafka, topic, partition, ranges, "read_committed", timeout_s):
         if message.offset() in wanted and message.headers():
             found[message.offset()] = [
                 (key.encode("utf-8", "surrogateescape"), value) for key, value in message.headers()
@@ -227,7 +219,7 @@ def record_headers(
 
 
 def _read_messages(
-    bootstrap_servers: str,
+    kafka: KafkaLike,
     topic: str,
     partition: int,
     ranges: list[tuple[int, int]],
@@ -236,7 +228,7 @@ def _read_messages(
 ) -> Iterator[Message]:
     consumer = Consumer(
         {
-            **client_config(bootstrap_servers, timeout_s),
+            **client_config(kafka, timeout_s),
             "group.id": "kafka2pg-reader",
             "enable.auto.commit": False,
             "isolation.level": isolation,
@@ -249,14 +241,12 @@ def _read_messages(
     try:
         for start, end in ranges:
             consumer.assign([TopicPartition(topic, partition, start)])
-            yield from _consume_until(consumer, bootstrap_servers, f"{topic}[{partition}]", end, timeout_s)
+            yield from _consume_until(consumer, kafka, f"{topic}[{partition}]", end, timeout_s)
     finally:
         consumer.close()
 
 
-def _consume_until(
-    consumer: Consumer, bootstrap_servers: str, where: str, end: int, timeout_s: float
-) -> Iterator[Message]:
+def _consume_until(consumer: Consumer, kafka: KafkaLike, where: str, end: int, timeout_s: float) -> Iterator[Message]:
     # consume() waits its whole timeout unless num_messages arrive: poll in short slices and
     # give up only after timeout_s without any message or end-of-partition event.
     idle_since = time.monotonic()
@@ -264,7 +254,7 @@ def _consume_until(
         messages = consumer.consume(num_messages=5000, timeout=0.2)
         if not messages:
             if time.monotonic() - idle_since > timeout_s:
-                raise _unavailable(bootstrap_servers, timeout_s, f"while reading {where}")
+                raise _unavailable(kafka, timeout_s, f"while reading {where}")
             continue
         idle_since = time.monotonic()
         for message in messages:
@@ -273,12 +263,12 @@ def _consume_until(
                 return
             if error is not None and error.code() == KafkaError._AUTO_OFFSET_RESET:
                 raise RetentionLossError(
-                    f"reading {where} on Kafka at {bootstrap_servers}: the requested offsets are below the low "
+                    f"reading {where} on Kafka at {kafka}: the requested offsets are below the low "
                     f"watermark now ({error.str()}); records expired while kafka2pg was reading them. Run again: "
                     "the plan step reports exactly which offsets were lost."
                 )
             if error is not None:
-                raise KafkaUnavailableError(f"Kafka at {bootstrap_servers}: reading {where}: {error}")
+                raise KafkaUnavailableError(f"Kafka at {kafka}: reading {where}: {error}")
             if message.offset() >= end:
                 return
             yield message
@@ -290,7 +280,7 @@ def _list(
     partitions: list[int],
     spec: OffsetSpec,
     isolation: IsolationLevel,
-    bootstrap_servers: str,
+    kafka: KafkaLike,
     timeout_s: float,
 ) -> dict[int, int]:
     request = {TopicPartition(topic, p): spec for p in partitions}
@@ -298,24 +288,25 @@ def _list(
     result = {}
     for tp, future in futures.items():
         try:
-            answer = _answer(future, f"listing the offsets of {topic}[{tp.partition}]", bootstrap_servers, timeout_s)
+            answer = _answer(future, f"listing the offsets of {topic}[{tp.partition}]", kafka, timeout_s)
             result[tp.partition] = answer.offset
         except KafkaException as exc:
-            raise _unavailable(bootstrap_servers, timeout_s, exc) from exc
+            raise _unavailable(kafka, timeout_s, exc) from exc
     return result
 
 
-def _answer(future: Future[T], what: str, bootstrap_servers: str, timeout_s: float) -> T:
+def _answer(future: Future[T], what: str, kafka: KafkaLike, timeout_s: float) -> T:
     """The result of an AdminClient future. Waiting out `timeout_s` raises a bare TimeoutError,
     without a message, when the cluster is unreachable: translated here; KafkaException passes on."""
     try:
         return future.result(timeout=timeout_s)
     except TimeoutError as exc:
-        raise _unavailable(bootstrap_servers, timeout_s, f"while {what}") from exc
+        raise _unavailable(kafka, timeout_s, f"while {what}") from exc
 
 
-def _unavailable(bootstrap_servers: str, timeout_s: float, cause: Exception | str) -> KafkaUnavailableError:
+def _unavailable(kafka: KafkaLike, timeout_s: float, cause: Exception | str) -> KafkaUnavailableError:
     return KafkaUnavailableError(
-        f"Kafka at {bootstrap_servers} did not answer within {timeout_s:.0f}s ({cause}). Check that "
-        "the brokers run and KAFKA2PG_BOOTSTRAP_SERVERS is right."
+        f"Kafka at {kafka} did not answer within {timeout_s:.0f}s ({cause}). Check that the brokers run "
+        "and that the pipeline's Kafka connection (kafka_config_id, default kafka2pg_kafka; or "
+        "KAFKA2PG_BOOTSTRAP_SERVERS) is right."
     )

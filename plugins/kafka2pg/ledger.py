@@ -256,7 +256,7 @@ def open_batch(
     ranges while every head it expects is still in place; otherwise it is marked `abandoned`
     (it never promoted anything, so nothing is undone) and a fresh batch is planned.
     """
-    offsets = partition_offsets(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
+    offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     with transaction(settings.database_url) as conn:
         # One planner per pipeline at a time; promotion is still fenced by compare-and-set.
         lock_plan(conn, pipeline.name)
@@ -288,7 +288,7 @@ def loss_horizons(
     settings: Settings, pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]
 ) -> list[LossHorizon]:
     """Per partition: unread records, margin to the low watermark, estimated time to data loss."""
-    retention = topic_retention(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
+    retention = topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     now_ms = int(time.time() * 1000)
     horizons = []
     for state in _states(offsets, heads):
@@ -297,7 +297,7 @@ def loss_horizons(
         timestamp = None
         if retention.deletes and retention.retention_ms is not None and first_unread < state.last_stable:
             timestamp = record_timestamp(
-                settings.bootstrap_servers,
+                settings.kafka,
                 pipeline.topic,
                 state.partition,
                 first_unread,
@@ -423,7 +423,7 @@ def plan_lookahead(
     heads, as any batch. If `after_id` is rejected or fenced, the run (or the next one's plan
     step) abandons the lookahead. None: nothing new.
     """
-    offsets = partition_offsets(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
+    offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     with transaction(settings.database_url) as conn:
         lock_plan(conn, pipeline.name)
         current = load_claimed(conn, pipeline, after_id, after_epoch)
@@ -608,7 +608,7 @@ def reset_head(
     from the old topic keep their provenance; a recreated topic reuses offsets, so
     `archive_old_rows` moves them (target and quarantine) into kafka2pg.archived_rows.
     """
-    offsets = {o.partition: o for o in partition_offsets(settings.bootstrap_servers, pipeline.topic)}
+    offsets = {o.partition: o for o in partition_offsets(settings.kafka, pipeline.topic)}
     if to_offset is not None:
         broker = offsets.get(partition)
         if broker is None or not broker.low <= to_offset <= broker.high:

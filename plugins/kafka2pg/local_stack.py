@@ -12,6 +12,7 @@ import base64
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -60,6 +61,16 @@ class PostgresProcess:
     def url(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/kafka2pg"
 
+    def connection(self) -> dict:
+        """The cluster as an Airflow postgres connection (JSON form of AIRFLOW_CONN_*)."""
+        return {
+            "conn_type": "postgres",
+            "host": "127.0.0.1",
+            "port": self.port,
+            "login": "postgres",
+            "schema": "kafka2pg",
+        }
+
     @property
     def cluster_dir(self) -> Path:
         """The folder start_postgres made: the data directory and the server log."""
@@ -76,7 +87,13 @@ class Stack:
     postgres: PostgresProcess
 
     def env(self) -> dict[str, str]:
+        """The Airflow Connections of this stack (kafka2pg_postgres, kafka2pg_kafka) as AIRFLOW_CONN_*
+        variables, and the KAFKA2PG_* fallback variables."""
         return {
+            "AIRFLOW_CONN_KAFKA2PG_POSTGRES": json.dumps(self.postgres.connection()),
+            "AIRFLOW_CONN_KAFKA2PG_KAFKA": json.dumps(
+                {"conn_type": "kafka", "extra": {"bootstrap.servers": self.kafka.bootstrap_servers}}
+            ),
             "KAFKA2PG_BOOTSTRAP_SERVERS": self.kafka.bootstrap_servers,
             "KAFKA2PG_DATABASE_URL": self.postgres.url,
         }
@@ -697,7 +714,7 @@ def save_stack(stack: Stack, cache: Path = DEFAULT_CACHE) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "state.json").write_text(json.dumps(asdict(stack), indent=2))
     env_file = directory / "stack.env"
-    env_file.write_text("".join(f"export {k}='{v}'\n" for k, v in stack.env().items()))
+    env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in stack.env().items()))
     return env_file
 
 

@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from confluent_kafka import KafkaException, Producer
 
 from kafka2pg.exceptions import KafkaUnavailableError
+from kafka2pg.kafka_config import KafkaLike
 from kafka2pg.kafka_offsets import client_config
 
 _PRODUCTS = ("book", "lamp", "chair", "kettle", "bike", "tent", "guitar", "scarf")
@@ -35,7 +36,7 @@ def sample_events(count: int, *, seed: int = 0, start: datetime | None = None) -
 
 
 def produce(
-    bootstrap_servers: str,
+    kafka: KafkaLike,
     topic: str,
     values: Iterable[dict | bytes | str | None],
     *,
@@ -50,7 +51,7 @@ def produce(
     """
     producer = Producer(
         {
-            **client_config(bootstrap_servers, timeout_s),
+            **client_config(kafka, timeout_s),
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": 20,
@@ -85,14 +86,13 @@ def produce(
     remaining = producer.flush(timeout_s)
     if remaining or errors:
         raise KafkaUnavailableError(
-            f"producing to {topic!r} on Kafka at {bootstrap_servers}: {remaining} undelivered, "
-            f"errors: {sorted(set(errors))[:3]}"
+            f"producing to {topic!r} on Kafka at {kafka}: {remaining} undelivered, errors: {sorted(set(errors))[:3]}"
         )
     return count
 
 
-def produce_sample(bootstrap_servers: str, topic: str, count: int, *, seed: int = 0) -> int:
+def produce_sample(kafka: KafkaLike, topic: str, count: int, *, seed: int = 0) -> int:
     try:
-        return produce(bootstrap_servers, topic, sample_events(count, seed=seed))
+        return produce(kafka, topic, sample_events(count, seed=seed))
     except KafkaException as exc:
-        raise KafkaUnavailableError(f"producing to {topic!r} on Kafka at {bootstrap_servers}: {exc}") from exc
+        raise KafkaUnavailableError(f"producing to {topic!r} on Kafka at {kafka}: {exc}") from exc

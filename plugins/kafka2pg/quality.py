@@ -399,14 +399,14 @@ def _offset_gaps_explained(conn: Connection, settings: Settings, pipeline: Pipel
             (batch.batch_id,),
         ).fetchall()
     )
-    servers, timeout = settings.bootstrap_servers, settings.kafka_timeout_s
+    kafka, timeout = settings.kafka, settings.kafka_timeout_s
     gappy = [r for r in batch.plan.ranges if reads.get(r.partition, 0) != r.size]
-    compacted = bool(gappy) and topic_retention(servers, pipeline.topic, timeout).compacted
+    compacted = bool(gappy) and topic_retention(kafka, pipeline.topic, timeout).compacted
     accounts = []
     for rng in batch.plan.ranges:
         read = reads.get(rng.partition, 0)
         if rng in gappy:
-            witness = count_range(servers, pipeline.topic, rng.partition, rng.start, rng.end, timeout)
+            witness = count_range(kafka, pipeline.topic, rng.partition, rng.start, rng.end, timeout)
             accounts.append(account_gap(rng, read, witness.committed, witness.data_records, compacted_topic=compacted))
         else:
             accounts.append(account_gap(rng, read, None, None, compacted_topic=compacted))

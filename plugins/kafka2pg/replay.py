@@ -167,9 +167,9 @@ def resolve_ranges(settings: Settings, pipeline: Pipeline, request: ReplayReques
     """The request's offset ranges; a time window maps through offsets_for_times (empty ones dropped)."""
     if request.window is None:
         return request.ranges
-    servers, timeout = settings.bootstrap_servers, settings.kafka_timeout_s
-    start = offsets_for_times(servers, pipeline.topic, int(request.window[0].timestamp() * 1000), timeout)
-    end = offsets_for_times(servers, pipeline.topic, int(request.window[1].timestamp() * 1000), timeout)
+    kafka, timeout = settings.kafka, settings.kafka_timeout_s
+    start = offsets_for_times(kafka, pipeline.topic, int(request.window[0].timestamp() * 1000), timeout)
+    end = offsets_for_times(kafka, pipeline.topic, int(request.window[1].timestamp() * 1000), timeout)
     return tuple(OffsetRange(p, start[p], end[p]) for p in sorted(start) if end.get(p, start[p]) > start[p])
 
 
@@ -188,9 +188,7 @@ def open_replay(
         window = f" (time window [{request.window[0].isoformat()}, {request.window[1].isoformat()}))"
     if not ranges:
         return OpenedBatch(None, False, f"replay: no records to replay{window}; nothing recorded, Spark not launched")
-    broker = {
-        o.partition: o for o in partition_offsets(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
-    }
+    broker = {o.partition: o for o in partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)}
     with transaction(settings.database_url) as conn:
         # Serialised with planning, undo and reset: the heads read here stay valid until commit.
         lock_plan(conn, pipeline.name)
@@ -530,7 +528,7 @@ def undo_batch(
     `confirm` nothing changes and the message says what would happen. An unfinished live batch
     is abandoned (it was planned from the heads being rewound).
     """
-    if topic_retention(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s).compacted:
+    if topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s).compacted:
         raise ReplayRefusedError(
             f"pipeline {pipeline.name!r} batch {batch_id}: topic {pipeline.topic!r} is compacted; an undo deletes rows "
             "whose records may since have been compacted away, and the reload could not bring them back. "

@@ -24,7 +24,7 @@ def _table(headers: list[str], rows: list[list]) -> str:
 
 
 def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
-    offsets = partition_offsets(settings.bootstrap_servers, pipeline.topic, settings.kafka_timeout_s)
+    offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     with connect(settings.database_url) as conn:
         heads = head_status(conn, pipeline, offsets)
         horizons = {h.partition: h for h in loss_horizons(settings, pipeline, offsets, read_heads(conn, pipeline.name))}

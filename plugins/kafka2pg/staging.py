@@ -59,10 +59,11 @@ class StageResult:
 
 
 def kafka_read_options(settings: Settings, plan: BatchPlan) -> dict[str, str]:
-    """Spark Kafka source options reading exactly the plan's ranges, committed records only."""
+    """Spark Kafka source options reading exactly the plan's ranges, committed records only, with
+    the connection's client properties (SASL, TLS) mapped to the Java client's (`KafkaConfig`)."""
     ranges = plan.ranges
     return {
-        "kafka.bootstrap.servers": settings.bootstrap_servers,
+        **settings.kafka.spark_options(),
         "assign": json.dumps({plan.topic: [r.partition for r in ranges]}),
         "startingOffsets": json.dumps({plan.topic: {str(r.partition): r.start for r in ranges}}),
         "endingOffsets": json.dumps({plan.topic: {str(r.partition): r.end for r in ranges}}),
@@ -260,7 +261,7 @@ def _refused_headers(settings: Settings, pipeline: Pipeline, reads: tuple[Partit
     for read in reads:
         if read.refused:
             headers = record_headers(
-                settings.bootstrap_servers, pipeline.topic, read.partition, list(read.refused), settings.kafka_timeout_s
+                settings.kafka, pipeline.topic, read.partition, list(read.refused), settings.kafka_timeout_s
             )
             found.update({(read.partition, offset): headers_literal(h) for offset, h in headers.items()})
     return found

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kafka2pg.config import Settings, get_pipeline
+from kafka2pg.config import Pipeline, Settings, get_pipeline, pipelines_file_from_env
 from kafka2pg.exceptions import Kafka2PgError
 
 log = logging.getLogger("kafka2pg")
@@ -29,6 +29,14 @@ def airflow_errors() -> Iterator[None]:
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
 
+def _resolve(pipeline_name: str) -> tuple[Settings, Pipeline]:
+    """The pipeline (from the pipelines file) and its services (its Airflow Connections)."""
+    from kafka2pg.connections import settings_for
+
+    pipeline = get_pipeline(pipeline_name, pipelines_file_from_env())
+    return settings_for(pipeline), pipeline
+
+
 def plan(
     pipeline_name: str,
     *,
@@ -45,8 +53,7 @@ def plan(
     from kafka2pg.migrations import migrate
 
     with airflow_errors():
-        settings = Settings.from_env()
-        pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
+        settings, pipeline = _resolve(pipeline_name)
         migrate(settings.database_url, [pipeline])
         opened = open_batch(
             settings, pipeline, max_records_per_batch=max_records_per_batch, run_id=run_id, dry_run=dry_run
@@ -70,8 +77,7 @@ def validate(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dic
     from kafka2pg.stuck import recording_failures
 
     with airflow_errors():
-        settings = Settings.from_env()
-        pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
+        settings, pipeline = _resolve(pipeline_name)
         with recording_failures(settings, pipeline_name, batch_id, epoch, "validate"):
             result = validate_batch(settings, pipeline, batch_id, epoch)
     for check in result.checks:
@@ -90,8 +96,7 @@ def promote(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dict
     from kafka2pg.stuck import recording_failures
 
     with airflow_errors():
-        settings = Settings.from_env()
-        pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
+        settings, pipeline = _resolve(pipeline_name)
         with recording_failures(settings, pipeline_name, batch_id, epoch, "promote"):
             result = promote_batch(settings, pipeline, batch_id, epoch)
         log.info("pipeline=%s %s", pipeline_name, result.message)
@@ -113,8 +118,7 @@ def plan_replay(
     from kafka2pg.replay import open_replay, request_from_params
 
     with airflow_errors():
-        settings = Settings.from_env()
-        pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
+        settings, pipeline = _resolve(pipeline_name)
         request = request_from_params(params, run_type=run_type, interval=interval, requested_by=requested_by)
         if request is None:
             log.info(
@@ -136,8 +140,8 @@ def finish_replay(pipeline_name: str, batch_id: int, epoch: int | None = None) -
     from kafka2pg.promote import promote_batch
 
     with airflow_errors():
-        settings = Settings.from_env()
-        result = promote_batch(settings, get_pipeline(pipeline_name, settings.pipelines_file), batch_id, epoch)
+        settings, pipeline = _resolve(pipeline_name)
+        result = promote_batch(settings, pipeline, batch_id, epoch)
     log.info("pipeline=%s %s", pipeline_name, result.message)
     for kind, found in sorted(result.differences.items()):
         log.info("difference %-28s %6s  e.g. %s", kind, found["count"], ", ".join(found["sample"]))

@@ -357,7 +357,7 @@ def test_missing_topic_fails_with_a_clear_error(make_pipeline):
 
 def test_unreachable_kafka_fails_within_seconds_naming_the_servers(make_pipeline, capfd):
     env = make_pipeline()
-    dead = dataclasses.replace(env.settings, bootstrap_servers="127.0.0.1:9", kafka_timeout_s=3)
+    dead = dataclasses.replace(env.settings, kafka="127.0.0.1:9", kafka_timeout_s=3)
     started = time.monotonic()
     with pytest.raises(KafkaUnavailableError, match=r"Kafka at 127\.0\.0\.1:9 did not answer within 3s"):
         open_batch(dead, env.pipeline)

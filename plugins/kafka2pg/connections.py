@@ -1,0 +1,157 @@
+"""A pipeline's services from Airflow Connections: PostgreSQL (postgres provider's connection,
+`postgres_conn_id`) and Kafka (apache-kafka provider's, `kafka_config_id`: the client config dict
+in its extra), found by Airflow's own lookup, with the KAFKA2PG_* environment as the fallback.
+
+Airflow is imported only when a lookup happens (tasks, the CLI), never at DAG-parse time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from psycopg.conninfo import make_conninfo
+
+from kafka2pg.config import (
+    DEFAULT_KAFKA_CONN_ID,
+    DEFAULT_POSTGRES_CONN_ID,
+    Pipeline,
+    Settings,
+    common_settings,
+    kafka_from_env,
+)
+from kafka2pg.exceptions import ConfigError
+from kafka2pg.kafka_config import KafkaConfig
+
+log = logging.getLogger(__name__)
+
+# libpq parameters a postgres connection's extra may carry; the provider's own keys (cursor,
+# iam, aws_conn_id, ...) are not libpq's and are left out.
+_LIBPQ_EXTRAS = frozenset(
+    {
+        "sslmode",
+        "sslrootcert",
+        "sslcert",
+        "sslkey",
+        "sslpassword",
+        "sslcrl",
+        "sslsni",
+        "channel_binding",
+        "gssencmode",
+        "krbsrvname",
+        "connect_timeout",
+        "application_name",
+        "options",
+        "target_session_attrs",
+        "keepalives",
+        "keepalives_idle",
+        "keepalives_interval",
+        "keepalives_count",
+        "client_encoding",
+        "service",
+        "passfile",
+    }
+)
+
+
+def settings_for(pipeline: Pipeline, env: dict[str, str] | None = None) -> Settings:
+    """The pipeline's services: its Airflow Connections, or else the environment's fallback."""
+    return services(pipeline.postgres_conn_id, pipeline.kafka_config_id, env, f"pipeline {pipeline.name!r}")
+
+
+def services(
+    postgres_conn_id: str = DEFAULT_POSTGRES_CONN_ID,
+    kafka_config_id: str = DEFAULT_KAFKA_CONN_ID,
+    env: dict[str, str] | None = None,
+    who: str = "kafka2pg",
+) -> Settings:
+    """Settings from these Airflow Connections, or else the environment's fallback."""
+    env = dict(os.environ if env is None else env)
+    database_url = _postgres_url(postgres_conn_id) or env.get("KAFKA2PG_DATABASE_URL")
+    kafka = _kafka_config(kafka_config_id) or kafka_from_env(env)
+    missing = [
+        f"neither the Airflow connection {conn_id!r} nor {variable} is defined"
+        for conn_id, variable, found in (
+            (postgres_conn_id, "KAFKA2PG_DATABASE_URL", database_url),
+            (kafka_config_id, "KAFKA2PG_BOOTSTRAP_SERVERS (or KAFKA2PG_KAFKA_CONFIG)", kafka),
+        )
+        if not found
+    ]
+    if missing:
+        raise ConfigError(
+            f"{who}: {'; '.join(missing)}. Define the connections (README, Configuration: "
+            "AIRFLOW_CONN_* variables, the Airflow UI or a secrets backend), or start the local stack with "
+            "`./kafka2pg stack start` and `source .cache/stack/stack.env`"
+        )
+    return Settings(kafka=kafka, database_url=database_url, **common_settings(env))
+
+
+def _postgres_url(conn_id: str) -> str | None:
+    """A libpq conninfo string from a postgres connection (host, port, login, password, schema =
+    the database, libpq parameters from its extra); None when the connection is not defined."""
+    connection = _airflow_connection(conn_id)
+    if connection is None:
+        return None
+    extra = _extra(connection, conn_id)
+    params = {k: str(v) for k, v in extra.items() if k in _LIBPQ_EXTRAS}
+    return make_conninfo(
+        host=connection.host or "localhost",
+        port=str(connection.port or 5432),
+        user=connection.login or "",
+        password=connection.password or "",
+        dbname=connection.schema or "postgres",
+        **params,
+    )
+
+
+def _kafka_config(conn_id: str) -> KafkaConfig | None:
+    """The client config dict in a kafka connection's extra (as the apache-kafka provider keeps
+    it); `bootstrap.servers` from host:port when the extra has none."""
+    connection = _airflow_connection(conn_id)
+    if connection is None:
+        return None
+    properties = dict(_extra(connection, conn_id))
+    if "bootstrap.servers" not in properties and connection.host:
+        properties["bootstrap.servers"] = f"{connection.host}:{connection.port or 9092}"
+    return KafkaConfig.of(properties, f"the Airflow connection {conn_id!r} (its extra)")
+
+
+def _extra(connection: Any, conn_id: str) -> dict:
+    try:
+        extra = connection.extra_dejson
+    except ValueError:
+        extra = None
+    if not isinstance(extra, dict):
+        raise ConfigError(f"the Airflow connection {conn_id!r}: its extra is not a JSON object")
+    return extra
+
+
+def _airflow_connection(conn_id: str) -> Any | None:
+    """Airflow's lookup of a connection: inside a task through the Task SDK (environment, secrets
+    backends, the API server); elsewhere (the CLI) environment, secrets backends and the metadata
+    database. None when it is not defined, or when Airflow is not installed here."""
+    try:
+        from airflow.exceptions import AirflowNotFoundException
+    except ImportError:
+        return None
+    if _in_task():
+        from airflow.sdk import BaseHook
+
+        lookup = BaseHook.get_connection
+    else:
+        from airflow.models.connection import Connection
+
+        lookup = Connection.get_connection_from_secrets
+    try:
+        return lookup(conn_id)
+    except AirflowNotFoundException:
+        return None
+
+
+def _in_task() -> bool:
+    try:
+        from airflow.sdk.execution_time import task_runner
+    except ImportError:
+        return False
+    return getattr(task_runner, "SUPERVISOR_COMMS", None) is not None

@@ -1,0 +1,206 @@
+"""The Kafka client configuration: one dict of client properties (as the apache-kafka provider's
+connection holds it, librdkafka's names) -> confluent-kafka's config and Spark's source options.
+
+No client library is imported. Spark's Kafka source is the Java client, whose security
+properties differ from librdkafka's; `spark_options` maps them property by property (and reads
+the PEM files librdkafka would read, to pass them inline).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kafka2pg.exceptions import ConfigError
+
+# Properties whose values are secrets: never shown (`redacted`), never logged.
+SECRET_PROPERTIES = frozenset(
+    {
+        "sasl.password",
+        "ssl.key.password",
+        "ssl.keystore.password",
+        "ssl.truststore.password",
+        "sasl.jaas.config",
+        "ssl.key.pem",
+        "ssl.keystore.key",
+        "sasl.oauthbearer.client.secret",
+    }
+)
+# A property for the Java client only (Spark's source), given with this prefix, goes to Spark as is
+# and is left out of librdkafka's config.
+JAVA_ONLY_PREFIX = "kafka."
+# librdkafka properties that mean the same, under the same name, in the Java client.
+_SAME_IN_JAVA = frozenset(
+    {
+        "bootstrap.servers",
+        "security.protocol",
+        "client.id",
+        "client.dns.lookup",
+        "ssl.endpoint.identification.algorithm",
+        "sasl.kerberos.service.name",
+        "connections.max.idle.ms",
+        "request.timeout.ms",
+        "metadata.max.age.ms",
+        "reconnect.backoff.ms",
+        "reconnect.backoff.max.ms",
+        "retry.backoff.ms",
+        "socket.connection.setup.timeout.ms",
+        "fetch.min.bytes",
+        "fetch.max.bytes",
+        "receive.buffer.bytes",
+        "send.buffer.bytes",
+    }
+)
+# librdkafka properties handled by the mapping below (they become other Java properties).
+_MAPPED = frozenset(
+    {
+        "sasl.mechanism",
+        "sasl.mechanisms",
+        "sasl.username",
+        "sasl.password",
+        "ssl.ca.location",
+        "ssl.certificate.location",
+        "ssl.key.location",
+        "ssl.key.password",
+    }
+)
+_LOGIN_MODULES = {
+    "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
+    "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
+    "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
+}
+_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    """Kafka client properties, librdkafka names (`bootstrap.servers`, `security.protocol`,
+    `sasl.*`, `ssl.*`, ...), plus Java-only ones prefixed `kafka.`."""
+
+    properties: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, properties: Mapping[str, Any], where: str = "the Kafka configuration") -> KafkaConfig:
+        """Checked: `bootstrap.servers` present, values scalar, known security protocol."""
+        if not isinstance(properties, Mapping):
+            raise ConfigError(
+                f"{where}: expected a mapping of Kafka client properties, got {type(properties).__name__}"
+            )
+        items = {}
+        for key, value in properties.items():
+            if not isinstance(key, str) or isinstance(value, dict | list) or value is None:
+                raise ConfigError(f"{where}: property {key!r} must be a name with a string, number or boolean value")
+            items[key] = str(value).lower() if isinstance(value, bool) else str(value)
+        if not items.get("bootstrap.servers", "").strip():
+            raise ConfigError(f"{where}: `bootstrap.servers` is missing (e.g. broker1:9092,broker2:9092)")
+        protocol = items.get("security.protocol", "PLAINTEXT").upper()
+        if protocol not in _SECURITY_PROTOCOLS:
+            raise ConfigError(f"{where}: security.protocol {protocol!r} is not one of {', '.join(_SECURITY_PROTOCOLS)}")
+        return cls(tuple(sorted(items.items())))
+
+    @classmethod
+    def plain(cls, bootstrap_servers: str) -> KafkaConfig:
+        return cls.of({"bootstrap.servers": bootstrap_servers})
+
+    @property
+    def as_dict(self) -> dict[str, str]:
+        return dict(self.properties)
+
+    @property
+    def servers(self) -> str:
+        return self.as_dict["bootstrap.servers"]
+
+    @property
+    def protocol(self) -> str:
+        return self.as_dict.get("security.protocol", "PLAINTEXT").upper()
+
+    def __str__(self) -> str:
+        """Where the cluster is and how it is reached: what messages name (never a secret)."""
+        if self.protocol == "PLAINTEXT":
+            return self.servers
+        mechanism = self.as_dict.get("sasl.mechanism") or self.as_dict.get("sasl.mechanisms")
+        return f"{self.servers} ({self.protocol}{', ' + mechanism if mechanism else ''})"
+
+    def redacted(self) -> dict[str, str]:
+        return {k: "***" if _secret(k) else v for k, v in self.properties}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict)
+
+    def confluent(self) -> dict[str, str]:
+        """confluent-kafka's (librdkafka's) config: every property but the Java-only ones."""
+        return {k: v for k, v in self.properties if not k.startswith(JAVA_ONLY_PREFIX)}
+
+    def spark_options(self) -> dict[str, str]:
+        """Spark's Kafka source options (`kafka.`-prefixed Java client properties).
+
+        SASL username/password become `sasl.jaas.config` for PLAIN and SCRAM; PEM files given to
+        librdkafka (`ssl.ca.location`, `ssl.certificate.location` + `ssl.key.location`) are passed
+        inline (`ssl.truststore.certificates`, `ssl.keystore.certificate.chain` + `ssl.keystore.key`,
+        type PEM), so the executors need no files. Java-only properties pass as given.
+        """
+        props = self.as_dict
+        options = {f"kafka.{k}": v for k, v in props.items() if k in _SAME_IN_JAVA}
+        options.update({k: v for k, v in props.items() if k.startswith(JAVA_ONLY_PREFIX)})
+        mechanism = (props.get("sasl.mechanism") or props.get("sasl.mechanisms") or "").upper()
+        if mechanism:
+            options["kafka.sasl.mechanism"] = mechanism
+        if "sasl.username" in props and "kafka.sasl.jaas.config" not in options:
+            module = _LOGIN_MODULES.get(mechanism or "PLAIN")
+            if module is None:
+                raise ConfigError(
+                    f"sasl.mechanism {mechanism!r} with sasl.username: kafka2pg builds Spark's JAAS login for "
+                    f"{', '.join(_LOGIN_MODULES)}; for another mechanism give `kafka.sasl.jaas.config` yourself"
+                )
+            options["kafka.sasl.jaas.config"] = (
+                f"{module} required username={_jaas(props['sasl.username'])} "
+                f"password={_jaas(props.get('sasl.password', ''))};"
+            )
+        if "ssl.ca.location" in props:
+            options.setdefault("kafka.ssl.truststore.type", "PEM")
+            options.setdefault("kafka.ssl.truststore.certificates", _pem(props["ssl.ca.location"], "ssl.ca.location"))
+        if "ssl.certificate.location" in props or "ssl.key.location" in props:
+            options.setdefault("kafka.ssl.keystore.type", "PEM")
+            options.setdefault(
+                "kafka.ssl.keystore.certificate.chain",
+                _pem(props.get("ssl.certificate.location", ""), "ssl.certificate.location"),
+            )
+            options.setdefault("kafka.ssl.keystore.key", _pem(props.get("ssl.key.location", ""), "ssl.key.location"))
+            if "ssl.key.password" in props:
+                options.setdefault("kafka.ssl.key.password", props["ssl.key.password"])
+        return options
+
+    def unmapped_for_spark(self) -> list[str]:
+        """librdkafka properties Spark's source does not get (no Java equivalent known here)."""
+        known = _SAME_IN_JAVA | _MAPPED
+        return sorted(k for k, _ in self.properties if k not in known and not k.startswith(JAVA_ONLY_PREFIX))
+
+
+def _secret(key: str) -> bool:
+    bare = key.removeprefix(JAVA_ONLY_PREFIX)
+    return bare in SECRET_PROPERTIES or "password" in bare or "secret" in bare
+
+
+def _jaas(value: str) -> str:
+    """A JAAS option value, quoted (quotes and backslashes escaped)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _pem(path: str, key: str) -> str:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"Kafka property {key}: cannot read the PEM file {path!r} ({exc.strerror})") from None
+    if "-----BEGIN" not in text:
+        raise ConfigError(f"Kafka property {key}: {path!r} is not a PEM file")
+    return text
+
+
+KafkaLike = KafkaConfig | str  # a plain bootstrap-servers string means PLAINTEXT
+
+
+def kafka_config(kafka: KafkaLike) -> KafkaConfig:
+    return kafka if isinstance(kafka, KafkaConfig) else KafkaConfig.plain(kafka)

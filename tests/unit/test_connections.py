@@ -1,0 +1,104 @@
+"""A pipeline's services from Airflow Connections (AIRFLOW_CONN_* here), the environment as the fallback."""
+
+import json
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from kafka2pg.config import load_pipelines
+from kafka2pg.connections import settings_for
+from kafka2pg.exceptions import ConfigError
+
+PIPELINES = """
+pipelines:
+  - name: orders
+    topic: orders
+    target_table: public.orders
+    columns: [{name: event_id, type: text}]
+  - name: payments
+    topic: payments
+    target_table: public.payments
+    postgres_conn_id: finance_db
+    kafka_config_id: finance_kafka
+    columns: [{name: event_id, type: text}]
+"""
+
+
+@pytest.fixture
+def pipelines(tmp_path, monkeypatch):
+    for name in ("KAFKA2PG_DATABASE_URL", "KAFKA2PG_BOOTSTRAP_SERVERS", "KAFKA2PG_KAFKA_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(PIPELINES)
+    return load_pipelines(path)
+
+
+def test_connections_give_the_database_and_the_kafka_client_config(pipelines, monkeypatch):
+    password = "p@ss:w/rd%20 'quoted'"
+    postgres = {
+        "conn_type": "postgres",
+        "host": "db.example",
+        "port": 6432,
+        "login": "runner",
+        "password": password,
+        "schema": "warehouse",
+        "extra": {"sslmode": "verify-full", "cursor": "dictcursor"},
+    }
+    kafka = {
+        "conn_type": "kafka",
+        "extra": {
+            "bootstrap.servers": "k1:9093",
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": "SCRAM-SHA-512",
+            "sasl.username": "app",
+            "sasl.password": "secret",
+        },
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", json.dumps(postgres))
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", json.dumps(kafka))
+
+    settings = settings_for(pipelines["orders"])
+
+    assert conninfo_to_dict(settings.database_url) == {
+        "host": "db.example",
+        "port": "6432",
+        "user": "runner",
+        "password": password,
+        "dbname": "warehouse",
+        "sslmode": "verify-full",  # the provider's own `cursor` is not libpq's: left out
+    }
+    assert settings.kafka.as_dict == kafka["extra"]
+    assert str(settings.kafka) == "k1:9093 (SASL_SSL, SCRAM-SHA-512)"
+
+
+def test_each_pipeline_uses_its_own_connections(pipelines, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_FINANCE_DB", "postgres://fin:pw@fin-db:5432/finance")
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_FINANCE_KAFKA", json.dumps({"conn_type": "kafka", "host": "fin-kafka", "port": 9092})
+    )
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://fallback@h/db")
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "fallback:9092")
+
+    settings = settings_for(pipelines["payments"])
+
+    assert conninfo_to_dict(settings.database_url)["host"] == "fin-db"
+    assert settings.kafka.servers == "fin-kafka:9092"  # from host:port when the extra has no bootstrap.servers
+    other = settings_for(pipelines["orders"])  # no kafka2pg_* connections: the environment's fallback
+    assert (other.database_url, other.kafka.servers) == ("postgresql://fallback@h/db", "fallback:9092")
+
+
+def test_no_connection_and_no_fallback_names_both(pipelines):
+    with pytest.raises(ConfigError) as error:
+        settings_for(pipelines["payments"])
+    message = str(error.value)
+    assert "pipeline 'payments': neither the Airflow connection 'finance_db' nor KAFKA2PG_DATABASE_URL" in message
+    assert "neither the Airflow connection 'finance_kafka' nor KAFKA2PG_BOOTSTRAP_SERVERS" in message
+
+
+def test_a_kafka_connection_without_servers_is_refused_naming_it(pipelines, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", json.dumps({"conn_type": "kafka", "extra": {"acks": "all"}}))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://u@h/db")
+    with pytest.raises(
+        ConfigError, match=r"the Airflow connection 'kafka2pg_kafka' \(its extra\): `bootstrap.servers`"
+    ):
+        settings_for(pipelines["orders"])
