@@ -277,7 +277,7 @@ def run_airflow(settings: Settings, topic: str, work: Path) -> dict:
     import yaml
 
     from kafka2pg import local_stack
-    from kafka2pg.config import PROJECT_ROOT
+    from kafka2pg.config import PROJECT_ROOT, load_pipelines
     from kafka2pg.demo import dags_test, ensure_airflow_db
 
     spec = next(p for p in yaml.safe_load((PROJECT_ROOT / "dags" / "pipelines.yaml").read_text())["pipelines"])
@@ -286,6 +286,7 @@ def run_airflow(settings: Settings, topic: str, work: Path) -> dict:
     per_batch = {**spec, "name": "airflow_per_batch", "topic": topic, "target_table": "public.airflow_per_batch"}
     pipelines = work / "airflow-pipelines.yaml"
     pipelines.write_text(yaml.safe_dump({"pipelines": [fixed, backlog, per_batch]}))
+    migrate(settings.database_url, list(load_pipelines(pipelines).values()))  # the DAGs' plan steps run no DDL
     # ./kafka2pg already exports the DAG and plugin folders; only what differs from it is set here.
     env = {
         **os.environ,

@@ -19,13 +19,12 @@ from kafka2pg.admission import Admitted, RecordDecoder, decoder_for
 from kafka2pg.config import Pipeline
 from kafka2pg.database import isolate_refused
 from kafka2pg.exceptions import BatchStateError
+from kafka2pg.migrations import PROVENANCE, RAW, staging_columns
 
 # What the stage job reads from Spark's Kafka source, in this order. Not the headers: Spark's
 # Kafka source builds them per record at a high price (more than reading and moving the value);
 # the stage step fetches them from Kafka for the records that go to quarantine only.
 KAFKA_COLUMNS = ("topic", "partition", "offset", "timestamp", "key", "value")
-PROVENANCE = ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp")
-RAW = ("raw_key", "raw_value", "raw_headers")
 STATS_SCHEMA = (
     "kafka_partition int, records long, quarantined long, min_offset long, max_offset long, refused array<long>"
 )
@@ -41,11 +40,6 @@ _ARROW_TYPES = {
     "jsonb": pa.string(),
     "numeric": pa.string(),  # the decimal's exact text: PostgreSQL parses it
 }
-
-
-def staging_columns(pipeline: Pipeline) -> list[str]:
-    """The staging table's columns a chunk writes, after (batch_id, chunk), in COPY order."""
-    return [*PROVENANCE, *(c.name for c in pipeline.columns), *RAW, "quarantine_reason"]
 
 
 def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: int):

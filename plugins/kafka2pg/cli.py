@@ -120,6 +120,30 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         settings = services(postgres_conn_id=conn_id, who=f"migrate ({conn_id})")
         applied = migrate(settings.database_url, [p for p in pipelines if p.postgres_conn_id == conn_id])
         print(f"{conn_id}: migrations applied: {', '.join(applied) or 'none pending'}; pipeline tables ensured")
+    print(
+        "If the DAGs connect as another role, run `./kafka2pg grant --role THAT_ROLE` now for the tables this created."
+    )
+    return 0
+
+
+def cmd_grant(args: argparse.Namespace) -> int:
+    from kafka2pg.connections import services
+    from kafka2pg.grants import apply_grants, print_grants
+
+    pipelines = list(load_pipelines(pipelines_file_from_env()).values())
+    databases = {p.postgres_conn_id for p in pipelines} or {DEFAULT_POSTGRES_CONN_ID}
+    for conn_id in sorted(databases):
+        settings = services(postgres_conn_id=conn_id, who=f"grant ({conn_id})")
+        mine = [p for p in pipelines if p.postgres_conn_id == conn_id]
+        if args.print_only:
+            print(print_grants(settings.database_url, mine, args.role))
+            continue
+        apply_grants(settings.database_url, mine, args.role)
+        names = ", ".join(p.name for p in mine) or "none"
+        print(
+            f"{conn_id}: granted role {args.role!r} kafka2pg's run-time privileges on its own tables and those of "
+            f"pipelines {names}; run this again after adding a pipeline or applying a migration that adds a table"
+        )
     return 0
 
 
@@ -138,8 +162,10 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from kafka2pg.ledger import open_batch
+    from kafka2pg.migrations import require_ready
 
     settings, pipeline = _pipeline(args)
+    require_ready(settings, pipeline)
     opened = open_batch(settings, pipeline, dry_run=args.dry_run)
     print(opened.message)
     return 0
@@ -243,7 +269,7 @@ def cmd_reset(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """Plan, read (local Spark), validate and finish one replay in this process."""
-    from kafka2pg.migrations import migrate
+    from kafka2pg.migrations import require_ready
     from kafka2pg.promote import promote_batch
     from kafka2pg.quality import validate_batch
     from kafka2pg.replay import open_replay, request_from_params
@@ -258,7 +284,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     }
     request = request_from_params(params, run_type="manual", requested_by=args.requested_by)
     assert request is not None  # a manual request without ranges or window raises instead
-    migrate(settings.database_url, [pipeline])
+    require_ready(settings, pipeline)
     opened = open_replay(settings, pipeline, request, run_id="cli")
     print(opened.message)
     if opened.batch is None:
@@ -334,7 +360,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--confirm", action="store_true", help="reset: delete; without it, only say what would go")
     p.set_defaults(func=cmd_stack)
 
-    sub.add_parser("migrate", help="apply sql/ migrations and create pipeline tables").set_defaults(func=cmd_migrate)
+    sub.add_parser(
+        "migrate", help="apply sql/ migrations and create pipeline tables (as the role that owns them)"
+    ).set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser(
+        "grant",
+        help="grant a runtime role what the pipelines need and no more (as the owning role; again after "
+        "adding a pipeline)",
+    )
+    p.add_argument("--role", required=True, help="the existing LOGIN role Airflow tasks and Spark jobs connect as")
+    p.add_argument("--print", dest="print_only", action="store_true", help="print the GRANTs, change nothing")
+    p.set_defaults(func=cmd_grant)
 
     p = sub.add_parser("produce", help="produce sample events with an idempotent producer")
     p.add_argument("--topic", default="orders")

@@ -42,6 +42,14 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
         raise SchemaNotReadyError(
             f"PostgreSQL at {describe(url)} lacks kafka2pg tables ({str(exc).strip()}): run `./kafka2pg migrate`"
         ) from exc
+    except psycopg.errors.InsufficientPrivilege as exc:
+        role = conn.info.user
+        raise SchemaNotReadyError(
+            f"PostgreSQL at {describe(url)} refused role {role!r} ({str(exc).strip()}); its transaction was "
+            f"rolled back. As the role owning kafka2pg's tables, run `./kafka2pg grant --role {role}` with the "
+            "pipelines file (again after adding a pipeline or applying a migration), then retry.",
+            missing=(f"privilege: {exc.diag.message_primary}",),
+        ) from exc
     except psycopg.OperationalError as exc:
         if not conn.broken:
             raise

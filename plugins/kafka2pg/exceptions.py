@@ -8,7 +8,7 @@ Kafka2PgError
  │    ├── KafkaUnavailableError
  │    └── DatabaseUnavailableError
  ├── TopicNotFoundError
- ├── SchemaNotReadyError      migrations not applied
+ ├── SchemaNotReadyError      migrations, tables, columns or grants missing: the owner must act
  ├── RetentionLossError       ledger head below the partition's low watermark
  ├── OffsetRegressionError    ledger head above the high watermark (topic recreated?)
  ├── LedgerConflictError      compare-and-set on a ledger head failed (stale/concurrent run)
@@ -64,7 +64,13 @@ class TopicNotFoundError(Kafka2PgError):
 
 
 class SchemaNotReadyError(Kafka2PgError):
-    """The database lacks kafka2pg's tables: run `kafka2pg migrate`."""
+    """The database lacks what a run needs (a migration, a table, a column, a grant): `kafka2pg migrate`/`grant`."""
+
+    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
+        #: What is missing, one item each: "migration 0008_step_failures.sql", "table kafka2pg.stg_orders",
+        #: "column public.orders.amount", "DELETE on public.orders", "USAGE on schema sales".
+        self.missing = missing
+        super().__init__(message)
 
 
 class RetentionLossError(Kafka2PgError):

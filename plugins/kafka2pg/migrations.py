@@ -1,4 +1,5 @@
-"""Applies the numbered SQL migrations in sql/ and creates each pipeline's tables.
+"""Applies the numbered SQL migrations in sql/ and creates each pipeline's tables (`kafka2pg migrate`,
+as the role owning them), and checks at run time, without DDL, that a pipeline's are all there.
 
 Idempotent and serialised by an advisory lock, so concurrent runs cannot interleave DDL.
 """
@@ -6,44 +7,206 @@ Idempotent and serialised by an advisory lock, so concurrent runs cannot interle
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 from psycopg import Connection, sql
 
-from kafka2pg.config import PROJECT_ROOT, Pipeline
-from kafka2pg.database import transaction
-from kafka2pg.exceptions import ObjectNameTakenError
+from kafka2pg.config import PROJECT_ROOT, Pipeline, Settings
+from kafka2pg.database import connect, describe, transaction
+from kafka2pg.exceptions import ConfigError, ObjectNameTakenError, SchemaNotReadyError
 
 log = logging.getLogger(__name__)
 
 SQL_DIR = PROJECT_ROOT / "sql"
 _LOCK_KEY = 0x6B3270  # "k2p": one advisory lock for all kafka2pg DDL
+MIGRATIONS_TABLE = ("public", "kafka2pg_migrations")
+
+# Columns kafka2pg writes besides the pipeline's own (sql/templates/target_table.sql, staging_table.sql).
+PROVENANCE = ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp")
+RAW = ("raw_key", "raw_value", "raw_headers")
+# The runtime role's privileges on a pipeline's tables (`kafka2pg grant`): promotion inserts into the
+# target; replays, undo and `reset --archive-old-rows` delete from it; nothing updates it. Staging is
+# written by COPY (INSERT), flagged by the quality gate (UPDATE) and cleared by batch (DELETE).
+TARGET_PRIVILEGES = ("SELECT", "INSERT", "DELETE")
+STAGING_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
 
 def migration_files() -> list[Path]:
     return sorted(SQL_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql"))
 
 
+def target_columns(pipeline: Pipeline) -> list[str]:
+    """The target's columns promotion writes."""
+    return [*(c.name for c in pipeline.columns), *PROVENANCE, "batch_id"]
+
+
+def staging_columns(pipeline: Pipeline) -> list[str]:
+    """The staging table's columns a chunk writes, after (batch_id, chunk), in COPY order."""
+    return [*PROVENANCE, *(c.name for c in pipeline.columns), *RAW, "quarantine_reason"]
+
+
 def migrate(database_url: str, pipelines: list[Pipeline]) -> list[str]:
     """Apply pending migrations and create missing pipeline tables; return what was applied."""
     applied: list[str] = []
     with transaction(database_url) as conn:
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
-        conn.execute(
-            "CREATE TABLE IF NOT EXISTS public.kafka2pg_migrations ("
-            " name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        done = {r[0] for r in conn.execute("SELECT name FROM public.kafka2pg_migrations")}
-        for path in migration_files():
-            if path.name in done:
-                continue
-            conn.execute(path.read_text())
-            conn.execute("INSERT INTO public.kafka2pg_migrations (name) VALUES (%s)", (path.name,))
-            applied.append(path.name)
-            log.info("applied migration %s", path.name)
-        for pipeline in pipelines:
-            _create_pipeline_tables(conn, pipeline)
+        try:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS public.kafka2pg_migrations ("
+                " name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = {r[0] for r in conn.execute("SELECT name FROM public.kafka2pg_migrations")}
+            for path in migration_files():
+                if path.name in done:
+                    continue
+                conn.execute(path.read_text())
+                conn.execute("INSERT INTO public.kafka2pg_migrations (name) VALUES (%s)", (path.name,))
+                applied.append(path.name)
+                log.info("applied migration %s", path.name)
+            for pipeline in pipelines:
+                _create_pipeline_tables(conn, pipeline)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise ConfigError(
+                f"`kafka2pg migrate` as role {conn.info.user!r} at {describe(database_url)}: {str(exc).strip()}; "
+                "nothing was changed. Migrations create schemas, tables and indexes: run them with the URL "
+                "(KAFKA2PG_DATABASE_URL) of the role that owns kafka2pg's objects, not the runtime role's."
+            ) from exc
     return applied
+
+
+@dataclass(frozen=True)
+class TableFound:
+    """What the catalog shows the connected role of one table a pipeline needs."""
+
+    schema: str
+    name: str
+    relkind: str | None  # None: no such relation
+    schema_usage: bool
+    columns: frozenset[str]
+    privileges: frozenset[str]  # of SELECT, INSERT, UPDATE, DELETE
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """What a pipeline's run lacks in the database: each field lists one kind of missing thing."""
+
+    pending: tuple[str, ...] = ()  # migration files not recorded in public.kafka2pg_migrations
+    tables: tuple[str, ...] = ()
+    columns: tuple[str, ...] = ()
+    privileges: tuple[str, ...] = ()
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        return (
+            *(f"migration {m}" for m in self.pending),
+            *(f"table {t}" for t in self.tables),
+            *(f"column {c}" for c in self.columns),
+            *self.privileges,
+        )
+
+
+def _needs(pipeline: Pipeline) -> list[tuple[str, str, tuple[str, ...], tuple[str, ...]]]:
+    """(schema, table, columns, privileges) of each table a pipeline's run reads or writes itself."""
+    return [
+        (*MIGRATIONS_TABLE, ("name",), ("SELECT",)),
+        (pipeline.target_schema, pipeline.target_table, tuple(target_columns(pipeline)), TARGET_PRIVILEGES),
+        ("kafka2pg", pipeline.staging_table, ("batch_id", "chunk", *staging_columns(pipeline)), STAGING_PRIVILEGES),
+    ]
+
+
+def readiness(
+    pipeline: Pipeline, found: dict[tuple[str, str], TableFound], applied: set[str] | None, migrations: list[str]
+) -> Readiness:
+    """What is missing, from the catalog's answer (`found`) and the recorded migrations (`applied`;
+    None: the role cannot read them, which `found` then shows as a missing privilege)."""
+    never_migrated = found[MIGRATIONS_TABLE].relkind is None
+    pending = migrations if never_migrated else [m for m in migrations if applied is not None and m not in applied]
+    tables, columns, privileges = [], [], []
+    for schema, name, needed_columns, needed_privileges in _needs(pipeline):
+        table = found[(schema, name)]
+        qualified = f"{schema}.{name}"
+        if table.relkind is None:
+            if (schema, name) != MIGRATIONS_TABLE:  # reported as every migration pending
+                tables.append(qualified)
+            continue
+        if table.relkind not in ("r", "p"):
+            tables.append(f"{qualified} (it is {_RELKINDS.get(table.relkind, 'another object')}, not a table)")
+            continue
+        columns += [f"{qualified}.{c}" for c in needed_columns if c not in table.columns]
+        if not table.schema_usage:
+            privileges.append(f"USAGE on schema {schema}")
+        privileges += [f"{p} on {qualified}" for p in needed_privileges if p not in table.privileges]
+    return Readiness(tuple(pending), tuple(tables), tuple(columns), tuple(dict.fromkeys(privileges)))
+
+
+def require_ready(settings: Settings, pipeline: Pipeline) -> None:
+    """Check, without DDL, that every migration is applied and the pipeline's target and staging
+    tables are there with their columns and the connected role's privileges; two catalog queries.
+
+    `SchemaNotReadyError` (terminal) names what is missing and who runs what: `kafka2pg migrate`
+    (tables, migrations) or `kafka2pg grant` (privileges) as the owning role. Nothing is changed.
+    """
+    needs = _needs(pipeline)
+    with connect(settings.database_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT current_user, r.schema, r.name, c.relkind::text,"
+            " coalesce(has_schema_privilege(n.oid, 'USAGE'), false),"
+            " array(SELECT a.attname::text FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0"
+            "       AND NOT a.attisdropped),"
+            " array(SELECT p FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE']) p"
+            "       WHERE has_table_privilege(c.oid, p))"
+            " FROM unnest(%s::text[], %s::text[]) r(schema, name)"
+            " LEFT JOIN pg_namespace n ON n.nspname = r.schema"
+            " LEFT JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = r.name",
+            ([n[0] for n in needs], [n[1] for n in needs]),
+        ).fetchall()
+        role = rows[0][0]
+        found = {
+            (schema, name): TableFound(schema, name, kind, usage, frozenset(columns), frozenset(privileges))
+            for _, schema, name, kind, usage, columns, privileges in rows
+        }
+        ledger = found[MIGRATIONS_TABLE]
+        applied = None
+        if ledger.relkind is not None and ledger.schema_usage and "SELECT" in ledger.privileges:
+            applied = {r[0] for r in conn.execute("SELECT name FROM public.kafka2pg_migrations")}
+    ready = readiness(pipeline, found, applied, [p.name for p in migration_files()])
+    if ready.missing:
+        raise SchemaNotReadyError(_not_ready_message(settings, pipeline, role, ready), missing=ready.missing)
+
+
+def _not_ready_message(settings: Settings, pipeline: Pipeline, role: str, ready: Readiness) -> str:
+    found = []
+    if ready.pending:
+        found.append(f"pending migration(s) {', '.join(ready.pending)}")
+    if ready.tables:
+        found.append(f"missing table(s) {', '.join(ready.tables)}")
+    if ready.columns:
+        found.append(f"missing column(s) {', '.join(ready.columns)}")
+    if ready.privileges:
+        found.append(f"role {role!r} lacks {', '.join(ready.privileges)}")
+    todo = []
+    pipelines = f"KAFKA2PG_PIPELINES={settings.pipelines_file}"
+    if ready.pending or ready.tables:
+        todo.append(
+            f"run `kafka2pg migrate` ({pipelines}) with the URL of the role that owns kafka2pg's objects, "
+            f"then, unless {role!r} is that role, `kafka2pg grant --role {role}`"
+        )
+    if ready.columns:
+        todo.append(
+            "`kafka2pg migrate` creates missing tables but does not change existing ones: add the columns "
+            "(ALTER TABLE ... ADD COLUMN, as the owner) or correct the pipeline's columns in the pipelines file"
+        )
+    if ready.privileges and not (ready.pending or ready.tables):
+        todo.append(
+            f"run `kafka2pg grant --role {role}` ({pipelines}) as the owning role; it is needed again after "
+            "adding a pipeline"
+        )
+    return (
+        f"PostgreSQL at {describe(settings.database_url)} is not ready for pipeline {pipeline.name!r}: "
+        f"{'; '.join(found)}. Nothing was changed and the run stops here (no retry). To fix: {'; '.join(todo)}."
+    )
 
 
 def _template(name: str) -> sql.SQL:

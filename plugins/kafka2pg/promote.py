@@ -16,6 +16,7 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import DATA_ERRORS, isolate_refused, transaction
 from kafka2pg.exceptions import BatchStateError, KeyCollisionError, LedgerConflictError
 from kafka2pg.ledger import Batch, load_claimed, lock_partitions, raise_staging_lost, set_state, staging_lost
+from kafka2pg.migrations import target_columns
 from kafka2pg.planner import PartitionPlan
 
 log = logging.getLogger(__name__)
@@ -225,9 +226,7 @@ def _insert(
     where: sql.Composable,
     params: tuple,
 ) -> int:
-    columns = [sql.Identifier(c.name) for c in pipeline.columns] + [
-        sql.Identifier(n) for n in ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "batch_id")
-    ]
+    columns = [sql.Identifier(n) for n in target_columns(pipeline)]
     query = sql.SQL("INSERT INTO {target} ({cols}) SELECT {cols} FROM {source} WHERE {where}").format(
         target=sql.Identifier(pipeline.target_schema, pipeline.target_table),
         cols=sql.SQL(", ").join(columns),

@@ -48,13 +48,14 @@ def plan(
     """Plan (or resume) the next batch; None when there is nothing to do (no Spark launched).
 
     The result tells the stage job how many batches it may finish in this run and their cap.
+    Runs no DDL: a database not migrated (or not granted) for the pipeline fails it once.
     """
     from kafka2pg.ledger import open_batch
-    from kafka2pg.migrations import migrate
+    from kafka2pg.migrations import require_ready
 
     with airflow_errors():
         settings, pipeline = _resolve(pipeline_name)
-        migrate(settings.database_url, [pipeline])
+        require_ready(settings, pipeline)
         opened = open_batch(
             settings, pipeline, max_records_per_batch=max_records_per_batch, run_id=run_id, dry_run=dry_run
         )
@@ -114,7 +115,7 @@ def plan_replay(
     requested_by: str = "",
 ) -> dict | None:
     """The replay DAG's first task: Params (or the backfill's data interval) -> a planned replay batch."""
-    from kafka2pg.migrations import migrate
+    from kafka2pg.migrations import require_ready
     from kafka2pg.replay import open_replay, request_from_params
 
     with airflow_errors():
@@ -127,7 +128,7 @@ def plan_replay(
                 pipeline_name,
             )
             return None
-        migrate(settings.database_url, [pipeline])
+        require_ready(settings, pipeline)
         opened = open_replay(settings, pipeline, request, run_id=run_id)
     log.info("pipeline=%s %s", pipeline_name, opened.message)
     if opened.batch is None:

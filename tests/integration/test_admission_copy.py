@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from kafka2pg.admission import decoder_for
-from kafka2pg.chunk_writer import copy_isolating, frame, staging_columns
+from kafka2pg.chunk_writer import copy_isolating, frame
+from kafka2pg.migrations import staging_columns
 
 COLUMNS = [
     {"name": "event_id", "type": "text", "required": True},

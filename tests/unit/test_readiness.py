@@ -1,0 +1,76 @@
+"""What the plan step's schema check reports missing, decided from the catalog's answer alone."""
+
+import yaml
+
+from kafka2pg.config import get_pipeline
+from kafka2pg.migrations import (
+    MIGRATIONS_TABLE,
+    STAGING_PRIVILEGES,
+    TARGET_PRIVILEGES,
+    TableFound,
+    readiness,
+    staging_columns,
+    target_columns,
+)
+
+MIGRATIONS = ["0001_control_tables.sql", "0002_batch_claims.sql"]
+
+
+def pipeline(tmp_path):
+    spec = {
+        "name": "orders",
+        "topic": "orders",
+        "target_table": "sales.orders",
+        "columns": [{"name": "n", "type": "text"}],
+    }
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(yaml.safe_dump({"pipelines": [spec]}))
+    return get_pipeline("orders", path)
+
+
+def table(schema, name, relkind="r", columns=(), privileges=(), usage=True) -> TableFound:
+    return TableFound(schema, name, relkind, usage, frozenset(columns), frozenset(privileges))
+
+
+def ready_catalog(p) -> dict:
+    return {
+        MIGRATIONS_TABLE: table(*MIGRATIONS_TABLE, columns=["name"], privileges=["SELECT"]),
+        ("sales", "orders"): table("sales", "orders", columns=target_columns(p), privileges=TARGET_PRIVILEGES),
+        ("kafka2pg", "stg_orders"): table(
+            "kafka2pg", "stg_orders", columns=["batch_id", "chunk", *staging_columns(p)], privileges=STAGING_PRIVILEGES
+        ),
+    }
+
+
+def test_a_migrated_and_granted_database_lacks_nothing(tmp_path):
+    p = pipeline(tmp_path)
+    assert readiness(p, ready_catalog(p), set(MIGRATIONS), MIGRATIONS).missing == ()
+
+
+def test_a_database_never_migrated_has_every_migration_pending_and_no_pipeline_table(tmp_path):
+    p = pipeline(tmp_path)
+    empty = {key: table(*key, relkind=None) for key in ready_catalog(p)}
+    assert readiness(p, empty, None, MIGRATIONS).missing == (
+        "migration 0001_control_tables.sql",
+        "migration 0002_batch_claims.sql",
+        "table sales.orders",
+        "table kafka2pg.stg_orders",
+    )
+
+
+def test_a_view_in_the_targets_place_a_schema_without_usage_and_an_unreadable_ledger_are_named(tmp_path):
+    p = pipeline(tmp_path)
+    catalog = ready_catalog(p)
+    catalog[("sales", "orders")] = table("sales", "orders", relkind="v")
+    catalog[("kafka2pg", "stg_orders")] = table(
+        "kafka2pg", "stg_orders", columns=["batch_id", "chunk", *staging_columns(p)], privileges=["SELECT"], usage=False
+    )
+    catalog[MIGRATIONS_TABLE] = table(*MIGRATIONS_TABLE, columns=["name"])
+    assert readiness(p, catalog, None, MIGRATIONS).missing == (
+        "table sales.orders (it is a view, not a table)",
+        "SELECT on public.kafka2pg_migrations",
+        "USAGE on schema kafka2pg",
+        "INSERT on kafka2pg.stg_orders",
+        "UPDATE on kafka2pg.stg_orders",
+        "DELETE on kafka2pg.stg_orders",
+    )
