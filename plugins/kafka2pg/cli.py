@@ -83,7 +83,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
             "`./kafka2pg stack reset --confirm` deletes it"
         )
         return 0
-    _, done = local_stack.start_or_resume(cache)
+    _, done = local_stack.start_or_resume(cache, secured=args.secured)
     for line in done:
         print(line)
     print(f"environment: source {local_stack.stack_dir(cache) / 'stack.env'}")
@@ -358,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("action", choices=["install", "start", "stop", "status", "reset"])
     p.add_argument("--confirm", action="store_true", help="reset: delete; without it, only say what would go")
+    p.add_argument(
+        "--secured",
+        action="store_true",
+        help="start, for a new stack: the broker also listens with SASL_SSL (SCRAM-SHA-512, PLAIN) and with SSL "
+        "requiring a client certificate, with a CA, certificates and passwords made for it (a recorded stack keeps "
+        "the listeners it started with)",
+    )
     p.set_defaults(func=cmd_stack)
 
     sub.add_parser(

@@ -4,14 +4,19 @@ Kafka runs from Maven Central jars cached under .cache/jars; PostgreSQL from Deb
 (initdb as the `postgres` user when we are root). Both bind 127.0.0.1 on free ports and are
 stopped by the PIDs this module recorded, never by name. A recorded stack keeps its ports and
 data: starting it again restarts only what is down; only `reset_stack` deletes data.
+On request (`secured=True`) the broker also listens with SASL_SSL (SCRAM-SHA-512, PLAIN) and with
+SSL requiring a client certificate (mTLS), with a CA, certificates and passwords made at its first start.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import hashlib
 import json
 import logging
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -20,8 +25,9 @@ import subprocess
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from kafka2pg.config import PROJECT_ROOT
 from kafka2pg.exceptions import StackError
@@ -32,6 +38,60 @@ MAVEN_DIR = Path(__file__).resolve().parent / "maven"
 DEFAULT_CACHE = PROJECT_ROOT / ".cache"
 
 
+ClientMode = Literal["scram", "plain", "mtls"]
+
+
+@dataclass(frozen=True)
+class SaslUser:
+    """A user of the SASL_SSL listener; its password is left out of repr, hence out of logs and reports."""
+
+    name: str
+    password: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SecuredListener:
+    """What a client needs to reach the broker's secured listeners.
+
+    SASL_SSL (`sasl_ssl_bootstrap_servers`) takes SCRAM-SHA-512 (`scram`) and PLAIN (`plain`) users and
+    asks for no client certificate; SSL (`ssl_bootstrap_servers`) requires a certificate signed by the
+    stack's CA (mTLS). Both present a broker certificate for IP 127.0.0.1 and DNS localhost, signed by
+    `ca_pem`. Keys are unencrypted PKCS#8; `client_keystore_pem` holds the client key and certificate
+    chain in one file, as Java clients want it (`ssl.keystore.type=PEM`; Java reads an encrypted PEM key
+    only when PBES1-encrypted, not with OpenSSL's default PBES2).
+    """
+
+    sasl_ssl_bootstrap_servers: str
+    ssl_bootstrap_servers: str
+    ca_pem: Path
+    client_cert: Path
+    client_key: Path
+    client_keystore_pem: Path
+    scram: SaslUser
+    plain: SaslUser
+
+    def client_config(self, mode: ClientMode) -> dict[str, str]:
+        """librdkafka (confluent-kafka) settings for one way in: "scram" (SASL_SSL, SCRAM-SHA-512),
+        "plain" (SASL_SSL, PLAIN) or "mtls" (SSL with the client certificate)."""
+        if mode == "mtls":
+            return {
+                "bootstrap.servers": self.ssl_bootstrap_servers,
+                "security.protocol": "SSL",
+                "ssl.ca.location": str(self.ca_pem),
+                "ssl.certificate.location": str(self.client_cert),
+                "ssl.key.location": str(self.client_key),
+            }
+        mechanism, user = {"scram": (SCRAM_MECHANISM, self.scram), "plain": ("PLAIN", self.plain)}[mode]
+        return {
+            "bootstrap.servers": self.sasl_ssl_bootstrap_servers,
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": mechanism,
+            "sasl.username": user.name,
+            "sasl.password": user.password,
+            "ssl.ca.location": str(self.ca_pem),
+        }
+
+
 @dataclass
 class KafkaProcess:
     pid: int
@@ -39,6 +99,8 @@ class KafkaProcess:
     controller_port: int
     data_dir: str
     log_file: str
+    sasl_ssl_port: int | None = None  # both set when started with secured=True
+    ssl_port: int | None = None
 
     @property
     def bootstrap_servers(self) -> str:
@@ -47,6 +109,12 @@ class KafkaProcess:
     def running(self) -> bool:
         """True when the recorded PID is this broker (after a reboot it may be another program's)."""
         return _runs(self.pid, str(Path(self.data_dir) / "server.properties"))
+
+    def secured_listener(self) -> SecuredListener:
+        """The secured listeners' addresses, files and users (passwords read from their 0600 file)."""
+        if self.sasl_ssl_port is None or self.ssl_port is None:
+            raise _unsecured(f"the Kafka broker of {self.data_dir}")
+        return _load_secured(Path(self.data_dir) / SECURED_DIR, self.sasl_ssl_port, self.ssl_port)
 
 
 @dataclass
@@ -167,6 +235,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: each stays bound until all are chosen."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -262,17 +339,21 @@ def _give_to_postgres(path: Path) -> None:
 # ---------------------------------------------------------------- Kafka
 
 
-def _kafka_properties(port: int, controller_port: int, data_dir: Path) -> str:
+def _kafka_properties(port: int, controller_port: int, data_dir: Path, secured: SecuredListener | None = None) -> str:
+    listeners, protocols = [f"PLAINTEXT://127.0.0.1:{port}"], ["PLAINTEXT:PLAINTEXT", "CONTROLLER:PLAINTEXT"]
+    if secured is not None:
+        listeners += [f"SASL_SSL://{secured.sasl_ssl_bootstrap_servers}", f"SSL://{secured.ssl_bootstrap_servers}"]
+        protocols += ["SASL_SSL:SASL_SSL", "SSL:SSL"]
     return "\n".join(
         [
             "process.roles=broker,controller",
             "node.id=1",
             f"controller.quorum.voters=1@127.0.0.1:{controller_port}",
-            f"listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
-            f"advertised.listeners=PLAINTEXT://127.0.0.1:{port}",
+            f"listeners={','.join(listeners)},CONTROLLER://127.0.0.1:{controller_port}",
+            f"advertised.listeners={','.join(listeners)}",
             "controller.listener.names=CONTROLLER",
             "inter.broker.listener.name=PLAINTEXT",
-            "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            f"listener.security.protocol.map={','.join(protocols)}",
             f"log.dirs={data_dir / 'logs'}",
             "num.partitions=1",
             "auto.create.topics.enable=false",
@@ -285,8 +366,156 @@ def _kafka_properties(port: int, controller_port: int, data_dir: Path) -> str:
             "share.coordinator.state.topic.replication.factor=1",
             "share.coordinator.state.topic.min.isr=1",
             "log.cleaner.backoff.ms=1000",
+            *(_secured_properties(secured) if secured is not None else []),
             "",
         ]
+    )
+
+
+# ---------------------------------------------------------------- Kafka: secured listeners
+
+SECURED_DIR = "secured"  # under the broker's data dir: CA, certificates, keys, users and passwords
+SCRAM_MECHANISM = "SCRAM-SHA-512"
+_SCRAM_ITERATIONS = 8192
+_CERT_DAYS = "3650"  # a stack keeps its certificates across restarts: they must outlive its data
+_CREDENTIALS = "credentials.json"
+_BROKER_KEYSTORE = "broker-keystore.pem"
+# Made together: when one is missing, all are made anew (clients then need the new ca.pem).
+_TLS_FILES = ("ca.pem", "ca.key", _BROKER_KEYSTORE, "client.pem", "client.key", "client-keystore.pem")
+
+
+def _secured_properties(secured: SecuredListener) -> list[str]:
+    """The broker side of SecuredListener. SCRAM users live in the cluster metadata (added when the
+    storage is formatted), PLAIN users in the listener's JAAS config; the file holding it is 0600."""
+    plain = secured.plain
+    return [
+        f"listener.name.sasl_ssl.sasl.enabled.mechanisms={SCRAM_MECHANISM},PLAIN",
+        "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config="
+        "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+        "listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule "
+        f'required user_{plain.name}="{plain.password}";',
+        "listener.name.sasl_ssl.ssl.client.auth=none",
+        "listener.name.ssl.ssl.client.auth=required",
+        "ssl.keystore.type=PEM",
+        f"ssl.keystore.location={secured.ca_pem.parent / _BROKER_KEYSTORE}",
+        "ssl.truststore.type=PEM",
+        f"ssl.truststore.location={secured.ca_pem}",
+    ]
+
+
+def _unsecured(what: str) -> StackError:
+    return StackError(
+        f"{what} was started without secured listeners, and a recorded stack keeps the listeners it started "
+        "with: nothing was started or changed. For secured listeners: `./kafka2pg stack reset --confirm` "
+        "(deletes the stack's data), then `./kafka2pg stack start --secured` (in code: "
+        "start_stack(..., secured=True))."
+    )
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read: keys, passwords, a broker config that holds passwords."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)  # O_CREAT's mode applies to a new file only
+        out.write(text)
+
+
+def _openssl(work: Path, *args: str) -> None:
+    if shutil.which("openssl") is None:
+        raise StackError(
+            "openssl is not installed; it makes the secured listeners' certificates: `apt-get install openssl`"
+        )
+    done = subprocess.run(["openssl", *args], cwd=work, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise StackError(
+            f"`openssl {args[0]}` failed while making the secured listeners' certificates:\n{done.stderr[-2000:]}"
+        )
+
+
+def _make_certificates(directory: Path) -> None:
+    """A CA; a broker certificate for IP 127.0.0.1 and DNS localhost (clients check the address they
+    dial against it); a client certificate for mTLS. EC P-256 keys as unencrypted PKCS#8 PEM, which
+    librdkafka and Java's PEM key stores both read."""
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        work = Path(tmp)
+        for name in ("ca", "broker", "client"):
+            _openssl(work, "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", f"{name}.key")
+        _openssl(
+            work,
+            *("req", "-x509", "-new", "-key", "ca.key", "-subj", "/CN=kafka2pg local stack CA", "-days", _CERT_DAYS),
+            *("-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign"),
+            *("-out", "ca.pem"),
+        )
+        for name, subject, extensions in (
+            ("broker", "/CN=localhost", ["extendedKeyUsage=serverAuth", "subjectAltName=IP:127.0.0.1,DNS:localhost"]),
+            ("client", "/CN=kafka2pg-client", ["extendedKeyUsage=clientAuth"]),
+        ):
+            lines = ["basicConstraints=CA:FALSE", "keyUsage=critical,digitalSignature", *extensions, ""]
+            (work / f"{name}.ext").write_text("\n".join(lines))
+            _openssl(work, "req", "-new", "-key", f"{name}.key", "-subj", subject, "-out", f"{name}.csr")
+            _openssl(
+                work,
+                *("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key"),
+                *("-set_serial", f"0x{secrets.token_hex(16)}", "-days", _CERT_DAYS),
+                *("-extfile", f"{name}.ext", "-out", f"{name}.pem"),
+            )
+        pem = {name: (work / name).read_text() for name in ("ca.pem", "ca.key", "broker.pem", "broker.key")}
+        pem |= {name: (work / name).read_text() for name in ("client.pem", "client.key")}
+    _write_private(directory / "ca.key", pem["ca.key"])
+    _write_private(directory / _BROKER_KEYSTORE, pem["broker.key"] + pem["broker.pem"] + pem["ca.pem"])
+    _write_private(directory / "client.key", pem["client.key"])
+    _write_private(directory / "client-keystore.pem", pem["client.key"] + pem["client.pem"] + pem["ca.pem"])
+    (directory / "client.pem").write_text(pem["client.pem"])
+    (directory / "ca.pem").write_text(pem["ca.pem"])
+
+
+def _load_secured(directory: Path, sasl_ssl_port: int, ssl_port: int) -> SecuredListener:
+    credentials = directory / _CREDENTIALS
+    try:
+        users = json.loads(credentials.read_text())
+    except FileNotFoundError as exc:
+        raise StackError(
+            f"the secured listeners' users and passwords ({credentials}) are gone, and the SCRAM users formatted "
+            "into the broker's metadata cannot be recovered: `./kafka2pg stack reset --confirm`, then "
+            "`./kafka2pg stack start --secured` makes a new stack (its topics and records are deleted)."
+        ) from exc
+    return SecuredListener(
+        sasl_ssl_bootstrap_servers=f"127.0.0.1:{sasl_ssl_port}",
+        ssl_bootstrap_servers=f"127.0.0.1:{ssl_port}",
+        ca_pem=directory / "ca.pem",
+        client_cert=directory / "client.pem",
+        client_key=directory / "client.key",
+        client_keystore_pem=directory / "client-keystore.pem",
+        scram=SaslUser(**users[SCRAM_MECHANISM]),
+        plain=SaslUser(**users["PLAIN"]),
+    )
+
+
+def _prepare_secured(work_dir: Path, sasl_ssl_port: int, ssl_port: int) -> SecuredListener:
+    """Make what the secured listeners lack: certificates when any file is missing, users with random
+    passwords (0600) before the storage is formatted. A restart finds and keeps them all."""
+    directory = work_dir / SECURED_DIR
+    directory.mkdir(mode=0o700, exist_ok=True)
+    if not all((directory / name).exists() for name in _TLS_FILES):
+        _make_certificates(directory)
+    credentials = directory / _CREDENTIALS
+    if not credentials.exists() and not (work_dir / "logs" / "meta.properties").exists():
+        users = {
+            SCRAM_MECHANISM: SaslUser("kafka2pg_scram", secrets.token_urlsafe(24)),
+            "PLAIN": SaslUser("kafka2pg_plain", secrets.token_urlsafe(24)),
+        }
+        _write_private(credentials, json.dumps({m: asdict(u) for m, u in users.items()}, indent=2))
+    return _load_secured(directory, sasl_ssl_port, ssl_port)
+
+
+def _scram_credential(user: SaslUser) -> str:
+    """StorageTool's --add-scram value for `user`, salted and hashed here (RFC 5802's SaltedPassword)
+    so that the password itself is on no command line."""
+    salt = secrets.token_bytes(32)
+    salted = hashlib.pbkdf2_hmac("sha512", user.password.encode(), salt, _SCRAM_ITERATIONS)
+    return (
+        f"{SCRAM_MECHANISM}=[name={user.name},iterations={_SCRAM_ITERATIONS},"
+        f'salt="{base64.b64encode(salt).decode()}",saltedpassword="{base64.b64encode(salted).decode()}"]'
     )
 
 
@@ -317,21 +546,29 @@ def new_cluster_id() -> str:
             return cluster_id
 
 
-def start_kafka(work_dir: Path, cache: Path = DEFAULT_CACHE, timeout_s: float = 90) -> KafkaProcess:
-    """Format (once) and start a single-node KRaft broker; wait until it answers."""
+def start_kafka(
+    work_dir: Path, cache: Path = DEFAULT_CACHE, timeout_s: float = 90, *, secured: bool = False
+) -> KafkaProcess:
+    """Format (once) and start a single-node KRaft broker; wait until it answers. `secured`: also open
+    the listeners SecuredListener describes. A broker started before keeps its ports, data and
+    listeners (secured ones too, with the same certificates and users), whatever `secured` says."""
     jars = resolve_jars(cache)["kafka"]
     work_dir.mkdir(parents=True, exist_ok=True)
     props_file = work_dir / "server.properties"
     state_file = work_dir / "ports.json"
     if state_file.exists():  # a restart keeps ports and data
         ports = json.loads(state_file.read_text())
-        port, controller_port = ports["port"], ports["controller_port"]
-        for number in (port, controller_port):
+        if secured and "sasl_ssl_port" not in ports:
+            raise _unsecured(f"the Kafka broker of {work_dir}")
+        for number in ports.values():
             _ensure_port_free(number, f"the Kafka broker of {work_dir}")
     else:
-        port, controller_port = free_port(), free_port()
-        state_file.write_text(json.dumps({"port": port, "controller_port": controller_port}))
-    props_file.write_text(_kafka_properties(port, controller_port, work_dir))
+        names = ["port", "controller_port", *(["sasl_ssl_port", "ssl_port"] if secured else [])]
+        ports = dict(zip(names, _free_ports(len(names)), strict=True))
+        state_file.write_text(json.dumps(ports))
+    formatted = (work_dir / "logs" / "meta.properties").exists()
+    listener = _prepare_secured(work_dir, ports["sasl_ssl_port"], ports["ssl_port"]) if "ssl_port" in ports else None
+    _write_private(props_file, _kafka_properties(ports["port"], ports["controller_port"], work_dir, listener))
     (work_dir / "log4j2.properties").write_text(_LOG4J2)
     java = [
         shutil.which("java") or "java",
@@ -342,16 +579,19 @@ def start_kafka(work_dir: Path, cache: Path = DEFAULT_CACHE, timeout_s: float = 
         "-cp",
         f"{jars}/*",
     ]
-    if not (work_dir / "logs" / "meta.properties").exists():
-        cluster_id = new_cluster_id()
+    if not formatted:
+        scram = ["--add-scram", _scram_credential(listener.scram)] if listener is not None else []
         done = subprocess.run(
-            [*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props_file)],
+            [*java, "kafka.tools.StorageTool", "format", "-t", new_cluster_id(), "-c", str(props_file), *scram],
             capture_output=True,
             text=True,
             check=False,
         )
         if done.returncode != 0:
-            raise StackError(f"Kafka storage format failed:\n{done.stdout}\n{done.stderr}")
+            output = f"{done.stdout}\n{done.stderr}"
+            if scram:
+                output = output.replace(scram[1], "<the SCRAM credential>")
+            raise StackError(f"Kafka storage format failed:\n{output}")
     log_file = work_dir / "kafka.log"
     with open(log_file, "ab") as out:
         process = subprocess.Popen(
@@ -361,7 +601,15 @@ def start_kafka(work_dir: Path, cache: Path = DEFAULT_CACHE, timeout_s: float = 
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-    kafka = KafkaProcess(process.pid, port, controller_port, str(work_dir), str(log_file))
+    kafka = KafkaProcess(
+        process.pid,
+        ports["port"],
+        ports["controller_port"],
+        str(work_dir),
+        str(log_file),
+        ports.get("sasl_ssl_port"),
+        ports.get("ssl_port"),
+    )
     _wait_for_kafka(kafka, timeout_s)
     return kafka
 
@@ -642,9 +890,10 @@ def stack_dir(cache: Path = DEFAULT_CACHE) -> Path:
     return cache / "stack"
 
 
-def start_stack(work_dir: Path, cache: Path = DEFAULT_CACHE) -> Stack:
-    """Start a new Kafka and PostgreSQL under `work_dir`; stop whatever started if the other fails."""
-    kafka = start_kafka(work_dir / "kafka", cache)
+def start_stack(work_dir: Path, cache: Path = DEFAULT_CACHE, *, secured: bool = False) -> Stack:
+    """Start a new Kafka and PostgreSQL under `work_dir`; stop whatever started if the other fails.
+    `secured`: the broker also opens the listeners `stack.kafka.secured_listener()` describes."""
+    kafka = start_kafka(work_dir / "kafka", cache, secured=secured)
     try:
         postgres = start_postgres(work_dir)
     except StackError:
@@ -672,20 +921,37 @@ def discard_stack(stack: Stack) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def start_or_resume(cache: Path = DEFAULT_CACHE) -> tuple[Stack, list[str]]:
-    """`stack start`: with no stack recorded, start a new one; otherwise start only the parts that
-    are down, on their recorded ports and data. Never deletes anything. Returns the stack (recorded)
-    and one line per part saying what was done."""
+def _secured_lines(kafka: KafkaProcess) -> list[str]:
+    """Where the secured listeners are and where their files lie; never a password."""
+    if kafka.ssl_port is None:
+        return []
+    secured = kafka.secured_listener()
+    directory = secured.ca_pem.parent
+    return [
+        f"kafka: SASL_SSL at {secured.sasl_ssl_bootstrap_servers} (SCRAM-SHA-512 user {secured.scram.name}, "
+        f"PLAIN user {secured.plain.name}), SSL requiring a client certificate at {secured.ssl_bootstrap_servers}; "
+        f"CA {secured.ca_pem}, client certificate and key in {directory}, passwords in "
+        f"{directory / _CREDENTIALS} (readable by its owner only)"
+    ]
+
+
+def start_or_resume(cache: Path = DEFAULT_CACHE, *, secured: bool = False) -> tuple[Stack, list[str]]:
+    """`stack start`: with no stack recorded, start a new one (`secured`: with the secured listeners);
+    otherwise start only the parts that are down, on their recorded ports, data and listeners. Never
+    deletes anything. Returns the stack (recorded) and one line per part saying what was done."""
     recorded = load_stack(cache)
     if recorded is None:
-        stack = start_stack(stack_dir(cache), cache)
+        stack = start_stack(stack_dir(cache), cache, secured=secured)
         save_stack(stack, cache)
         return stack, [
             f"kafka: started a new broker at {stack.kafka.bootstrap_servers}, pid {stack.kafka.pid}, "
             f"data in {stack.kafka.data_dir}",
+            *_secured_lines(stack.kafka),
             f"postgres: started a new cluster at 127.0.0.1:{stack.postgres.port}, pid {stack.postgres.pid}, "
             f"data in {stack.postgres.data_dir}",
         ]
+    if secured and recorded.kafka.ssl_port is None:
+        raise _unsecured(f"the local stack in {stack_dir(cache)}")
     stack, done = Stack(recorded.kafka, recorded.postgres), []
     if stack.kafka.running():
         done.append(f"kafka: running at {stack.kafka.bootstrap_servers}, pid {stack.kafka.pid}: left alone")
@@ -696,6 +962,7 @@ def start_or_resume(cache: Path = DEFAULT_CACHE) -> tuple[Stack, list[str]]:
             f"kafka: was down (pid {recorded.kafka.pid}); restarted at {stack.kafka.bootstrap_servers} with its "
             f"data in {stack.kafka.data_dir}, pid {stack.kafka.pid}"
         )
+    done += _secured_lines(stack.kafka)
     if stack.postgres.running():
         done.append(f"postgres: running at 127.0.0.1:{stack.postgres.port}, pid {stack.postgres.pid}: left alone")
     else:
@@ -752,9 +1019,11 @@ def reset_stack(cache: Path = DEFAULT_CACHE) -> list[tuple[Path, str]]:
 
 
 def stack_status(stack: Stack) -> dict[str, str]:
+    kafka = stack.kafka
+    secured = f", SASL_SSL at 127.0.0.1:{kafka.sasl_ssl_port}, SSL (mTLS) at 127.0.0.1:{kafka.ssl_port}"
     return {
-        "kafka": f"{'running' if stack.kafka.running() else 'stopped'} pid {stack.kafka.pid} at "
-        f"{stack.kafka.bootstrap_servers} (log {stack.kafka.log_file})",
+        "kafka": f"{'running' if kafka.running() else 'stopped'} pid {kafka.pid} at "
+        f"{kafka.bootstrap_servers}{secured if kafka.ssl_port is not None else ''} (log {kafka.log_file})",
         "postgres": f"{'running' if stack.postgres.running() else 'stopped'} pid {stack.postgres.pid} at "
         f"127.0.0.1:{stack.postgres.port} (log {stack.postgres.log_file})",
     }

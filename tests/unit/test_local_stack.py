@@ -48,3 +48,55 @@ def test_stack_reset_without_confirm_deletes_nothing(tmp_path, monkeypatch, caps
     assert cli.main(["stack", "reset", "--confirm"]) == 0
     assert not kafka_dir.exists() and not cluster.exists() and not work.exists()
     assert cli.main(["stack", "reset"]) == 0, "nothing left to delete"
+
+
+def test_stack_start_secured_refuses_a_recorded_stack_without_secured_listeners(tmp_path, monkeypatch, capsys):
+    """A recorded stack keeps the listeners it started with: `stack start --secured` on one without
+    them starts nothing, changes nothing and says how to get a secured stack."""
+    from kafka2pg import cli
+
+    kafka_dir = local_stack.stack_dir(tmp_path) / "kafka"
+    stack = local_stack.Stack(
+        local_stack.KafkaProcess(1, 9, 10, str(kafka_dir), str(kafka_dir / "kafka.log")),
+        local_stack.PostgresProcess(1, 11, str(tmp_path / "pg" / "data"), str(tmp_path / "pg.log"), "/nonexistent"),
+    )
+    local_stack.save_stack(stack, tmp_path)
+    monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path))
+
+    assert cli.main(["stack", "start", "--secured"]) == 2
+    error = capsys.readouterr().err
+    assert "started without secured listeners" in error and "nothing was started or changed" in error
+    assert "`./kafka2pg stack start --secured`" in error
+    assert local_stack.load_stack(tmp_path) == stack and not kafka_dir.exists()
+
+
+def test_secured_client_configs_and_a_password_kept_out_of_repr(tmp_path):
+    scram, plain = local_stack.SaslUser("s", "scram-secret"), local_stack.SaslUser("p", "plain-secret")
+    listener = local_stack.SecuredListener(
+        sasl_ssl_bootstrap_servers="127.0.0.1:1",
+        ssl_bootstrap_servers="127.0.0.1:2",
+        ca_pem=tmp_path / "ca.pem",
+        client_cert=tmp_path / "c.pem",
+        client_key=tmp_path / "c.key",
+        client_keystore_pem=tmp_path / "k.pem",
+        scram=scram,
+        plain=plain,
+    )
+    assert "secret" not in repr(listener)
+    assert listener.client_config("scram") == {
+        "bootstrap.servers": "127.0.0.1:1",
+        "security.protocol": "SASL_SSL",
+        "sasl.mechanism": "SCRAM-SHA-512",
+        "sasl.username": "s",
+        "sasl.password": "scram-secret",
+        "ssl.ca.location": str(tmp_path / "ca.pem"),
+    }
+    assert listener.client_config("plain")["sasl.mechanism"] == "PLAIN"
+    assert listener.client_config("plain")["sasl.password"] == "plain-secret"
+    assert listener.client_config("mtls") == {
+        "bootstrap.servers": "127.0.0.1:2",
+        "security.protocol": "SSL",
+        "ssl.ca.location": str(tmp_path / "ca.pem"),
+        "ssl.certificate.location": str(tmp_path / "c.pem"),
+        "ssl.key.location": str(tmp_path / "c.key"),
+    }
