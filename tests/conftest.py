@@ -41,7 +41,8 @@ def sample_columns() -> list[dict]:
 def stack(tmp_path_factory):
     from kafka2pg import local_stack
 
-    started = local_stack.start_stack(tmp_path_factory.mktemp("stack"))
+    # Secured listeners too (SASL_SSL, mTLS) beside the plain one most tests use.
+    started = local_stack.start_stack(tmp_path_factory.mktemp("stack"), secured=True)
     yield started
     local_stack.discard_stack(started)
 

@@ -7,28 +7,54 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from urllib.parse import urlsplit
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
-from kafka2pg.exceptions import DatabaseUnavailableError, SchemaNotReadyError, TableRefusesRowsError
+from kafka2pg.exceptions import ConfigError, DatabaseUnavailableError, SchemaNotReadyError, TableRefusesRowsError
 
 
 def describe(url: str) -> str:
-    """host:port/dbname of a URL, without user or password (safe to log)."""
-    parts = urlsplit(url)
-    return f"{parts.hostname or 'localhost'}:{parts.port or 5432}{parts.path or ''}"
+    """host:port/dbname of a URL or key=value conninfo, without user or password (safe to log)."""
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "(a malformed connection string)"
+    host = params.get("host") or params.get("hostaddr") or "localhost"
+    return f"{host}:{params.get('port') or 5432}/{params.get('dbname') or ''}"
 
 
 def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) -> psycopg.Connection:
-    """Open a connection; `DatabaseUnavailableError` if PostgreSQL cannot be reached."""
+    """Open a connection; `DatabaseUnavailableError` if PostgreSQL cannot be reached, `ConfigError`
+    if the connection string is malformed. No message (nor its chained cause) shows the password."""
     try:
         return psycopg.connect(url, autocommit=autocommit, connect_timeout=connect_timeout)
+    except psycopg.ProgrammingError as exc:
+        # psycopg quotes the offending part of the string, the password included: not re-raised.
+        raise ConfigError(
+            f"the PostgreSQL connection string is malformed ({_malformed(str(exc))}); fix the postgres connection "
+            "(postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL"
+        ) from None
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailableError(
-            f"PostgreSQL at {describe(url)} is unreachable: {str(exc).strip()}. Check that it runs "
-            "and that KAFKA2PG_DATABASE_URL is right."
-        ) from exc
+            f"PostgreSQL at {describe(url)} is unreachable: {_one_line(exc)}. Check that it runs and that the "
+            "postgres connection (postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL is right."
+        ) from None
+
+
+def _malformed(message: str) -> str:
+    """What is wrong with a connection string, in words that never quote it."""
+    if "percent-encoded" in message:
+        return "a % is not followed by two hex digits: in a URL, write a % in the password as %25"
+    if 'missing "="' in message:
+        return "it is neither a postgresql:// URL nor key=value pairs"
+    if "invalid URI query parameter" in message or "invalid connection option" in message:
+        return "it names a parameter libpq does not know"
+    return "libpq cannot parse it"
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
 
 
 @contextmanager

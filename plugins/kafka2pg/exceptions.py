@@ -7,6 +7,7 @@ Kafka2PgError
  ├── ServiceUnavailableError  transient: retrying may help
  │    ├── KafkaUnavailableError
  │    └── DatabaseUnavailableError
+ ├── KafkaAuthenticationError the cluster refuses the client (credentials, TLS): not retried
  ├── TopicNotFoundError
  ├── SchemaNotReadyError      migrations, tables, columns or grants missing: the owner must act
  ├── RetentionLossError       ledger head below the partition's low watermark
@@ -57,6 +58,10 @@ class KafkaUnavailableError(ServiceUnavailableError):
 
 class DatabaseUnavailableError(ServiceUnavailableError):
     """PostgreSQL could not be reached."""
+
+
+class KafkaAuthenticationError(Kafka2PgError):
+    """The Kafka cluster refuses the client: wrong credentials, an untrusted or missing certificate."""
 
 
 class TopicNotFoundError(Kafka2PgError):

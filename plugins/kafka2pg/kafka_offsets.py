@@ -15,7 +15,7 @@ from typing import TypeVar
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
-from kafka2pg.exceptions import KafkaUnavailableError, RetentionLossError, TopicNotFoundError
+from kafka2pg.exceptions import KafkaAuthenticationError, KafkaUnavailableError, RetentionLossError, TopicNotFoundError
 from kafka2pg.kafka_config import KafkaLike, kafka_config
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,21 @@ def client_config(kafka: KafkaLike, timeout_s: float) -> dict:
     }
 
 
+class _Admin(AdminClient):
+    """An AdminClient that keeps the connection errors librdkafka reports (authentication, TLS):
+    a request to a cluster that refuses the client only times out, the cause comes this way."""
+
+    def __init__(self, kafka: KafkaLike, timeout_s: float) -> None:
+        self.connection_errors: list[KafkaError] = []
+        super().__init__({**client_config(kafka, timeout_s), "error_cb": self.connection_errors.append})
+
+    def why(self) -> list[KafkaError]:
+        self.poll(0.5)  # the error callbacks are served by poll
+        return self.connection_errors
+
+
 def admin_client(kafka: KafkaLike, timeout_s: float) -> AdminClient:
-    return AdminClient(client_config(kafka, timeout_s))
+    return _Admin(kafka, timeout_s)
 
 
 def topic_partitions(admin: AdminClient, topic: str, kafka: KafkaLike, timeout_s: float) -> list[int]:
@@ -55,7 +68,7 @@ def topic_partitions(admin: AdminClient, topic: str, kafka: KafkaLike, timeout_s
     try:
         metadata = admin.list_topics(topic=topic, timeout=timeout_s)
     except KafkaException as exc:
-        raise _unavailable(kafka, timeout_s, exc) from exc
+        raise _unavailable(kafka, timeout_s, exc, _why(admin)) from exc
     if not metadata.brokers:
         raise KafkaUnavailableError(f"Kafka at {kafka} returned no brokers within {timeout_s:.0f}s")
     topic_meta = metadata.topics.get(topic)
@@ -97,10 +110,10 @@ def ensure_topic(kafka: KafkaLike, topic: str, partitions: int, timeout_s: float
         pass
     futures = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
     try:
-        _answer(futures[topic], f"creating topic {topic!r}", kafka, timeout_s)
+        _answer(futures[topic], f"creating topic {topic!r}", kafka, timeout_s, admin)
     except KafkaException as exc:
         if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-            raise _unavailable(kafka, timeout_s, exc) from exc
+            raise _unavailable(kafka, timeout_s, exc, _why(admin)) from exc
     return True
 
 
@@ -120,9 +133,9 @@ def topic_retention(kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> To
     resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
     try:
         future = admin.describe_configs([resource], request_timeout=timeout_s)[resource]
-        entries = _answer(future, f"reading the configs of topic {topic!r}", kafka, timeout_s)
+        entries = _answer(future, f"reading the configs of topic {topic!r}", kafka, timeout_s, admin)
     except KafkaException as exc:
-        raise _unavailable(kafka, timeout_s, exc) from exc
+        raise _unavailable(kafka, timeout_s, exc, _why(admin)) from exc
     policy = entries["cleanup.policy"].value or "delete"
 
     def limit(name: str) -> int | None:
@@ -226,9 +239,11 @@ def _read_messages(
     isolation: str,
     timeout_s: float,
 ) -> Iterator[Message]:
+    errors: list[KafkaError] = []
     consumer = Consumer(
         {
             **client_config(kafka, timeout_s),
+            "error_cb": errors.append,
             "group.id": "kafka2pg-reader",
             "enable.auto.commit": False,
             "isolation.level": isolation,
@@ -241,12 +256,14 @@ def _read_messages(
     try:
         for start, end in ranges:
             consumer.assign([TopicPartition(topic, partition, start)])
-            yield from _consume_until(consumer, kafka, f"{topic}[{partition}]", end, timeout_s)
+            yield from _consume_until(consumer, kafka, f"{topic}[{partition}]", end, timeout_s, errors)
     finally:
         consumer.close()
 
 
-def _consume_until(consumer: Consumer, kafka: KafkaLike, where: str, end: int, timeout_s: float) -> Iterator[Message]:
+def _consume_until(
+    consumer: Consumer, kafka: KafkaLike, where: str, end: int, timeout_s: float, errors: list[KafkaError]
+) -> Iterator[Message]:
     # consume() waits its whole timeout unless num_messages arrive: poll in short slices and
     # give up only after timeout_s without any message or end-of-partition event.
     idle_since = time.monotonic()
@@ -254,7 +271,7 @@ def _consume_until(consumer: Consumer, kafka: KafkaLike, where: str, end: int, t
         messages = consumer.consume(num_messages=5000, timeout=0.2)
         if not messages:
             if time.monotonic() - idle_since > timeout_s:
-                raise _unavailable(kafka, timeout_s, f"while reading {where}")
+                raise _unavailable(kafka, timeout_s, f"while reading {where}", errors)
             continue
         idle_since = time.monotonic()
         for message in messages:
@@ -288,23 +305,48 @@ def _list(
     result = {}
     for tp, future in futures.items():
         try:
-            answer = _answer(future, f"listing the offsets of {topic}[{tp.partition}]", kafka, timeout_s)
+            answer = _answer(future, f"listing the offsets of {topic}[{tp.partition}]", kafka, timeout_s, admin)
             result[tp.partition] = answer.offset
         except KafkaException as exc:
-            raise _unavailable(kafka, timeout_s, exc) from exc
+            raise _unavailable(kafka, timeout_s, exc, _why(admin)) from exc
     return result
 
 
-def _answer(future: Future[T], what: str, kafka: KafkaLike, timeout_s: float) -> T:
+def _answer(future: Future[T], what: str, kafka: KafkaLike, timeout_s: float, admin: AdminClient) -> T:
     """The result of an AdminClient future. Waiting out `timeout_s` raises a bare TimeoutError,
     without a message, when the cluster is unreachable: translated here; KafkaException passes on."""
     try:
         return future.result(timeout=timeout_s)
     except TimeoutError as exc:
-        raise _unavailable(kafka, timeout_s, f"while {what}") from exc
+        raise _unavailable(kafka, timeout_s, f"while {what}", _why(admin)) from exc
 
 
-def _unavailable(kafka: KafkaLike, timeout_s: float, cause: Exception | str) -> KafkaUnavailableError:
+def _why(client: object) -> list[KafkaError]:
+    return client.why() if isinstance(client, _Admin) else []
+
+
+# librdkafka error codes that mean the cluster refuses this client: retrying cannot help.
+_REFUSALS = {
+    KafkaError._AUTHENTICATION: "refused the client's credentials",
+    KafkaError._SSL: "failed the TLS handshake",
+}
+
+
+def _unavailable(
+    kafka: KafkaLike, timeout_s: float, cause: Exception | str, errors: list[KafkaError] | None = None
+) -> KafkaUnavailableError | KafkaAuthenticationError:
+    """The error for a cluster that did not answer: a refusal (credentials, TLS) when librdkafka
+    reported one (`errors`, from the client's error callback), else unavailable (retryable)."""
+    for error in errors or []:
+        refused = _REFUSALS.get(error.code())
+        if refused is None and "bad certificate" in error.str():
+            refused = "refused the client's certificate"
+        if refused is not None:
+            return KafkaAuthenticationError(
+                f"Kafka at {kafka} {refused}: {error.str()}. Check the pipeline's Kafka connection "
+                "(kafka_config_id, default kafka2pg_kafka): sasl.username / sasl.password / sasl.mechanism, "
+                "or ssl.ca.location, ssl.certificate.location and ssl.key.location. Retrying will not help."
+            )
     return KafkaUnavailableError(
         f"Kafka at {kafka} did not answer within {timeout_s:.0f}s ({cause}). Check that the brokers run "
         "and that the pipeline's Kafka connection (kafka_config_id, default kafka2pg_kafka; or "

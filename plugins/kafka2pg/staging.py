@@ -22,7 +22,13 @@ from pyspark.sql import SparkSession
 from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer, headers_literal
 from kafka2pg.config import Pipeline, Settings, stage_jvm_conf
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, ConfigError, RetentionLossError, StageInterrupted
+from kafka2pg.exceptions import (
+    BatchStateError,
+    ConfigError,
+    KafkaAuthenticationError,
+    RetentionLossError,
+    StageInterrupted,
+)
 from kafka2pg.kafka_offsets import record_headers
 from kafka2pg.ledger import Batch, load_claimed, set_state, staged_counts, staging_lost
 from kafka2pg.planner import BatchPlan, describe_ranges
@@ -190,6 +196,14 @@ def _read_and_write(
                 f"batch {batch.batch_id} became {current.state} while this attempt was staging it (a concurrent "
                 "attempt finished first); this attempt wrote nothing that counts"
             ) from None
+        refused = next((n for n in _JAVA_REFUSALS if n in str(exc)), None)
+        if refused is not None:
+            raise KafkaAuthenticationError(
+                f"pipeline {pipeline.name!r} batch {batch.batch_id}: Spark's Kafka client was refused by Kafka at "
+                f"{settings.kafka} ({refused}: {_java_message(str(exc), refused)}). Check the pipeline's Kafka "
+                "connection (its sasl.* and ssl.* properties, as mapped for Java: README, Connections). Nothing "
+                "was staged; the batch stays planned."
+            ) from None
         if "Some data may have been lost" in str(exc):
             raise RetentionLossError(
                 f"pipeline {pipeline.name!r} batch {batch.batch_id}: Kafka no longer holds some of its planned "
@@ -199,6 +213,16 @@ def _read_and_write(
                 "lost offsets (or records them as a gap under on_retention_loss: skip)."
             ) from None
         raise
+
+
+# The Java client's exceptions for a cluster that refuses it (credentials, TLS).
+_JAVA_REFUSALS = ("SaslAuthenticationException", "SslAuthenticationException")
+
+
+def _java_message(text: str, exception: str) -> str:
+    """The message of a Java exception named in a Spark error: the rest of its line."""
+    line = text[text.index(exception) :].split("\n", 1)[0]
+    return line.split(":", 1)[1].strip()[:300] if ":" in line else line[:300]
 
 
 def _raise_if_stopped(stop: threading.Event | None, pipeline: Pipeline, batch_id: int) -> None:

@@ -1,0 +1,86 @@
+"""No secret is ever printed: a full DAG run, failed runs and failing commands with known passwords,
+then every output and log file searched for them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kafka2pg.demo import dags_test
+from kafka2pg.kafka_config import KafkaConfig
+from kafka2pg.producer import produce, sample_events
+
+PG_PASSWORD = "Pg-S3cret-4f9e"
+WRONG_KAFKA_PASSWORD = "Wr0ng-Pa55-kafka"
+MALFORMED_PG_PASSWORD = "Bad%Pa55zz"
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kafka2pg", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def files_under(*roots: Path) -> list[Path]:
+    return [p for root in roots if root.exists() for p in root.rglob("*") if p.is_file()]
+
+
+def test_no_password_in_any_output_or_log_of_runs_and_failures(stack, airflow_home, make_pipeline, db, tmp_path):
+    secured = stack.kafka.secured_listener()
+    scram = secured.client_config("scram")
+    env = make_pipeline(partitions=2)
+    produce(KafkaConfig.of(scram), env.topic, sample_events(200, seed=111))
+    postgres = {**stack.postgres.connection(), "password": PG_PASSWORD}  # trust auth ignores it; it is still sent
+    base = {k: v for k, v in airflow_home.items() if not k.startswith("KAFKA2PG_")}
+    base["KAFKA2PG_PIPELINES"] = str(env.settings.pipelines_file)
+    base["KAFKA2PG_STATE_DIR"] = str(env.settings.state_dir)
+
+    def with_connections(kafka: dict, pg: dict) -> dict[str, str]:
+        return {
+            **base,
+            "AIRFLOW_CONN_KAFKA2PG_KAFKA": json.dumps({"conn_type": "kafka", "extra": kafka}),
+            "AIRFLOW_CONN_KAFKA2PG_POSTGRES": json.dumps(pg),
+        }
+
+    good = with_connections(scram, postgres)
+    outputs = []
+    code, output, _ = dags_test(env.pipeline.dag_id, good, tmp_path / "good.log")
+    assert code == 0, output[-3000:]
+    outputs.append(output)
+    wrong_kafka = with_connections({**scram, "sasl.password": WRONG_KAFKA_PASSWORD}, postgres)
+    code, output, _ = dags_test(env.pipeline.dag_id, wrong_kafka, tmp_path / "wrong-kafka.log")
+    assert code != 0 and "refused the client's credentials" in output, output[-3000:]
+    outputs.append(output)
+    malformed = with_connections(scram, postgres)  # no postgres connection; a URL libpq cannot parse
+    del malformed["AIRFLOW_CONN_KAFKA2PG_POSTGRES"]
+    malformed["KAFKA2PG_DATABASE_URL"] = f"postgresql://postgres:{MALFORMED_PG_PASSWORD}@127.0.0.1:1/x"
+    for args, environment in (
+        (["status", "--pipeline", env.pipeline.name], good),
+        (["verify", "--pipeline", env.pipeline.name], good),
+        (["status", "--pipeline", env.pipeline.name], wrong_kafka),
+        (["status", "--pipeline", env.pipeline.name], malformed),
+        (["plan", "--pipeline", env.pipeline.name], malformed),
+    ):
+        result = run_cli(args, environment)
+        outputs += [result.stdout, result.stderr]
+    assert "refused the client's credentials" in outputs[-6] + outputs[-5]
+    assert "the PostgreSQL connection string is malformed" in outputs[-4] + outputs[-3]
+
+    secrets = [PG_PASSWORD, WRONG_KAFKA_PASSWORD, MALFORMED_PG_PASSWORD, secured.scram.password, secured.plain.password]
+    leaks = [(secret, "output") for secret in secrets for text in outputs if secret in text]
+    logs = files_under(
+        Path(airflow_home["AIRFLOW_HOME"]),  # task logs, and the metadata DB (rendered fields, XComs)
+        env.settings.state_dir,  # quality reports, Spark's package zip
+        tmp_path,  # the dags test logs
+        Path(stack.kafka.log_file).parent,  # the broker's logs
+        Path(stack.postgres.log_file).parent,
+    )
+    assert logs
+    for path in logs:
+        if path.name in ("credentials.json", "server.properties") or path.suffix in (".pem", ".jar", ".jsa"):
+            continue  # where the stack keeps its own secrets (0600)
+        content = path.read_bytes()
+        leaks += [(secret, str(path)) for secret in secrets if secret.encode() in content]
+    assert not leaks, leaks
+    assert os.environ.get("AIRFLOW_CONN_KAFKA2PG_KAFKA") is None
