@@ -277,10 +277,11 @@ def run_airflow(settings: Settings, topic: str, work: Path) -> dict:
     import yaml
 
     from kafka2pg import local_stack
-    from kafka2pg.config import PROJECT_ROOT, load_pipelines
+    from kafka2pg.config import load_pipelines
     from kafka2pg.demo import dags_test, ensure_airflow_db
+    from kafka2pg.locations import default_pipelines_file, default_state_dir
 
-    spec = next(p for p in yaml.safe_load((PROJECT_ROOT / "dags" / "pipelines.yaml").read_text())["pipelines"])
+    spec = next(p for p in yaml.safe_load(default_pipelines_file().read_text())["pipelines"])
     fixed = {**spec, "name": "airflow_fixed", "topic": f"{topic}-airflow", "target_table": "public.airflow_fixed"}
     backlog = {**spec, "name": "airflow_backlog", "topic": topic, "target_table": "public.airflow_backlog"}
     per_batch = {**spec, "name": "airflow_per_batch", "topic": topic, "target_table": "public.airflow_per_batch"}
@@ -291,7 +292,7 @@ def run_airflow(settings: Settings, topic: str, work: Path) -> dict:
     env = {
         **os.environ,
         # kept across runs: `airflow db migrate` once (untimed anyway), not in every smoke test
-        "AIRFLOW_HOME": str(PROJECT_ROOT / ".cache" / "bench-airflow"),
+        "AIRFLOW_HOME": str(default_state_dir() / "bench-airflow"),
         "AIRFLOW_CONN_KAFKA2PG_SPARK": '{"conn_type": "spark", "host": "local[2]"}',  # as ours in process
         "KAFKA2PG_PIPELINES": str(pipelines),
         # the jars resolved once under .cache (the state dir here is this run's scratch folder)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,6 @@ from pathlib import Path
 
 from kafka2pg.config import (
     DEFAULT_POSTGRES_CONN_ID,
-    PROJECT_ROOT,
     Pipeline,
     Settings,
     get_pipeline,
@@ -25,6 +23,7 @@ from kafka2pg.config import (
     pipelines_file_from_env,
 )
 from kafka2pg.exceptions import ConfigError, Kafka2PgError
+from kafka2pg.locations import state_dir
 
 log = logging.getLogger("kafka2pg")
 
@@ -49,7 +48,7 @@ def _selected_pipelines(args: argparse.Namespace) -> list[tuple[Settings, Pipeli
 def cmd_stack(args: argparse.Namespace) -> int:
     from kafka2pg import local_stack
 
-    cache = Path(os.environ.get("KAFKA2PG_STATE_DIR", PROJECT_ROOT / ".cache"))
+    cache = state_dir()
     if args.action == "install":
         from kafka2pg import class_archive
 

@@ -18,14 +18,13 @@ from typing import Any, Literal, get_args
 
 import yaml
 
+from kafka2pg import locations
 from kafka2pg.exceptions import ConfigError, UnknownPipelineError
 from kafka2pg.kafka_config import KafkaConfig
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # The Airflow Connections a pipeline's services come from, unless it names its own.
 DEFAULT_POSTGRES_CONN_ID = "kafka2pg_postgres"
 DEFAULT_KAFKA_CONN_ID = "kafka2pg_kafka"
-DEFAULT_PIPELINES_FILE = PROJECT_ROOT / "dags" / "pipelines.yaml"
 # JVM options of the stage job's driver (in local mode also its executor); a pipeline's
 # spark_conf may override them. A job that stages one batch (batches_per_run 1, the default)
 # lives seconds: C1-only JIT warms up sooner (a cold 100k batch: 7.3 s vs 8.6 s with C2). A job
@@ -69,7 +68,7 @@ def class_archive_path(state_dir: Path | None = None) -> Path:
     starts about 1.5 s sooner and the first batch about 0.5 s sooner (README "Benchmark"). A JVM
     whose class path differs from the one recorded ignores it with a warning.
     """
-    state = Path(state_dir or os.environ.get("KAFKA2PG_STATE_DIR") or PROJECT_ROOT / ".cache")
+    state = Path(state_dir) if state_dir else locations.state_dir()
     java_home = os.environ.get("JAVA_HOME")
     java = Path(java_home) / "bin" / "java" if java_home else shutil.which("java")
     identity = "no-java"
@@ -233,9 +232,9 @@ class Settings:
     kafka: KafkaConfig
     database_url: str
     spark_master: str = "local[*]"
-    pipelines_file: Path = DEFAULT_PIPELINES_FILE
+    pipelines_file: Path = field(default_factory=locations.default_pipelines_file)
     kafka_timeout_s: float = 10.0
-    state_dir: Path = PROJECT_ROOT / ".cache"
+    state_dir: Path = field(default_factory=locations.default_state_dir)
 
     def __post_init__(self) -> None:
         if isinstance(self.kafka, str):  # a bootstrap-servers string: a PLAINTEXT cluster
@@ -306,15 +305,17 @@ def common_settings(env: dict[str, str]) -> dict[str, Any]:
         raise ConfigError(f"KAFKA2PG_KAFKA_TIMEOUT_S must be a number of seconds, got {timeout!r}") from exc
     return {
         "spark_master": env.get("KAFKA2PG_SPARK_MASTER", "local[*]"),
-        "pipelines_file": Path(env.get("KAFKA2PG_PIPELINES", DEFAULT_PIPELINES_FILE)),
+        "pipelines_file": pipelines_file_from_env(env=env),
         "kafka_timeout_s": kafka_timeout_s,
-        "state_dir": Path(env.get("KAFKA2PG_STATE_DIR", PROJECT_ROOT / ".cache")),
+        "state_dir": locations.state_dir(env),
     }
 
 
-def pipelines_file_from_env() -> Path:
-    """The pipelines file path, without requiring the service settings."""
-    return Path(os.environ.get("KAFKA2PG_PIPELINES", DEFAULT_PIPELINES_FILE))
+def pipelines_file_from_env(default: Path | None = None, env: dict[str, str] | None = None) -> Path:
+    """The pipelines file: KAFKA2PG_PIPELINES, else `default` (the DAG file passes the `pipelines.yaml`
+    beside it), else `locations.default_pipelines_file()`. Needs no service settings."""
+    value = (os.environ if env is None else env).get("KAFKA2PG_PIPELINES")
+    return Path(value) if value else Path(default or locations.default_pipelines_file())
 
 
 def load_pipelines(path: Path | None = None) -> dict[str, Pipeline]:

@@ -6,31 +6,39 @@ Runs at DAG-parse time, so it reads only the YAML file: no database, Kafka, Spar
 
 from __future__ import annotations
 
+import glob
 import os
 from datetime import datetime, timedelta
+from importlib import metadata
 from pathlib import Path
 
-from kafka2pg.config import (
-    PROJECT_ROOT,
-    Pipeline,
-    load_pipelines,
-    stage_jvm_options,
-)
+from kafka2pg import stage_job
+from kafka2pg.config import Pipeline, load_pipelines, pipelines_file_from_env, stage_jvm_options
+from kafka2pg.locations import state_dir
 
 SPARK_CONN_ID = "kafka2pg_spark"
 # What a `plan` task returns when there is no batch. Not None: Airflow stores no XCom for None, and
 # `has_batch` pulling the missing XCom logs "[error] XCom not found" on every no-op run.
 NO_BATCH: dict = {}
-JOB = PROJECT_ROOT / "jobs" / "stage_batch.py"
+# What spark-submit runs: the job module's file inside the package, wherever it is installed.
+JOB = Path(stage_job.__file__).resolve()
 
 
-def spark_jars() -> str:
-    """Comma-separated jar paths/globs for the Kafka source (KAFKA2PG_SPARK_JARS overrides)."""
-    default = Path(os.environ.get("KAFKA2PG_STATE_DIR", PROJECT_ROOT / ".cache")) / "jars" / "spark" / "*.jar"
-    return os.environ.get("KAFKA2PG_SPARK_JARS", str(default))
+def spark_kafka_source() -> tuple[str | None, dict[str, str]]:
+    """How spark-submit gets Spark's Kafka source, as (`--jars`, Spark conf): KAFKA2PG_SPARK_JARS
+    (comma-separated jars or globs); else the jars set-up resolved (`kafka2pg stack install`) under the
+    state directory; else `spark.jars.packages`, the official package matching the installed pyspark,
+    which Spark resolves from Maven Central when the job starts. A pipeline's spark_conf wins over it."""
+    if os.environ.get("KAFKA2PG_SPARK_JARS"):
+        return os.environ["KAFKA2PG_SPARK_JARS"], {}
+    resolved = state_dir() / "jars" / "spark" / "*.jar"
+    if glob.glob(str(resolved)):
+        return str(resolved), {}
+    package = f"org.apache.spark:spark-sql-kafka-0-10_2.13:{metadata.version('pyspark')}"
+    return None, {"spark.jars.packages": package}
 
 
-def build_dag(pipeline: Pipeline):
+def build_dag(pipeline: Pipeline, pipelines_file: Path):
     from airflow.sdk import DAG, Param, task
 
     name = pipeline.name
@@ -78,19 +86,20 @@ def build_dag(pipeline: Pipeline):
                 batches_per_run=params.get("batches_per_run"),
                 dry_run=bool(params.get("dry_run")),
                 run_id=run_id,
+                pipelines_file=pipelines_file,
             )
             return planned or NO_BATCH
 
-        stage = _stage_operator(pipeline, several_batches=True)
+        stage = _stage_operator(pipeline, pipelines_file, several_batches=True)
 
         @task(task_id="promote")
         def promote_batch(planned: dict) -> dict:
             from kafka2pg import tasks
 
-            return tasks.promote(name, planned["batch_id"], planned["epoch"])
+            return tasks.promote(name, planned["batch_id"], planned["epoch"], pipelines_file=pipelines_file)
 
         planned = plan_batch()
-        validated = _validate_task(name)(planned)
+        validated = _validate_task(name, pipelines_file)(planned)
         _has_batch_task()(planned) >> stage >> validated >> promote_batch(planned)
     return dag
 
@@ -114,7 +123,7 @@ def _has_batch_task():
     return has_batch
 
 
-def _validate_task(name: str):
+def _validate_task(name: str, pipelines_file: Path):
     """The quality gate on the batch the `plan` task handed over (live and replay DAGs alike)."""
     from airflow.sdk import task
 
@@ -122,12 +131,12 @@ def _validate_task(name: str):
     def validate_batch(planned: dict) -> dict:
         from kafka2pg import tasks
 
-        return tasks.validate(name, planned["batch_id"], planned["epoch"])
+        return tasks.validate(name, planned["batch_id"], planned["epoch"], pipelines_file=pipelines_file)
 
     return validate_batch
 
 
-def _stage_operator(pipeline: Pipeline, *, several_batches: bool = False):
+def _stage_operator(pipeline: Pipeline, pipelines_file: Path, *, several_batches: bool = False):
     """The Spark job reading the batch the `plan` task handed over (live and replay DAGs alike).
 
     `several_batches` (live DAG): the job may go on with further batches (Param batches_per_run).
@@ -150,16 +159,18 @@ def _stage_operator(pipeline: Pipeline, *, several_batches: bool = False):
             "{{ run_id }}",
         ]
 
+    jars, source_conf = spark_kafka_source()
     return StageOperator(
         pipeline_name=pipeline.name,
+        pipelines_file=str(pipelines_file),
         task_id="read_and_stage",
         application=str(JOB),
         conn_id=SPARK_CONN_ID,
         name=f"kafka2pg-{pipeline.name}",
-        jars=spark_jars(),
+        jars=jars,
         # kafka2pg's Spark defaults are applied by the job's session (staging.SPARK_DEFAULTS);
-        # JVM options only work on spark-submit's command line.
-        conf={"spark.driver.extraJavaOptions": jvm_options, **pipeline.spark_conf},
+        # JVM options and packages only work on spark-submit's command line.
+        conf={"spark.driver.extraJavaOptions": jvm_options, **source_conf, **pipeline.spark_conf},
         application_args=[
             "--pipeline",
             pipeline.name,
@@ -181,7 +192,7 @@ replays each run's data interval. Recorded in `kafka2pg.replays`.
 """
 
 
-def build_replay_dag(pipeline: Pipeline):
+def build_replay_dag(pipeline: Pipeline, pipelines_file: Path):
     """plan_replay -> read_and_stage -> validate -> finish (replace or verify-only)."""
     from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
@@ -254,6 +265,7 @@ def build_replay_dag(pipeline: Pipeline):
                 run_type=_run_type(dag_run),
                 interval=(context.get("data_interval_start"), context.get("data_interval_end")),
                 requested_by=user or f"airflow run {run_id}",
+                pipelines_file=pipelines_file,
             )
             return planned or NO_BATCH
 
@@ -261,17 +273,22 @@ def build_replay_dag(pipeline: Pipeline):
         def finish(planned: dict) -> dict:
             from kafka2pg import tasks
 
-            return tasks.finish_replay(name, planned["batch_id"], planned["epoch"])
+            return tasks.finish_replay(name, planned["batch_id"], planned["epoch"], pipelines_file=pipelines_file)
 
         planned = plan_replay()
-        validated = _validate_task(name)(planned)
-        _has_batch_task()(planned) >> _stage_operator(pipeline) >> validated >> finish(planned)
+        validated = _validate_task(name, pipelines_file)(planned)
+        stage = _stage_operator(pipeline, pipelines_file)
+        _has_batch_task()(planned) >> stage >> validated >> finish(planned)
     return dag
 
 
-def build_dags() -> dict:
+def build_dags(dag_folder: Path | None = None) -> dict:
+    """The live and replay DAG of every pipeline in the pipelines file: KAFKA2PG_PIPELINES, else the
+    `pipelines.yaml` in `dag_folder` (the DAG file passes its own folder), else the default
+    (`locations.default_pipelines_file`). Every task reads the pipeline from that same file."""
+    pipelines_file = pipelines_file_from_env(dag_folder / "pipelines.yaml" if dag_folder else None)
     dags = {}
-    for pipeline in load_pipelines().values():
-        dags[pipeline.dag_id] = build_dag(pipeline)
-        dags[pipeline.replay_dag_id] = build_replay_dag(pipeline)
+    for pipeline in load_pipelines(pipelines_file).values():
+        dags[pipeline.dag_id] = build_dag(pipeline, pipelines_file)
+        dags[pipeline.replay_dag_id] = build_replay_dag(pipeline, pipelines_file)
     return dags

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from kafka2pg import local_stack
 from kafka2pg.cli import airflow_command, run_logged
-from kafka2pg.config import PROJECT_ROOT, get_pipeline, pipelines_file_from_env
+from kafka2pg.config import get_pipeline, pipelines_file_from_env
+from kafka2pg.locations import state_dir
 
 PIPELINE = "orders"
 
@@ -51,7 +52,7 @@ def _plan_message(output: str) -> str:
 
 
 def run(*, events: int, keep: bool) -> int:
-    cache = Path(os.environ.get("KAFKA2PG_STATE_DIR", PROJECT_ROOT / ".cache"))
+    cache = state_dir()
     print("[1/6] resolving Kafka and Spark jars (cached after the first run)")
     local_stack.resolve_jars(cache)
     print("[2/6] starting a real Kafka broker (KRaft) and a throwaway PostgreSQL on 127.0.0.1")

@@ -21,10 +21,13 @@ Kafka2PgError
  ├── TableRefusesRowsError    PostgreSQL refused most rows of a batch: the table is at fault, not the records
  ├── QualityGateFailed        validation blocked promotion
  │    └── KeyCollisionError   a business key promoted since validation; batch back to re-validation
+ ├── InstallationError        kafka2pg's own files (SQL) are missing from its installation
  └── StackError               the local embedded Kafka/PostgreSQL stack failed
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 class Kafka2PgError(Exception):
@@ -132,6 +135,18 @@ class TableRefusesRowsError(Kafka2PgError):
             "refusals point at the table (a constraint, trigger or column type the records cannot meet), not at "
             "some records: nothing of the batch was written and it stays where it was. Fix the table, then trigger "
             "a run: it resumes the batch."
+        )
+
+
+class InstallationError(Kafka2PgError):
+    """A file kafka2pg ships (its SQL migrations) is missing from where the package looks for it."""
+
+    def __init__(self, what: str, path: Path) -> None:
+        self.what, self.path = what, path
+        super().__init__(
+            f"kafka2pg's {what} are not in {path}: this installation of kafka2pg is incomplete (a wheel built "
+            "without the sql/ folder?). Nothing was changed. Reinstall kafka2pg from a complete wheel, or run it "
+            "from its checkout."
         )
 
 

@@ -10,7 +10,8 @@ from psycopg import Connection, sql
 from kafka2pg.config import Pipeline
 from kafka2pg.database import connect, describe, transaction
 from kafka2pg.exceptions import ConfigError
-from kafka2pg.migrations import SQL_DIR, STAGING_PRIVILEGES, TARGET_PRIVILEGES
+from kafka2pg.locations import SQL_DIR
+from kafka2pg.migrations import STAGING_PRIVILEGES, TARGET_PRIVILEGES
 
 GRANTS_FILE = SQL_DIR / "grants.sql"
 

@@ -29,13 +29,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from kafka2pg.config import PROJECT_ROOT
 from kafka2pg.exceptions import StackError
+from kafka2pg.locations import default_state_dir
 
 log = logging.getLogger(__name__)
 
 MAVEN_DIR = Path(__file__).resolve().parent / "maven"
-DEFAULT_CACHE = PROJECT_ROOT / ".cache"
+DEFAULT_CACHE = default_state_dir()
 
 
 ClientMode = Literal["scram", "plain", "mtls"]

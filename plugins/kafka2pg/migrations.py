@@ -13,13 +13,13 @@ from pathlib import Path
 import psycopg
 from psycopg import Connection, sql
 
-from kafka2pg.config import PROJECT_ROOT, Pipeline, Settings
+from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect, describe, transaction
-from kafka2pg.exceptions import ConfigError, ObjectNameTakenError, SchemaNotReadyError
+from kafka2pg.exceptions import ConfigError, InstallationError, ObjectNameTakenError, SchemaNotReadyError
+from kafka2pg.locations import SQL_DIR
 
 log = logging.getLogger(__name__)
 
-SQL_DIR = PROJECT_ROOT / "sql"
 _LOCK_KEY = 0x6B3270  # "k2p": one advisory lock for all kafka2pg DDL
 MIGRATIONS_TABLE = ("public", "kafka2pg_migrations")
 
@@ -34,7 +34,11 @@ STAGING_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
 
 def migration_files() -> list[Path]:
-    return sorted(SQL_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql"))
+    """The numbered migrations kafka2pg ships; an installation without them is an error, never "none pending"."""
+    files = sorted(SQL_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql"))
+    if not files:
+        raise InstallationError("SQL migrations", SQL_DIR)
+    return files
 
 
 def target_columns(pipeline: Pipeline) -> list[str]:

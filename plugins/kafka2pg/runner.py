@@ -250,7 +250,7 @@ def run_job(
     run_id: str | None = None,
     max_records_per_batch: int | None = None,
 ) -> RunResult:
-    """Entry point of jobs/stage_batch.py (spark-submit supplies master and jars)."""
+    """What the Spark job (`kafka2pg.stage_job`) runs; spark-submit supplies master and jars."""
     settings = Settings.from_env()
     pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
     spark = spark_session(

@@ -20,16 +20,15 @@ class StageOperator(SparkSubmitOperator):
     (kafka2pg.runner) builds its Settings from it (`Settings.from_env`).
     """
 
-    def __init__(self, *, pipeline_name: str, **kwargs: Any) -> None:
+    def __init__(self, *, pipeline_name: str, pipelines_file: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.pipeline_name = pipeline_name
+        self.pipelines_file = pipelines_file
 
     def execute(self, context: Any) -> None:
-        from kafka2pg.config import get_pipeline, pipelines_file_from_env
-        from kafka2pg.connections import settings_for
-        from kafka2pg.tasks import airflow_errors
+        from kafka2pg.tasks import airflow_errors, resolve
 
         with airflow_errors():
-            settings = settings_for(get_pipeline(self.pipeline_name, pipelines_file_from_env()))
+            settings, _ = resolve(self.pipeline_name, self.pipelines_file)
         self.env_vars = {**(self.env_vars or {}), **settings.to_env()}
         return super().execute(context)

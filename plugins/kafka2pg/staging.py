@@ -31,6 +31,7 @@ from kafka2pg.exceptions import (
 )
 from kafka2pg.kafka_offsets import record_headers
 from kafka2pg.ledger import Batch, load_claimed, set_state, staged_counts, staging_lost
+from kafka2pg.locations import PACKAGE_DIR
 from kafka2pg.planner import BatchPlan, describe_ranges
 
 log = logging.getLogger(__name__)
@@ -169,9 +170,10 @@ def _read_and_write(
             raise
         raise ConfigError(
             "Spark has no Kafka source on its classpath (org.apache.spark:spark-sql-kafka-0-10_2.13 and its "
-            "dependencies). The DAG passes the jars resolved under $KAFKA2PG_STATE_DIR/jars/spark (`./kafka2pg "
-            "setup` resolves them) or the comma-separated list in KAFKA2PG_SPARK_JARS; on a cluster, install "
-            "them or set spark.jars.packages in the pipeline's spark_conf. Nothing was staged."
+            "dependencies). The DAG passes the comma-separated jars in KAFKA2PG_SPARK_JARS, else those resolved "
+            "under $KAFKA2PG_STATE_DIR/jars/spark (`kafka2pg stack install` resolves them), else "
+            "spark.jars.packages; on a cluster, install them or set spark.jars.packages in the pipeline's "
+            "spark_conf. Nothing was staged."
         ) from None
     writer = chunk_writer(settings.database_url, pipeline, batch.batch_id, batch.epoch)
     try:
@@ -306,7 +308,7 @@ def _store_headers(conn, pipeline: Pipeline, batch_id: int, headers: dict) -> No
 
 def package_zip(state_dir: Path) -> Path:
     """Zip of the kafka2pg package for Spark executors (`addPyFile`), rebuilt each run."""
-    package = Path(__file__).resolve().parent
+    package = PACKAGE_DIR
     state_dir.mkdir(parents=True, exist_ok=True)
     target = state_dir / f"kafka2pg-{os.getpid()}.zip"
     with zipfile.ZipFile(target, "w") as archive:

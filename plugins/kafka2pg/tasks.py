@@ -6,9 +6,11 @@ terms: a broken invariant fails without retry, an unreachable service stays retr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from kafka2pg.config import Pipeline, Settings, get_pipeline, pipelines_file_from_env
 from kafka2pg.exceptions import Kafka2PgError
@@ -29,12 +31,15 @@ def airflow_errors() -> Iterator[None]:
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
 
-def _resolve(pipeline_name: str) -> tuple[Settings, Pipeline]:
-    """The pipeline (from the pipelines file) and its services (its Airflow Connections)."""
+def resolve(pipeline_name: str, pipelines_file: Path | str | None = None) -> tuple[Settings, Pipeline]:
+    """The pipeline, from `pipelines_file` (the one its DAG was built from; by default
+    `pipelines_file_from_env()`), and its services (its Airflow Connections). The settings name
+    that file, so the Spark job (`Settings.to_env`) reads the same one."""
     from kafka2pg.connections import settings_for
 
-    pipeline = get_pipeline(pipeline_name, pipelines_file_from_env())
-    return settings_for(pipeline), pipeline
+    path = Path(pipelines_file) if pipelines_file else pipelines_file_from_env()
+    pipeline = get_pipeline(pipeline_name, path)
+    return dataclasses.replace(settings_for(pipeline), pipelines_file=path), pipeline
 
 
 def plan(
@@ -44,6 +49,7 @@ def plan(
     batches_per_run: int | None = None,
     dry_run: bool = False,
     run_id: str | None = None,
+    pipelines_file: Path | None = None,
 ) -> dict | None:
     """Plan (or resume) the next batch; None when there is nothing to do (no Spark launched).
 
@@ -54,7 +60,7 @@ def plan(
     from kafka2pg.migrations import require_ready
 
     with airflow_errors():
-        settings, pipeline = _resolve(pipeline_name)
+        settings, pipeline = resolve(pipeline_name, pipelines_file)
         require_ready(settings, pipeline)
         opened = open_batch(
             settings, pipeline, max_records_per_batch=max_records_per_batch, run_id=run_id, dry_run=dry_run
@@ -73,12 +79,14 @@ def plan(
     }
 
 
-def validate(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dict:
+def validate(
+    pipeline_name: str, batch_id: int, epoch: int | None = None, *, pipelines_file: Path | None = None
+) -> dict:
     from kafka2pg.quality import validate_batch
     from kafka2pg.stuck import recording_failures
 
     with airflow_errors():
-        settings, pipeline = _resolve(pipeline_name)
+        settings, pipeline = resolve(pipeline_name, pipelines_file)
         with recording_failures(settings, pipeline_name, batch_id, epoch, "validate"):
             result = validate_batch(settings, pipeline, batch_id, epoch)
     for check in result.checks:
@@ -91,13 +99,13 @@ def validate(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dic
     return {"batch_id": batch_id, "state": result.state, "report": str(result.report) if result.report else None}
 
 
-def promote(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dict:
+def promote(pipeline_name: str, batch_id: int, epoch: int | None = None, *, pipelines_file: Path | None = None) -> dict:
     from kafka2pg.promote import promote_batch
     from kafka2pg.report import batch_report
     from kafka2pg.stuck import recording_failures
 
     with airflow_errors():
-        settings, pipeline = _resolve(pipeline_name)
+        settings, pipeline = resolve(pipeline_name, pipelines_file)
         with recording_failures(settings, pipeline_name, batch_id, epoch, "promote"):
             result = promote_batch(settings, pipeline, batch_id, epoch)
         log.info("pipeline=%s %s", pipeline_name, result.message)
@@ -113,13 +121,14 @@ def plan_replay(
     run_type: str | None = None,
     interval: tuple = (None, None),
     requested_by: str = "",
+    pipelines_file: Path | None = None,
 ) -> dict | None:
     """The replay DAG's first task: Params (or the backfill's data interval) -> a planned replay batch."""
     from kafka2pg.migrations import require_ready
     from kafka2pg.replay import open_replay, request_from_params
 
     with airflow_errors():
-        settings, pipeline = _resolve(pipeline_name)
+        settings, pipeline = resolve(pipeline_name, pipelines_file)
         request = request_from_params(params, run_type=run_type, interval=interval, requested_by=requested_by)
         if request is None:
             log.info(
@@ -136,12 +145,14 @@ def plan_replay(
     return {"batch_id": opened.batch.batch_id, "epoch": opened.batch.epoch, "mode": request.mode}
 
 
-def finish_replay(pipeline_name: str, batch_id: int, epoch: int | None = None) -> dict:
+def finish_replay(
+    pipeline_name: str, batch_id: int, epoch: int | None = None, *, pipelines_file: Path | None = None
+) -> dict:
     """The replay DAG's last task: replace the range's rows, or report the differences (verify-only)."""
     from kafka2pg.promote import promote_batch
 
     with airflow_errors():
-        settings, pipeline = _resolve(pipeline_name)
+        settings, pipeline = resolve(pipeline_name, pipelines_file)
         result = promote_batch(settings, pipeline, batch_id, epoch)
     log.info("pipeline=%s %s", pipeline_name, result.message)
     for kind, found in sorted(result.differences.items()):

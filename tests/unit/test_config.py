@@ -3,8 +3,9 @@
 import pytest
 import yaml
 
-from kafka2pg.config import DEFAULT_PIPELINES_FILE, MAX_PIPELINE_NAME, Settings, get_pipeline, load_pipelines
+from kafka2pg.config import MAX_PIPELINE_NAME, Settings, get_pipeline, load_pipelines
 from kafka2pg.exceptions import ConfigError, UnknownPipelineError
+from kafka2pg.locations import default_pipelines_file
 
 GOOD = {
     "name": "orders",
@@ -30,7 +31,7 @@ def column(name="n", **spec):
 
 
 def test_shipped_pipelines_file_is_valid():
-    pipelines = load_pipelines(DEFAULT_PIPELINES_FILE)
+    pipelines = load_pipelines(default_pipelines_file())
     assert "orders" in pipelines and pipelines["orders"].business_key == ("event_id",)
 
 

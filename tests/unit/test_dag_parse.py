@@ -107,3 +107,55 @@ def test_stage_jvm_options_follow_the_runs_batches_and_name_the_class_archive(tm
     assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": STAGE_JVM_OPTIONS_ONE_BATCH + shared}
     assert rendered(1) == (STAGE_JVM_OPTIONS_ONE_BATCH + shared, STAGE_JVM_OPTIONS_ONE_BATCH + shared)
     assert rendered(7)[0] == STAGE_JVM_OPTIONS_SEVERAL_BATCHES + shared
+
+
+COPIED = """
+import json, sys, runpy
+ns = runpy.run_path(sys.argv[1])
+stage = ns["kafka2pg_copied"].get_task("read_and_stage")
+print(json.dumps({
+    "dags": sorted(k for k in ns if k.startswith("kafka2pg_")),
+    "application": stage.application,
+    "pipelines_file": stage.pipelines_file,
+    "jars": stage.jars,
+    "packages": stage.conf.get("spark.jars.packages"),
+}))
+"""
+
+
+def test_the_dag_file_copied_alone_reads_the_pipelines_file_beside_it_and_submits_the_packaged_job(tmp_path):
+    """A DAGs folder holding only the DAG file and a pipelines.yaml: its DAGs come from that file, the
+    tasks read that same file, spark-submit runs the job module inside the package, and without
+    resolved jars Spark gets its Kafka source as spark.jars.packages for the installed pyspark."""
+    from importlib import metadata
+
+    import kafka2pg.stage_job
+
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    dag_file = dags / "kafka2pg_pipelines.py"
+    dag_file.write_text((ROOT / "dags" / "kafka2pg_pipelines.py").read_text())
+    spec = {"name": "copied", "topic": "copied", "target_table": "copied", "columns": [{"name": "a", "type": "text"}]}
+    (dags / "pipelines.yaml").write_text(json.dumps({"pipelines": [spec]}))
+
+    def parse(**env: str) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-c", COPIED, str(dag_file)],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=tmp_path,
+            env={"PYTHONPATH": str(ROOT / "plugins"), "PATH": "/usr/bin:/bin", **env},
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    empty_state = tmp_path / "state"
+    result = parse(KAFKA2PG_STATE_DIR=str(empty_state))
+    assert result["dags"] == ["kafka2pg_copied", "kafka2pg_copied_replay"]
+    assert result["pipelines_file"] == str(dags / "pipelines.yaml")
+    assert result["application"] == kafka2pg.stage_job.__file__
+    assert result["jars"] is None
+    assert result["packages"] == f"org.apache.spark:spark-sql-kafka-0-10_2.13:{metadata.version('pyspark')}"
+
+    given = parse(KAFKA2PG_STATE_DIR=str(empty_state), KAFKA2PG_SPARK_JARS="/opt/jars/*.jar")
+    assert (given["jars"], given["packages"]) == ("/opt/jars/*.jar", None)
