@@ -58,7 +58,7 @@ def events(count: int, size: int):
 
 def run_ours(settings: Settings, topic: str, master: str) -> dict:
     """The stage job's own loop (kafka2pg.runner, batches_per_run unlimited) in one Spark session."""
-    from kafka2pg.ledger import open_batch
+    from kafka2pg.opening import open_batch
     from kafka2pg.runner import run_batches
 
     pipeline = bench_pipeline(_fresh(f"ours_{master[6]}"), topic)
@@ -245,10 +245,10 @@ def _count(settings: Settings, pipeline) -> int:
 
 def run_fixed_costs(settings: Settings, topic: str) -> dict:
     """What an empty run costs outside Airflow (plan only: no Spark), and a 1-record batch."""
-    from kafka2pg.ledger import open_batch
-    from kafka2pg.promote import promote_batch
+    from kafka2pg.opening import open_batch
     from kafka2pg.quality import validate_batch
     from kafka2pg.staging import stage_batch
+    from kafka2pg.steps import promote_batch
 
     pipeline = bench_pipeline("fixed", f"{topic}-fixed")
     ensure_topic(settings.bootstrap_servers, pipeline.topic, 1)

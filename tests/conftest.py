@@ -116,9 +116,9 @@ def make_pipeline(base_settings, tmp_path):
 
 def drive(spark, env: PipelineEnv, opened):
     """Stage, validate and promote (or finish, for a replay) an opened batch; None if none was opened."""
-    from kafka2pg.promote import promote_batch
     from kafka2pg.quality import validate_batch
     from kafka2pg.staging import stage_batch
+    from kafka2pg.steps import promote_batch
 
     if opened.batch is None:
         return None
@@ -131,7 +131,7 @@ def drive(spark, env: PipelineEnv, opened):
 @pytest.fixture
 def run_batch(spark):
     """Plan, stage, validate and promote one batch with the same functions the DAG runs."""
-    from kafka2pg.ledger import open_batch
+    from kafka2pg.opening import open_batch
 
     return lambda env, **plan_args: drive(spark, env, open_batch(env.settings, env.pipeline, **plan_args))
 

@@ -3,7 +3,7 @@ goes to quarantine. Pure rules, per column type, for everything PostgreSQL would
 
 Decided before any write (the stage step runs it inside each Spark task), so no record, whatever
 its bytes, reaches PostgreSQL in a form the database refuses or silently changes. The rules are
-listed, per column type, in the README ("What lands and what goes to quarantine").
+listed, per column type, in docs/design.md ("What lands and what goes to quarantine").
 """
 
 from __future__ import annotations

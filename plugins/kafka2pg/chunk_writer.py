@@ -19,6 +19,7 @@ from kafka2pg.admission import Admitted, RecordDecoder, decoder_for
 from kafka2pg.config import Pipeline
 from kafka2pg.database import isolate_refused
 from kafka2pg.exceptions import BatchStateError
+from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import PROVENANCE, RAW, staging_columns
 
 # What the stage job reads from Spark's Kafka source, in this order. Not the headers: Spark's
@@ -64,7 +65,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
             claim = conn.execute(
                 "SELECT state, epoch FROM kafka2pg.batches WHERE batch_id = %s FOR SHARE", (batch_id,)
             ).fetchone()
-            if claim is None or tuple(claim) != ("planned", epoch):
+            if claim is None or tuple(claim) != (BatchState.PLANNED, epoch):
                 raise BatchStateError(
                     f"batch {batch_id} is {claim and claim[0]} at epoch {claim and claim[1]}; this attempt "
                     f"(epoch {epoch}) must not write its staging rows"

@@ -160,8 +160,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from kafka2pg.ledger import open_batch
     from kafka2pg.migrations import require_ready
+    from kafka2pg.opening import open_batch
 
     settings, pipeline = _pipeline(args)
     require_ready(settings, pipeline)
@@ -202,7 +202,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from kafka2pg.promote import promote_batch
+    from kafka2pg.steps import promote_batch
 
     settings, pipeline = _pipeline(args)
     print(promote_batch(settings, pipeline, args.batch_id).message)
@@ -269,9 +269,9 @@ def cmd_reset(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     """Plan, read (local Spark), validate and finish one replay in this process."""
     from kafka2pg.migrations import require_ready
-    from kafka2pg.promote import promote_batch
     from kafka2pg.quality import validate_batch
     from kafka2pg.replay import open_replay, request_from_params
+    from kafka2pg.steps import promote_batch
 
     settings, pipeline = _pipeline(args)
     params = {

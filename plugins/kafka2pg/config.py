@@ -27,17 +27,14 @@ DEFAULT_POSTGRES_CONN_ID = "kafka2pg_postgres"
 DEFAULT_KAFKA_CONN_ID = "kafka2pg_kafka"
 # JVM options of the stage job's driver (in local mode also its executor); a pipeline's
 # spark_conf may override them. A job that stages one batch (batches_per_run 1, the default)
-# lives seconds: C1-only JIT warms up sooner (a cold 100k batch: 7.3 s vs 8.6 s with C2). A job
-# that catches up several batches repays C2's compile time from its second batch on: C2-compiled
-# JSON decode and Arrow transfer stage a warm 100k batch in about 1.4 s instead of 2.0 s
-# (README "Benchmark"). C2 only for code run per record: with the default tier-4 thresholds C2
-# also compiled the driver's per-batch machinery (Spark's closure cleaner, planner, task
-# serialisation), 13 of the JVM's 25 core-seconds over 1M records in 10 batches. Raised tier-4
-# thresholds (invocations 5,000 -> 100,000, about once per record of a batch; minimum 600 ->
-# 20,000; calls + loops 15,000 -> 100,000; loop back-edges 40,000 -> 400,000) leave that code to
-# C1: the compiler threads' CPU fell 12.3-13.2 -> 6.6-7.2 s, the decoding threads' rose 9.0-10.1
-# -> 9.7-10.8 s (JFR and per-thread /proc times, two A/B pairs). Tuned for batches of ~100k
-# records: with much smaller ones, per-record code reaches C2 later. Parallel GC suits a batch job.
+# lives seconds: C1-only JIT warms up sooner. A job that catches up several batches repays C2's
+# compile time from its second batch on, for the code run per record (JSON decode, Arrow
+# transfer). Raised tier-4 thresholds (invocations 5,000 -> 100,000, about once per record of a
+# batch; minimum 600 -> 20,000; calls + loops 15,000 -> 100,000; loop back-edges 40,000 ->
+# 400,000) leave the driver's per-batch machinery (Spark's closure cleaner, planner, task
+# serialisation) to C1, which halves the compiler threads' CPU. Tuned for batches of ~100k
+# records: with much smaller ones, per-record code reaches C2 later. Parallel GC suits a batch
+# job. The measurements behind these choices: bench/README.md.
 STAGE_JVM_OPTIONS_ONE_BATCH = "-XX:TieredStopAtLevel=1 -XX:+UseParallelGC"
 STAGE_JVM_OPTIONS_SEVERAL_BATCHES = (
     "-XX:+UseParallelGC -XX:Tier4InvocationThreshold=100000 -XX:Tier4MinInvocationThreshold=20000"
@@ -65,7 +62,7 @@ def class_archive_path(state_dir: Path | None = None) -> Path:
     binary, under the state directory (KAFKA2PG_STATE_DIR). Made by `kafka2pg.class_archive`.
 
     The JVM maps Spark's classes from it instead of loading and verifying them from jars: Spark
-    starts about 1.5 s sooner and the first batch about 0.5 s sooner (README "Benchmark"). A JVM
+    starts and runs its first batch sooner (bench/README.md). A JVM
     whose class path differs from the one recorded ignores it with a warning.
     """
     state = Path(state_dir) if state_dir else locations.state_dir()

@@ -31,10 +31,26 @@ from pathlib import Path
 
 
 class Kafka2PgError(Exception):
-    """Base class of every deliberate kafka2pg error."""
+    """Base class of every deliberate kafka2pg error.
+
+    Besides its message, an error carries its evidence as fields (None when not known), so
+    callers and tests read them instead of parsing prose.
+    """
 
     #: True when retrying the same step cannot succeed (Airflow should not retry).
     terminal = True
+    pipeline: str | None = None
+    batch_id: int | None = None
+    partition: int | None = None
+    offsets: object = None  # an offset, a range or ranges, as the error needs
+    epoch: int | None = None
+    state: str | None = None
+
+    def __init__(self, message: str = "", **evidence: object) -> None:
+        for name, value in evidence.items():
+            setattr(self, name, value)
+        self.evidence = {name: value for name, value in evidence.items() if value is not None}
+        super().__init__(message)
 
 
 class ConfigError(Kafka2PgError):
@@ -90,7 +106,49 @@ class OffsetRegressionError(Kafka2PgError):
 
 
 class LedgerConflictError(Kafka2PgError):
-    """A ledger head moved under a batch: another run promoted first."""
+    """A ledger head moved under a batch, or a newer claim took it over: another run went first."""
+
+    @classmethod
+    def fenced(cls, pipeline: str, batch_id: int, epoch: int, current_epoch: int, run_id: str | None):
+        return cls(
+            f"pipeline {pipeline!r} batch {batch_id}: this run holds claim epoch {epoch} but run {run_id!r} "
+            f"claimed the batch since (epoch {current_epoch}). This run stops without writing anything; the newer "
+            "run carries the batch on. Nothing to do unless it also failed.",
+            pipeline=pipeline,
+            batch_id=batch_id,
+            epoch=epoch,
+            current_epoch=current_epoch,
+            run_id=run_id,
+        )
+
+    @classmethod
+    def head_moved(
+        cls, pipeline: str, batch_id: int, partition: int, expected: int | None, found: int | None, moved_by: int | None
+    ):
+        now = "no head" if found is None else f"head {found} (moved by batch {moved_by})"
+        return cls(
+            f"pipeline {pipeline!r} batch {batch_id}, partition {partition}: planned from head {expected} but the "
+            f"ledger has {now}. Another run promoted these offsets first; nothing from this batch was written. "
+            "Trigger a new run to plan from the current head.",
+            pipeline=pipeline,
+            batch_id=batch_id,
+            partition=partition,
+            offsets=expected,
+            found=found,
+            moved_by=moved_by,
+        )
+
+    @classmethod
+    def changed_since_loaded(cls, pipeline: str, batch_id: int, state: str, epoch: int, to_state: str):
+        return cls(
+            f"pipeline {pipeline!r} batch {batch_id}: expected it {state} at claim epoch {epoch} to move it to "
+            f"{to_state}, but another attempt changed it since; this step changed nothing.",
+            pipeline=pipeline,
+            batch_id=batch_id,
+            state=state,
+            epoch=epoch,
+            to_state=to_state,
+        )
 
 
 class RangeLockedError(Kafka2PgError):
@@ -106,9 +164,29 @@ class ReplayRefusedError(Kafka2PgError):
 class BatchStateError(Kafka2PgError):
     """A batch is not in a state the requested step accepts."""
 
+    @classmethod
+    def wrong_state(cls, pipeline: str, batch_id: int, state: str, step: str, hint: str):
+        return cls(
+            f"batch {batch_id} of pipeline {pipeline!r} is {state}; {step}. {hint}",
+            pipeline=pipeline,
+            batch_id=batch_id,
+            state=state,
+            step=step,
+        )
+
 
 class StagingLostError(BatchStateError):
     """A staged batch's rows are gone (crash recovery empties UNLOGGED tables); it must be re-staged."""
+
+    def __init__(self, pipeline: str, batch_id: int) -> None:
+        super().__init__(
+            f"pipeline {pipeline!r} batch {batch_id}: its staged rows are gone (PostgreSQL crash recovery empties "
+            "UNLOGGED staging tables). Nothing was promoted; the batch is back to planned and the next run re-reads "
+            "the same offsets from Kafka.",
+            pipeline=pipeline,
+            batch_id=batch_id,
+            state="planned",
+        )
 
 
 class StageInterrupted(Kafka2PgError):
@@ -123,6 +201,18 @@ class QualityGateFailed(Kafka2PgError):
 
 class KeyCollisionError(QualityGateFailed):
     """Promotion hit a business key promoted since the batch was validated (a replay, a manual write)."""
+
+    def __init__(self, pipeline: str, batch_id: int, constraint: str | None, detail: str | None) -> None:
+        super().__init__(
+            f"pipeline {pipeline!r} batch {batch_id}: promotion hit a unique key already in the target ({detail}); "
+            "nothing was promoted. A replay or a manual write loaded it after this batch was validated. The batch "
+            "goes back to staged: the next run (trigger one) validates it again, and the duplicate check then flags "
+            "the row.",
+            pipeline=pipeline,
+            batch_id=batch_id,
+            constraint=constraint,
+            detail=detail,
+        )
 
 
 class TableRefusesRowsError(Kafka2PgError):

@@ -14,13 +14,24 @@ from pathlib import Path
 
 from psycopg import Connection, sql
 
+from kafka2pg.batch_store import (
+    Batch,
+    key_probe_deferred,
+    load_batch,
+    load_claimed,
+    raise_staging_lost,
+    staging_lost,
+    transition,
+)
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, QualityGateFailed
 from kafka2pg.kafka_offsets import count_range, topic_retention
-from kafka2pg.ledger import Batch, load_claimed, raise_staging_lost, set_state, staged_counts, staging_lost
+from kafka2pg.ledger import reset_floors
+from kafka2pg.lifecycle import Action, BatchState, gate_verdict, validate_action
 from kafka2pg.migrations import has_index, table_indexes
 from kafka2pg.planner import account_gap
+from kafka2pg.rows import range_predicate, staged_counts
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +45,13 @@ class Check:
     unexpected: int
     details: str
     flagged: int = 0
+    deferred: bool = False  # left to promotion (the target's unique index), which runs it on a collision
 
 
 @dataclass(frozen=True)
 class ValidationResult:
     batch_id: int
-    state: str
+    state: BatchState
     checks: tuple[Check, ...]
     message: str
     report: Path | None = None
@@ -65,14 +77,19 @@ def validate_batch(
     check (whoever validates it: the promotion itself, a retry, the next run).
     """
     checks: list[Check] = []
+    witnesses = _gap_witnesses(settings, pipeline, batch_id)  # Kafka is asked before any lock is taken
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
-        if batch.state in ("validated", "promoted", "verified"):
+        action = validate_action(batch.state)
+        if action is Action.DONE:
             return ValidationResult(batch_id, batch.state, (), f"batch {batch_id} is already {batch.state}")
-        if batch.state != "staged":
-            raise BatchStateError(
-                f"batch {batch_id} of pipeline {pipeline.name!r} is {batch.state}, not staged: "
-                "run the stage step first (or trigger a new run)"
+        if action is Action.REFUSE:
+            raise BatchStateError.wrong_state(
+                pipeline.name,
+                batch_id,
+                batch.state,
+                "only a staged batch can be validated",
+                "Run the stage step first (or trigger a new run).",
             )
         staged = staged_counts(conn, pipeline, batch_id)  # one count: the loss guard and completeness
         lost = staging_lost(conn, pipeline, batch, staged)
@@ -90,19 +107,19 @@ def validate_batch(
                 ]
                 sql_checks = _with_stored_checks(conn, batch_id, fresh)
             else:
-                sql_checks = _run_checks(conn, settings, pipeline, batch, probe_promoted_keys, staged)
+                sql_checks = _run_checks(conn, pipeline, batch, probe_promoted_keys, staged, witnesses)
             quarantined = _quarantined(conn, pipeline, batch_id)
             gx_checks, gx_rows = _great_expectations(conn, pipeline, batch, quarantined)
             checks = sql_checks + gx_checks
             _store_checks(conn, batch_id, checks)
             summary = "; ".join(f"{c.name}: {c.details}" for c in checks if not c.success)
-            report = _write_report(conn, settings, pipeline, batch, sql_checks, gx_rows, quarantined, bool(summary))
-            if summary:
-                set_state(conn, batch, "rejected", rows_quarantined=quarantined, error=summary[:2000])
-            else:
-                set_state(conn, batch, "validated", rows_quarantined=quarantined)
+            payload = _report(batch, sql_checks, gx_rows, quarantined, bool(summary))
+            verdict = gate_verdict(sum(not c.success for c in checks))
+            error = {"error": summary[:2000]} if verdict is BatchState.REJECTED else {}
+            transition(conn, batch, verdict, rows_quarantined=quarantined, **error)
     if lost:
         raise_staging_lost(pipeline, batch_id)
+    report = _write_report(settings, pipeline, batch_id, payload)  # a file: after the batch's lock is released
     if summary:
         raise QualityGateFailed(
             f"pipeline {pipeline.name!r} batch {batch_id} rejected, nothing promoted, ledger unchanged: "
@@ -112,7 +129,7 @@ def validate_batch(
     flagged = sum(c.flagged for c in checks)
     message = f"batch {batch_id}: {len(checks)} checks passed, {flagged} row(s) flagged to quarantine; report: {report}"
     log.info("pipeline=%s %s", pipeline.name, message)
-    return ValidationResult(batch_id, "validated", tuple(checks), message, report)
+    return ValidationResult(batch_id, BatchState.VALIDATED, tuple(checks), message, report)
 
 
 def _great_expectations(
@@ -168,26 +185,13 @@ def _great_expectations(
     return checks, rows
 
 
-def _write_report(
-    conn: Connection,
-    settings: Settings,
-    pipeline: Pipeline,
-    batch: Batch,
-    sql_checks: list[Check],
-    gx_rows: list[dict],
-    quarantined: int,
-    rejected: bool,
-) -> Path:
-    from kafka2pg.data_docs import write_report
-
+def _report(batch: Batch, sql_checks: list[Check], gx_rows: list[dict], quarantined: int, rejected: bool) -> dict:
+    """What the batch's quality report shows, taken in the gate's transaction."""
     read = batch.records_read or 0
-    path = write_report(
-        settings.state_dir,
-        pipeline,
-        batch.batch_id,
-        verdict="rejected" if rejected else "promotable",
-        expectations=gx_rows,
-        checks=[
+    return {
+        "verdict": "rejected" if rejected else "promotable",
+        "expectations": gx_rows,
+        "checks": [
             {
                 "check": c.name,
                 "success": c.success,
@@ -197,15 +201,23 @@ def _write_report(
             }
             for c in sql_checks
         ],
-        counts={
+        "counts": {
             "records read": read,
             "accepted (to promote)": read - quarantined,
             "to quarantine": quarantined,
             "business-key duplicates found": sum(c.unexpected for c in sql_checks if "business_key" in c.name),
         },
-        gx_version=_gx_version(),
-    )
-    conn.execute("UPDATE kafka2pg.batches SET report_path = %s WHERE batch_id = %s", (str(path), batch.batch_id))
+        "gx_version": _gx_version(),
+    }
+
+
+def _write_report(settings: Settings, pipeline: Pipeline, batch_id: int, payload: dict) -> Path:
+    """Write the report files, then record where (a crash in between leaves report_path unset)."""
+    from kafka2pg.data_docs import write_report
+
+    path = write_report(settings.state_dir, pipeline, batch_id, **payload)
+    with transaction(settings.database_url) as conn:
+        conn.execute("UPDATE kafka2pg.batches SET report_path = %s WHERE batch_id = %s", (str(path), batch_id))
     return path
 
 
@@ -219,9 +231,9 @@ def _store_checks(conn: Connection, batch_id: int, checks: list[Check]) -> None:
     conn.execute("DELETE FROM kafka2pg.batch_checks WHERE batch_id = %s", (batch_id,))
     with conn.cursor() as cur:
         cur.executemany(
-            "INSERT INTO kafka2pg.batch_checks (batch_id, check_name, success, unexpected_count, details)"
-            " VALUES (%s, %s, %s, %s, %s)",
-            [(batch_id, c.name, c.success, c.unexpected, c.details) for c in checks],
+            "INSERT INTO kafka2pg.batch_checks (batch_id, check_name, success, unexpected_count, details, deferred)"
+            " VALUES (%s, %s, %s, %s, %s, %s)",
+            [(batch_id, c.name, c.success, c.unexpected, c.details, c.deferred) for c in checks],
         )
 
 
@@ -240,15 +252,15 @@ def _quarantined(conn: Connection, pipeline: Pipeline, batch_id: int) -> int:
 
 def _run_checks(
     conn: Connection,
-    settings: Settings,
     pipeline: Pipeline,
     batch: Batch,
     probe_promoted_keys: bool,
     staged: dict[int, int],
+    witnesses: GapWitnesses,
 ) -> list[Check]:
     checks = [
         _completeness(conn, batch, staged),
-        _offset_gaps_explained(conn, settings, pipeline, batch),
+        _offset_gaps_explained(conn, batch, witnesses),
         _provenance_unique(conn, pipeline, batch),
         _replay_scope(conn, pipeline, batch)
         if batch.kind == "replay"
@@ -259,7 +271,7 @@ def _run_checks(
     if pipeline.business_key:
         checks.append(_business_key_unique_in_batch(conn, pipeline, batch))
         if not probe_promoted_keys and _may_defer_key_probe(conn, pipeline, batch):
-            checks.append(Check(KEY_PROMOTED_CHECK, True, 0, DEFERRED_KEY_PROBE))
+            checks.append(Check(KEY_PROMOTED_CHECK, True, 0, DEFERRED_KEY_PROBE, deferred=True))
         else:
             checks.append(_business_key_not_promoted(conn, pipeline, batch))
     return checks
@@ -276,8 +288,8 @@ def _may_defer_key_probe(conn: Connection, pipeline: Pipeline, batch: Batch) -> 
     that index refuses a key). Only for live batches (a replay's keys are in the target by
     design), only with a valid unique index on exactly the business key, and only while the
     pipeline's previous batch found none: a stream that repeats keys across batches is probed
-    up front, so a collision costs one failed insert when such keys start, not one per batch.
-    The probe is 0.27 s per 100k keys against a 1M-row target on this box (README "Benchmark")."""
+    up front, so a collision costs one failed insert when such keys start, not one per batch
+    (the probe's cost: bench/README.md)."""
     if batch.kind != "live":
         return False
     previous = conn.execute(
@@ -301,13 +313,14 @@ def _unique_key_index(conn: Connection, pipeline: Pipeline) -> bool:
 def _with_stored_checks(conn: Connection, batch_id: int, fresh: list[Check]) -> list[Check]:
     """`fresh` and the batch's other stored SQL check results (not GX's), in the gate's order."""
     rows = conn.execute(
-        "SELECT check_name, success, unexpected_count, details FROM kafka2pg.batch_checks"
+        "SELECT check_name, success, unexpected_count, details, deferred FROM kafka2pg.batch_checks"
         " WHERE batch_id = %s AND check_name NOT LIKE 'gx:%%' AND check_name <> ALL(%s)",
         (batch_id, [c.name for c in fresh]),
     ).fetchall()
     flagging = ("rule_", "business_key_")  # the checks that flag rows to quarantine instead of failing
     checks = [
-        Check(n, ok, count, details, count if ok and n.startswith(flagging) else 0) for n, ok, count, details in rows
+        Check(n, ok, count, details, count if ok and n.startswith(flagging) else 0, deferred)
+        for n, ok, count, details, deferred in rows
     ]
     return sorted(
         [*checks, *fresh], key=lambda c: (_CHECK_ORDER.index(c.name) if c.name in _CHECK_ORDER else 4.5, c.name)
@@ -322,15 +335,6 @@ _CHECK_ORDER = (
     "required_columns_not_null",
     "business_key_unique_in_batch",  # after the rule_<column> checks (4.5)
 )
-
-
-def key_probe_deferred(conn: Connection, batch_id: int) -> bool:
-    """Whether the batch's last validation left the promoted-key check to promotion."""
-    row = conn.execute(
-        "SELECT details FROM kafka2pg.batch_checks WHERE batch_id = %s AND check_name = %s",
-        (batch_id, KEY_PROMOTED_CHECK),
-    ).fetchone()
-    return row is not None and (row[0] or "").startswith(DEFERRED)
 
 
 def _quarantines(column) -> bool:
@@ -390,26 +394,61 @@ def _completeness(conn: Connection, batch: Batch, staged: dict[int, int]) -> Che
     return Check("staged_rows_equal_records_read", not bad, len(bad), details or "every record read is staged")
 
 
-def _offset_gaps_explained(conn: Connection, settings: Settings, pipeline: Pipeline, batch: Batch) -> Check:
-    """Every offset of the batch without a staged record is explained (aborted, marker, compacted),
-    witnessed by a consumer outside Spark; otherwise the batch is held (rejected), not promoted."""
-    reads = dict(
+@dataclass(frozen=True)
+class GapWitnesses:
+    """What a consumer outside Spark found in the ranges where the batch read fewer records than
+    offsets (`reads`: records read per partition, as staged), asked before the gate's lock."""
+
+    reads: dict[int, int]
+    compacted: bool
+    found: dict  # OffsetRange -> the witness's count
+
+
+def _gap_witnesses(settings: Settings, pipeline: Pipeline, batch_id: int) -> GapWitnesses:
+    with transaction(settings.database_url) as conn:
+        batch = load_batch(conn, batch_id)  # no lock: the gate checks these reads again under it
+        reads = _reads(conn, batch_id)
+    gappy = [r for r in batch.plan.ranges if reads.get(r.partition, 0) != r.size]
+    if batch.state is not BatchState.STAGED or not gappy:
+        return GapWitnesses(reads, False, {})
+    kafka, timeout = settings.kafka, settings.kafka_timeout_s
+    compacted = topic_retention(kafka, pipeline.topic, timeout).compacted
+    found = {r: count_range(kafka, pipeline.topic, r.partition, r.start, r.end, timeout) for r in gappy}
+    return GapWitnesses(reads, compacted, found)
+
+
+def _reads(conn: Connection, batch_id: int) -> dict[int, int]:
+    return dict(
         conn.execute(
             "SELECT kafka_partition, coalesce(records_read, 0) FROM kafka2pg.batch_partitions WHERE batch_id = %s",
-            (batch.batch_id,),
+            (batch_id,),
         ).fetchall()
     )
-    kafka, timeout = settings.kafka, settings.kafka_timeout_s
-    gappy = [r for r in batch.plan.ranges if reads.get(r.partition, 0) != r.size]
-    compacted = bool(gappy) and topic_retention(kafka, pipeline.topic, timeout).compacted
+
+
+def _offset_gaps_explained(conn: Connection, batch: Batch, witnesses: GapWitnesses) -> Check:
+    """Every offset of the batch without a staged record is explained (aborted, marker, compacted),
+    witnessed by a consumer outside Spark (`_gap_witnesses`); otherwise the batch is held
+    (rejected), not promoted."""
+    reads = _reads(conn, batch.batch_id)
+    if reads != witnesses.reads:  # re-staged since the witnesses were asked: ask again
+        raise BatchStateError.wrong_state(
+            batch.pipeline,
+            batch.batch_id,
+            batch.state,
+            "it was staged again while the gate asked Kafka about it",
+            "Validate it again.",
+        )
     accounts = []
     for rng in batch.plan.ranges:
         read = reads.get(rng.partition, 0)
-        if rng in gappy:
-            witness = count_range(kafka, pipeline.topic, rng.partition, rng.start, rng.end, timeout)
-            accounts.append(account_gap(rng, read, witness.committed, witness.data_records, compacted_topic=compacted))
+        witness = witnesses.found.get(rng)
+        if witness is not None:
+            accounts.append(
+                account_gap(rng, read, witness.committed, witness.data_records, compacted_topic=witnesses.compacted)
+            )
         else:
-            accounts.append(account_gap(rng, read, None, None, compacted_topic=compacted))
+            accounts.append(account_gap(rng, read, None, None, compacted_topic=witnesses.compacted))
     with conn.cursor() as cur:
         cur.executemany(
             "UPDATE kafka2pg.batch_partitions SET committed_records = %s, aborted_records = %s, marker_offsets = %s,"
@@ -444,8 +483,6 @@ def _replaced_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> sql.Co
     """For a replay: the predicate of the target rows its promotion replaces (None for live batches)."""
     if batch.kind != "replay":
         return None
-    from kafka2pg.ledger import reset_floors
-    from kafka2pg.replay import range_predicate
 
     return range_predicate(batch.plan.ranges, reset_floors(conn, pipeline.name), alias="t")
 
@@ -482,8 +519,8 @@ def _ranges_touched(conn: Connection, pipeline: Pipeline, batch: Batch) -> bool:
     lookups per batch. Staged offsets lie inside the planned ranges (stage_batch checks it), so
     False means none of them landed; True is answered exactly by `_offsets_already_landed`.
     One EXISTS per range, not one join against a VALUES list of them: the planner answers the
-    join with a hash join over the whole target (0.2 s per batch at 1M target rows, 1.1 s at 5M
-    on this box) and each EXISTS with an index probe (under 1 ms)."""
+    join with a hash join over the whole target (its cost grows with the target) and each EXISTS
+    with an index probe (under a millisecond)."""
     probes = []
     for r in batch.plan.ranges:
         in_range = sql.SQL("kafka_partition = {} AND kafka_offset >= {} AND kafka_offset < {}").format(
@@ -593,8 +630,7 @@ def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batc
     ).format(staging=_staging(pipeline), target=_target(pipeline), join=join)
     # The count probes the target's unique business-key index once per staged key, in key order,
     # so consecutive probes share the index's pages. The planner's own choice, a hash join, reads
-    # the whole target for every batch: 1.5-1.9 s per 100k keys against a 5M-row target on this
-    # box, against 0.4 s sorted (0.35 s and 0.24 s against 900k rows).
+    # the whole target for every batch: several times slower against a large target.
     counted = sql.SQL(
         "SELECT count(*) FROM (SELECT {keys} FROM {staging} s WHERE s.batch_id = %(batch)s"
         " AND s.quarantine_reason IS NULL ORDER BY {keys} OFFSET 0) s JOIN {target} t ON {join}"

@@ -25,27 +25,31 @@ from typing import Any
 from psycopg import Connection, sql
 from psycopg.types.json import Jsonb
 
+from kafka2pg.batch_store import (
+    Batch,
+    abandon_lookaheads,
+    insert_batch,
+    load_batch,
+    open_batch_id,
+    staging_lost,
+    transition,
+)
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ConfigError, ReplayRefusedError
 from kafka2pg.kafka_offsets import offsets_for_times, partition_offsets, topic_retention
 from kafka2pg.ledger import (
-    Batch,
-    OpenedBatch,
-    abandon_lookaheads,
-    insert_batch,
     last_resets,
-    load_batch,
     lock_partitions,
     lock_plan,
-    open_batch_id,
     ranges_since_reset,
     read_heads,
     reset_floors,
-    set_state,
-    staging_lost,
 )
+from kafka2pg.lifecycle import Action, BatchState, promote_action, replay_outcome
+from kafka2pg.opening import OpenedBatch
 from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan, describe_ranges
+from kafka2pg.rows import clear_staging, insert_quarantine, insert_target, range_predicate
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +291,8 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
         " FROM kafka2pg.replays WHERE batch_id = %s",
         (batch.batch_id,),
     ).fetchone()
-    if batch.state in ("promoted", "verified"):
+    action = promote_action(batch.state, replay=True)
+    if action is Action.DONE:
         message = f"replay batch {batch.batch_id} was already finished ({batch.state}): nothing changed"
         return ReplayResult(
             batch.batch_id,
@@ -299,10 +304,13 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
             tuple(before_counts),
             differences or {},
         )
-    if batch.state != "validated":
-        raise BatchStateError(
-            f"replay batch {batch.batch_id} of pipeline {pipeline.name!r} is {batch.state}; only a validated "
-            "batch can be finished (the quality gate fails closed)"
+    if action is Action.REFUSE:
+        raise BatchStateError.wrong_state(
+            pipeline.name,
+            batch.batch_id,
+            batch.state,
+            "only a validated replay batch can be finished",
+            "The quality gate fails closed.",
         )
     if staging_lost(conn, pipeline, batch):
         return None
@@ -313,12 +321,10 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
     _recheck(conn, pipeline, batch, floors)
     in_range = range_predicate(ranges, floors)
     before = _count(conn, pipeline, in_range)
-    from kafka2pg.promote import clear_staging, insert_quarantine, insert_target
-
-    if mode == "verify-only":
+    if replay_outcome(mode == "verify-only") is BatchState.VERIFIED:
         found = differences_of(conn, pipeline, batch.batch_id, in_range)
         clear_staging(conn, pipeline, batch.batch_id)
-        set_state(conn, batch, "verified")
+        transition(conn, batch, BatchState.VERIFIED)
         _finish_record(conn, batch.batch_id, before, before, found)
         total = sum(v["count"] for v in found.values())
         message = (
@@ -328,10 +334,10 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
         log.info("pipeline=%s %s", pipeline.name, message)
         return ReplayResult(batch.batch_id, mode, 0, 0, False, message, before, found)
     _delete_rows(conn, pipeline, in_range, replacing=batch.batch_id)
-    promoted = insert_target(conn, pipeline, batch)
-    quarantined = insert_quarantine(conn, pipeline, batch)
+    promoted = insert_target(conn, pipeline, batch.batch_id)
+    quarantined = insert_quarantine(conn, pipeline, batch.batch_id)
     clear_staging(conn, pipeline, batch.batch_id)
-    set_state(conn, batch, "promoted", rows_promoted=promoted, rows_quarantined=quarantined)
+    transition(conn, batch, BatchState.PROMOTED, rows_promoted=promoted, rows_quarantined=quarantined)
     after = _count(conn, pipeline, in_range)
     _finish_record(conn, batch.batch_id, before, after, None)
     message = (
@@ -361,9 +367,9 @@ def _recheck(conn: Connection, pipeline: Pipeline, batch: Batch, floors: dict[in
         else:
             newer = conn.execute(
                 "SELECT max(b.batch_id) FROM kafka2pg.batches b JOIN kafka2pg.batch_partitions bp USING (batch_id)"
-                " WHERE b.pipeline = %s AND b.batch_id > %s AND b.state = 'promoted' AND bp.kafka_partition = %s"
+                " WHERE b.pipeline = %s AND b.batch_id > %s AND b.state = %s AND bp.kafka_partition = %s"
                 " AND bp.start_offset < %s AND bp.end_offset > %s",
-                (pipeline.name, batch.batch_id, r.partition, r.end, r.start),
+                (pipeline.name, batch.batch_id, str(BatchState.PROMOTED), r.partition, r.end, r.start),
             ).fetchone()[0]
             if newer is not None:
                 problem = f"batch {newer}, newer than this replay, has since loaded or replayed part of it"
@@ -371,25 +377,6 @@ def _recheck(conn: Connection, pipeline: Pipeline, batch: Batch, floors: dict[in
             raise ReplayRefusedError(
                 f"{where}: {span}: {problem}. Nothing was changed; trigger the replay again to re-read it now."
             )
-
-
-def range_predicate(ranges: tuple[OffsetRange, ...], floors: dict[int, int], alias: str = "") -> sql.Composable:
-    """SQL: a row's provenance lies in one of the ranges, in the partition's current generation."""
-    prefix = f"{alias}." if alias else ""
-    parts = [
-        sql.SQL(
-            "({p}kafka_partition = {partition} AND {p}kafka_offset >= {start} AND {p}kafka_offset < {end}"
-            " AND {p}batch_id > {floor})"
-        ).format(
-            p=sql.SQL(prefix),
-            partition=sql.Literal(r.partition),
-            start=sql.Literal(r.start),
-            end=sql.Literal(r.end),
-            floor=sql.Literal(floors.get(r.partition, 0)),
-        )
-        for r in ranges
-    ]
-    return sql.SQL("({})").format(sql.SQL(" OR ").join(parts))
 
 
 def _target(pipeline: Pipeline) -> sql.Identifier:
@@ -542,7 +529,7 @@ def undo_batch(
         where = f"pipeline {pipeline.name!r} batch {batch_id}"
         if batch.pipeline != pipeline.name:
             raise BatchStateError(f"batch {batch_id} belongs to pipeline {batch.pipeline!r}, not {pipeline.name!r}")
-        if batch.kind != "live" or batch.state != "promoted":
+        if batch.kind != "live" or batch.state is not BatchState.PROMOTED:
             raise ReplayRefusedError(
                 f"{where} is a {batch.kind} batch in state {batch.state}: only a promoted live batch can be undone"
             )
@@ -583,7 +570,7 @@ def undo_batch(
         rows = _count(conn, pipeline, in_range)
         if open_id is not None:
             abandon_lookaheads(conn, pipeline, f"batch {batch_id} was undone")
-            set_state(conn, load_batch(conn, open_id), "abandoned", error=f"batch {batch_id} was undone")
+            transition(conn, load_batch(conn, open_id), BatchState.ABANDONED, error=f"batch {batch_id} was undone")
         _delete_rows(conn, pipeline, in_range)
         conn.execute(
             "DELETE FROM kafka2pg.ledger_ranges WHERE pipeline = %s AND batch_id = %s", (pipeline.name, batch_id)
@@ -611,7 +598,7 @@ def undo_batch(
                     batch_id,
                 ),
             )
-        set_state(conn, batch, "undone", error=f"undone: {reason}" if reason else "undone")
+        transition(conn, batch, BatchState.UNDONE, error=f"undone: {reason}" if reason else "undone")
         _record(conn, pipeline, batch_id, "undo", ranges, None, None, requested_by=requested_by, reason=reason)
         _finish_record(conn, batch_id, rows, (0, 0), None)
     log.warning("undo: %s (reason: %s)", message, reason or "-")

@@ -10,7 +10,8 @@ from psycopg import sql
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect
 from kafka2pg.kafka_offsets import partition_offsets
-from kafka2pg.ledger import head_status, loss_horizons, read_heads
+from kafka2pg.ledger import head_status, read_heads
+from kafka2pg.opening import loss_horizons
 from kafka2pg.planner import LossHorizon
 from kafka2pg.stuck import stuck_batches
 

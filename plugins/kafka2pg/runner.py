@@ -22,22 +22,17 @@ from dataclasses import dataclass, field
 from py4j.protocol import Py4JError
 from pyspark.sql import SparkSession
 
+from kafka2pg.batch_store import Batch, abandon_unpromoted, load_claimed
 from kafka2pg.config import Pipeline, Settings, get_pipeline
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import LedgerConflictError, StageInterrupted
 from kafka2pg.expectations import warm_up
-from kafka2pg.ledger import (
-    OPEN_STATES,
-    Batch,
-    abandon_unpromoted,
-    load_claimed,
-    lock_plan,
-    open_batch,
-    plan_lookahead,
-)
-from kafka2pg.promote import promote_batch
+from kafka2pg.ledger import lock_plan
+from kafka2pg.lifecycle import BatchState, is_open
+from kafka2pg.opening import open_batch, plan_lookahead
 from kafka2pg.quality import validate_batch
 from kafka2pg.staging import package_zip, spark_session, stage_batch
+from kafka2pg.steps import promote_batch
 from kafka2pg.stuck import recording_failures
 
 log = logging.getLogger(__name__)
@@ -151,7 +146,7 @@ def run_batches(
 class _Staged:
     batch_id: int
     epoch: int | None
-    state: str
+    state: BatchState
     message: str
 
 
@@ -165,7 +160,7 @@ def _stage(result: RunResult, spark, settings, pipeline, batch_id: int, epoch: i
 
 def _next_batch(settings, pipeline, current: _Staged, run_id, max_records_per_batch) -> Batch | None:
     """The lookahead after an open batch; after one already promoted (a retried job), the next run's plan."""
-    if current.state == "promoted":
+    if current.state is BatchState.PROMOTED:
         opened = open_batch(settings, pipeline, max_records_per_batch=max_records_per_batch, run_id=run_id)
         log.info("pipeline=%s %s", pipeline.name, opened.message)
         return opened.batch
@@ -215,7 +210,7 @@ def _abandon_lookahead(settings: Settings, pipeline: Pipeline, lookahead: Batch,
             batch = load_claimed(conn, pipeline, lookahead.batch_id, lookahead.epoch)
         except LedgerConflictError:
             return
-        if batch.state not in OPEN_STATES:
+        if not is_open(batch.state):
             return
         abandon_unpromoted(conn, pipeline, batch, f"batch {after_batch_id} before it was not promoted")
     log.warning("pipeline=%s lookahead batch %s abandoned", pipeline.name, lookahead.batch_id)

@@ -19,6 +19,7 @@ from py4j.protocol import Py4JError
 from pyspark.errors import PySparkException
 from pyspark.sql import SparkSession
 
+from kafka2pg.batch_store import Batch, load_claimed, staging_lost, transition
 from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer, headers_literal
 from kafka2pg.config import Pipeline, Settings, stage_jvm_conf
 from kafka2pg.database import transaction
@@ -30,9 +31,10 @@ from kafka2pg.exceptions import (
     StageInterrupted,
 )
 from kafka2pg.kafka_offsets import record_headers
-from kafka2pg.ledger import Batch, load_claimed, set_state, staged_counts, staging_lost
+from kafka2pg.lifecycle import Action, BatchState, stage_action
 from kafka2pg.locations import PACKAGE_DIR
 from kafka2pg.planner import BatchPlan, describe_ranges
+from kafka2pg.rows import staged_counts
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class PartitionRead:
 @dataclass(frozen=True)
 class StageResult:
     batch_id: int
-    state: str
+    state: BatchState
     reads: tuple[PartitionRead, ...]
     message: str
 
@@ -112,9 +114,9 @@ def stage_batch(
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         _check_stageable(batch, pipeline)
-        if batch.state in ("staged", "validated") and staging_lost(conn, pipeline, batch):
-            batch = replace(batch, state="planned")  # a crash emptied staging: read the batch again
-        if batch.state != "planned":
+        if batch.state in (BatchState.STAGED, BatchState.VALIDATED) and staging_lost(conn, pipeline, batch):
+            batch = replace(batch, state=BatchState.PLANNED)  # a crash emptied staging: read the batch again
+        if stage_action(batch.state) is Action.DONE:
             return StageResult(
                 batch_id, batch.state, (), f"batch {batch_id} is already {batch.state}: nothing to stage"
             )
@@ -138,7 +140,7 @@ def stage_batch(
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         _check_stageable(batch, pipeline)
-        if batch.state != "planned":  # a concurrent attempt holding the same claim finished first
+        if stage_action(batch.state) is Action.DONE:  # a concurrent attempt holding the same claim finished first
             return StageResult(batch_id, batch.state, reads, f"batch {batch_id} was {batch.state} by another attempt")
         _check_staged(conn, pipeline, batch, reads)
         _store_headers(conn, pipeline, batch_id, headers)
@@ -150,10 +152,10 @@ def stage_batch(
             )
         total = sum(r.records for r in reads)
         quarantined = sum(r.quarantined for r in reads)
-        set_state(conn, batch, "staged", records_read=total, rows_staged=total, rows_quarantined=quarantined)
+        transition(conn, batch, BatchState.STAGED, records_read=total, rows_staged=total, rows_quarantined=quarantined)
     message = f"batch {batch_id}: read {total} records, {quarantined} to quarantine"
     log.info("pipeline=%s %s", pipeline.name, message)
-    return StageResult(batch_id, "staged", reads, message)
+    return StageResult(batch_id, BatchState.STAGED, reads, message)
 
 
 def _read_and_write(
@@ -193,7 +195,7 @@ def _read_and_write(
         # A chunk writer refuses to write once the claim is lost: report that, not a Java trace.
         with transaction(settings.database_url) as conn:
             current = load_claimed(conn, pipeline, batch.batch_id, batch.epoch)
-        if current.state != "planned":
+        if current.state is not BatchState.PLANNED:
             raise BatchStateError(
                 f"batch {batch.batch_id} became {current.state} while this attempt was staging it (a concurrent "
                 "attempt finished first); this attempt wrote nothing that counts"
@@ -246,10 +248,13 @@ def _check_staged(conn, pipeline: Pipeline, batch: Batch, reads: tuple[Partition
 
 
 def _check_stageable(batch: Batch, pipeline: Pipeline) -> None:
-    if batch.state in ("rejected", "abandoned"):
-        raise BatchStateError(
-            f"batch {batch.batch_id} of pipeline {pipeline.name!r} is {batch.state}; it cannot be "
-            "staged. Trigger a new run: it plans a fresh batch."
+    if stage_action(batch.state) is Action.REFUSE:
+        raise BatchStateError.wrong_state(
+            pipeline.name,
+            batch.batch_id,
+            batch.state,
+            "it cannot be staged",
+            "Trigger a new run: it plans a fresh batch.",
         )
 
 

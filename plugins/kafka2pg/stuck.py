@@ -16,8 +16,10 @@ from psycopg import Connection
 from kafka2pg.config import Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import Kafka2PgError, LedgerConflictError, StageInterrupted
+from kafka2pg.lifecycle import OPEN
 
 log = logging.getLogger(__name__)
+OPEN_STATES = sorted(str(s) for s in OPEN)
 
 # Consecutive runs (claims) failing the same step of one batch before it is called stuck: one
 # failure can be a passing outage; the next run failing the same way is a wedge.
@@ -78,8 +80,8 @@ def _record(settings: Settings, pipeline: str, batch_id: int, epoch: int | None,
                 " failing_since = CASE WHEN failed_step = %(step)s THEN failing_since ELSE now() END,"
                 " failed_step = %(step)s, failed_epoch = epoch, last_failure = %(error)s"
                 " WHERE batch_id = %(batch)s AND (%(epoch)s::bigint IS NULL OR epoch = %(epoch)s)"
-                " AND state IN ('planned', 'staged', 'validated') RETURNING failures",
-                {"step": step, "error": error, "batch": batch_id, "epoch": epoch},
+                " AND state = ANY(%(open)s) RETURNING failures",
+                {"step": step, "error": error, "batch": batch_id, "epoch": epoch, "open": OPEN_STATES},
             ).fetchone()
             stuck = stuck_batches(conn, pipeline, batch_id) if row is not None and is_stuck(row[0]) else []
     except (Kafka2PgError, psycopg.Error) as unrecorded:  # the step's own error is what the caller sees
@@ -97,8 +99,8 @@ def stuck_batches(conn: Connection, pipeline: str, batch_id: int | None = None) 
         "   ORDER BY p.kafka_partition), 'none')"
         " FROM kafka2pg.batches b LEFT JOIN kafka2pg.batch_partitions p USING (batch_id)"
         " WHERE b.pipeline = %s AND (%s::bigint IS NULL OR b.batch_id = %s) AND b.failures >= %s"
-        " AND b.state IN ('planned', 'staged', 'validated') GROUP BY b.batch_id ORDER BY b.batch_id",
-        (pipeline, batch_id, batch_id, STUCK_AFTER_RUNS),
+        " AND b.state = ANY(%s) GROUP BY b.batch_id ORDER BY b.batch_id",
+        (pipeline, batch_id, batch_id, STUCK_AFTER_RUNS, OPEN_STATES),
     ).fetchall()
     return [StuckBatch(pipeline, *row) for row in rows]
 

@@ -56,8 +56,8 @@ def plan(
     The result tells the stage job how many batches it may finish in this run and their cap.
     Runs no DDL: a database not migrated (or not granted) for the pipeline fails it once.
     """
-    from kafka2pg.ledger import open_batch
     from kafka2pg.migrations import require_ready
+    from kafka2pg.opening import open_batch
 
     with airflow_errors():
         settings, pipeline = resolve(pipeline_name, pipelines_file)
@@ -100,8 +100,8 @@ def validate(
 
 
 def promote(pipeline_name: str, batch_id: int, epoch: int | None = None, *, pipelines_file: Path | None = None) -> dict:
-    from kafka2pg.promote import promote_batch
     from kafka2pg.report import batch_report
+    from kafka2pg.steps import promote_batch
     from kafka2pg.stuck import recording_failures
 
     with airflow_errors():
@@ -149,7 +149,7 @@ def finish_replay(
     pipeline_name: str, batch_id: int, epoch: int | None = None, *, pipelines_file: Path | None = None
 ) -> dict:
     """The replay DAG's last task: replace the range's rows, or report the differences (verify-only)."""
-    from kafka2pg.promote import promote_batch
+    from kafka2pg.steps import promote_batch
 
     with airflow_errors():
         settings, pipeline = resolve(pipeline_name, pipelines_file)

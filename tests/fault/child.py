@@ -26,10 +26,10 @@ from kafka2pg import promote, quality, tasks  # noqa: E402
 POINTS = {
     "validate:after_checks": (quality, "_run_checks"),
     "validate:after_store": (quality, "_store_checks"),
-    "validate:before_commit": (quality, "set_state"),
+    "validate:before_commit": (quality, "transition"),
     "promote:after_head": (promote, "_advance_head"),
     "promote:after_target": (promote, "insert_target"),
-    "promote:before_commit": (promote, "set_state"),
+    "promote:before_commit": (promote, "transition"),
 }
 
 

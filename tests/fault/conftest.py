@@ -112,10 +112,10 @@ def produce_backlog(trial: Trial, count: int) -> None:
 
 def drain(env, spark, *, limit: int = 60) -> int:
     """Run whole micro-batches (the DAG's functions) until nothing is left; return how many."""
-    from kafka2pg.ledger import open_batch
-    from kafka2pg.promote import promote_batch
+    from kafka2pg.opening import open_batch
     from kafka2pg.quality import validate_batch
     from kafka2pg.staging import stage_batch
+    from kafka2pg.steps import promote_batch
 
     for runs in range(limit):
         opened = open_batch(env.settings, env.pipeline, run_id=f"recovery-{runs}")

@@ -11,10 +11,10 @@ import time
 
 from kafka2pg.database import connect
 from kafka2pg.exceptions import BatchStateError, LedgerConflictError, StagingLostError
-from kafka2pg.ledger import open_batch
-from kafka2pg.promote import promote_batch
+from kafka2pg.opening import open_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.staging import stage_batch
+from kafka2pg.steps import promote_batch
 
 from .conftest import (
     assert_exactly_once,

@@ -20,12 +20,12 @@ from kafka2pg.exceptions import (
     TopicNotFoundError,
 )
 from kafka2pg.kafka_offsets import partition_offsets
-from kafka2pg.ledger import open_batch, plan_lookahead
+from kafka2pg.opening import open_batch, plan_lookahead
 from kafka2pg.producer import produce, produce_sample, sample_events
-from kafka2pg.promote import promote_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.runner import run_batches
 from kafka2pg.staging import stage_batch
+from kafka2pg.steps import promote_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -293,8 +293,14 @@ def test_stale_promote_fails_with_ledger_conflict_and_changes_nothing(make_pipel
         (env.pipeline.name, env.topic),
     )
     before_heads = heads(env)
-    with pytest.raises(LedgerConflictError, match=r"partition 0: planned from head None but the ledger has head 7"):
+    with pytest.raises(LedgerConflictError) as conflict:
         promote_batch(env.settings, env.pipeline, first.batch_id)
+    assert conflict.value.evidence == {
+        "pipeline": env.pipeline.name,
+        "batch_id": first.batch_id,
+        "partition": 0,
+        "found": 7,
+    }  # planned from no head (offsets None), found head 7 moved by no batch
     assert count(db, env) == 0
     assert heads(env) == before_heads
     assert ledger_ranges(db, env) == []
@@ -386,8 +392,10 @@ def test_zombie_run_with_an_older_claim_is_fenced_at_every_step(make_pipeline, s
         lambda: validate_batch(env.settings, env.pipeline, zombie.batch_id, zombie.epoch),
         lambda: promote_batch(env.settings, env.pipeline, zombie.batch_id, zombie.epoch),
     ):
-        with pytest.raises(LedgerConflictError, match=r"holds claim epoch 1 but run 'manual__2' claimed the batch"):
+        with pytest.raises(LedgerConflictError) as fenced:
             step()
+        assert (fenced.value.batch_id, fenced.value.epoch, fenced.value.current_epoch) == (zombie.batch_id, 1, 2)
+        assert fenced.value.run_id == "manual__2"
     assert count(db, env) == 0 and heads(env) == {}
     stage_batch(spark, env.settings, env.pipeline, zombie.batch_id, 2)
     validate_batch(env.settings, env.pipeline, zombie.batch_id, 2)

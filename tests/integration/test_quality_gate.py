@@ -13,12 +13,12 @@ from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline
 from kafka2pg.exceptions import QualityGateFailed, StagingLostError
-from kafka2pg.ledger import open_batch
+from kafka2pg.opening import open_batch
 from kafka2pg.producer import produce, sample_events
-from kafka2pg.promote import promote_batch
 from kafka2pg.quality import DEFERRED_KEY_PROBE, validate_batch
 from kafka2pg.report import quality_summary
 from kafka2pg.staging import stage_batch
+from kafka2pg.steps import promote_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / ".cache" / "test-artifacts"
@@ -245,8 +245,9 @@ def test_validation_counts_staged_rows_once_for_the_loss_guard_and_the_completen
         ).format(staging),
         (batch.batch_id,),
     )
-    with pytest.raises(StagingLostError, match="staged rows are gone"):
+    with pytest.raises(StagingLostError) as lost_error:
         validate_batch(env.settings, env.pipeline, batch.batch_id)
+    assert (lost_error.value.batch_id, lost_error.value.state) == (batch.batch_id, "planned")
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch.batch_id,)).fetchone()[0]
     assert state == "planned"
 
@@ -475,8 +476,9 @@ def test_a_batch_sent_back_by_a_collision_keeps_its_findings_when_the_next_run_v
     stage_batch(spark, env.settings, env.pipeline, lost)
     validate_batch(env.settings, env.pipeline, lost)
     db.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier("kafka2pg", env.pipeline.staging_table)))
-    with pytest.raises(StagingLostError, match="staged rows are gone"):
+    with pytest.raises(StagingLostError) as lost_error:
         promote_batch(env.settings, env.pipeline, lost)
+    assert (lost_error.value.pipeline, lost_error.value.batch_id) == (env.pipeline.name, lost)
     stage_batch(spark, env.settings, env.pipeline, lost)
     stored = db.execute("SELECT count(*) FROM kafka2pg.batch_checks WHERE batch_id = %s", (lost,)).fetchone()[0]
     assert stored == 0, "staging a batch again must clear the results that judged its lost rows"

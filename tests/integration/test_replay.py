@@ -14,13 +14,13 @@ from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline, format_audit
 from kafka2pg.exceptions import KeyCollisionError, ReplayRefusedError
-from kafka2pg.ledger import open_batch
+from kafka2pg.opening import open_batch
 from kafka2pg.planner import OffsetRange
 from kafka2pg.producer import produce, sample_events
-from kafka2pg.promote import promote_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.replay import ReplayRequest, open_replay, request_from_params, undo_batch
 from kafka2pg.staging import stage_batch
+from kafka2pg.steps import promote_batch
 
 DAYS = 3
 PER_DAY = 60
@@ -378,8 +378,10 @@ def test_a_key_a_replay_promoted_after_a_live_batch_was_validated_sends_the_batc
         create_topic=False,
     )
     replay(relaxed, ReplayRequest("replace", (OffsetRange(0, 0, 1),)))  # now offset 0 holds the key
-    with pytest.raises(KeyCollisionError, match="goes back to 'staged'"):
+    with pytest.raises(KeyCollisionError) as collision:
         promote_batch(relaxed.settings, relaxed.pipeline, live.batch_id)
+    assert (collision.value.pipeline, collision.value.batch_id) == (relaxed.pipeline.name, live.batch_id)
+    assert collision.value.constraint  # the target's business-key index named by PostgreSQL
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (live.batch_id,)).fetchone()[0]
     assert state == "staged"
     result = run_batch(relaxed)  # resumes the batch: validated again, the duplicate flagged

@@ -64,10 +64,10 @@ def test_a_target_no_row_fits_fails_the_promotion_loudly_instead_of_quarantining
     import pytest
 
     from kafka2pg.exceptions import TableRefusesRowsError
-    from kafka2pg.ledger import open_batch
-    from kafka2pg.promote import promote_batch
+    from kafka2pg.opening import open_batch
     from kafka2pg.quality import validate_batch
     from kafka2pg.staging import stage_batch
+    from kafka2pg.steps import promote_batch
 
     env = make_pipeline(partitions=1)
     produce(env.settings.bootstrap_servers, env.topic, sample_events(300, seed=83), key_field=None)
@@ -89,10 +89,10 @@ def test_a_target_no_row_fits_fails_the_promotion_loudly_instead_of_quarantining
 
 
 def test_a_key_collision_behind_a_refused_row_still_goes_to_the_quality_gate(make_pipeline, spark, db):
-    from kafka2pg.ledger import open_batch
-    from kafka2pg.promote import promote_batch
+    from kafka2pg.opening import open_batch
     from kafka2pg.quality import validate_batch
     from kafka2pg.staging import stage_batch
+    from kafka2pg.steps import promote_batch
 
     env = make_pipeline(partitions=1)
     events = list(sample_events(20, seed=84))

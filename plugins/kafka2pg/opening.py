@@ -1,0 +1,266 @@
+"""Opening a batch (DESIGN step 1): ledger heads + broker offsets -> planner -> a recorded batch;
+or the pipeline's unfinished batch resumed under a new claim. Also the lookahead batch of a
+multi-batch run, and the time-to-data-loss horizons."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+from psycopg import Connection
+
+from kafka2pg.batch_store import (
+    Batch,
+    abandon_lookaheads,
+    claim,
+    insert_batch,
+    load_batch,
+    load_claimed,
+    open_batch_id,
+    open_live_ids,
+    transition,
+)
+from kafka2pg.config import Pipeline, Settings
+from kafka2pg.database import transaction
+from kafka2pg.exceptions import BatchStateError, Kafka2PgError
+from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, record_timestamp, topic_retention
+from kafka2pg.ledger import lock_plan, read_head_batches, read_heads
+from kafka2pg.lifecycle import OPEN, BatchState, resume_or_abandon
+from kafka2pg.planner import BatchPlan, LossHorizon, PartitionState, loss_horizon, plan_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OpenedBatch:
+    """The outcome of the plan step: the batch to work on (None: nothing new), and why."""
+
+    batch: Batch | None
+    resumed: bool
+    message: str
+
+
+def open_batch(
+    settings: Settings,
+    pipeline: Pipeline,
+    *,
+    max_records_per_batch: int | None = None,
+    run_id: str | None = None,
+    dry_run: bool = False,
+) -> OpenedBatch:
+    """Resume the pipeline's unfinished batch, or plan and record the next one.
+
+    Rule: an unfinished live batch (planned/staged/validated) is resumed with its exact
+    ranges while every head it expects is still in place; otherwise it is marked `abandoned`
+    (it never promoted anything, so nothing is undone) and a fresh batch is planned.
+    """
+    offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    heads: dict[int, int] | None = None
+    try:
+        with transaction(settings.database_url) as conn:
+            # One planner per pipeline at a time; promotion is still fenced by compare-and-set.
+            lock_plan(conn, pipeline.name)
+            # Lock the open batch BEFORE reading heads: a promote of it still in flight commits
+            # first, so the heads read below are never older than the batch states seen.
+            open_id = open_batch_id(conn, pipeline)
+            if not dry_run:  # this run takes the pipeline over: an earlier run's lookahead is void
+                abandon_lookaheads(conn, pipeline, f"run {run_id} took the pipeline over before it was promoted")
+            heads = read_heads(conn, pipeline.name)
+            return _open(conn, pipeline, offsets, heads, open_id, max_records_per_batch, run_id, dry_run)
+    finally:
+        if heads is not None:  # time to data loss asks Kafka: after the plan lock is released
+            with contextlib.suppress(Kafka2PgError) if sys.exc_info()[0] else contextlib.nullcontext():
+                _warn_loss_horizons(settings, pipeline, offsets, heads)
+
+
+def _open(
+    conn: Connection,
+    pipeline: Pipeline,
+    offsets: list[PartitionOffsets],
+    heads: dict[int, int],
+    open_id: int | None,
+    max_records_per_batch: int | None,
+    run_id: str | None,
+    dry_run: bool,
+) -> OpenedBatch:
+    lows = {o.partition: o.low for o in offsets}
+    resumed = _resume_or_abandon(conn, pipeline, open_id, heads, lows, run_id, dry_run=dry_run)
+    if resumed is not None:
+        verb = "dry run: would resume" if dry_run else "resuming"
+        return OpenedBatch(
+            resumed, True, f"{verb} unfinished batch {resumed.batch_id} ({resumed.state}, epoch {resumed.epoch})"
+        )
+    plan = _plan_from(pipeline, offsets, heads, read_head_batches(conn, pipeline.name), max_records_per_batch)
+    if plan.is_empty:
+        return OpenedBatch(None, False, _nothing_new(pipeline, offsets, heads))
+    if dry_run:
+        draft = Batch(0, pipeline.name, pipeline.topic, BatchState.PLANNED, plan)  # not recorded
+        return OpenedBatch(draft, False, f"dry run: would read {plan.record_budget} offsets; nothing recorded")
+    batch = insert_batch(conn, pipeline, plan, run_id)
+    return OpenedBatch(batch, False, f"planned batch {batch.batch_id}: {plan.record_budget} offsets")
+
+
+def loss_horizons(
+    settings: Settings, pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]
+) -> list[LossHorizon]:
+    """Per partition: unread records, margin to the low watermark, estimated time to data loss."""
+    retention = topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    now_ms = int(time.time() * 1000)
+    horizons = []
+    for state in _states(offsets, heads):
+        # Below the low watermark nothing can be read: the plan reports that loss itself.
+        first_unread = max(state.low, state.low if state.head is None else state.head)
+        timestamp = None
+        if retention.deletes and retention.retention_ms is not None and first_unread < state.last_stable:
+            timestamp = record_timestamp(
+                settings.kafka,
+                pipeline.topic,
+                state.partition,
+                first_unread,
+                state.last_stable,
+                settings.kafka_timeout_s,
+            )
+        horizons.append(loss_horizon(state, timestamp, now_ms, retention.retention_ms if retention.deletes else None))
+    return horizons
+
+
+def _warn_loss_horizons(
+    settings: Settings, pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]
+) -> None:
+    for h in loss_horizons(settings, pipeline, offsets, heads):
+        if not h.unread:
+            continue
+        left = "no time-based retention" if h.seconds_left is None else f"~{h.seconds_left / 3600:.1f} h"
+        message = (
+            f"pipeline={pipeline.name} partition={h.partition} unread={h.unread} margin to low watermark="
+            f"{h.records_margin} records, time to data loss {left}"
+        )
+        if h.at_risk(pipeline.data_loss_warning_hours):
+            log.warning(
+                "%s: UNDER the %.0f h warning threshold; run the pipeline more often or raise retention.ms",
+                message,
+                pipeline.data_loss_warning_hours,
+            )
+        else:
+            log.info(message)
+
+
+def _states(
+    offsets: list[PartitionOffsets], heads: dict[int, int], moved: dict[int, int | None] | None = None
+) -> list[PartitionState]:
+    moved = moved or {}
+    return [
+        PartitionState(o.partition, heads.get(o.partition), o.low, o.last_stable, o.high, moved.get(o.partition))
+        for o in offsets
+    ]
+
+
+def _nothing_new(pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]) -> str:
+    parts = ", ".join(f"p{o.partition}@{heads.get(o.partition, o.low)}/{o.last_stable}" for o in offsets)
+    return f"nothing new on topic {pipeline.topic!r} ({parts}): no batch planned, Spark not launched"
+
+
+def plan_lookahead(
+    settings: Settings,
+    pipeline: Pipeline,
+    after_id: int,
+    after_epoch: int | None,
+    *,
+    max_records_per_batch: int | None = None,
+    run_id: str | None = None,
+) -> Batch | None:
+    """Plan the batch that follows batch `after_id` (still open, claimed by this run at
+    `after_epoch`) from its planned ends; if one is already planned after it (by a killed
+    attempt holding the same claim), claim that one instead.
+
+    For every partition `after_id` reads, its compare-and-set expects that batch's new head,
+    so there it promotes only once that one has; other partitions are planned from the ledger's
+    heads, as any batch. If `after_id` is rejected or fenced, the run (or the next one's plan
+    step) abandons the lookahead. None: nothing new.
+    """
+    offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    with transaction(settings.database_url) as conn:
+        lock_plan(conn, pipeline.name)
+        current = load_claimed(conn, pipeline, after_id, after_epoch)
+        if current.kind != "live" or current.state not in (BatchState.STAGED, BatchState.VALIDATED):
+            raise BatchStateError(
+                f"batch {after_id} of pipeline {pipeline.name!r} is a {current.kind} batch in state "
+                f"{current.state}: no batch can be planned after it"
+            )
+        later = [i for i in open_live_ids(conn, pipeline) if i > after_id]
+        mine = conn.execute(
+            "SELECT batch_id FROM kafka2pg.batches WHERE after_batch_id = %s AND state = ANY(%s)",
+            (after_id, [str(s) for s in OPEN]),
+        ).fetchone()
+        if mine is not None and later == [mine[0]]:
+            # A retry of this run's job (same claim on `after_id`) finds the lookahead its killed
+            # attempt planned: take it over (a newer claim fences the dead attempt) and go on.
+            return claim(conn, load_batch(conn, mine[0]), run_id)
+        if later:
+            raise BatchStateError(f"pipeline {pipeline.name!r}: batch {later[0]} is already planned after {after_id}")
+        heads = read_heads(conn, pipeline.name)
+        heads.update({p.partition: p.new_head for p in current.plan.partitions})
+        moved = read_head_batches(conn, pipeline.name)
+        moved.update({p.partition: after_id for p in current.plan.partitions})
+        plan = _plan_from(pipeline, offsets, heads, moved, max_records_per_batch)
+        if plan.is_empty:
+            return None
+        return insert_batch(conn, pipeline, plan, run_id, after_batch_id=after_id)
+
+
+def _plan_from(
+    pipeline: Pipeline,
+    offsets: list[PartitionOffsets],
+    heads: dict[int, int],
+    moved: dict[int, int | None],
+    max_records_per_batch: int | None,
+) -> BatchPlan:
+    """The next batch's plan from these heads (last moved by the `moved` batches), with the
+    pipeline's limits and policies."""
+    return plan_batch(
+        pipeline.name,
+        pipeline.topic,
+        _states(offsets, heads, moved),
+        max_records_per_batch=max_records_per_batch or pipeline.max_records_per_batch,
+        max_records_per_partition=pipeline.max_records_per_partition,
+        on_retention_loss=pipeline.on_retention_loss,
+        new_partition_start=pipeline.new_partition_start,
+        ledger_partitions=tuple(heads),
+    )
+
+
+def _resume_or_abandon(
+    conn: Connection,
+    pipeline: Pipeline,
+    open_id: int | None,
+    heads: dict[int, int],
+    lows: dict[int, int],
+    run_id: str | None,
+    *,
+    dry_run: bool,
+) -> Batch | None:
+    if open_id is None:
+        return None
+    batch = load_batch(conn, open_id)
+    stale = [p.partition for p in batch.plan.partitions if heads.get(p.partition) != p.expected_head]
+    # Not read yet, and Kafka no longer holds its start (retention or delete-records since planning):
+    # re-reading it can only fail; planning afresh reports the loss (or records it, under `skip`).
+    expired = [r.partition for r in batch.plan.ranges if r.start < lows.get(r.partition, 0)]
+    if resume_or_abandon(batch.state, stale, expired):
+        return batch if dry_run else claim(conn, batch, run_id)
+    if stale:
+        why, error = (
+            f"ledger heads of partitions {stale} moved since it was planned",
+            f"heads of partitions {stale} moved before promotion",
+        )
+    else:
+        why = error = f"Kafka deleted planned offsets of partitions {expired} before they were read"
+    if dry_run:
+        log.info("pipeline=%s dry run: would abandon batch %s (%s)", pipeline.name, batch.batch_id, why)
+        return None
+    log.warning("pipeline=%s batch_id=%s abandoned: %s", pipeline.name, batch.batch_id, why)
+    transition(conn, batch, BatchState.ABANDONED, error=error)
+    return None

@@ -1,0 +1,80 @@
+"""The steps of a run that span more than one transaction, orchestrated here so the modules
+below them stay free of each other: promotion (live or a replay's finish) with its retry after
+a business-key collision, which runs the quality gate's deferred check in between."""
+
+from __future__ import annotations
+
+import logging
+
+from kafka2pg.batch_store import key_probe_deferred, load_claimed, raise_staging_lost, transition
+from kafka2pg.config import Pipeline, Settings
+from kafka2pg.database import transaction
+from kafka2pg.exceptions import BatchStateError, KeyCollisionError
+from kafka2pg.lifecycle import BatchState
+from kafka2pg.promote import PromoteResult, promote_live
+from kafka2pg.quality import validate_batch
+from kafka2pg.replay import ReplayResult, finish_replay
+
+log = logging.getLogger(__name__)
+
+
+def promote_batch(
+    settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None = None
+) -> PromoteResult | ReplayResult:
+    """Promote a validated batch (a replay batch: finish it); a second call changes nothing.
+
+    `epoch` is the run's claim (None: the current one): a fenced-off zombie run fails with
+    `LedgerConflictError` here even if the heads have not moved yet. When the target's unique
+    index refuses a business key the gate left to it, the gate's promoted-key check runs now,
+    flags those rows to quarantine (or rejects the batch under duplicate_policy: fail), and the
+    rest is promoted.
+    """
+    try:
+        return _promote_once(settings, pipeline, batch_id, epoch)
+    except KeyCollisionError as exc:
+        if not _send_back(settings, pipeline, batch_id, epoch):
+            raise
+        why = f"a business key is already in the target ({exc.__cause__ or exc})"
+    except BatchStateError:
+        if not _sent_back(settings, pipeline, batch_id, epoch):
+            raise
+        why = "an earlier attempt stopped after a key collision"  # a retry of the promote task
+    log.warning("pipeline=%s batch_id=%s %s: running the deferred promoted-key check", pipeline.name, batch_id, why)
+    validate_batch(settings, pipeline, batch_id, epoch, probe_promoted_keys=True)
+    try:
+        return _promote_once(settings, pipeline, batch_id, epoch)
+    except KeyCollisionError:
+        _send_back(settings, pipeline, batch_id, epoch)
+        raise
+
+
+def _promote_once(
+    settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None
+) -> PromoteResult | ReplayResult:
+    with transaction(settings.database_url) as conn:
+        batch = load_claimed(conn, pipeline, batch_id, epoch)
+        finish = finish_replay if batch.kind == "replay" else promote_live
+        result = finish(conn, pipeline, batch)  # None: its staging rows were lost
+    if result is None:
+        raise_staging_lost(pipeline, batch_id)
+    return result
+
+
+def _send_back(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None) -> bool:
+    """After a key collision: the validated batch goes back to `staged`. True when its gate had
+    deferred the promoted-key check to promotion (so running it now explains the collision)."""
+    with transaction(settings.database_url) as conn:
+        batch = load_claimed(conn, pipeline, batch_id, epoch)
+        if batch.state is not BatchState.VALIDATED:
+            return False
+        transition(conn, batch, BatchState.STAGED, error="business key promoted since validation: validate again")
+        return key_probe_deferred(conn, batch_id)
+
+
+def _sent_back(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None) -> bool:
+    """Whether the batch is `staged` by `_send_back` with its promoted-key check still deferred:
+    an attempt stopped between the collision and the check (the check and then the promotion
+    are what a retry of the promote task has left to do)."""
+    with transaction(settings.database_url) as conn:
+        batch = load_claimed(conn, pipeline, batch_id, epoch)
+        return batch.state is BatchState.STAGED and key_probe_deferred(conn, batch_id)
