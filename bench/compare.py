@@ -38,9 +38,9 @@ from psycopg import sql  # noqa: E402
 
 from kafka2pg.config import Settings  # noqa: E402
 from kafka2pg.database import connect  # noqa: E402
+from kafka2pg.devtools.producer import produce, sample_events  # noqa: E402
 from kafka2pg.kafka_offsets import ensure_topic, partition_offsets  # noqa: E402
 from kafka2pg.migrations import migrate  # noqa: E402
-from kafka2pg.producer import produce, sample_events  # noqa: E402
 
 CONTENDERS = ("ours", "peer", "worker", "floor")
 
@@ -276,9 +276,9 @@ def run_airflow(settings: Settings, topic: str, work: Path) -> dict:
     batches_per_run unlimited (the job's loop; what a user runs to catch up). Metadata DB untimed."""
     import yaml
 
-    from kafka2pg import local_stack
     from kafka2pg.config import load_pipelines
-    from kafka2pg.demo import dags_test, ensure_airflow_db
+    from kafka2pg.devtools.airflow_cli import dags_test, ensure_airflow_db
+    from kafka2pg.jars import spark_jars
     from kafka2pg.locations import default_pipelines_file, default_state_dir
 
     spec = next(p for p in yaml.safe_load(default_pipelines_file().read_text())["pipelines"])
@@ -296,7 +296,7 @@ def run_airflow(settings: Settings, topic: str, work: Path) -> dict:
         "AIRFLOW_CONN_KAFKA2PG_SPARK": '{"conn_type": "spark", "host": "local[2]"}',  # as ours in process
         "KAFKA2PG_PIPELINES": str(pipelines),
         # the jars resolved once under .cache (the state dir here is this run's scratch folder)
-        "KAFKA2PG_SPARK_JARS": ",".join(str(j) for j in local_stack.spark_jars()),
+        "KAFKA2PG_SPARK_JARS": ",".join(str(j) for j in spark_jars()),
     }
     ensure_airflow_db(env)
     ensure_topic(settings.bootstrap_servers, fixed["topic"], 1)

@@ -13,9 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
 
-from kafka2pg import class_archive, local_stack  # noqa: E402
+from kafka2pg import class_archive  # noqa: E402
 from kafka2pg.config import Pipeline, Settings, class_archive_path, get_pipeline  # noqa: E402
-from kafka2pg.local_stack import Stack  # noqa: E402
+from kafka2pg.devtools import local_stack  # noqa: E402
+from kafka2pg.devtools.local_stack import Stack  # noqa: E402
+from kafka2pg.jars import spark_jars  # noqa: E402
 
 # Spark JDBC writer options of the contenders that write through JDBC (batched, typed by PG).
 JDBC_PROPERTIES = {
@@ -32,7 +34,7 @@ def bench_stack(prefix: str) -> Iterator[tuple[Settings, Stack, Path]]:
     """A local broker and PostgreSQL for one benchmark run, stopped and deleted afterwards."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     # This run's state dir is a scratch folder: it gets set-up's class-data archive, as it gets
-    # set-up's jars (local_stack.spark_jars), so ours starts Spark as a set-up machine does.
+    # set-up's jars (kafka2pg.jars.spark_jars), so ours starts Spark as a set-up machine does.
     archive = class_archive.ensure(local_stack.DEFAULT_CACHE)
     if archive is not None:
         class_archive_path(work).parent.mkdir(parents=True)
@@ -54,7 +56,7 @@ def bench_spark(master: str, app_name: str, state_dir: Path, conf: dict[str, str
     picks the stage JVM's JIT options as the DAG does for a run of that many batches."""
     from kafka2pg.staging import package_zip, spark_session
 
-    spark = spark_session(master, app_name=app_name, jars=local_stack.spark_jars(), conf=conf, batches=batches)
+    spark = spark_session(master, app_name=app_name, jars=spark_jars(), conf=conf, batches=batches)
     spark.sparkContext.setLogLevel("ERROR")
     spark.sparkContext.addPyFile(str(package_zip(state_dir)))
     return spark

@@ -19,10 +19,10 @@ from pyspark.sql import functions as F  # noqa: E402
 
 from kafka2pg.config import Pipeline, Settings  # noqa: E402
 from kafka2pg.database import connect  # noqa: E402
+from kafka2pg.devtools.producer import produce_sample  # noqa: E402
 from kafka2pg.kafka_offsets import ensure_topic  # noqa: E402
 from kafka2pg.migrations import migrate  # noqa: E402
 from kafka2pg.opening import open_batch  # noqa: E402
-from kafka2pg.producer import produce_sample  # noqa: E402
 from kafka2pg.staging import kafka_read_options, stage_batch  # noqa: E402
 
 

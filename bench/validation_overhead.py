@@ -22,10 +22,10 @@ from kafka2pg import expectations, quality  # noqa: E402
 from kafka2pg.batch_store import load_batch  # noqa: E402
 from kafka2pg.config import Settings  # noqa: E402
 from kafka2pg.database import connect, transaction  # noqa: E402
+from kafka2pg.devtools.producer import produce, sample_events  # noqa: E402
 from kafka2pg.kafka_offsets import ensure_topic  # noqa: E402
 from kafka2pg.migrations import migrate  # noqa: E402
 from kafka2pg.opening import open_batch  # noqa: E402
-from kafka2pg.producer import produce, sample_events  # noqa: E402
 from kafka2pg.staging import stage_batch  # noqa: E402
 
 

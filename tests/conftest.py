@@ -39,7 +39,7 @@ def sample_columns() -> list[dict]:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
-    from kafka2pg import local_stack
+    from kafka2pg.devtools import local_stack
 
     # Secured listeners too (SASL_SSL, mTLS) beside the plain one most tests use.
     started = local_stack.start_stack(tmp_path_factory.mktemp("stack"), secured=True)
@@ -62,7 +62,7 @@ def base_settings(stack, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def spark(base_settings):
-    from kafka2pg.local_stack import spark_jars
+    from kafka2pg.jars import spark_jars
     from kafka2pg.staging import package_zip, spark_session
 
     # py4j logs at interpreter exit, after pytest closed its capture streams.

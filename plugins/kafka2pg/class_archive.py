@@ -69,7 +69,7 @@ def train(archive: Path) -> None:
     from pyspark.sql import functions as F
 
     from kafka2pg.chunk_writer import KAFKA_COLUMNS
-    from kafka2pg.local_stack import spark_jars
+    from kafka2pg.jars import spark_jars
     from kafka2pg.staging import spark_session
 
     options = f"{STAGE_JVM_OPTIONS_SEVERAL_BATCHES} -XX:ArchiveClassesAtExit={archive}"

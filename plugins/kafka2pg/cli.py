@@ -1,16 +1,15 @@
 """Command line: the local stack, migrations, sample events, each pipeline step, status, demo.
 
-Run through ./kafka2pg (which prepares the venv and environment) or `python -m kafka2pg`.
+Run through ./kafka2pg (which prepares the venv and environment) or `python -m kafka2pg`. The dev
+commands (stack start/stop/status/reset, produce, demo) import kafka2pg.devtools inside their
+functions, so the product's commands never load it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import shutil
-import subprocess
 import sys
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -46,13 +45,12 @@ def _selected_pipelines(args: argparse.Namespace) -> list[tuple[Settings, Pipeli
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
-    from kafka2pg import local_stack
-
     cache = state_dir()
     if args.action == "install":
         from kafka2pg import class_archive
+        from kafka2pg.jars import resolve_jars
 
-        for name, path in local_stack.resolve_jars(cache).items():
+        for name, path in resolve_jars(cache).items():
             print(f"{name} jars: {path}")
         if not class_archive.class_archive_path(cache).is_file():
             print("making the Spark class-data archive (once; about 30 s)", file=sys.stderr)
@@ -60,6 +58,8 @@ def cmd_stack(args: argparse.Namespace) -> int:
         return 0
     if args.action == "reset":
         return _reset_stack(cache, confirm=args.confirm)
+    from kafka2pg.devtools import local_stack
+
     current = local_stack.load_stack(cache)
     if args.action == "status":
         if current is None:
@@ -91,7 +91,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
 def _reset_stack(cache: Path, *, confirm: bool) -> int:
     """`stack reset`: without --confirm, say what would be deleted and change nothing."""
-    from kafka2pg import local_stack
+    from kafka2pg.devtools import local_stack
 
     targets = local_stack.reset_targets(cache)
     if not targets:
@@ -148,8 +148,8 @@ def cmd_grant(args: argparse.Namespace) -> int:
 
 def cmd_produce(args: argparse.Namespace) -> int:
     from kafka2pg.connections import services
+    from kafka2pg.devtools.producer import produce_sample
     from kafka2pg.kafka_offsets import ensure_topic
-    from kafka2pg.producer import produce_sample
 
     settings = services(who="produce")
     if ensure_topic(settings.kafka, args.topic, args.partitions, settings.kafka_timeout_s):
@@ -172,7 +172,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _stage_locally(settings: Settings, pipeline: Pipeline, batch_id: int) -> None:
     """Stage one batch with a Spark session of this process (KAFKA2PG_SPARK_MASTER), then stop it."""
-    from kafka2pg.local_stack import spark_jars
+    from kafka2pg.jars import spark_jars
     from kafka2pg.staging import package_zip, spark_session, stage_batch
 
     spark = spark_session(
@@ -335,7 +335,7 @@ def _epoch_ms(text: str) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kafka2pg import demo
+    from kafka2pg.devtools import demo
 
     return demo.run(events=args.events, keep=args.keep)
 
@@ -464,19 +464,3 @@ def main(argv: list[str] | None = None) -> int:
     except Kafka2PgError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-
-
-def airflow_command() -> list[str]:
-    airflow = shutil.which("airflow")
-    if airflow is None:
-        raise Kafka2PgError("the `airflow` command is not on PATH: run through ./kafka2pg, which sets up the venv")
-    return [airflow]
-
-
-def run_logged(command: list[str], log_file: Path, env: dict[str, str]) -> tuple[int, str, float]:
-    """Run a command with its output in `log_file`; return exit code, output and seconds."""
-    started = time.monotonic()
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, check=False).returncode
-    return code, log_file.read_text(errors="replace"), time.monotonic() - started

@@ -20,7 +20,7 @@ from pathlib import Path
 import psycopg
 import requests
 
-from kafka2pg.local_stack import free_port
+from kafka2pg.devtools.processes import free_port
 
 SIMPLE_AUTH = "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager"
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kafka2pg.demo import ensure_airflow_db
+from kafka2pg.devtools.airflow_cli import ensure_airflow_db
 
 ROOT = Path(__file__).resolve().parents[2]
 

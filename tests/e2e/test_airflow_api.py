@@ -12,7 +12,7 @@ from cdp_screenshot import screenshot_trigger_form
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline, format_audit
-from kafka2pg.producer import produce, sample_events
+from kafka2pg.devtools.producer import produce, sample_events
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / ".cache" / "test-artifacts"

@@ -4,9 +4,9 @@ from pathlib import Path
 
 from psycopg import sql
 
-from kafka2pg.demo import dags_test
+from kafka2pg.devtools.airflow_cli import dags_test
+from kafka2pg.devtools.producer import produce_sample
 from kafka2pg.kafka_offsets import partition_offsets
-from kafka2pg.producer import produce_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 

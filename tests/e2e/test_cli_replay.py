@@ -9,7 +9,7 @@ from pathlib import Path
 
 from psycopg import sql
 
-from kafka2pg.producer import produce, sample_events
+from kafka2pg.devtools.producer import produce, sample_events
 
 ROOT = Path(__file__).resolve().parents[2]
 

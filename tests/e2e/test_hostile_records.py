@@ -12,9 +12,9 @@ from decimal import Decimal
 from confluent_kafka import Producer
 from psycopg import sql
 
-from kafka2pg.demo import dags_test
+from kafka2pg.devtools.airflow_cli import dags_test
+from kafka2pg.devtools.producer import sample_events
 from kafka2pg.kafka_offsets import client_config, partition_offsets
-from kafka2pg.producer import sample_events
 
 WEIRD_FIELD = 'we"ird.na me'
 COLUMNS = [

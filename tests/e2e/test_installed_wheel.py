@@ -21,9 +21,9 @@ import pytest
 import yaml
 from psycopg import sql
 
+from kafka2pg.devtools.producer import produce_sample
 from kafka2pg.kafka_offsets import ensure_topic
 from kafka2pg.locations import state_dir
-from kafka2pg.producer import produce_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = 400
@@ -127,7 +127,7 @@ def test_the_installed_wheel_runs_a_dag_copied_alone_without_the_checkout(venv, 
     produced = produce_sample(stack.kafka.bootstrap_servers, topic, EVENTS, seed=21)
 
     # Spark's Kafka source: a copy of the jars set-up resolved (Maven Central is not needed offline).
-    from kafka2pg.local_stack import spark_jars
+    from kafka2pg.jars import spark_jars
 
     jars = tmp_path / "jars"
     jars.mkdir()

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kafka2pg.demo import dags_test
+from kafka2pg.devtools.airflow_cli import dags_test
+from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.kafka_config import KafkaConfig
-from kafka2pg.producer import produce, sample_events
 
 PG_PASSWORD = "Pg-S3cret-4f9e"
 WRONG_KAFKA_PASSWORD = "Wr0ng-Pa55-kafka"

@@ -11,11 +11,11 @@ import time
 import pytest
 from psycopg import sql
 
-from kafka2pg.demo import dags_test
+from kafka2pg.devtools.airflow_cli import dags_test
+from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import KafkaAuthenticationError
 from kafka2pg.kafka_config import KafkaConfig
 from kafka2pg.opening import open_batch
-from kafka2pg.producer import produce, sample_events
 
 FALLBACKS = ("KAFKA2PG_BOOTSTRAP_SERVERS", "KAFKA2PG_KAFKA_CONFIG", "KAFKA2PG_DATABASE_URL")
 

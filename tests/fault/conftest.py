@@ -101,7 +101,7 @@ def pytest_terminal_summary(terminalreporter):
 
 def produce_backlog(trial: Trial, count: int) -> None:
     """`count` events plus producer-retry duplicates and a bad record: every path of a batch."""
-    from kafka2pg.producer import produce, sample_events
+    from kafka2pg.devtools.producer import produce, sample_events
 
     events = list(sample_events(count, seed=trial.seed))
     retries = trial.rng.sample(events, k=min(len(events), trial.rng.randint(0, 3)))
@@ -216,7 +216,7 @@ def result_of(done: subprocess.CompletedProcess) -> dict:
 
 def spark_submit(env, batch_id: int, epoch: int, log: Path, *extra: str) -> subprocess.Popen:
     """The real job file through spark-submit, in its own process group, as the DAG launches it."""
-    from kafka2pg.local_stack import spark_jars
+    from kafka2pg.jars import spark_jars
 
     command = [
         str(Path(sys.executable).with_name("spark-submit")),

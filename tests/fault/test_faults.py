@@ -195,7 +195,7 @@ def test_kill_after_promote_commit(trial, make_pipeline, spark):
 
 
 def test_postgres_restarted_during_promote(trial, make_pipeline, spark, stack, tmp_path):
-    from kafka2pg.local_stack import restart_postgres
+    from kafka2pg.devtools.postgres import restart_postgres
 
     env = setup_trial(trial, make_pipeline, spark, records=(200, 3000))
     planned = plan_in_child(env)
@@ -224,7 +224,7 @@ def test_postgres_restarted_during_promote(trial, make_pipeline, spark, stack, t
 
 
 def test_kafka_restarted_during_read(trial, make_pipeline, spark, stack, tmp_path):
-    from kafka2pg.local_stack import restart_kafka
+    from kafka2pg.devtools.broker import restart_kafka
 
     env, planned, job = job_mid_read(trial, make_pipeline, spark, tmp_path / "job.log", max_delay=1.5)
     trial.fault_landed = job.poll() is None

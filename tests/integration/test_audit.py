@@ -8,7 +8,7 @@ from pathlib import Path
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline
-from kafka2pg.producer import produce, produce_sample, sample_events
+from kafka2pg.devtools.producer import produce, produce_sample, sample_events
 
 ROOT = Path(__file__).resolve().parents[2]
 

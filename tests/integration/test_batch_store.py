@@ -9,10 +9,10 @@ import pytest
 
 from kafka2pg.batch_store import load_batch, transition
 from kafka2pg.database import transaction
+from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import LedgerConflictError
 from kafka2pg.lifecycle import BatchState, IllegalTransition
 from kafka2pg.opening import open_batch
-from kafka2pg.producer import produce, sample_events
 
 
 def _state(db, batch_id: int) -> tuple[str, int, str | None]:

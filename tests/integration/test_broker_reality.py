@@ -13,11 +13,11 @@ from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline
+from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import OffsetRegressionError, QualityGateFailed, RetentionLossError
 from kafka2pg.kafka_offsets import client_config, count_range, offsets_for_times, partition_offsets
 from kafka2pg.ledger import reset_head
 from kafka2pg.opening import open_batch
-from kafka2pg.producer import produce, sample_events
 from kafka2pg.report import ledger_report
 from kafka2pg.staging import stage_batch
 

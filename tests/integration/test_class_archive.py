@@ -14,7 +14,7 @@ from kafka2pg.config import STAGE_JVM_OPTIONS_ONE_BATCH, class_archive_path, sta
 START_SPARK = """
 import sys
 from pyspark import SparkContext
-from kafka2pg.local_stack import spark_jars
+from kafka2pg.jars import spark_jars
 from kafka2pg.staging import spark_session
 
 spark = spark_session("local[1]", app_name="archive-probe", jars=spark_jars(),

@@ -16,11 +16,11 @@ from psycopg import sql
 
 from kafka2pg import cli, tasks
 from kafka2pg.audit import audit_pipeline, format_audit
+from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import ConfigError, SchemaNotReadyError
 from kafka2pg.grants import apply_grants
 from kafka2pg.ledger import reset_head
 from kafka2pg.migrations import STAGING_PRIVILEGES, migrate, migration_files
-from kafka2pg.producer import produce, sample_events
 from kafka2pg.replay import undo_batch
 from kafka2pg.report import ledger_report
 from kafka2pg.staging import stage_batch

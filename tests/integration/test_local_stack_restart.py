@@ -15,9 +15,11 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from kafka2pg import cli, local_stack
+from kafka2pg import cli
+from kafka2pg.devtools import local_stack
+from kafka2pg.devtools.producer import produce_sample
+from kafka2pg.jars import resolve_jars
 from kafka2pg.kafka_offsets import count_range, ensure_topic, partition_offsets
-from kafka2pg.producer import produce_sample
 
 TOPIC = "restart-check"
 EVENTS = 500
@@ -28,7 +30,7 @@ ROWS = 1000
 def state_dir(tmp_path, monkeypatch) -> Path:
     """A state dir of this test's own (the jars shared with the set-up's), torn down at the end."""
     jars = Path(os.environ.get("KAFKA2PG_STATE_DIR", local_stack.DEFAULT_CACHE))
-    local_stack.resolve_jars(jars)
+    resolve_jars(jars)
     (tmp_path / "jars").symlink_to(jars / "jars")
     monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path))
     yield tmp_path

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from psycopg import sql
 
+from kafka2pg.devtools.producer import produce, produce_sample, sample_events
 from kafka2pg.exceptions import (
     DatabaseUnavailableError,
     KafkaUnavailableError,
@@ -21,7 +22,6 @@ from kafka2pg.exceptions import (
 )
 from kafka2pg.kafka_offsets import partition_offsets
 from kafka2pg.opening import open_batch, plan_lookahead
-from kafka2pg.producer import produce, produce_sample, sample_events
 from kafka2pg.quality import validate_batch
 from kafka2pg.runner import run_batches
 from kafka2pg.staging import stage_batch

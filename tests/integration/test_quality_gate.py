@@ -12,9 +12,9 @@ import pytest
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline
+from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import QualityGateFailed, StagingLostError
 from kafka2pg.opening import open_batch
-from kafka2pg.producer import produce, sample_events
 from kafka2pg.quality import DEFERRED_KEY_PROBE, validate_batch
 from kafka2pg.report import quality_summary
 from kafka2pg.staging import stage_batch

@@ -13,10 +13,10 @@ import pytest
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline, format_audit
+from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import KeyCollisionError, ReplayRefusedError
 from kafka2pg.opening import open_batch
 from kafka2pg.planner import OffsetRange
-from kafka2pg.producer import produce, sample_events
 from kafka2pg.quality import validate_batch
 from kafka2pg.replay import ReplayRequest, open_replay, request_from_params, undo_batch
 from kafka2pg.staging import stage_batch

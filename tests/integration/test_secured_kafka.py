@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer, KafkaError, Producer
 
-from kafka2pg import local_stack
+from kafka2pg.devtools import local_stack
+from kafka2pg.devtools.secured_listeners import SecuredListener
+from kafka2pg.jars import resolve_jars
 from kafka2pg.kafka_offsets import ensure_topic
 
 MODES = ("scram", "plain", "mtls")
@@ -42,7 +44,7 @@ def run_cli(state_dir: Path, *args: str) -> str:
 class SecuredStack:
     state_dir: Path
     stack: local_stack.Stack
-    listener: local_stack.SecuredListener
+    listener: SecuredListener
     outputs: list[str]  # everything the CLI printed
 
     def cli(self, *args: str) -> str:
@@ -55,7 +57,7 @@ class SecuredStack:
 def secured(tmp_path_factory) -> Iterator[SecuredStack]:
     state_dir = tmp_path_factory.mktemp("secured-state")
     jars = Path(os.environ.get("KAFKA2PG_STATE_DIR", local_stack.DEFAULT_CACHE))
-    local_stack.resolve_jars(jars)
+    resolve_jars(jars)
     (state_dir / "jars").symlink_to(jars / "jars")
     try:
         output = run_cli(state_dir, "stack", "start", "--secured")

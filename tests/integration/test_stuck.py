@@ -8,8 +8,8 @@ import pytest
 from psycopg import sql
 
 from kafka2pg import tasks
+from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.opening import open_batch
-from kafka2pg.producer import produce, sample_events
 from kafka2pg.quality import validate_batch
 from kafka2pg.report import ledger_report
 from kafka2pg.staging import stage_batch

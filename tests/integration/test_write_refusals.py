@@ -4,7 +4,7 @@ isolated and quarantined with the database's words; the rest of the batch lands.
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline
-from kafka2pg.producer import produce, sample_events
+from kafka2pg.devtools.producer import produce, sample_events
 
 
 def test_a_check_constraint_on_the_target_quarantines_only_its_rows_and_the_batch_promotes(

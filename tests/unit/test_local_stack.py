@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import uuid
 
-from kafka2pg import local_stack
+from kafka2pg.devtools import broker, local_stack
+from kafka2pg.devtools.broker import KafkaProcess
+from kafka2pg.devtools.postgres import PostgresProcess
+from kafka2pg.devtools.secured_listeners import SaslUser, SecuredListener
 
 
 def test_a_kraft_cluster_id_never_starts_with_a_dash(monkeypatch):
     """One random id in 64 starts with "-" (URL-safe base64 of a first byte 0xf8-0xfb); StorageTool
     then took `-t -…` for a missing id and failed to format the broker's storage."""
     draws = iter([uuid.UUID(bytes=b"\xf8" + bytes(15)), uuid.UUID(bytes=b"\x01" + bytes(15))])
-    monkeypatch.setattr(local_stack.uuid, "uuid4", lambda: next(draws))
-    cluster_id = local_stack.new_cluster_id()
+    monkeypatch.setattr(broker.uuid, "uuid4", lambda: next(draws))
+    cluster_id = broker.new_cluster_id()
     assert cluster_id == "AQAAAAAAAAAAAAAAAAAAAA"
     assert next(draws, None) is None, "the dash-led id must have been drawn and refused"
     monkeypatch.undo()
-    ids = {local_stack.new_cluster_id() for _ in range(2000)}
+    ids = {broker.new_cluster_id() for _ in range(2000)}
     assert len(ids) == 2000 and all(len(i) == 22 and not i.startswith("-") for i in ids)
 
 
@@ -32,8 +35,8 @@ def test_stack_reset_without_confirm_deletes_nothing(tmp_path, monkeypatch, caps
         folder.mkdir(parents=True)
         (folder / "kept").write_text("data")
     stack = local_stack.Stack(
-        local_stack.KafkaProcess(1, 9, 10, str(kafka_dir), str(kafka_dir / "kafka.log")),
-        local_stack.PostgresProcess(1, 11, str(cluster / "data"), str(cluster / "postgres.log"), "/nonexistent"),
+        KafkaProcess(1, 9, 10, str(kafka_dir), str(kafka_dir / "kafka.log")),
+        PostgresProcess(1, 11, str(cluster / "data"), str(cluster / "postgres.log"), "/nonexistent"),
     )
     local_stack.save_stack(stack, tmp_path)
     monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path))
@@ -57,8 +60,8 @@ def test_stack_start_secured_refuses_a_recorded_stack_without_secured_listeners(
 
     kafka_dir = local_stack.stack_dir(tmp_path) / "kafka"
     stack = local_stack.Stack(
-        local_stack.KafkaProcess(1, 9, 10, str(kafka_dir), str(kafka_dir / "kafka.log")),
-        local_stack.PostgresProcess(1, 11, str(tmp_path / "pg" / "data"), str(tmp_path / "pg.log"), "/nonexistent"),
+        KafkaProcess(1, 9, 10, str(kafka_dir), str(kafka_dir / "kafka.log")),
+        PostgresProcess(1, 11, str(tmp_path / "pg" / "data"), str(tmp_path / "pg.log"), "/nonexistent"),
     )
     local_stack.save_stack(stack, tmp_path)
     monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path))
@@ -71,8 +74,8 @@ def test_stack_start_secured_refuses_a_recorded_stack_without_secured_listeners(
 
 
 def test_secured_client_configs_and_a_password_kept_out_of_repr(tmp_path):
-    scram, plain = local_stack.SaslUser("s", "scram-secret"), local_stack.SaslUser("p", "plain-secret")
-    listener = local_stack.SecuredListener(
+    scram, plain = SaslUser("s", "scram-secret"), SaslUser("p", "plain-secret")
+    listener = SecuredListener(
         sasl_ssl_bootstrap_servers="127.0.0.1:1",
         ssl_bootstrap_servers="127.0.0.1:2",
         ca_pem=tmp_path / "ca.pem",

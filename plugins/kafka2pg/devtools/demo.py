@@ -6,38 +6,18 @@ second run that is a no-op without Spark.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
-from kafka2pg import local_stack
-from kafka2pg.cli import airflow_command, run_logged
 from kafka2pg.config import get_pipeline, pipelines_file_from_env
+from kafka2pg.devtools import local_stack
+from kafka2pg.devtools.airflow_cli import dags_test, ensure_airflow_db
+from kafka2pg.exceptions import StackError
+from kafka2pg.jars import resolve_jars
 from kafka2pg.locations import state_dir
 
 PIPELINE = "orders"
-
-
-def ensure_airflow_db(env: dict[str, str]) -> None:
-    """`airflow db migrate` once per AIRFLOW_HOME (marker file), so later runs start fast."""
-    import airflow
-
-    home = Path(env["AIRFLOW_HOME"])
-    marker = home / f".kafka2pg-db-migrated-{airflow.__version__}"
-    if marker.exists():
-        return
-    home.mkdir(parents=True, exist_ok=True)
-    code, output, _ = run_logged([*airflow_command(), "db", "migrate"], home / "db-migrate.log", env)
-    if code != 0:
-        raise local_stack.StackError(f"`airflow db migrate` failed (log {home / 'db-migrate.log'}):\n{output[-3000:]}")
-    marker.touch()
-
-
-def dags_test(dag_id: str, env: dict[str, str], log_file: Path, conf: dict | None = None) -> tuple[int, str, float]:
-    """`airflow dags test` of one DAG; `conf` is the run's conf (Param values, as the trigger form sends)."""
-    extra = ["--conf", json.dumps(conf)] if conf else []
-    return run_logged([*airflow_command(), "dags", "test", dag_id, *extra], log_file, env)
 
 
 def _task_states(output: str) -> str:
@@ -54,11 +34,11 @@ def _plan_message(output: str) -> str:
 def run(*, events: int, keep: bool) -> int:
     cache = state_dir()
     print("[1/6] resolving Kafka and Spark jars (cached after the first run)")
-    local_stack.resolve_jars(cache)
+    resolve_jars(cache)
     print("[2/6] starting a real Kafka broker (KRaft) and a throwaway PostgreSQL on 127.0.0.1")
     if local_stack.reset_targets(cache):
         # The demo counts what it lands from an empty stack, and never deletes data it did not make.
-        raise local_stack.StackError(
+        raise StackError(
             f"a local stack already exists in {local_stack.stack_dir(cache)}, with its data: the demo starts "
             "its own, empty one. `./kafka2pg stack reset` shows what that stack holds, `./kafka2pg stack reset "
             "--confirm` deletes it; then run the demo again."
@@ -77,9 +57,9 @@ def run(*, events: int, keep: bool) -> int:
 
 def _run_with_stack(stack: local_stack.Stack, events: int, cache: Path) -> int:
     from kafka2pg.connections import settings_for
+    from kafka2pg.devtools.producer import produce_sample
     from kafka2pg.kafka_offsets import ensure_topic
     from kafka2pg.migrations import migrate
-    from kafka2pg.producer import produce_sample
     from kafka2pg.report import batch_report, ledger_report
 
     # The DAG runs (and this process) find the stack through the Airflow Connections

@@ -1,0 +1,78 @@
+"""The jars resolved from Maven Central with `mvn`: Spark's Kafka source, which every stage job
+needs, and the Kafka broker, which the local stack (kafka2pg.devtools) runs.
+
+Set-up (`kafka2pg stack install`) resolves both once under the state directory's `jars/`; the
+DAG's spark-submit finds Spark's there (dag_factory.spark_kafka_source). Later calls are offline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from kafka2pg.exceptions import StackError
+from kafka2pg.locations import PACKAGE_DIR, default_state_dir
+
+log = logging.getLogger(__name__)
+
+MAVEN_DIR = PACKAGE_DIR / "maven"
+DEFAULT_CACHE = default_state_dir()
+
+
+def jar_dir(cache: Path, name: str) -> Path:
+    return cache / "jars" / name
+
+
+def resolve_jars(cache: Path = DEFAULT_CACHE) -> dict[str, Path]:
+    """Resolve the Kafka broker and Spark Kafka source jars once; later calls are offline."""
+    result = {}
+    for name, pom in (("kafka", "kafka-broker.pom.xml"), ("spark", "spark-kafka.pom.xml")):
+        target = jar_dir(cache, name)
+        marker = target / ".complete"
+        pom_path = MAVEN_DIR / pom
+        if marker.exists() and marker.read_text() == pom_path.read_text():
+            result[name] = target
+            continue
+        if shutil.which("mvn") is None:
+            raise StackError("Maven (mvn) is not installed: `apt-get install maven`, or run ./kafka2pg setup")
+        shutil.rmtree(target, ignore_errors=True)
+        settings = os.environ.get("KAFKA2PG_MAVEN_SETTINGS", str(MAVEN_DIR / "settings.xml"))
+        command = [
+            "mvn",
+            "-B",
+            "-q",
+            "-s",
+            settings,
+            "-f",
+            str(pom_path),
+            "dependency:copy-dependencies",
+            f"-DoutputDirectory={target}",
+            "-DincludeScope=runtime",
+        ]
+        log.info("resolving %s jars from Maven Central into %s", name, target)
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise StackError(f"Maven could not resolve {pom}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
+        marker.write_text(pom_path.read_text())
+        result[name] = target
+    return result
+
+
+def spark_jars(cache: Path = DEFAULT_CACHE) -> list[Path]:
+    """The Kafka source jars Spark lacks (those pyspark already ships are left out)."""
+    import pyspark
+
+    shipped = {_artifact(p.name) for p in (Path(pyspark.__file__).parent / "jars").glob("*.jar")}
+    jars = resolve_jars(cache)["spark"]
+    return sorted(p for p in jars.glob("*.jar") if _artifact(p.name) not in shipped)
+
+
+def _artifact(jar_name: str) -> str:
+    stem = jar_name.removesuffix(".jar")
+    parts = stem.split("-")
+    while parts and parts[-1][:1].isdigit():
+        parts.pop()
+    return "-".join(parts)
