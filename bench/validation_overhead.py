@@ -18,14 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import bench_pipeline, bench_spark, bench_stack, best_of  # noqa: E402
 from psycopg import sql  # noqa: E402
 
-from kafka2pg import expectations, quality  # noqa: E402
+from kafka2pg import checks, expectations, quality  # noqa: E402
 from kafka2pg.batch_store import load_batch  # noqa: E402
 from kafka2pg.config import Settings  # noqa: E402
 from kafka2pg.database import connect, transaction  # noqa: E402
 from kafka2pg.devtools.producer import produce, sample_events  # noqa: E402
 from kafka2pg.kafka_offsets import ensure_topic  # noqa: E402
+from kafka2pg.lifecycle import BatchState  # noqa: E402
 from kafka2pg.migrations import migrate  # noqa: E402
 from kafka2pg.opening import open_batch  # noqa: E402
+from kafka2pg.rows import staged_counts  # noqa: E402
 from kafka2pg.staging import stage_batch  # noqa: E402
 
 
@@ -36,7 +38,7 @@ def _unvalidate(settings: Settings, staging: str, batch_id: int) -> None:
                 sql.Identifier("kafka2pg", staging)
             )
         )
-        conn.execute("UPDATE kafka2pg.batches SET state = 'staged' WHERE batch_id = %s", (batch_id,))
+        conn.execute("UPDATE kafka2pg.batches SET state = %s WHERE batch_id = %s", (BatchState.STAGED, batch_id))
 
 
 def main() -> int:
@@ -63,8 +65,10 @@ def main() -> int:
 
         def sql_checks() -> None:
             _unvalidate(settings, pipeline.staging_table, batch.batch_id)
+            witnesses = checks.gap_witnesses(settings, pipeline, batch.batch_id)
             with transaction(settings.database_url) as conn:
-                quality._run_checks(conn, settings, pipeline, load_batch(conn, batch.batch_id))
+                staged = staged_counts(conn, pipeline, batch.batch_id)
+                checks.run_checks(conn, pipeline, load_batch(conn, batch.batch_id), False, staged, witnesses)
 
         with connect(settings.database_url) as conn:
             frame = expectations.load_accepted(conn, pipeline, batch.batch_id)

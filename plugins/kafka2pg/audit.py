@@ -16,6 +16,7 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect
 from kafka2pg.kafka_offsets import partition_offsets, read_offsets, topic_retention
 from kafka2pg.ledger import last_resets, ranges_since_reset, read_heads
+from kafka2pg.planner import ledger_breaks
 from kafka2pg.stuck import StuckBatch
 
 SAMPLE = 20
@@ -42,28 +43,6 @@ class PartitionAudit:
     @property
     def clean(self) -> bool:
         return self.missing == 0 and self.duplicated == 0 and self.unexplained == 0 and not self.ledger_breaks
-
-
-def ledger_breaks(ranges: list[tuple[int, int]], head: int | None, start: int | None = None) -> list[str]:
-    """Where a partition's ledger is not one contiguous, non-overlapping run ending at the head.
-
-    `ranges` are every ledgered range (batches and recorded gaps), sorted by start; `start`,
-    after a reset, is the offset the partition was reset to (where its ranges must begin).
-    """
-    if not ranges and head == start:
-        return []  # reset, nothing consumed since
-    breaks = []
-    if start is not None and ranges and ranges[0][0] != start:
-        breaks.append(f"ledger restarts at {ranges[0][0]} but the partition was reset to {start}")
-    for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False):
-        if start < end:
-            breaks.append(f"ranges overlap at [{start}, {end})")
-        elif start > end:
-            breaks.append(f"unrecorded hole [{end}, {start})")
-    last = ranges[-1][1] if ranges else None
-    if last != head:
-        breaks.append(f"ledger ends at {last} but the head is {head}")
-    return breaks
 
 
 def _db_offsets(url: str, pipeline: Pipeline, partition: int, after_batch: int) -> Iterator[int]:

@@ -270,7 +270,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Plan, read (local Spark), validate and finish one replay in this process."""
     from kafka2pg.migrations import require_ready
     from kafka2pg.quality import validate_batch
-    from kafka2pg.replay import open_replay, request_from_params
+    from kafka2pg.replay import open_replay
+    from kafka2pg.replay_request import request_from_params
     from kafka2pg.steps import promote_batch
 
     settings, pipeline = _pipeline(args)
@@ -299,7 +300,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_undo(args: argparse.Namespace) -> int:
-    from kafka2pg.replay import undo_batch
+    from kafka2pg.undo import undo_batch
 
     settings, pipeline = _pipeline(args)
     undo = undo_batch(

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kafka2pg.lifecycle import BatchState
+
 
 class Kafka2PgError(Exception):
     """Base class of every deliberate kafka2pg error.
@@ -185,7 +187,7 @@ class StagingLostError(BatchStateError):
             "the same offsets from Kafka.",
             pipeline=pipeline,
             batch_id=batch_id,
-            state="planned",
+            state=BatchState.PLANNED,
         )
 
 

@@ -335,3 +335,25 @@ def loss_horizon(
     if unread and retention_ms is not None and head_timestamp_ms is not None:
         seconds_left = (head_timestamp_ms + retention_ms - now_ms) / 1000
     return LossHorizon(state.partition, unread, head - state.low, seconds_left)
+
+
+def ledger_breaks(ranges: list[tuple[int, int]], head: int | None, start: int | None = None) -> list[str]:
+    """Where a partition's ledger is not one contiguous, non-overlapping run ending at the head.
+
+    `ranges` are every ledgered range (batches and recorded gaps), sorted by start; `start`,
+    after a reset, is the offset the partition was reset to (where its ranges must begin).
+    """
+    if not ranges and head == start:
+        return []  # reset, nothing consumed since
+    breaks = []
+    if start is not None and ranges and ranges[0][0] != start:
+        breaks.append(f"ledger restarts at {ranges[0][0]} but the partition was reset to {start}")
+    for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False):
+        if start < end:
+            breaks.append(f"ranges overlap at [{start}, {end})")
+        elif start > end:
+            breaks.append(f"unrecorded hole [{end}, {start})")
+    last = ranges[-1][1] if ranges else None
+    if last != head:
+        breaks.append(f"ledger ends at {last} but the head is {head}")
+    return breaks

@@ -1,51 +1,42 @@
-"""The quality gate (DESIGN step 3): checks a staged batch and flags duplicates before promotion.
+"""The quality gate (DESIGN step 3): the SQL checks (`kafka2pg.checks`, which flag duplicates
+to quarantine) and Great Expectations on a staged batch, the verdict, and the batch's report.
 
-Plain SQL checks in one transaction; results are stored in kafka2pg.batch_checks. It fails
-closed: a batch is promoted only from `validated`, which only this module sets.
+One transaction under the batch's row lock: checks, results (kafka2pg.batch_checks) and the
+state move commit together. It fails closed: a batch is promoted only from `validated`,
+which only this module sets. Kafka is asked before the lock, the report written after it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from psycopg import Connection, sql
+from psycopg import Connection
 
 from kafka2pg.batch_store import (
     Batch,
     key_probe_deferred,
-    load_batch,
     load_claimed,
     raise_staging_lost,
     staging_lost,
     transition,
 )
+from kafka2pg.checks import (
+    Check,
+    gap_witnesses,
+    quarantined_rows,
+    recheck_after_collision,
+    run_checks,
+    store_checks,
+)
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, QualityGateFailed
-from kafka2pg.kafka_offsets import count_range, topic_retention
-from kafka2pg.ledger import reset_floors
 from kafka2pg.lifecycle import Action, BatchState, gate_verdict, validate_action
-from kafka2pg.migrations import has_index, table_indexes
-from kafka2pg.planner import account_gap
-from kafka2pg.rows import range_predicate, staged_counts
+from kafka2pg.rows import staged_counts
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Check:
-    """One check's outcome; `flagged` rows were moved to quarantine instead of failing."""
-
-    name: str
-    success: bool
-    unexpected: int
-    details: str
-    flagged: int = 0
-    deferred: bool = False  # left to promotion (the target's unique index), which runs it on a collision
 
 
 @dataclass(frozen=True)
@@ -77,7 +68,7 @@ def validate_batch(
     check (whoever validates it: the promotion itself, a retry, the next run).
     """
     checks: list[Check] = []
-    witnesses = _gap_witnesses(settings, pipeline, batch_id)  # Kafka is asked before any lock is taken
+    witnesses = gap_witnesses(settings, pipeline, batch_id)  # Kafka is asked before any lock is taken
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         action = validate_action(batch.state)
@@ -94,24 +85,14 @@ def validate_batch(
         staged = staged_counts(conn, pipeline, batch_id)  # one count: the loss guard and completeness
         lost = staging_lost(conn, pipeline, batch, staged)
         if not lost:
-            if key_probe_deferred(conn, batch_id):
-                # A staged batch with stored results was sent back by a key collision at
-                # promotion (staging a batch clears its results): the rows the other checks
-                # judged did not change, and the rows they flagged are out of their reach now
-                # (run again, they would report 0). Their results stand; what looks into the
-                # target runs again: the deferred key check, and the offsets one (the collision
-                # may have been on the target's primary key: offsets landed meanwhile).
-                fresh = [
-                    _not_already_promoted(conn, pipeline, batch),
-                    _business_key_not_promoted(conn, pipeline, batch),
-                ]
-                sql_checks = _with_stored_checks(conn, batch_id, fresh)
+            if key_probe_deferred(conn, batch_id):  # sent back by a key collision at promotion
+                sql_checks = recheck_after_collision(conn, pipeline, batch)
             else:
-                sql_checks = _run_checks(conn, pipeline, batch, probe_promoted_keys, staged, witnesses)
-            quarantined = _quarantined(conn, pipeline, batch_id)
+                sql_checks = run_checks(conn, pipeline, batch, probe_promoted_keys, staged, witnesses)
+            quarantined = quarantined_rows(conn, pipeline, batch_id)
             gx_checks, gx_rows = _great_expectations(conn, pipeline, batch, quarantined)
             checks = sql_checks + gx_checks
-            _store_checks(conn, batch_id, checks)
+            store_checks(conn, batch_id, checks)
             summary = "; ".join(f"{c.name}: {c.details}" for c in checks if not c.success)
             payload = _report(batch, sql_checks, gx_rows, quarantined, bool(summary))
             verdict = gate_verdict(sum(not c.success for c in checks))
@@ -225,466 +206,3 @@ def _gx_version() -> str:
     from importlib.metadata import version
 
     return version("great-expectations")
-
-
-def _store_checks(conn: Connection, batch_id: int, checks: list[Check]) -> None:
-    conn.execute("DELETE FROM kafka2pg.batch_checks WHERE batch_id = %s", (batch_id,))
-    with conn.cursor() as cur:
-        cur.executemany(
-            "INSERT INTO kafka2pg.batch_checks (batch_id, check_name, success, unexpected_count, details, deferred)"
-            " VALUES (%s, %s, %s, %s, %s, %s)",
-            [(batch_id, c.name, c.success, c.unexpected, c.details, c.deferred) for c in checks],
-        )
-
-
-def _staging(pipeline: Pipeline) -> sql.Identifier:
-    return sql.Identifier("kafka2pg", pipeline.staging_table)
-
-
-def _target(pipeline: Pipeline) -> sql.Identifier:
-    return sql.Identifier(pipeline.target_schema, pipeline.target_table)
-
-
-def _quarantined(conn: Connection, pipeline: Pipeline, batch_id: int) -> int:
-    query = sql.SQL("SELECT count(*) FROM {} WHERE batch_id = %s AND quarantine_reason IS NOT NULL")
-    return conn.execute(query.format(_staging(pipeline)), (batch_id,)).fetchone()[0]
-
-
-def _run_checks(
-    conn: Connection,
-    pipeline: Pipeline,
-    batch: Batch,
-    probe_promoted_keys: bool,
-    staged: dict[int, int],
-    witnesses: GapWitnesses,
-) -> list[Check]:
-    checks = [
-        _completeness(conn, batch, staged),
-        _offset_gaps_explained(conn, batch, witnesses),
-        _provenance_unique(conn, pipeline, batch),
-        _replay_scope(conn, pipeline, batch)
-        if batch.kind == "replay"
-        else _not_already_promoted(conn, pipeline, batch),
-        _required_not_null(conn, pipeline, batch),
-    ]
-    checks += [_quarantine_rule_violations(conn, pipeline, batch, c) for c in pipeline.columns if _quarantines(c)]
-    if pipeline.business_key:
-        checks.append(_business_key_unique_in_batch(conn, pipeline, batch))
-        if not probe_promoted_keys and _may_defer_key_probe(conn, pipeline, batch):
-            checks.append(Check(KEY_PROMOTED_CHECK, True, 0, DEFERRED_KEY_PROBE, deferred=True))
-        else:
-            checks.append(_business_key_not_promoted(conn, pipeline, batch))
-    return checks
-
-
-KEY_PROMOTED_CHECK = "business_key_not_already_promoted"
-DEFERRED = "deferred to promotion"
-DEFERRED_KEY_PROBE = f"{DEFERRED}: the target's unique business-key index refuses a promoted key, which runs this check"
-
-
-def _may_defer_key_probe(conn: Connection, pipeline: Pipeline, batch: Batch) -> bool:
-    """Whether the check that no staged business key is in the target yet may be left to the
-    target's unique index at promotion (`promote_batch` validates again with the probe when
-    that index refuses a key). Only for live batches (a replay's keys are in the target by
-    design), only with a valid unique index on exactly the business key, and only while the
-    pipeline's previous batch found none: a stream that repeats keys across batches is probed
-    up front, so a collision costs one failed insert when such keys start, not one per batch
-    (the probe's cost: bench/README.md)."""
-    if batch.kind != "live":
-        return False
-    previous = conn.execute(
-        "SELECT c.unexpected_count FROM kafka2pg.batches b JOIN kafka2pg.batch_checks c"
-        " ON c.batch_id = b.batch_id AND c.check_name = %s"
-        " WHERE b.pipeline = %s AND b.batch_id < %s ORDER BY b.batch_id DESC LIMIT 1",
-        (KEY_PROMOTED_CHECK, pipeline.name, batch.batch_id),
-    ).fetchone()
-    if previous is not None and previous[0] > 0:
-        return False
-    return _unique_key_index(conn, pipeline)
-
-
-def _unique_key_index(conn: Connection, pipeline: Pipeline) -> bool:
-    """Whether the target has a valid, whole-table unique index on exactly the business key's
-    columns (in any order, no expressions, no included columns), checked at each insert (not
-    DEFERRABLE: a violation at COMMIT would escape the promotion's collision handling)."""
-    return has_index(conn, _target(pipeline), pipeline.business_key, unique=True)
-
-
-def _with_stored_checks(conn: Connection, batch_id: int, fresh: list[Check]) -> list[Check]:
-    """`fresh` and the batch's other stored SQL check results (not GX's), in the gate's order."""
-    rows = conn.execute(
-        "SELECT check_name, success, unexpected_count, details, deferred FROM kafka2pg.batch_checks"
-        " WHERE batch_id = %s AND check_name NOT LIKE 'gx:%%' AND check_name <> ALL(%s)",
-        (batch_id, [c.name for c in fresh]),
-    ).fetchall()
-    flagging = ("rule_", "business_key_")  # the checks that flag rows to quarantine instead of failing
-    checks = [
-        Check(n, ok, count, details, count if ok and n.startswith(flagging) else 0, deferred)
-        for n, ok, count, details, deferred in rows
-    ]
-    return sorted(
-        [*checks, *fresh], key=lambda c: (_CHECK_ORDER.index(c.name) if c.name in _CHECK_ORDER else 4.5, c.name)
-    )
-
-
-_CHECK_ORDER = (
-    "staged_rows_equal_records_read",
-    "offset_gaps_explained",
-    "provenance_unique",
-    "provenance_not_already_promoted",
-    "required_columns_not_null",
-    "business_key_unique_in_batch",  # after the rule_<column> checks (4.5)
-)
-
-
-def _quarantines(column) -> bool:
-    declared = column.minimum is not None or column.maximum is not None or column.allowed is not None
-    return declared and column.on_violation == "quarantine"
-
-
-def _quarantine_rule_violations(conn: Connection, pipeline: Pipeline, batch: Batch, column) -> Check:
-    """`on_violation: quarantine`: rows outside a column's declared range/values go to quarantine
-    with the value and the rule; the GX expectation then checks what is left."""
-    col = sql.Identifier(column.name)
-    rules = []
-    if column.minimum is not None or column.maximum is not None:
-        low = sql.SQL("{} < {}").format(col, sql.Literal(column.minimum)) if column.minimum is not None else None
-        high = sql.SQL("{} > {}").format(col, sql.Literal(column.maximum)) if column.maximum is not None else None
-        rules.append(
-            (
-                sql.SQL(" OR ").join([c for c in (low, high) if c is not None]),
-                f"range [{column.minimum}, {column.maximum}]",
-            )
-        )
-    if column.allowed is not None:
-        # Compare typed values (the column's own type), never their text forms.
-        typed = sql.SQL("{} <> ALL({}::{}[])").format(col, sql.Literal(list(column.allowed)), sql.SQL(column.type))
-        rules.append((typed, f"allowed values {list(column.allowed)}"))
-    flagged = 0
-    for violated, rule in rules:
-        flagged += conn.execute(
-            sql.SQL(
-                "UPDATE {staging} SET quarantine_reason = {prefix} || {col}::text || {suffix}"
-                " WHERE batch_id = %s AND quarantine_reason IS NULL AND ({violated})"
-            ).format(
-                staging=_staging(pipeline),
-                prefix=sql.Literal(f"{column.name} = "),
-                col=col,
-                suffix=sql.Literal(f" violates the declared {rule}"),
-                violated=violated,
-            ),
-            (batch.batch_id,),
-        ).rowcount
-    described = " and ".join(rule for _, rule in rules)
-    return Check(
-        f"rule_{column.name}", True, flagged, f"{flagged} row(s) violating {described} flagged to quarantine", flagged
-    )
-
-
-def _completeness(conn: Connection, batch: Batch, staged: dict[int, int]) -> Check:
-    """Every planned partition's records read (by Spark) equal its staged rows (`staged_counts`,
-    counted in this transaction)."""
-    reads = conn.execute(
-        "SELECT kafka_partition, records_read FROM kafka2pg.batch_partitions WHERE batch_id = %s ORDER BY 1",
-        (batch.batch_id,),
-    ).fetchall()
-    rows = [(p, read, staged.get(p, 0)) for p, read in reads]
-    bad = [(p, read, count) for p, read, count in rows if read is None or read != count]
-    details = "; ".join(f"p{p}: read {read}, staged {count}" for p, read, count in bad)
-    return Check("staged_rows_equal_records_read", not bad, len(bad), details or "every record read is staged")
-
-
-@dataclass(frozen=True)
-class GapWitnesses:
-    """What a consumer outside Spark found in the ranges where the batch read fewer records than
-    offsets (`reads`: records read per partition, as staged), asked before the gate's lock."""
-
-    reads: dict[int, int]
-    compacted: bool
-    found: dict  # OffsetRange -> the witness's count
-
-
-def _gap_witnesses(settings: Settings, pipeline: Pipeline, batch_id: int) -> GapWitnesses:
-    with transaction(settings.database_url) as conn:
-        batch = load_batch(conn, batch_id)  # no lock: the gate checks these reads again under it
-        reads = _reads(conn, batch_id)
-    gappy = [r for r in batch.plan.ranges if reads.get(r.partition, 0) != r.size]
-    if batch.state is not BatchState.STAGED or not gappy:
-        return GapWitnesses(reads, False, {})
-    kafka, timeout = settings.kafka, settings.kafka_timeout_s
-    compacted = topic_retention(kafka, pipeline.topic, timeout).compacted
-    found = {r: count_range(kafka, pipeline.topic, r.partition, r.start, r.end, timeout) for r in gappy}
-    return GapWitnesses(reads, compacted, found)
-
-
-def _reads(conn: Connection, batch_id: int) -> dict[int, int]:
-    return dict(
-        conn.execute(
-            "SELECT kafka_partition, coalesce(records_read, 0) FROM kafka2pg.batch_partitions WHERE batch_id = %s",
-            (batch_id,),
-        ).fetchall()
-    )
-
-
-def _offset_gaps_explained(conn: Connection, batch: Batch, witnesses: GapWitnesses) -> Check:
-    """Every offset of the batch without a staged record is explained (aborted, marker, compacted),
-    witnessed by a consumer outside Spark (`_gap_witnesses`); otherwise the batch is held
-    (rejected), not promoted."""
-    reads = _reads(conn, batch.batch_id)
-    if reads != witnesses.reads:  # re-staged since the witnesses were asked: ask again
-        raise BatchStateError.wrong_state(
-            batch.pipeline,
-            batch.batch_id,
-            batch.state,
-            "it was staged again while the gate asked Kafka about it",
-            "Validate it again.",
-        )
-    accounts = []
-    for rng in batch.plan.ranges:
-        read = reads.get(rng.partition, 0)
-        witness = witnesses.found.get(rng)
-        if witness is not None:
-            accounts.append(
-                account_gap(rng, read, witness.committed, witness.data_records, compacted_topic=witnesses.compacted)
-            )
-        else:
-            accounts.append(account_gap(rng, read, None, None, compacted_topic=witnesses.compacted))
-    with conn.cursor() as cur:
-        cur.executemany(
-            "UPDATE kafka2pg.batch_partitions SET committed_records = %s, aborted_records = %s, marker_offsets = %s,"
-            " compacted_offsets = %s WHERE batch_id = %s AND kafka_partition = %s",
-            [(a.committed, a.aborted, a.markers, a.compacted, batch.batch_id, a.partition) for a in accounts],
-        )
-    problems = [a.problem for a in accounts if a.problem]
-    if problems:
-        return Check("offset_gaps_explained", False, len(problems), "; ".join(problems))
-    explained = [
-        f"p{a.partition}: {a.gap} offsets without a record ({a.aborted} aborted, {a.markers} transaction markers, "
-        f"{a.compacted} compacted)"
-        for a in accounts
-        if a.gap
-    ]
-    return Check("offset_gaps_explained", True, 0, "; ".join(explained) or "every offset holds a record")
-
-
-def _provenance_unique(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
-    # Rows beyond the first of each provenance: a hashed GROUP BY (count(DISTINCT row) sorts instead).
-    dupes = conn.execute(
-        sql.SQL(
-            "SELECT coalesce(sum(n - 1), 0)::bigint FROM (SELECT count(*) AS n FROM {} WHERE batch_id = %s"
-            " GROUP BY kafka_topic, kafka_partition, kafka_offset HAVING count(*) > 1) d"
-        ).format(_staging(pipeline)),
-        (batch.batch_id,),
-    ).fetchone()[0]
-    return Check("provenance_unique", dupes == 0, dupes, f"{dupes} provenance duplicates in staging")
-
-
-def _replaced_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> sql.Composable | None:
-    """For a replay: the predicate of the target rows its promotion replaces (None for live batches)."""
-    if batch.kind != "replay":
-        return None
-
-    return range_predicate(batch.plan.ranges, reset_floors(conn, pipeline.name), alias="t")
-
-
-def _replay_scope(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
-    """A replay's staged offsets are meant to be in the target already: count what it replaces."""
-    replaced = conn.execute(
-        sql.SQL("SELECT count(*) FROM {} t WHERE t.kafka_topic = %s AND {}").format(
-            _target(pipeline), _replaced_rows(conn, pipeline, batch)
-        ),
-        (pipeline.topic,),
-    ).fetchone()[0]
-    return Check(
-        "replay_replaces_range",
-        True,
-        0,
-        f"replay: {replaced} target rows of the range (and its quarantine rows) are replaced when it is finished",
-    )
-
-
-def _not_already_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
-    overlap = _offsets_already_landed(conn, pipeline, batch) if _ranges_touched(conn, pipeline, batch) else 0
-    details = f"{overlap} staged offsets already in the target or the quarantine"
-    if overlap:
-        details += (
-            " (a recreated topic reuses offsets: `kafka2pg reset --archive-old-rows` moves the old topic's rows away)"
-        )
-    return Check("provenance_not_already_promoted", overlap == 0, overlap, details)
-
-
-def _ranges_touched(conn: Connection, pipeline: Pipeline, batch: Batch) -> bool:
-    """Whether the target or the quarantine holds any offset of the batch's planned ranges: one
-    primary-key range probe per partition and table, where a probe per staged row costs 100k
-    lookups per batch. Staged offsets lie inside the planned ranges (stage_batch checks it), so
-    False means none of them landed; True is answered exactly by `_offsets_already_landed`.
-    One EXISTS per range, not one join against a VALUES list of them: the planner answers the
-    join with a hash join over the whole target (its cost grows with the target) and each EXISTS
-    with an index probe (under a millisecond)."""
-    probes = []
-    for r in batch.plan.ranges:
-        in_range = sql.SQL("kafka_partition = {} AND kafka_offset >= {} AND kafka_offset < {}").format(
-            sql.Literal(r.partition), sql.Literal(r.start), sql.Literal(r.end)
-        )
-        probes.append(
-            sql.SQL("EXISTS (SELECT 1 FROM {target} WHERE kafka_topic = %(topic)s AND {in_range})").format(
-                target=_target(pipeline), in_range=in_range
-            )
-        )
-        probes.append(
-            sql.SQL(
-                "EXISTS (SELECT 1 FROM kafka2pg.quarantine WHERE pipeline = %(pipeline)s"
-                " AND kafka_topic = %(topic)s AND {in_range})"
-            ).format(in_range=in_range)
-        )
-    if not probes:
-        return False
-    touched = sql.SQL("SELECT {}").format(sql.SQL(" OR ").join(probes))
-    return conn.execute(touched, {"topic": batch.plan.topic, "pipeline": pipeline.name}).fetchone()[0]
-
-
-def _offsets_already_landed(conn: Connection, pipeline: Pipeline, batch: Batch) -> int:
-    return conn.execute(
-        sql.SQL(
-            "SELECT (SELECT count(*) FROM {staging} s"
-            "  JOIN {target} t USING (kafka_topic, kafka_partition, kafka_offset) WHERE s.batch_id = %(batch)s)"
-            " + (SELECT count(*) FROM {staging} s JOIN kafka2pg.quarantine q"
-            "  ON q.pipeline = %(pipeline)s AND q.kafka_topic = s.kafka_topic"
-            "  AND q.kafka_partition = s.kafka_partition AND q.kafka_offset = s.kafka_offset"
-            "  WHERE s.batch_id = %(batch)s)"
-        ).format(staging=_staging(pipeline), target=_target(pipeline)),
-        {"batch": batch.batch_id, "pipeline": pipeline.name},
-    ).fetchone()[0]
-
-
-def _required_not_null(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
-    required = [*pipeline.required_columns, *(k for k in pipeline.business_key if k not in pipeline.required_columns)]
-    if not required:
-        return Check("required_columns_not_null", True, 0, "no required columns")
-    any_null = sql.SQL(" OR ").join(sql.SQL("{} IS NULL").format(sql.Identifier(c)) for c in required)
-    nulls = conn.execute(
-        sql.SQL("SELECT count(*) FROM {} WHERE batch_id = %s AND quarantine_reason IS NULL AND ({})").format(
-            _staging(pipeline), any_null
-        ),
-        (batch.batch_id,),
-    ).fetchone()[0]
-    return Check("required_columns_not_null", nulls == 0, nulls, f"{nulls} accepted rows with a null in {required}")
-
-
-@contextmanager
-def _planner(conn: Connection, **settings: str) -> Iterator[None]:
-    """Planner settings for one statement of the caller's transaction, restored after it. Turning
-    hash and merge joins off leaves a nested loop over an index; only for joins that have one
-    (the setting discourages the other joins by a fixed cost, it does not forbid them, and a
-    nested loop without an index can look cheaper than that cost)."""
-    previous = {name: conn.execute("SELECT current_setting(%s)", (name,)).fetchone()[0] for name in settings}
-    for name, value in settings.items():
-        conn.execute("SELECT set_config(%s, %s, true)", (name, value))
-    yield  # an error aborts the transaction, whose rollback restores them
-    for name, value in previous.items():
-        conn.execute("SELECT set_config(%s, %s, true)", (name, value))
-
-
-def _key_columns(pipeline: Pipeline, alias: str) -> sql.Composed:
-    return sql.SQL(", ").join(sql.Identifier(alias, k) for k in pipeline.business_key)
-
-
-def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
-    """Producer retries: keep the first occurrence (by timestamp, partition, offset), flag the rest."""
-    ranked = sql.SQL(
-        "SELECT s.kafka_partition, s.kafka_offset,"
-        " first_value(s.kafka_partition) OVER w AS kept_partition,"
-        " first_value(s.kafka_offset) OVER w AS kept_offset,"
-        " row_number() OVER w AS n"
-        " FROM {staging} s WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL"
-        " WINDOW w AS (PARTITION BY {keys} ORDER BY s.kafka_timestamp, s.kafka_partition, s.kafka_offset)"
-    ).format(staging=_staging(pipeline), keys=_key_columns(pipeline, "s"))
-    # The count, with a hashed GROUP BY: the window above sorts the batch by its key (0.24 s per
-    # 100k rows here, 0.09 s hashed) and is only needed to flag duplicates once there are some.
-    counted = sql.SQL(
-        "SELECT coalesce(sum(n - 1), 0)::bigint FROM (SELECT count(*) AS n FROM {staging} s"
-        " WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL GROUP BY {keys} HAVING count(*) > 1) d"
-    ).format(staging=_staging(pipeline), keys=_key_columns(pipeline, "s"))
-    return _flag_duplicates(
-        conn,
-        pipeline,
-        batch,
-        "business_key_unique_in_batch",
-        ranked,
-        "'duplicate business key within batch ' || %(batch)s || ': kept partition ' || d.kept_partition"
-        " || ' offset ' || d.kept_offset",
-        counted,
-    )
-
-
-def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
-    join = sql.SQL(" AND ").join(sql.SQL("t.{k} = s.{k}").format(k=sql.Identifier(k)) for k in pipeline.business_key)
-    replaced = _replaced_rows(conn, pipeline, batch)
-    if replaced is not None:  # a replay replaces these rows: they are not duplicates of its own
-        join = sql.SQL("{} AND NOT (t.kafka_topic = {} AND {})").format(join, sql.Literal(pipeline.topic), replaced)
-    ranked = sql.SQL(
-        "SELECT s.kafka_partition, s.kafka_offset, t.kafka_partition AS kept_partition,"
-        " t.kafka_offset AS kept_offset, t.batch_id AS kept_batch, 2 AS n"
-        " FROM {staging} s JOIN {target} t ON {join}"
-        " WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL"
-    ).format(staging=_staging(pipeline), target=_target(pipeline), join=join)
-    # The count probes the target's unique business-key index once per staged key, in key order,
-    # so consecutive probes share the index's pages. The planner's own choice, a hash join, reads
-    # the whole target for every batch: several times slower against a large target.
-    counted = sql.SQL(
-        "SELECT count(*) FROM (SELECT {keys} FROM {staging} s WHERE s.batch_id = %(batch)s"
-        " AND s.quarantine_reason IS NULL ORDER BY {keys} OFFSET 0) s JOIN {target} t ON {join}"
-    ).format(keys=_key_columns(pipeline, "s"), staging=_staging(pipeline), target=_target(pipeline), join=join)
-    return _flag_duplicates(
-        conn,
-        pipeline,
-        batch,
-        KEY_PROMOTED_CHECK,
-        ranked,
-        "'business key already promoted by batch ' || d.kept_batch || ' at partition ' || d.kept_partition"
-        " || ' offset ' || d.kept_offset",
-        counted,
-        index_probes=_key_indexed(conn, pipeline),
-    )
-
-
-def _key_indexed(conn: Connection, pipeline: Pipeline) -> bool:
-    """Whether an index on the target leads with a business-key column. Without one (a
-    business_key changed after the target was created keeps the old key's index), probing
-    key by key would be a nested loop over the whole target: leave the join to the planner."""
-    return any(columns and columns[0] in pipeline.business_key for _, columns in table_indexes(conn, _target(pipeline)))
-
-
-def _flag_duplicates(
-    conn: Connection,
-    pipeline: Pipeline,
-    batch: Batch,
-    name: str,
-    ranked: sql.Composed,
-    reason: str,
-    counted: sql.Composed | None = None,
-    *,
-    index_probes: bool = False,
-) -> Check:
-    """Count the rows `ranked` numbers n > 1 (or what `counted` returns, the same number found
-    more cheaply, by index probes if `index_probes`); flag them to quarantine with `reason`, or
-    fail under duplicate_policy: fail."""
-    counted = counted or sql.SQL("SELECT count(*) FROM ({}) d WHERE d.n > 1").format(ranked)
-    with _planner(conn, enable_hashjoin="off", enable_mergejoin="off") if index_probes else nullcontext():
-        count = conn.execute(counted, {"batch": batch.batch_id}).fetchone()[0]
-    if count == 0:
-        return Check(name, True, 0, "no duplicates")
-    if pipeline.duplicate_policy == "fail":
-        return Check(name, False, count, f"{count} duplicate business key(s) (duplicate_policy: fail)")
-    conn.execute(
-        sql.SQL(
-            "UPDATE {staging} s SET quarantine_reason = {reason} FROM ({ranked}) d"
-            " WHERE d.n > 1 AND s.batch_id = %(batch)s"
-            " AND s.kafka_partition = d.kafka_partition AND s.kafka_offset = d.kafka_offset"
-        ).format(staging=_staging(pipeline), reason=sql.SQL(reason), ranked=ranked),
-        {"batch": batch.batch_id},
-    )
-    log.warning(
-        "pipeline=%s batch_id=%s %s: %s duplicates flagged to quarantine", pipeline.name, batch.batch_id, name, count
-    )
-    return Check(name, True, count, f"{count} duplicate(s) flagged to quarantine", flagged=count)

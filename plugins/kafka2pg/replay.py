@@ -1,4 +1,5 @@
-"""Replays and undos: re-load a range the ledger already loaded, or take the newest batch back.
+"""Replays: re-load a range the ledger already loaded (undo, taking the newest batch back, is
+`kafka2pg.undo`; the request itself, `kafka2pg.replay_request`).
 
 A replay is a batch of kind `replay`: it is planned here from explicit offset ranges or a
 time window, read and staged by the same Spark job and checked by the same quality gate as a
@@ -8,36 +9,27 @@ live batch, then finished in ONE transaction under the partitions' range locks:
   ones, record counts before/after in kafka2pg.replays; the live heads never move;
 - `verify-only`: compare the new rows with what the target and quarantine hold, record the
   differences, change nothing.
-
-An undo removes one promoted live batch's rows and rewinds its heads and ledger ranges, only
-when it is the newest batch of every partition it touched (otherwise: replay the range).
 """
 
 from __future__ import annotations
 
 import getpass
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any
 
 from psycopg import Connection, sql
 from psycopg.types.json import Jsonb
 
 from kafka2pg.batch_store import (
     Batch,
-    abandon_lookaheads,
     insert_batch,
-    load_batch,
-    open_batch_id,
     staging_lost,
     transition,
 )
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, ConfigError, ReplayRefusedError
-from kafka2pg.kafka_offsets import offsets_for_times, partition_offsets, topic_retention
+from kafka2pg.exceptions import BatchStateError, ReplayRefusedError
+from kafka2pg.kafka_offsets import offsets_for_times, partition_offsets
 from kafka2pg.ledger import (
     last_resets,
     lock_partitions,
@@ -49,122 +41,12 @@ from kafka2pg.ledger import (
 from kafka2pg.lifecycle import Action, BatchState, promote_action, replay_outcome
 from kafka2pg.opening import OpenedBatch
 from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan, describe_ranges
+from kafka2pg.replay_request import ReplayRequest
 from kafka2pg.rows import clear_staging, insert_quarantine, insert_target, range_predicate
 
 log = logging.getLogger(__name__)
 
-MODES = ("replace", "verify-only")
 SAMPLE = 20
-
-
-@dataclass(frozen=True)
-class ReplayRequest:
-    """What to replay: explicit ranges, or a time window [start, end) mapped to offsets."""
-
-    mode: str = "replace"
-    ranges: tuple[OffsetRange, ...] = ()
-    window: tuple[datetime, datetime] | None = None
-    requested_by: str = ""
-    reason: str = ""
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"replay mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if bool(self.ranges) == (self.window is not None):
-            raise ConfigError("a replay needs either offset ranges or a time window (exactly one of them)")
-        if self.window is not None and not self.window[0] < self.window[1]:
-            raise ConfigError(f"replay time window: from {self.window[0]} must be before to {self.window[1]}")
-        seen: set[int] = set()
-        for r in self.ranges:
-            if r.size == 0:
-                raise ConfigError(f"replay range of partition {r.partition} is empty: [{r.start}, {r.end})")
-            if r.partition in seen:
-                raise ConfigError(
-                    f"replay: one range per partition (partition {r.partition} has several); "
-                    "replay them one after the other, or one range covering them"
-                )
-            seen.add(r.partition)
-
-
-def parse_time(value: Any, name: str) -> datetime:
-    """ISO-8601 text (or a datetime) -> aware datetime; no zone means UTC."""
-    if isinstance(value, datetime):
-        moment = value
-    else:
-        try:
-            moment = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-        except ValueError as exc:
-            raise ConfigError(f"replay {name}: not an ISO-8601 time: {value!r} (e.g. 2026-11-22T00:00:00Z)") from exc
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
-
-
-def parse_ranges(value: Any) -> tuple[OffsetRange, ...]:
-    """[{"partition": p, "start": s, "end": e}, ...] or "p:s-e,p:s-e" -> offset ranges (end exclusive)."""
-    if value in (None, "", []):
-        return ()
-    items: list[Mapping[str, Any]] = []
-    if isinstance(value, str):
-        for part in value.split(","):
-            try:
-                partition, span = part.strip().split(":")
-                start, end = span.split("-")
-                items.append({"partition": int(partition), "start": int(start), "end": int(end)})
-            except ValueError as exc:
-                raise ConfigError(f"replay offsets: expected 'partition:start-end,...', got {part!r}") from exc
-    elif isinstance(value, list | tuple):
-        items = list(value)
-    else:
-        raise ConfigError(f"replay offset_ranges: expected a list of {{partition, start, end}}, got {value!r}")
-    ranges = []
-    for item in items:
-        if not isinstance(item, Mapping) or set(item) != {"partition", "start", "end"}:
-            raise ConfigError(f"replay offset range {item!r}: expected exactly the keys partition, start, end")
-        values = [item["partition"], item["start"], item["end"]]
-        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
-            raise ConfigError(f"replay offset range {item!r}: partition, start and end must be integers >= 0")
-        if values[2] <= values[1]:
-            raise ConfigError(f"replay offset range {item!r}: end (exclusive) must be greater than start")
-        ranges.append(OffsetRange(*values))
-    return tuple(sorted(ranges, key=lambda r: (r.partition, r.start)))
-
-
-def request_from_params(
-    params: Mapping[str, Any],
-    *,
-    run_type: str | None = None,
-    interval: tuple[datetime | None, datetime | None] = (None, None),
-    requested_by: str = "",
-) -> ReplayRequest | None:
-    """The replay DAG's Params (+ the run's data interval for backfills) -> a request.
-
-    Explicit `offset_ranges`, else `from_time`/`to_time`, else (backfill runs only) the run's
-    data interval. A manual run without ranges or window is an error: a manual run's data
-    interval is not something the user chose. A scheduled run (the DAG was unpaused so that
-    backfills run) replays nothing: None.
-    """
-    mode = params.get("mode") or "replace"
-    reason = params.get("reason") or ""
-    ranges = parse_ranges(params.get("offset_ranges"))
-    start, end = params.get("from_time"), params.get("to_time")
-    if ranges and (start or end):
-        raise ConfigError("replay: give offset_ranges OR from_time/to_time, not both")
-    if ranges:
-        return ReplayRequest(mode, ranges, None, requested_by, reason)
-    if start or end:
-        if not (start and end):
-            raise ConfigError("replay: a time window needs both from_time and to_time")
-        window = (parse_time(start, "from_time"), parse_time(end, "to_time"))
-        return ReplayRequest(mode, (), window, requested_by, reason)
-    if run_type == "scheduled":
-        return None
-    if run_type != "manual" and interval[0] is not None and interval[1] is not None and interval[0] < interval[1]:
-        window = (parse_time(interval[0], "data_interval_start"), parse_time(interval[1], "data_interval_end"))
-        return ReplayRequest(mode, (), window, requested_by, reason or f"{run_type} run over its data interval")
-    raise ConfigError(
-        'replay: nothing to replay. Give offset_ranges (e.g. [{"partition": 0, "start": 0, "end": 100}]) or '
-        "from_time and to_time in the trigger form, or create a backfill over dates (each run replays its "
-        "data interval)."
-    )
 
 
 def resolve_ranges(settings: Settings, pipeline: Pipeline, request: ReplayRequest) -> tuple[OffsetRange, ...]:
@@ -207,7 +89,7 @@ def open_replay(
         )
         batch = insert_batch(conn, pipeline, plan, run_id, kind="replay")
         batch_id = batch.batch_id
-        _record(conn, pipeline, batch_id, request.mode, ranges, request, run_id)
+        record_operation(conn, pipeline, batch_id, request.mode, ranges, request, run_id)
     described = describe_ranges(ranges)
     message = f"planned replay batch {batch_id} ({request.mode}) of {plan.record_budget} offsets: {described}{window}"
     log.info("pipeline=%s %s", pipeline.name, message)
@@ -236,7 +118,7 @@ def _check_replayable(pipeline: Pipeline, r: OffsetRange, head: int | None, load
         )
 
 
-def _record(
+def record_operation(
     conn: Connection,
     pipeline: Pipeline,
     batch_id: int,
@@ -320,12 +202,12 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
     floors = reset_floors(conn, pipeline.name)
     _recheck(conn, pipeline, batch, floors)
     in_range = range_predicate(ranges, floors)
-    before = _count(conn, pipeline, in_range)
+    before = count_rows(conn, pipeline, in_range)
     if replay_outcome(mode == "verify-only") is BatchState.VERIFIED:
         found = differences_of(conn, pipeline, batch.batch_id, in_range)
         clear_staging(conn, pipeline, batch.batch_id)
         transition(conn, batch, BatchState.VERIFIED)
-        _finish_record(conn, batch.batch_id, before, before, found)
+        finish_record(conn, batch.batch_id, before, before, found)
         total = sum(v["count"] for v in found.values())
         message = (
             f"replay batch {batch.batch_id} verify-only: {total} difference(s) between Kafka re-read with the "
@@ -333,13 +215,13 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
         )
         log.info("pipeline=%s %s", pipeline.name, message)
         return ReplayResult(batch.batch_id, mode, 0, 0, False, message, before, found)
-    _delete_rows(conn, pipeline, in_range, replacing=batch.batch_id)
+    delete_rows(conn, pipeline, in_range, replacing=batch.batch_id)
     promoted = insert_target(conn, pipeline, batch.batch_id)
     quarantined = insert_quarantine(conn, pipeline, batch.batch_id)
     clear_staging(conn, pipeline, batch.batch_id)
     transition(conn, batch, BatchState.PROMOTED, rows_promoted=promoted, rows_quarantined=quarantined)
-    after = _count(conn, pipeline, in_range)
-    _finish_record(conn, batch.batch_id, before, after, None)
+    after = count_rows(conn, pipeline, in_range)
+    finish_record(conn, batch.batch_id, before, after, None)
     message = (
         f"replay batch {batch.batch_id} replaced {before[0]} target and {before[1]} quarantine rows with "
         f"{promoted} and {quarantined}; live heads unchanged"
@@ -383,7 +265,7 @@ def _target(pipeline: Pipeline) -> sql.Identifier:
     return sql.Identifier(pipeline.target_schema, pipeline.target_table)
 
 
-def _count(conn: Connection, pipeline: Pipeline, in_range: sql.Composable) -> tuple[int, int]:
+def count_rows(conn: Connection, pipeline: Pipeline, in_range: sql.Composable) -> tuple[int, int]:
     row = conn.execute(
         sql.SQL(
             "SELECT (SELECT count(*) FROM {target} WHERE kafka_topic = %(topic)s AND {r}),"
@@ -395,7 +277,7 @@ def _count(conn: Connection, pipeline: Pipeline, in_range: sql.Composable) -> tu
     return row[0], row[1]
 
 
-def _delete_rows(conn: Connection, pipeline: Pipeline, in_range: sql.Composable, replacing: int | None = None) -> None:
+def delete_rows(conn: Connection, pipeline: Pipeline, in_range: sql.Composable, replacing: int | None = None) -> None:
     """Delete the range's target and quarantine rows; with `replacing` (a replay batch id) only those
     whose record the replay re-read: a record compacted away since cannot be put back, so its row stays."""
     params = {"topic": pipeline.topic, "pipeline": pipeline.name, "batch": replacing}
@@ -417,7 +299,7 @@ def _delete_rows(conn: Connection, pipeline: Pipeline, in_range: sql.Composable,
     )
 
 
-def _finish_record(
+def finish_record(
     conn: Connection, batch_id: int, before: tuple[int, int], after: tuple[int, int], differences: dict | None
 ) -> None:
     conn.execute(
@@ -488,118 +370,3 @@ def _describe_differences(found: dict) -> str:
     if not found:
         return "none"
     return "; ".join(f"{kind} {v['count']} (e.g. {', '.join(v['sample'][:5])})" for kind, v in sorted(found.items()))
-
-
-@dataclass(frozen=True)
-class Undo:
-    batch_id: int
-    ranges: tuple[OffsetRange, ...]
-    rows: tuple[int, int]
-    applied: bool
-    message: str
-
-
-def undo_batch(
-    settings: Settings,
-    pipeline: Pipeline,
-    batch_id: int,
-    *,
-    confirm: bool,
-    reason: str = "",
-    requested_by: str = "",
-) -> Undo:
-    """Take one promoted live batch back: delete its range's rows, rewind heads and ledger, atomically.
-
-    Allowed only when, on every partition it touched, it is the newest batch (the head is where
-    it left it). Otherwise `ReplayRefusedError` says to replay the range instead. Without
-    `confirm` nothing changes and the message says what would happen. An unfinished live batch
-    is abandoned (it was planned from the heads being rewound).
-    """
-    if topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s).compacted:
-        raise ReplayRefusedError(
-            f"pipeline {pipeline.name!r} batch {batch_id}: topic {pipeline.topic!r} is compacted; an undo deletes rows "
-            "whose records may since have been compacted away, and the reload could not bring them back. "
-            "Use a replay of the range instead (it replaces only what it re-reads)."
-        )
-    with transaction(settings.database_url) as conn:
-        # Plan lock, then the open live batch: no live promotion moves a head while this runs.
-        lock_plan(conn, pipeline.name)
-        open_id = open_batch_id(conn, pipeline)
-        batch = load_batch(conn, batch_id, for_update=True)
-        where = f"pipeline {pipeline.name!r} batch {batch_id}"
-        if batch.pipeline != pipeline.name:
-            raise BatchStateError(f"batch {batch_id} belongs to pipeline {batch.pipeline!r}, not {pipeline.name!r}")
-        if batch.kind != "live" or batch.state is not BatchState.PROMOTED:
-            raise ReplayRefusedError(
-                f"{where} is a {batch.kind} batch in state {batch.state}: only a promoted live batch can be undone"
-            )
-        parts = batch.plan.partitions
-        floors = reset_floors(conn, pipeline.name)
-        if any(batch_id <= floors.get(p.partition, 0) for p in parts):
-            raise ReplayRefusedError(
-                f"{where} was loaded from the topic as it was before a ledger reset; it cannot be undone"
-            )
-        heads = dict(
-            conn.execute(
-                "SELECT kafka_partition, last_batch_id FROM kafka2pg.ledger_heads WHERE pipeline = %s", (pipeline.name,)
-            ).fetchall()
-        )
-        newer = {p.partition: heads.get(p.partition) for p in parts if heads.get(p.partition) != batch_id}
-        if newer:
-            spans = ",".join(f"{r.partition}:{r.start}-{r.end}" for r in batch.plan.ranges)
-            raise ReplayRefusedError(
-                f"{where} is not the newest batch of partition(s) {sorted(newer)} (last moved by batch(es) "
-                f"{sorted({b for b in newer.values() if b is not None})}): undoing it would leave a hole in the "
-                f"ledger. Replay its range instead (offsets {spans}), e.g. `kafka2pg replay --pipeline "
-                f"{pipeline.name} --offsets {spans}`."
-            )
-        ranges = tuple(OffsetRange(p.partition, p.gap.start if p.gap else p.range.start, p.new_head) for p in parts)
-        in_range = range_predicate(ranges, floors)
-        rows = _count(conn, pipeline, in_range)
-        described = describe_ranges(ranges)
-        message = (
-            f"{where}: delete {rows[0]} target and {rows[1]} quarantine rows of {described}, rewind heads to "
-            + ", ".join(f"p{p.partition}@{p.expected_head if p.expected_head is not None else 'unread'}" for p in parts)
-        )
-        if open_id is not None:
-            message += f"; unfinished batch {open_id} is abandoned"
-        if not confirm:
-            return Undo(batch_id, ranges, rows, False, message)
-        # Serialised with replays finishing on these partitions (they delete and insert rows there).
-        lock_partitions(conn, pipeline.name, [p.partition for p in parts], f"undo of batch {batch_id}")
-        rows = _count(conn, pipeline, in_range)
-        if open_id is not None:
-            abandon_lookaheads(conn, pipeline, f"batch {batch_id} was undone")
-            transition(conn, load_batch(conn, open_id), BatchState.ABANDONED, error=f"batch {batch_id} was undone")
-        _delete_rows(conn, pipeline, in_range)
-        conn.execute(
-            "DELETE FROM kafka2pg.ledger_ranges WHERE pipeline = %s AND batch_id = %s", (pipeline.name, batch_id)
-        )
-        for p in parts:
-            if p.expected_head is None:
-                conn.execute(
-                    "DELETE FROM kafka2pg.ledger_heads WHERE pipeline = %s AND kafka_partition = %s",
-                    (pipeline.name, p.partition),
-                )
-                continue
-            conn.execute(
-                "UPDATE kafka2pg.ledger_heads SET next_offset = %s, updated_at = now(), last_batch_id ="
-                " (SELECT max(batch_id) FROM kafka2pg.ledger_ranges WHERE pipeline = %s AND kafka_partition = %s"
-                "  AND end_offset = %s AND batch_id > %s) WHERE pipeline = %s AND kafka_partition = %s"
-                " AND last_batch_id = %s",
-                (
-                    p.expected_head,
-                    pipeline.name,
-                    p.partition,
-                    p.expected_head,
-                    floors.get(p.partition, 0),
-                    pipeline.name,
-                    p.partition,
-                    batch_id,
-                ),
-            )
-        transition(conn, batch, BatchState.UNDONE, error=f"undone: {reason}" if reason else "undone")
-        _record(conn, pipeline, batch_id, "undo", ranges, None, None, requested_by=requested_by, reason=reason)
-        _finish_record(conn, batch_id, rows, (0, 0), None)
-    log.warning("undo: %s (reason: %s)", message, reason or "-")
-    return Undo(batch_id, ranges, rows, True, message)

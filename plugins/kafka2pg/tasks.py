@@ -125,7 +125,8 @@ def plan_replay(
 ) -> dict | None:
     """The replay DAG's first task: Params (or the backfill's data interval) -> a planned replay batch."""
     from kafka2pg.migrations import require_ready
-    from kafka2pg.replay import open_replay, request_from_params
+    from kafka2pg.replay import open_replay
+    from kafka2pg.replay_request import request_from_params
 
     with airflow_errors():
         settings, pipeline = resolve(pipeline_name, pipelines_file)

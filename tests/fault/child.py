@@ -24,8 +24,8 @@ from kafka2pg import promote, quality, tasks  # noqa: E402
 
 # point name -> (module, attribute): the fault fires right AFTER that function returns.
 POINTS = {
-    "validate:after_checks": (quality, "_run_checks"),
-    "validate:after_store": (quality, "_store_checks"),
+    "validate:after_checks": (quality, "run_checks"),
+    "validate:after_store": (quality, "store_checks"),
     "validate:before_commit": (quality, "transition"),
     "promote:after_head": (promote, "_advance_head"),
     "promote:after_target": (promote, "insert_target"),

@@ -21,9 +21,9 @@ from kafka2pg.exceptions import ConfigError, SchemaNotReadyError
 from kafka2pg.grants import apply_grants
 from kafka2pg.ledger import reset_head
 from kafka2pg.migrations import STAGING_PRIVILEGES, migrate, migration_files
-from kafka2pg.replay import undo_batch
 from kafka2pg.report import ledger_report
 from kafka2pg.staging import stage_batch
+from kafka2pg.undo import undo_batch
 
 TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
 

@@ -12,10 +12,11 @@ import pytest
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline
+from kafka2pg.checks import DEFERRED_KEY_PROBE
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import QualityGateFailed, StagingLostError
 from kafka2pg.opening import open_batch
-from kafka2pg.quality import DEFERRED_KEY_PROBE, validate_batch
+from kafka2pg.quality import validate_batch
 from kafka2pg.report import quality_summary
 from kafka2pg.staging import stage_batch
 from kafka2pg.steps import promote_batch
@@ -349,13 +350,13 @@ def key_check(db, batch_id: int) -> tuple[bool, int, str]:
 
 def promote_dying_in_the_deferred_check(monkeypatch, env, batch_id: int) -> None:
     """A promotion whose key collision sends the batch back, then dies in the deferred check."""
-    import kafka2pg.quality
+    import kafka2pg.checks
 
     def dies(*args):
         raise RuntimeError("worker lost during the deferred check")
 
     with monkeypatch.context() as patch:
-        patch.setattr(kafka2pg.quality, "_business_key_not_promoted", dies)
+        patch.setattr(kafka2pg.checks, "_business_key_not_promoted", dies)
         with pytest.raises(RuntimeError, match="worker lost"):
             promote_batch(env.settings, env.pipeline, batch_id)
 

@@ -18,9 +18,11 @@ from kafka2pg.exceptions import KeyCollisionError, ReplayRefusedError
 from kafka2pg.opening import open_batch
 from kafka2pg.planner import OffsetRange
 from kafka2pg.quality import validate_batch
-from kafka2pg.replay import ReplayRequest, open_replay, request_from_params, undo_batch
+from kafka2pg.replay import open_replay
+from kafka2pg.replay_request import ReplayRequest, request_from_params
 from kafka2pg.staging import stage_batch
 from kafka2pg.steps import promote_batch
+from kafka2pg.undo import undo_batch
 
 DAYS = 3
 PER_DAY = 60

@@ -91,7 +91,7 @@ def test_offset_range_rejects_inverted_bounds():
 
 
 def test_ledger_breaks_names_holes_overlaps_and_a_head_mismatch():
-    from kafka2pg.audit import ledger_breaks
+    from kafka2pg.planner import ledger_breaks
 
     assert ledger_breaks([(0, 10), (10, 25)], 25) == []
     assert ledger_breaks([], None) == []

@@ -6,7 +6,7 @@ import pytest
 
 from kafka2pg.exceptions import ConfigError
 from kafka2pg.planner import OffsetRange
-from kafka2pg.replay import ReplayRequest, parse_ranges, request_from_params
+from kafka2pg.replay_request import ReplayRequest, parse_ranges, request_from_params
 
 DAY = (datetime(2026, 11, 1, tzinfo=UTC), datetime(2026, 11, 2, tzinfo=UTC))
 

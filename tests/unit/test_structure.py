@@ -106,3 +106,11 @@ def test_pure_modules_import_no_client_library(module):
             reached.add(name)
             todo.extend(graph[name])
     assert {lib for name in reached for lib in outside[name]} & CLIENT_LIBRARIES == set()
+
+
+PURE_TOO = ("kafka2pg.replay_request", "kafka2pg.exceptions", "kafka2pg.admission")
+
+
+@pytest.mark.parametrize("module", PURE_TOO)
+def test_request_parsing_and_errors_import_no_client_library(module):
+    test_pure_modules_import_no_client_library(module)

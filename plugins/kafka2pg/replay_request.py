@@ -1,0 +1,124 @@
+"""What a replay is asked to do, parsed from a trigger's Params, the CLI or a backfill's data
+interval: pure, no client library (opening and finishing replays: `kafka2pg.replay`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from kafka2pg.exceptions import ConfigError
+from kafka2pg.planner import OffsetRange
+
+MODES = ("replace", "verify-only")
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """What to replay: explicit ranges, or a time window [start, end) mapped to offsets."""
+
+    mode: str = "replace"
+    ranges: tuple[OffsetRange, ...] = ()
+    window: tuple[datetime, datetime] | None = None
+    requested_by: str = ""
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"replay mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if bool(self.ranges) == (self.window is not None):
+            raise ConfigError("a replay needs either offset ranges or a time window (exactly one of them)")
+        if self.window is not None and not self.window[0] < self.window[1]:
+            raise ConfigError(f"replay time window: from {self.window[0]} must be before to {self.window[1]}")
+        seen: set[int] = set()
+        for r in self.ranges:
+            if r.size == 0:
+                raise ConfigError(f"replay range of partition {r.partition} is empty: [{r.start}, {r.end})")
+            if r.partition in seen:
+                raise ConfigError(
+                    f"replay: one range per partition (partition {r.partition} has several); "
+                    "replay them one after the other, or one range covering them"
+                )
+            seen.add(r.partition)
+
+
+def parse_time(value: Any, name: str) -> datetime:
+    """ISO-8601 text (or a datetime) -> aware datetime; no zone means UTC."""
+    if isinstance(value, datetime):
+        moment = value
+    else:
+        try:
+            moment = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        except ValueError as exc:
+            raise ConfigError(f"replay {name}: not an ISO-8601 time: {value!r} (e.g. 2026-11-22T00:00:00Z)") from exc
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def parse_ranges(value: Any) -> tuple[OffsetRange, ...]:
+    """[{"partition": p, "start": s, "end": e}, ...] or "p:s-e,p:s-e" -> offset ranges (end exclusive)."""
+    if value in (None, "", []):
+        return ()
+    items: list[Mapping[str, Any]] = []
+    if isinstance(value, str):
+        for part in value.split(","):
+            try:
+                partition, span = part.strip().split(":")
+                start, end = span.split("-")
+                items.append({"partition": int(partition), "start": int(start), "end": int(end)})
+            except ValueError as exc:
+                raise ConfigError(f"replay offsets: expected 'partition:start-end,...', got {part!r}") from exc
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        raise ConfigError(f"replay offset_ranges: expected a list of {{partition, start, end}}, got {value!r}")
+    ranges = []
+    for item in items:
+        if not isinstance(item, Mapping) or set(item) != {"partition", "start", "end"}:
+            raise ConfigError(f"replay offset range {item!r}: expected exactly the keys partition, start, end")
+        values = [item["partition"], item["start"], item["end"]]
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+            raise ConfigError(f"replay offset range {item!r}: partition, start and end must be integers >= 0")
+        if values[2] <= values[1]:
+            raise ConfigError(f"replay offset range {item!r}: end (exclusive) must be greater than start")
+        ranges.append(OffsetRange(*values))
+    return tuple(sorted(ranges, key=lambda r: (r.partition, r.start)))
+
+
+def request_from_params(
+    params: Mapping[str, Any],
+    *,
+    run_type: str | None = None,
+    interval: tuple[datetime | None, datetime | None] = (None, None),
+    requested_by: str = "",
+) -> ReplayRequest | None:
+    """The replay DAG's Params (+ the run's data interval for backfills) -> a request.
+
+    Explicit `offset_ranges`, else `from_time`/`to_time`, else (backfill runs only) the run's
+    data interval. A manual run without ranges or window is an error: a manual run's data
+    interval is not something the user chose. A scheduled run (the DAG was unpaused so that
+    backfills run) replays nothing: None.
+    """
+    mode = params.get("mode") or "replace"
+    reason = params.get("reason") or ""
+    ranges = parse_ranges(params.get("offset_ranges"))
+    start, end = params.get("from_time"), params.get("to_time")
+    if ranges and (start or end):
+        raise ConfigError("replay: give offset_ranges OR from_time/to_time, not both")
+    if ranges:
+        return ReplayRequest(mode, ranges, None, requested_by, reason)
+    if start or end:
+        if not (start and end):
+            raise ConfigError("replay: a time window needs both from_time and to_time")
+        window = (parse_time(start, "from_time"), parse_time(end, "to_time"))
+        return ReplayRequest(mode, (), window, requested_by, reason)
+    if run_type == "scheduled":
+        return None
+    if run_type != "manual" and interval[0] is not None and interval[1] is not None and interval[0] < interval[1]:
+        window = (parse_time(interval[0], "data_interval_start"), parse_time(interval[1], "data_interval_end"))
+        return ReplayRequest(mode, (), window, requested_by, reason or f"{run_type} run over its data interval")
+    raise ConfigError(
+        'replay: nothing to replay. Give offset_ranges (e.g. [{"partition": 0, "start": 0, "end": 100}]) or '
+        "from_time and to_time in the trigger form, or create a backfill over dates (each run replays its "
+        "data interval)."
+    )

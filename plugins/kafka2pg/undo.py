@@ -1,0 +1,136 @@
+"""Undo: take the newest promoted live batch back (delete its rows, rewind its heads and ledger
+ranges), only when it is the newest batch of every partition it touched; otherwise a replay
+of the range is the way (`kafka2pg.replay`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kafka2pg.batch_store import abandon_lookaheads, load_batch, open_batch_id, transition
+from kafka2pg.config import Pipeline, Settings
+from kafka2pg.database import transaction
+from kafka2pg.exceptions import BatchStateError, ReplayRefusedError
+from kafka2pg.kafka_offsets import topic_retention
+from kafka2pg.ledger import lock_partitions, lock_plan, reset_floors
+from kafka2pg.lifecycle import BatchState
+from kafka2pg.planner import OffsetRange, describe_ranges
+from kafka2pg.replay import count_rows, delete_rows, finish_record, record_operation
+from kafka2pg.rows import range_predicate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Undo:
+    batch_id: int
+    ranges: tuple[OffsetRange, ...]
+    rows: tuple[int, int]
+    applied: bool
+    message: str
+
+
+def undo_batch(
+    settings: Settings,
+    pipeline: Pipeline,
+    batch_id: int,
+    *,
+    confirm: bool,
+    reason: str = "",
+    requested_by: str = "",
+) -> Undo:
+    """Take one promoted live batch back: delete its range's rows, rewind heads and ledger, atomically.
+
+    Allowed only when, on every partition it touched, it is the newest batch (the head is where
+    it left it). Otherwise `ReplayRefusedError` says to replay the range instead. Without
+    `confirm` nothing changes and the message says what would happen. An unfinished live batch
+    is abandoned (it was planned from the heads being rewound).
+    """
+    if topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s).compacted:
+        raise ReplayRefusedError(
+            f"pipeline {pipeline.name!r} batch {batch_id}: topic {pipeline.topic!r} is compacted; an undo deletes rows "
+            "whose records may since have been compacted away, and the reload could not bring them back. "
+            "Use a replay of the range instead (it replaces only what it re-reads)."
+        )
+    with transaction(settings.database_url) as conn:
+        # Plan lock, then the open live batch: no live promotion moves a head while this runs.
+        lock_plan(conn, pipeline.name)
+        open_id = open_batch_id(conn, pipeline)
+        batch = load_batch(conn, batch_id, for_update=True)
+        where = f"pipeline {pipeline.name!r} batch {batch_id}"
+        if batch.pipeline != pipeline.name:
+            raise BatchStateError(f"batch {batch_id} belongs to pipeline {batch.pipeline!r}, not {pipeline.name!r}")
+        if batch.kind != "live" or batch.state is not BatchState.PROMOTED:
+            raise ReplayRefusedError(
+                f"{where} is a {batch.kind} batch in state {batch.state}: only a promoted live batch can be undone"
+            )
+        parts = batch.plan.partitions
+        floors = reset_floors(conn, pipeline.name)
+        if any(batch_id <= floors.get(p.partition, 0) for p in parts):
+            raise ReplayRefusedError(
+                f"{where} was loaded from the topic as it was before a ledger reset; it cannot be undone"
+            )
+        heads = dict(
+            conn.execute(
+                "SELECT kafka_partition, last_batch_id FROM kafka2pg.ledger_heads WHERE pipeline = %s", (pipeline.name,)
+            ).fetchall()
+        )
+        newer = {p.partition: heads.get(p.partition) for p in parts if heads.get(p.partition) != batch_id}
+        if newer:
+            spans = ",".join(f"{r.partition}:{r.start}-{r.end}" for r in batch.plan.ranges)
+            raise ReplayRefusedError(
+                f"{where} is not the newest batch of partition(s) {sorted(newer)} (last moved by batch(es) "
+                f"{sorted({b for b in newer.values() if b is not None})}): undoing it would leave a hole in the "
+                f"ledger. Replay its range instead (offsets {spans}), e.g. `kafka2pg replay --pipeline "
+                f"{pipeline.name} --offsets {spans}`."
+            )
+        ranges = tuple(OffsetRange(p.partition, p.gap.start if p.gap else p.range.start, p.new_head) for p in parts)
+        in_range = range_predicate(ranges, floors)
+        rows = count_rows(conn, pipeline, in_range)
+        described = describe_ranges(ranges)
+        message = (
+            f"{where}: delete {rows[0]} target and {rows[1]} quarantine rows of {described}, rewind heads to "
+            + ", ".join(f"p{p.partition}@{p.expected_head if p.expected_head is not None else 'unread'}" for p in parts)
+        )
+        if open_id is not None:
+            message += f"; unfinished batch {open_id} is abandoned"
+        if not confirm:
+            return Undo(batch_id, ranges, rows, False, message)
+        # Serialised with replays finishing on these partitions (they delete and insert rows there).
+        lock_partitions(conn, pipeline.name, [p.partition for p in parts], f"undo of batch {batch_id}")
+        rows = count_rows(conn, pipeline, in_range)
+        if open_id is not None:
+            abandon_lookaheads(conn, pipeline, f"batch {batch_id} was undone")
+            transition(conn, load_batch(conn, open_id), BatchState.ABANDONED, error=f"batch {batch_id} was undone")
+        delete_rows(conn, pipeline, in_range)
+        conn.execute(
+            "DELETE FROM kafka2pg.ledger_ranges WHERE pipeline = %s AND batch_id = %s", (pipeline.name, batch_id)
+        )
+        for p in parts:
+            if p.expected_head is None:
+                conn.execute(
+                    "DELETE FROM kafka2pg.ledger_heads WHERE pipeline = %s AND kafka_partition = %s",
+                    (pipeline.name, p.partition),
+                )
+                continue
+            conn.execute(
+                "UPDATE kafka2pg.ledger_heads SET next_offset = %s, updated_at = now(), last_batch_id ="
+                " (SELECT max(batch_id) FROM kafka2pg.ledger_ranges WHERE pipeline = %s AND kafka_partition = %s"
+                "  AND end_offset = %s AND batch_id > %s) WHERE pipeline = %s AND kafka_partition = %s"
+                " AND last_batch_id = %s",
+                (
+                    p.expected_head,
+                    pipeline.name,
+                    p.partition,
+                    p.expected_head,
+                    floors.get(p.partition, 0),
+                    pipeline.name,
+                    p.partition,
+                    batch_id,
+                ),
+            )
+        transition(conn, batch, BatchState.UNDONE, error=f"undone: {reason}" if reason else "undone")
+        record_operation(conn, pipeline, batch_id, "undo", ranges, None, None, requested_by=requested_by, reason=reason)
+        finish_record(conn, batch_id, rows, (0, 0), None)
+    log.warning("undo: %s (reason: %s)", message, reason or "-")
+    return Undo(batch_id, ranges, rows, True, message)
