@@ -43,7 +43,7 @@ def load_batch(conn: Connection, batch_id: int, *, for_update: bool = False) -> 
     )
     row = conn.execute(query + (" FOR UPDATE" if for_update else ""), (batch_id,)).fetchone()
     if row is None:
-        raise BatchStateError(f"batch {batch_id} does not exist in kafka2pg.batches")
+        raise BatchStateError(f"batch {batch_id} does not exist in kafka2pg.batches", batch_id=batch_id)
     return Batch(row[0], row[1], row[2], BatchState(row[3]), BatchPlan.from_json(row[4]), *row[5:])
 
 
@@ -55,7 +55,7 @@ def load_claimed(conn: Connection, pipeline: Pipeline, batch_id: int, epoch: int
     """
     batch = load_batch(conn, batch_id, for_update=True)
     if batch.pipeline != pipeline.name:
-        raise BatchStateError(f"batch {batch_id} belongs to pipeline {batch.pipeline!r}, not {pipeline.name!r}")
+        raise BatchStateError.other_pipeline(pipeline.name, batch_id, batch.pipeline)
     if epoch is not None and batch.epoch != epoch:
         raise LedgerConflictError.fenced(pipeline.name, batch_id, epoch, batch.epoch, batch.run_id)
     return batch

@@ -68,7 +68,12 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
             if claim is None or tuple(claim) != (BatchState.PLANNED, epoch):
                 raise BatchStateError(
                     f"batch {batch_id} is {claim and claim[0]} at epoch {claim and claim[1]}; this attempt "
-                    f"(epoch {epoch}) must not write its staging rows"
+                    f"(epoch {epoch}) must not write its staging rows",
+                    pipeline=pipeline.name,
+                    batch_id=batch_id,
+                    state=claim and claim[0],
+                    epoch=epoch,
+                    current_epoch=claim and claim[1],
                 )
             conn.execute(
                 "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"kafka2pg.stage:{batch_id}:{chunk}",)

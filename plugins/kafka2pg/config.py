@@ -372,7 +372,9 @@ def get_pipeline(name: str, path: Path | None = None) -> Pipeline:
     pipelines = load_pipelines(path)
     if name not in pipelines:
         known = ", ".join(sorted(pipelines)) or "none"
-        raise UnknownPipelineError(f"unknown pipeline {name!r} in {path or pipelines_file_from_env()} (known: {known})")
+        raise UnknownPipelineError(
+            f"unknown pipeline {name!r} in {path or pipelines_file_from_env()} (known: {known})", pipeline=name
+        )
     return pipelines[name]
 
 

@@ -38,7 +38,8 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailableError(
             f"PostgreSQL at {describe(url)} is unreachable: {_one_line(exc)}. Check that it runs and that the "
-            "postgres connection (postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL is right."
+            "postgres connection (postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL is right.",
+            database=describe(url),
         ) from None
 
 
@@ -66,7 +67,8 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
             yield conn
     except psycopg.errors.UndefinedTable as exc:
         raise SchemaNotReadyError(
-            f"PostgreSQL at {describe(url)} lacks kafka2pg tables ({str(exc).strip()}): run `./kafka2pg migrate`"
+            f"PostgreSQL at {describe(url)} lacks kafka2pg tables ({str(exc).strip()}): run `./kafka2pg migrate`",
+            database=describe(url),
         ) from exc
     except psycopg.errors.InsufficientPrivilege as exc:
         role = conn.info.user
@@ -75,6 +77,8 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
             f"rolled back. As the role owning kafka2pg's tables, run `./kafka2pg grant --role {role}` with the "
             "pipelines file (again after adding a pipeline or applying a migration), then retry.",
             missing=(f"privilege: {exc.diag.message_primary}",),
+            database=describe(url),
+            role=role,
         ) from exc
     except psycopg.OperationalError as exc:
         if not conn.broken:
@@ -82,7 +86,8 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
         raise DatabaseUnavailableError(
             f"lost the connection to PostgreSQL at {describe(url)} inside a transaction ({str(exc).strip()}). "
             "It was rolled back (or, if lost during COMMIT, may have committed); every kafka2pg step is "
-            "safe to retry and finds out which."
+            "safe to retry and finds out which.",
+            database=describe(url),
         ) from exc
     finally:
         conn.close()

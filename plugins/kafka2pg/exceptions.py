@@ -27,7 +27,9 @@ Kafka2PgError
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Self
 
 from kafka2pg.lifecycle import BatchState
 
@@ -42,9 +44,10 @@ class Kafka2PgError(Exception):
     #: True when retrying the same step cannot succeed (Airflow should not retry).
     terminal = True
     pipeline: str | None = None
+    topic: str | None = None
     batch_id: int | None = None
     partition: int | None = None
-    offsets: object = None  # an offset, a range or ranges, as the error needs
+    offsets: object = None  # an offset, a (start, end) range, or OffsetRanges of several partitions
     epoch: int | None = None
     state: str | None = None
 
@@ -76,6 +79,22 @@ class ServiceUnavailableError(Kafka2PgError):
 class KafkaUnavailableError(ServiceUnavailableError):
     """The Kafka cluster did not answer within the timeout."""
 
+    @classmethod
+    def no_answer(
+        cls, cluster: str, timeout_s: float, cause: str, *, topic: str | None = None, partition: int | None = None
+    ) -> Self:
+        """`cluster`: how the configuration names the cluster (servers and protocol, never a secret)."""
+        return cls(
+            f"Kafka at {cluster} did not answer within {timeout_s:.0f}s ({cause}). Check that the brokers run "
+            "and that the pipeline's Kafka connection (kafka_config_id, default kafka2pg_kafka; or "
+            "KAFKA2PG_BOOTSTRAP_SERVERS) is right.",
+            cluster=cluster,
+            timeout_s=timeout_s,
+            cause=cause,
+            topic=topic,
+            partition=partition,
+        )
+
 
 class DatabaseUnavailableError(ServiceUnavailableError):
     """PostgreSQL could not be reached."""
@@ -83,6 +102,19 @@ class DatabaseUnavailableError(ServiceUnavailableError):
 
 class KafkaAuthenticationError(Kafka2PgError):
     """The Kafka cluster refuses the client: wrong credentials, an untrusted or missing certificate."""
+
+    @classmethod
+    def refused(cls, cluster: str, refusal: str, cause: str, *, topic: str | None = None) -> Self:
+        """`refusal`: what the cluster did ("refused the client's credentials"); `cause`: librdkafka's words."""
+        return cls(
+            f"Kafka at {cluster} {refusal}: {cause}. Check the pipeline's Kafka connection "
+            "(kafka_config_id, default kafka2pg_kafka): sasl.username / sasl.password / sasl.mechanism, "
+            "or ssl.ca.location, ssl.certificate.location and ssl.key.location. Retrying will not help.",
+            cluster=cluster,
+            refusal=refusal,
+            cause=cause,
+            topic=topic,
+        )
 
 
 class TopicNotFoundError(Kafka2PgError):
@@ -92,19 +124,62 @@ class TopicNotFoundError(Kafka2PgError):
 class SchemaNotReadyError(Kafka2PgError):
     """The database lacks what a run needs (a migration, a table, a column, a grant): `kafka2pg migrate`/`grant`."""
 
-    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
-        #: What is missing, one item each: "migration 0008_step_failures.sql", "table kafka2pg.stg_orders",
-        #: "column public.orders.amount", "DELETE on public.orders", "USAGE on schema sales".
-        self.missing = missing
-        super().__init__(message)
+    #: What is missing, one item each: "migration 0008_step_failures.sql", "table kafka2pg.stg_orders",
+    #: "column public.orders.amount", "DELETE on public.orders", "USAGE on schema sales".
+    missing: tuple[str, ...] = ()
+
+    def __init__(self, message: str, missing: tuple[str, ...] = (), **evidence: object) -> None:
+        super().__init__(message, missing=missing, **evidence)
 
 
 class RetentionLossError(Kafka2PgError):
     """Records expired or were deleted before the pipeline read them."""
 
+    @classmethod
+    def expired(cls, pipeline: str, topic: str, partition: int, head: int, low_watermark: int) -> Self:
+        """The ledger head is below the low watermark: offsets [head, low_watermark) are gone."""
+        return cls(
+            f"pipeline {pipeline!r}, topic {topic!r}, partition {partition}: offsets "
+            f"[{head}, {low_watermark}) ({low_watermark - head} records) expired or were deleted before they "
+            "were read. Nothing was read. To accept the loss and record it in the ledger, set "
+            "on_retention_loss: skip for this pipeline; otherwise restore the records upstream.",
+            pipeline=pipeline,
+            topic=topic,
+            partition=partition,
+            offsets=(head, low_watermark),
+        )
+
 
 class OffsetRegressionError(Kafka2PgError):
     """The ledger is ahead of the topic: it was recreated, shrunk or restored."""
+
+    @classmethod
+    def beyond_high_watermark(cls, pipeline: str, topic: str, partition: int, head: int, high_watermark: int) -> Self:
+        """The ledger head is above the high watermark: the topic lost offsets the ledger loaded."""
+        return cls(
+            f"pipeline {pipeline!r}, topic {topic!r}, partition {partition}: the ledger head "
+            f"{head} is beyond the high watermark {high_watermark}. The topic was probably "
+            "deleted and recreated, shrunk, or restored from a backup. Nothing was read. "
+            f"Inspect the topic, then realign the partition explicitly: `kafka2pg reset --pipeline {pipeline} "
+            f"--partition {partition} --to-offset <offset> --confirm`.",
+            pipeline=pipeline,
+            topic=topic,
+            partition=partition,
+            head=head,
+            high_watermark=high_watermark,
+        )
+
+    @classmethod
+    def partitions_gone(cls, pipeline: str, topic: str, partitions: list[int]) -> Self:
+        """The ledger has heads for `partitions`, which the topic no longer has."""
+        return cls(
+            f"pipeline {pipeline!r}, topic {topic!r}: the ledger has heads for partition(s) {partitions} that "
+            "the topic no longer has. It was probably deleted and recreated with fewer partitions. Nothing "
+            "was read. Inspect the topic, then realign with `kafka2pg reset` for each affected partition.",
+            pipeline=pipeline,
+            topic=topic,
+            partitions=partitions,
+        )
 
 
 class LedgerConflictError(Kafka2PgError):
@@ -158,9 +233,48 @@ class RangeLockedError(Kafka2PgError):
 
     terminal = False
 
+    @classmethod
+    def held(cls, pipeline: str, partition: int, purpose: str, waited_s: float, holder: str | None) -> Self:
+        """`purpose`: what waited ("replay batch 7"); `holder`: the backend holding the lock, when known."""
+        held_by = f" ({holder})" if holder else ""
+        return cls(
+            f"pipeline {pipeline!r}: {purpose} waited {waited_s}s for partition {partition}, which another "
+            f"promotion, replay or undo still holds{held_by}; nothing was changed. Retry when it has finished "
+            "(see kafka2pg.batches and kafka2pg.replays).",
+            pipeline=pipeline,
+            partition=partition,
+            purpose=purpose,
+            waited_s=waited_s,
+            holder=holder,
+        )
+
 
 class ReplayRefusedError(Kafka2PgError):
     """A replay or undo that would break the ledger's promise (beyond the head, never loaded, gone)."""
+
+    @classmethod
+    def range_refused(
+        cls,
+        pipeline: str,
+        partition: int,
+        offsets: tuple[int, int],
+        problem: str,
+        *,
+        batch_id: int | None = None,
+        **evidence: object,
+    ) -> Self:
+        """A replay of `offsets` [start, end) of `partition` refused for `problem`, which `evidence`
+        (head, low_watermark, ...) backs. With `batch_id` (the replay batch), refused as it finished."""
+        start, end = offsets
+        span = f"partition {partition} [{start}, {end})"
+        if batch_id is None:
+            message = f"pipeline {pipeline!r} {span}: {problem}"
+        else:
+            message = (
+                f"pipeline {pipeline!r} replay batch {batch_id}: {span}: {problem}. Nothing was changed; trigger "
+                "the replay again to re-read it now."
+            )
+        return cls(message, pipeline=pipeline, batch_id=batch_id, partition=partition, offsets=offsets, **evidence)
 
 
 class BatchStateError(Kafka2PgError):
@@ -174,6 +288,16 @@ class BatchStateError(Kafka2PgError):
             batch_id=batch_id,
             state=state,
             step=step,
+        )
+
+    @classmethod
+    def other_pipeline(cls, pipeline: str, batch_id: int, owner: str) -> Self:
+        """Batch `batch_id` was asked for under `pipeline` but belongs to `owner`."""
+        return cls(
+            f"batch {batch_id} belongs to pipeline {owner!r}, not {pipeline!r}",
+            pipeline=pipeline,
+            batch_id=batch_id,
+            owner=owner,
         )
 
 
@@ -200,6 +324,27 @@ class StageInterrupted(Kafka2PgError):
 class QualityGateFailed(Kafka2PgError):
     """The quality gate rejected a batch; nothing was promoted."""
 
+    @staticmethod
+    def summary(failed: Mapping[str, str]) -> str:
+        """The failed checks in one line: `name: details; name: details`."""
+        return "; ".join(f"{name}: {details}" for name, details in failed.items())
+
+    @classmethod
+    def rejected(
+        cls, pipeline: str, batch_id: int, failed: Mapping[str, str], report: Path | str, staging_table: str
+    ) -> Self:
+        """`failed`: the failed checks' details by check name; `report`: the data-docs file of the run."""
+        return cls(
+            f"pipeline {pipeline!r} batch {batch_id} rejected, nothing promoted, ledger unchanged: "
+            f"{cls.summary(failed)}. Report: {report}. Inspect kafka2pg.batch_checks and the staging table "
+            f"kafka2pg.{staging_table}; fix the data or the pipeline config, then trigger a new run.",
+            pipeline=pipeline,
+            batch_id=batch_id,
+            state=BatchState.REJECTED,
+            failed=dict(failed),
+            report=report,
+        )
+
 
 class KeyCollisionError(QualityGateFailed):
     """Promotion hit a business key promoted since the batch was validated (a replay, a manual write)."""
@@ -221,12 +366,15 @@ class TableRefusesRowsError(Kafka2PgError):
     """PostgreSQL refused so many of a batch's rows that the table, not the records, is at fault."""
 
     def __init__(self, table: str, refused: int, tried: int, example: str) -> None:
-        self.table, self.refused, self.tried, self.example = table, refused, tried, example
         super().__init__(
             f"PostgreSQL refused {refused} of the first {tried} rows written to {table} (e.g. {example}). So many "
             "refusals point at the table (a constraint, trigger or column type the records cannot meet), not at "
             "some records: nothing of the batch was written and it stays where it was. Fix the table, then trigger "
-            "a run: it resumes the batch."
+            "a run: it resumes the batch.",
+            table=table,
+            refused=refused,
+            tried=tried,
+            example=example,
         )
 
 
@@ -234,11 +382,12 @@ class InstallationError(Kafka2PgError):
     """A file kafka2pg ships (its SQL migrations) is missing from where the package looks for it."""
 
     def __init__(self, what: str, path: Path) -> None:
-        self.what, self.path = what, path
         super().__init__(
             f"kafka2pg's {what} are not in {path}: this installation of kafka2pg is incomplete (a wheel built "
             "without the sql/ folder?). Nothing was changed. Reinstall kafka2pg from a complete wheel, or run it "
-            "from its checkout."
+            "from its checkout.",
+            what=what,
+            path=path,
         )
 
 

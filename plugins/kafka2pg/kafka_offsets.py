@@ -68,9 +68,14 @@ def topic_partitions(admin: AdminClient, topic: str, kafka: KafkaLike, timeout_s
     try:
         metadata = admin.list_topics(topic=topic, timeout=timeout_s)
     except KafkaException as exc:
-        raise _unavailable(kafka, timeout_s, exc, _why(admin)) from exc
+        raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
     if not metadata.brokers:
-        raise KafkaUnavailableError(f"Kafka at {kafka} returned no brokers within {timeout_s:.0f}s")
+        raise KafkaUnavailableError(
+            f"Kafka at {kafka} returned no brokers within {timeout_s:.0f}s",
+            cluster=str(kafka),
+            timeout_s=timeout_s,
+            topic=topic,
+        )
     topic_meta = metadata.topics.get(topic)
     if (
         topic_meta is None
@@ -83,10 +88,17 @@ def topic_partitions(admin: AdminClient, topic: str, kafka: KafkaLike, timeout_s
     ):
         raise TopicNotFoundError(
             f"topic {topic!r} does not exist on Kafka at {kafka}: create it, or fix "
-            "the pipeline's 'topic' in the pipelines file"
+            "the pipeline's 'topic' in the pipelines file",
+            topic=topic,
+            cluster=str(kafka),
         )
     if topic_meta.error is not None:
-        raise KafkaUnavailableError(f"Kafka at {kafka}: metadata of topic {topic!r} failed: {topic_meta.error}")
+        raise KafkaUnavailableError(
+            f"Kafka at {kafka}: metadata of topic {topic!r} failed: {topic_meta.error}",
+            cluster=str(kafka),
+            topic=topic,
+            cause=str(topic_meta.error),
+        )
     return sorted(topic_meta.partitions)
 
 
@@ -110,10 +122,10 @@ def ensure_topic(kafka: KafkaLike, topic: str, partitions: int, timeout_s: float
         pass
     futures = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
     try:
-        _answer(futures[topic], f"creating topic {topic!r}", kafka, timeout_s, admin)
+        _answer(futures[topic], f"creating topic {topic!r}", kafka, timeout_s, admin, topic)
     except KafkaException as exc:
         if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-            raise _unavailable(kafka, timeout_s, exc, _why(admin)) from exc
+            raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
     return True
 
 
@@ -133,9 +145,9 @@ def topic_retention(kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> To
     resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
     try:
         future = admin.describe_configs([resource], request_timeout=timeout_s)[resource]
-        entries = _answer(future, f"reading the configs of topic {topic!r}", kafka, timeout_s, admin)
+        entries = _answer(future, f"reading the configs of topic {topic!r}", kafka, timeout_s, admin, topic)
     except KafkaException as exc:
-        raise _unavailable(kafka, timeout_s, exc, _why(admin)) from exc
+        raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
     policy = entries["cleanup.policy"].value or "delete"
 
     def limit(name: str) -> int | None:
@@ -256,22 +268,30 @@ def _read_messages(
     try:
         for start, end in ranges:
             consumer.assign([TopicPartition(topic, partition, start)])
-            yield from _consume_until(consumer, kafka, f"{topic}[{partition}]", end, timeout_s, errors)
+            yield from _consume_until(consumer, kafka, topic, partition, (start, end), timeout_s, errors)
     finally:
         consumer.close()
 
 
 def _consume_until(
-    consumer: Consumer, kafka: KafkaLike, where: str, end: int, timeout_s: float, errors: list[KafkaError]
+    consumer: Consumer,
+    kafka: KafkaLike,
+    topic: str,
+    partition: int,
+    offsets: tuple[int, int],
+    timeout_s: float,
+    errors: list[KafkaError],
 ) -> Iterator[Message]:
     # consume() waits its whole timeout unless num_messages arrive: poll in short slices and
     # give up only after timeout_s without any message or end-of-partition event.
+    where, end = f"{topic}[{partition}]", offsets[1]
+    evidence = {"cluster": str(kafka), "topic": topic, "partition": partition, "offsets": offsets}
     idle_since = time.monotonic()
     while True:
         messages = consumer.consume(num_messages=5000, timeout=0.2)
         if not messages:
             if time.monotonic() - idle_since > timeout_s:
-                raise _unavailable(kafka, timeout_s, f"while reading {where}", errors)
+                raise _unavailable(kafka, timeout_s, f"while reading {where}", errors, topic=topic, partition=partition)
             continue
         idle_since = time.monotonic()
         for message in messages:
@@ -282,10 +302,11 @@ def _consume_until(
                 raise RetentionLossError(
                     f"reading {where} on Kafka at {kafka}: the requested offsets are below the low "
                     f"watermark now ({error.str()}); records expired while kafka2pg was reading them. Run again: "
-                    "the plan step reports exactly which offsets were lost."
+                    "the plan step reports exactly which offsets were lost.",
+                    **evidence,
                 )
             if error is not None:
-                raise KafkaUnavailableError(f"Kafka at {kafka}: reading {where}: {error}")
+                raise KafkaUnavailableError(f"Kafka at {kafka}: reading {where}: {error}", cause=str(error), **evidence)
             if message.offset() >= end:
                 return
             yield message
@@ -305,20 +326,28 @@ def _list(
     result = {}
     for tp, future in futures.items():
         try:
-            answer = _answer(future, f"listing the offsets of {topic}[{tp.partition}]", kafka, timeout_s, admin)
-            result[tp.partition] = answer.offset
+            what = f"listing the offsets of {topic}[{tp.partition}]"
+            result[tp.partition] = _answer(future, what, kafka, timeout_s, admin, topic, tp.partition).offset
         except KafkaException as exc:
-            raise _unavailable(kafka, timeout_s, exc, _why(admin)) from exc
+            raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic, partition=tp.partition) from exc
     return result
 
 
-def _answer(future: Future[T], what: str, kafka: KafkaLike, timeout_s: float, admin: AdminClient) -> T:
+def _answer(
+    future: Future[T],
+    what: str,
+    kafka: KafkaLike,
+    timeout_s: float,
+    admin: AdminClient,
+    topic: str,
+    partition: int | None = None,
+) -> T:
     """The result of an AdminClient future. Waiting out `timeout_s` raises a bare TimeoutError,
     without a message, when the cluster is unreachable: translated here; KafkaException passes on."""
     try:
         return future.result(timeout=timeout_s)
     except TimeoutError as exc:
-        raise _unavailable(kafka, timeout_s, f"while {what}", _why(admin)) from exc
+        raise _unavailable(kafka, timeout_s, f"while {what}", _why(admin), topic=topic, partition=partition) from exc
 
 
 def _why(client: object) -> list[KafkaError]:
@@ -333,7 +362,13 @@ _REFUSALS = {
 
 
 def _unavailable(
-    kafka: KafkaLike, timeout_s: float, cause: Exception | str, errors: list[KafkaError] | None = None
+    kafka: KafkaLike,
+    timeout_s: float,
+    cause: Exception | str,
+    errors: list[KafkaError] | None = None,
+    *,
+    topic: str | None = None,
+    partition: int | None = None,
 ) -> KafkaUnavailableError | KafkaAuthenticationError:
     """The error for a cluster that did not answer: a refusal (credentials, TLS) when librdkafka
     reported one (`errors`, from the client's error callback), else unavailable (retryable)."""
@@ -342,13 +377,5 @@ def _unavailable(
         if refused is None and "bad certificate" in error.str():
             refused = "refused the client's certificate"
         if refused is not None:
-            return KafkaAuthenticationError(
-                f"Kafka at {kafka} {refused}: {error.str()}. Check the pipeline's Kafka connection "
-                "(kafka_config_id, default kafka2pg_kafka): sasl.username / sasl.password / sasl.mechanism, "
-                "or ssl.ca.location, ssl.certificate.location and ssl.key.location. Retrying will not help."
-            )
-    return KafkaUnavailableError(
-        f"Kafka at {kafka} did not answer within {timeout_s:.0f}s ({cause}). Check that the brokers run "
-        "and that the pipeline's Kafka connection (kafka_config_id, default kafka2pg_kafka; or "
-        "KAFKA2PG_BOOTSTRAP_SERVERS) is right."
-    )
+            return KafkaAuthenticationError.refused(str(kafka), refused, error.str(), topic=topic)
+    return KafkaUnavailableError.no_answer(str(kafka), timeout_s, str(cause), topic=topic, partition=partition)

@@ -102,7 +102,7 @@ def lock_partitions(conn: Connection, pipeline: str, partitions: set[int] | list
         key = (f"kafka2pg.range:{pipeline}", partition)
         if conn.execute("SELECT pg_try_advisory_xact_lock(hashtext(%s), %s)", key).fetchone()[0]:
             continue
-        holder = conn.execute(
+        backend = conn.execute(
             "SELECT a.pid, a.application_name, left(a.query, 120) FROM pg_locks l JOIN pg_stat_activity a"
             " USING (pid) WHERE l.locktype = 'advisory' AND l.granted AND l.classid = hashtext(%s)::oid"
             " AND l.objid = %s::oid AND l.objsubid = 2 AND l.database = (SELECT oid FROM pg_database"
@@ -114,20 +114,18 @@ def lock_partitions(conn: Connection, pipeline: str, partitions: set[int] | list
             pipeline,
             purpose,
             partition,
-            f"backend pid {holder[0]} ({holder[1] or 'no application name'}: {holder[2]})"
-            if holder
+            f"backend pid {backend[0]} ({backend[1] or 'no application name'}: {backend[2]})"
+            if backend
             else "another transaction",
         )
+        # The error names the holding backend, never its query (the log has it).
+        holder = f"backend pid {backend[0]}, application {backend[1]!r}" if backend else None
         previous = conn.execute("SELECT current_setting('lock_timeout')").fetchone()[0]
         conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{RANGE_LOCK_WAIT_S}s",))
         try:
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s), %s)", key)
         except psycopg.errors.LockNotAvailable as exc:
-            raise RangeLockedError(
-                f"pipeline {pipeline!r}: {purpose} waited {RANGE_LOCK_WAIT_S}s for partition {partition}, which "
-                "another promotion, replay or undo still holds; nothing was changed. Retry when it has finished "
-                "(see kafka2pg.batches and kafka2pg.replays)."
-            ) from exc
+            raise RangeLockedError.held(pipeline, partition, purpose, RANGE_LOCK_WAIT_S, holder) from exc
         conn.execute("SELECT set_config('lock_timeout', %s, true)", (previous,))
 
 
@@ -213,10 +211,21 @@ def reset_head(
         if broker is None or not broker.low <= to_offset <= broker.high:
             where = "does not exist" if broker is None else f"holds offsets [{broker.low}, {broker.high})"
             raise BatchStateError(
-                f"pipeline {pipeline.name!r}: cannot reset partition {partition} to {to_offset}: the partition {where}"
+                f"pipeline {pipeline.name!r}: cannot reset partition {partition} to {to_offset}: the partition {where}",
+                pipeline=pipeline.name,
+                topic=pipeline.topic,
+                partition=partition,
+                offsets=to_offset,
+                low_watermark=broker and broker.low,
+                high_watermark=broker and broker.high,
             )
     elif partition in offsets:
-        raise BatchStateError(f"partition {partition} of {pipeline.topic!r} exists: give --to-offset")
+        raise BatchStateError(
+            f"partition {partition} of {pipeline.topic!r} exists: give --to-offset",
+            pipeline=pipeline.name,
+            topic=pipeline.topic,
+            partition=partition,
+        )
     with transaction(settings.database_url) as conn:
         lock_plan(conn, pipeline.name)
         open_id = open_batch_id(conn, pipeline)  # before the heads: see open_batch

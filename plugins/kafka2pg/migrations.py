@@ -177,7 +177,12 @@ def require_ready(settings: Settings, pipeline: Pipeline) -> None:
             applied = {r[0] for r in conn.execute("SELECT name FROM public.kafka2pg_migrations")}
     ready = readiness(pipeline, found, applied, [p.name for p in migration_files()])
     if ready.missing:
-        raise SchemaNotReadyError(_not_ready_message(settings, pipeline, role, ready), missing=ready.missing)
+        raise SchemaNotReadyError(
+            _not_ready_message(settings, pipeline, role, ready),
+            missing=ready.missing,
+            pipeline=pipeline.name,
+            role=role,
+        )
 
 
 def _not_ready_message(settings: Settings, pipeline: Pipeline, role: str, ready: Readiness) -> str:
@@ -321,10 +326,14 @@ def _ensure_index(
             ", ".join(columns),
         )
         return
+    taken_by = _RELKINDS.get(holder[0] if holder else "", "another object")
     raise ObjectNameTakenError(
         f"pipeline {pipeline.name!r}: cannot create index {schema_table[0]}.{name} on {'.'.join(schema_table)}: "
-        f"that name is taken by {_RELKINDS.get(holder[0] if holder else '', 'another object')}. Rename or drop "
-        "that one (or change the pipeline's target_table), then run `./kafka2pg migrate` again."
+        f"that name is taken by {taken_by}. Rename or drop "
+        "that one (or change the pipeline's target_table), then run `./kafka2pg migrate` again.",
+        pipeline=pipeline.name,
+        relation=f"{schema_table[0]}.{name}",
+        taken_by=taken_by,
     )
 
 
@@ -338,8 +347,13 @@ def _require_table(conn: Connection, pipeline: Pipeline, schema_table: tuple[str
     ).fetchone()[0]
     if relkind in ("r", "p"):
         return
+    taken_by = _RELKINDS.get(relkind, "another object")
     raise ObjectNameTakenError(
-        f"pipeline {pipeline.name!r}: its {what} {'.'.join(schema_table)} is {_RELKINDS.get(relkind, 'another object')}"
+        f"pipeline {pipeline.name!r}: its {what} {'.'.join(schema_table)} is {taken_by}"
         f", not a table. Change the pipeline's {field} in the pipelines file (or rename that relation), then run "
-        "`./kafka2pg migrate` again."
+        "`./kafka2pg migrate` again.",
+        pipeline=pipeline.name,
+        relation=".".join(schema_table),
+        taken_by=taken_by,
+        field=field,
     )

@@ -188,7 +188,11 @@ def plan_lookahead(
         if current.kind != "live" or current.state not in (BatchState.STAGED, BatchState.VALIDATED):
             raise BatchStateError(
                 f"batch {after_id} of pipeline {pipeline.name!r} is a {current.kind} batch in state "
-                f"{current.state}: no batch can be planned after it"
+                f"{current.state}: no batch can be planned after it",
+                pipeline=pipeline.name,
+                batch_id=after_id,
+                state=current.state,
+                kind=current.kind,
             )
         later = [i for i in open_live_ids(conn, pipeline) if i > after_id]
         mine = conn.execute(
@@ -200,7 +204,12 @@ def plan_lookahead(
             # attempt planned: take it over (a newer claim fences the dead attempt) and go on.
             return claim(conn, load_batch(conn, mine[0]), run_id)
         if later:
-            raise BatchStateError(f"pipeline {pipeline.name!r}: batch {later[0]} is already planned after {after_id}")
+            raise BatchStateError(
+                f"pipeline {pipeline.name!r}: batch {later[0]} is already planned after {after_id}",
+                pipeline=pipeline.name,
+                batch_id=after_id,
+                lookahead_id=later[0],
+            )
         heads = read_heads(conn, pipeline.name)
         heads.update({p.partition: p.new_head for p in current.plan.partitions})
         moved = read_head_batches(conn, pipeline.name)

@@ -168,11 +168,7 @@ def plan_batch(
     """
     vanished = sorted(set(ledger_partitions) - {s.partition for s in states})
     if vanished:
-        raise OffsetRegressionError(
-            f"pipeline {pipeline!r}, topic {topic!r}: the ledger has heads for partition(s) {vanished} that "
-            "the topic no longer has. It was probably deleted and recreated with fewer partitions. Nothing "
-            "was read. Inspect the topic, then realign with `kafka2pg reset` for each affected partition."
-        )
+        raise OffsetRegressionError.partitions_gone(pipeline, topic, vanished)
     starts: dict[int, tuple[int | None, int, Gap | None]] = {}
     for state in sorted(states, key=lambda s: s.partition):
         starts[state.partition] = _start_of(pipeline, topic, state, on_retention_loss, new_partition_start)
@@ -204,23 +200,11 @@ def _start_of(
             return None, state.last_stable, gap
         return None, state.low, None
     if state.head > state.high:
-        raise OffsetRegressionError(
-            f"pipeline {pipeline!r}, topic {topic!r}, partition {state.partition}: the ledger head "
-            f"{state.head} is beyond the high watermark {state.high}. The topic was probably "
-            "deleted and recreated, shrunk, or restored from a backup. Nothing was read. "
-            f"Inspect the topic, then realign the partition explicitly: `kafka2pg reset --pipeline {pipeline} "
-            f"--partition {state.partition} --to-offset <offset> --confirm`."
-        )
+        raise OffsetRegressionError.beyond_high_watermark(pipeline, topic, state.partition, state.head, state.high)
     if state.head < state.low:
-        lost = state.low - state.head
         if on_retention_loss == "skip":
             return state.head, state.low, Gap(state.partition, state.head, state.low, "retention_gap")
-        raise RetentionLossError(
-            f"pipeline {pipeline!r}, topic {topic!r}, partition {state.partition}: offsets "
-            f"[{state.head}, {state.low}) ({lost} records) expired or were deleted before they "
-            "were read. Nothing was read. To accept the loss and record it in the ledger, set "
-            "on_retention_loss: skip for this pipeline; otherwise restore the records upstream."
-        )
+        raise RetentionLossError.expired(pipeline, topic, state.partition, state.head, state.low)
     return state.head, state.head, None
 
 

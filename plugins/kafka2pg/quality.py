@@ -93,7 +93,8 @@ def validate_batch(
             gx_checks, gx_rows = _great_expectations(conn, pipeline, batch, quarantined)
             checks = sql_checks + gx_checks
             store_checks(conn, batch_id, checks)
-            summary = "; ".join(f"{c.name}: {c.details}" for c in checks if not c.success)
+            failed = {c.name: c.details for c in checks if not c.success}
+            summary = QualityGateFailed.summary(failed)
             payload = _report(batch, sql_checks, gx_rows, quarantined, bool(summary))
             verdict = gate_verdict(sum(not c.success for c in checks))
             error = {"error": summary[:2000]} if verdict is BatchState.REJECTED else {}
@@ -102,11 +103,7 @@ def validate_batch(
         raise_staging_lost(pipeline, batch_id)
     report = _write_report(settings, pipeline, batch_id, payload)  # a file: after the batch's lock is released
     if summary:
-        raise QualityGateFailed(
-            f"pipeline {pipeline.name!r} batch {batch_id} rejected, nothing promoted, ledger unchanged: "
-            f"{summary}. Report: {report}. Inspect kafka2pg.batch_checks and the staging table "
-            f"kafka2pg.{pipeline.staging_table}; fix the data or the pipeline config, then trigger a new run."
-        )
+        raise QualityGateFailed.rejected(pipeline.name, batch_id, failed, report, pipeline.staging_table)
     flagged = sum(c.flagged for c in checks)
     message = f"batch {batch_id}: {len(checks)} checks passed, {flagged} row(s) flagged to quarantine; report: {report}"
     log.info("pipeline=%s %s", pipeline.name, message)

@@ -97,24 +97,31 @@ def open_replay(
 
 
 def _check_replayable(pipeline: Pipeline, r: OffsetRange, head: int | None, loaded: list, broker) -> None:
-    where = f"pipeline {pipeline.name!r} partition {r.partition} [{r.start}, {r.end})"
+    def refused(problem: str, **evidence: object) -> ReplayRefusedError:
+        return ReplayRefusedError.range_refused(pipeline.name, r.partition, (r.start, r.end), problem, **evidence)
+
     if head is None:
-        raise ReplayRefusedError(f"{where}: the ledger has never loaded this partition; nothing to replay")
+        raise refused("the ledger has never loaded this partition; nothing to replay", head=None)
     if r.end > head:
-        raise ReplayRefusedError(
-            f"{where}: the range reaches beyond the live head {head}. A replay only re-loads what the live "
-            f"pipeline already loaded; offsets from {head} on are the live pipeline's next batch."
+        raise refused(
+            f"the range reaches beyond the live head {head}. A replay only re-loads what the live "
+            f"pipeline already loaded; offsets from {head} on are the live pipeline's next batch.",
+            head=head,
         )
     if not any(start <= r.start and r.end <= end for start, end in loaded):
         spans = ", ".join(f"[{s}, {e})" for s, e in loaded) or "none"
-        raise ReplayRefusedError(
-            f"{where}: part of the range was never loaded by this topic's ledger (loaded: {spans}); recorded gaps "
-            "(retention loss, skipped new partition) and offsets from before a reset cannot be replayed."
+        raise refused(
+            f"part of the range was never loaded by this topic's ledger (loaded: {spans}); recorded gaps "
+            "(retention loss, skipped new partition) and offsets from before a reset cannot be replayed.",
+            head=head,
+            loaded=list(loaded),
         )
     if broker is not None and r.start < broker.low:
-        raise ReplayRefusedError(
-            f"{where}: records [{r.start}, {broker.low}) are gone from Kafka (low watermark {broker.low}); "
-            "replacing would delete their rows with nothing to put back. Replay from the low watermark on."
+        raise refused(
+            f"records [{r.start}, {broker.low}) are gone from Kafka (low watermark {broker.low}); "
+            "replacing would delete their rows with nothing to put back. Replay from the low watermark on.",
+            head=head,
+            low_watermark=broker.low,
         )
 
 
@@ -236,14 +243,13 @@ def _recheck(conn: Connection, pipeline: Pipeline, batch: Batch, floors: dict[in
     no newer replay or reload of it finished in between (its rows must not be overwritten by these)."""
     heads = read_heads(conn, pipeline.name)
     loaded = ranges_since_reset(conn, pipeline.name, last_resets(conn, pipeline.name))[1]
-    where = f"pipeline {pipeline.name!r} replay batch {batch.batch_id}"
     for r in batch.plan.ranges:
-        span = f"partition {r.partition} [{r.start}, {r.end})"
-        problem = None
+        head = heads.get(r.partition)
+        problem, newer = None, None
         if floors.get(r.partition, 0) >= batch.batch_id:
             problem = "the partition's ledger was reset after this replay was planned"
-        elif heads.get(r.partition) is None or r.end > heads[r.partition]:
-            problem = f"it now reaches beyond the live head {heads.get(r.partition)} (an undo rewound it)"
+        elif head is None or r.end > head:
+            problem = f"it now reaches beyond the live head {head} (an undo rewound it)"
         elif not any(start <= r.start and r.end <= end for start, end in loaded.get(r.partition, [])):
             problem = "part of it is no longer loaded by the ledger (undone, or recorded as a gap)"
         else:
@@ -256,8 +262,14 @@ def _recheck(conn: Connection, pipeline: Pipeline, batch: Batch, floors: dict[in
             if newer is not None:
                 problem = f"batch {newer}, newer than this replay, has since loaded or replayed part of it"
         if problem:
-            raise ReplayRefusedError(
-                f"{where}: {span}: {problem}. Nothing was changed; trigger the replay again to re-read it now."
+            raise ReplayRefusedError.range_refused(
+                pipeline.name,
+                r.partition,
+                (r.start, r.end),
+                problem,
+                batch_id=batch.batch_id,
+                head=head,
+                newer_batch_id=newer,
             )
 
 

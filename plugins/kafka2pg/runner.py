@@ -232,7 +232,9 @@ def _raise_if_stopped(stop: threading.Event | None, pipeline: Pipeline, result: 
     if _stopped(stop):
         raise StageInterrupted(
             f"pipeline {pipeline.name!r}: stopped by SIGTERM after promoting batches {result.promoted}; "
-            "a batch planned or staged after them stays open and the next run (or a retry) resumes it."
+            "a batch planned or staged after them stays open and the next run (or a retry) resumes it.",
+            pipeline=pipeline.name,
+            promoted=list(result.promoted),
         )
 
 

@@ -198,15 +198,26 @@ def _read_and_write(
         if current.state is not BatchState.PLANNED:
             raise BatchStateError(
                 f"batch {batch.batch_id} became {current.state} while this attempt was staging it (a concurrent "
-                "attempt finished first); this attempt wrote nothing that counts"
+                "attempt finished first); this attempt wrote nothing that counts",
+                pipeline=pipeline.name,
+                batch_id=batch.batch_id,
+                state=current.state,
+                epoch=batch.epoch,
             ) from None
         refused = next((n for n in _JAVA_REFUSALS if n in str(exc)), None)
         if refused is not None:
+            cause = _java_message(str(exc), refused)
             raise KafkaAuthenticationError(
                 f"pipeline {pipeline.name!r} batch {batch.batch_id}: Spark's Kafka client was refused by Kafka at "
-                f"{settings.kafka} ({refused}: {_java_message(str(exc), refused)}). Check the pipeline's Kafka "
+                f"{settings.kafka} ({refused}: {cause}). Check the pipeline's Kafka "
                 "connection (its sasl.* and ssl.* properties, as mapped for Java: README, Connections). Nothing "
-                "was staged; the batch stays planned."
+                "was staged; the batch stays planned.",
+                pipeline=pipeline.name,
+                batch_id=batch.batch_id,
+                topic=pipeline.topic,
+                cluster=str(settings.kafka),
+                refusal=refused,
+                cause=cause,
             ) from None
         if "Some data may have been lost" in str(exc):
             raise RetentionLossError(
@@ -214,7 +225,11 @@ def _read_and_write(
                 f"offsets ({describe_ranges(batch.plan.ranges)}): they were "
                 "deleted (retention, delete-records or a recreated topic) after the batch was planned. Nothing was "
                 "promoted. The next run abandons this batch and plans from the ledger's heads, which reports the "
-                "lost offsets (or records them as a gap under on_retention_loss: skip)."
+                "lost offsets (or records them as a gap under on_retention_loss: skip).",
+                pipeline=pipeline.name,
+                batch_id=batch.batch_id,
+                topic=pipeline.topic,
+                offsets=batch.plan.ranges,
             ) from None
         raise
 
@@ -233,7 +248,10 @@ def _raise_if_stopped(stop: threading.Event | None, pipeline: Pipeline, batch_id
     if stop is not None and stop.is_set():
         raise StageInterrupted(
             f"pipeline {pipeline.name!r} batch {batch_id}: stopped by SIGTERM before staging finished; nothing "
-            "was promoted and the batch stays planned. The next run (or a retry) re-reads it."
+            "was promoted and the batch stays planned. The next run (or a retry) re-reads it.",
+            pipeline=pipeline.name,
+            batch_id=batch_id,
+            state=BatchState.PLANNED,
         )
 
 
@@ -242,8 +260,14 @@ def _check_staged(conn, pipeline: Pipeline, batch: Batch, reads: tuple[Partition
     expected = {r.partition: r.records for r in reads if r.records}
     if staged != expected:
         raise BatchStateError(
-            f"batch {batch.batch_id}: staging holds {staged} rows per partition but this attempt wrote {expected}; "
-            "a concurrent attempt replaced them. The batch stays planned: run the stage step again."
+            f"pipeline {pipeline.name!r} batch {batch.batch_id}: staging holds {staged} rows per partition but this "
+            f"attempt wrote {expected}; a concurrent attempt replaced them. The batch stays planned: run the stage "
+            "step again.",
+            pipeline=pipeline.name,
+            batch_id=batch.batch_id,
+            state=batch.state,
+            staged=staged,
+            expected=expected,
         )
 
 
@@ -277,9 +301,16 @@ def _merge_stats(rows: list, batch: Batch) -> tuple[PartitionRead, ...]:
         rng = planned.get(partition)
         outside = rng is None or (records and (low < rng.start or high >= rng.end or records > rng.size))
         if outside:
+            planned = "(none)" if rng is None else f"[{rng.start}, {rng.end})"
             raise BatchStateError(
-                f"batch {batch.batch_id}: Spark returned offsets [{low}, {high}] ({records} records) "
-                f"of partition {partition}, outside the planned range; nothing was staged as final"
+                f"pipeline {batch.pipeline!r} batch {batch.batch_id}: Spark returned offsets [{low}, {high}] "
+                f"({records} records) of partition {partition}, outside the planned range {planned}; nothing was "
+                "staged as final",
+                pipeline=batch.pipeline,
+                batch_id=batch.batch_id,
+                partition=partition,
+                offsets=None if low is None else (low, high + 1),
+                records=records,
             )
         reads.append(PartitionRead(partition, records, quarantined, low, high, tuple(sorted(refused))))
     return tuple(reads)

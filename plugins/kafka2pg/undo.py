@@ -50,7 +50,10 @@ def undo_batch(
         raise ReplayRefusedError(
             f"pipeline {pipeline.name!r} batch {batch_id}: topic {pipeline.topic!r} is compacted; an undo deletes rows "
             "whose records may since have been compacted away, and the reload could not bring them back. "
-            "Use a replay of the range instead (it replaces only what it re-reads)."
+            "Use a replay of the range instead (it replaces only what it re-reads).",
+            pipeline=pipeline.name,
+            batch_id=batch_id,
+            topic=pipeline.topic,
         )
     with transaction(settings.database_url) as conn:
         # Plan lock, then the open live batch: no live promotion moves a head while this runs.
@@ -59,16 +62,24 @@ def undo_batch(
         batch = load_batch(conn, batch_id, for_update=True)
         where = f"pipeline {pipeline.name!r} batch {batch_id}"
         if batch.pipeline != pipeline.name:
-            raise BatchStateError(f"batch {batch_id} belongs to pipeline {batch.pipeline!r}, not {pipeline.name!r}")
+            raise BatchStateError.other_pipeline(pipeline.name, batch_id, batch.pipeline)
         if batch.kind != "live" or batch.state is not BatchState.PROMOTED:
             raise ReplayRefusedError(
-                f"{where} is a {batch.kind} batch in state {batch.state}: only a promoted live batch can be undone"
+                f"{where} is a {batch.kind} batch in state {batch.state}: only a promoted live batch can be undone",
+                pipeline=pipeline.name,
+                batch_id=batch_id,
+                state=batch.state,
+                kind=batch.kind,
             )
         parts = batch.plan.partitions
         floors = reset_floors(conn, pipeline.name)
-        if any(batch_id <= floors.get(p.partition, 0) for p in parts):
+        reset = [p.partition for p in parts if batch_id <= floors.get(p.partition, 0)]
+        if reset:
             raise ReplayRefusedError(
-                f"{where} was loaded from the topic as it was before a ledger reset; it cannot be undone"
+                f"{where} was loaded from the topic as it was before a ledger reset; it cannot be undone",
+                pipeline=pipeline.name,
+                batch_id=batch_id,
+                partitions=reset,
             )
         heads = dict(
             conn.execute(
@@ -78,11 +89,16 @@ def undo_batch(
         newer = {p.partition: heads.get(p.partition) for p in parts if heads.get(p.partition) != batch_id}
         if newer:
             spans = ",".join(f"{r.partition}:{r.start}-{r.end}" for r in batch.plan.ranges)
+            moved_by = sorted({b for b in newer.values() if b is not None})
             raise ReplayRefusedError(
                 f"{where} is not the newest batch of partition(s) {sorted(newer)} (last moved by batch(es) "
-                f"{sorted({b for b in newer.values() if b is not None})}): undoing it would leave a hole in the "
-                f"ledger. Replay its range instead (offsets {spans}), e.g. `kafka2pg replay --pipeline "
-                f"{pipeline.name} --offsets {spans}`."
+                f"{moved_by}): undoing it would leave a hole in the ledger. Replay its range instead (offsets "
+                f"{spans}), e.g. `kafka2pg replay --pipeline {pipeline.name} --offsets {spans}`.",
+                pipeline=pipeline.name,
+                batch_id=batch_id,
+                partitions=sorted(newer),
+                offsets=batch.plan.ranges,
+                moved_by=moved_by,
             )
         ranges = tuple(OffsetRange(p.partition, p.gap.start if p.gap else p.range.start, p.new_head) for p in parts)
         in_range = range_predicate(ranges, floors)

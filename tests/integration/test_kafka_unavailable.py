@@ -62,7 +62,6 @@ def test_an_unreachable_cluster_raises_kafka_unavailable_naming_the_servers(name
     started = time.monotonic()
     with pytest.raises(KafkaUnavailableError) as raised:
         call(nobody_listens)
-    message = str(raised.value)
-    assert f"Kafka at {nobody_listens} did not answer within 1s" in message
-    assert "Check that the brokers run and that the pipeline's Kafka connection" in message
+    assert (raised.value.cluster, raised.value.timeout_s, raised.value.topic) == (nobody_listens, TIMEOUT_S, "orders")
+    assert "Check that the brokers run and that the pipeline's Kafka connection" in str(raised.value)
     assert time.monotonic() - started < 10

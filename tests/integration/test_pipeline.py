@@ -190,7 +190,7 @@ def test_a_rejected_batch_stops_the_run_and_voids_the_lookahead_staged_meanwhile
     # has already planned and staged batch 3 ([200, 300)) after it.
     produce(env.settings.bootstrap_servers, env.topic, [*events[:150], events[0], *events[150:299]])
     first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
-    with pytest.raises(QualityGateFailed, match="duplicate_policy: fail"):
+    with pytest.raises(QualityGateFailed) as rejected:
         run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=10, run_id="run-1")
     rows = db.execute(
         "SELECT batch_id, state, after_batch_id IS NOT NULL FROM kafka2pg.batches WHERE pipeline = %s"
@@ -198,6 +198,10 @@ def test_a_rejected_batch_stops_the_run_and_voids_the_lookahead_staged_meanwhile
         (env.pipeline.name,),
     ).fetchall()
     assert [r[1:] for r in rows] == [("promoted", False), ("rejected", True), ("abandoned", True)]
+    assert rejected.value.batch_id == rows[1][0]
+    assert rejected.value.failed == {
+        "business_key_not_already_promoted": "1 duplicate business key(s) (duplicate_policy: fail)"
+    }
     assert count(db, env) == 100 and heads(env) == {0: 100}
     staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
     staged = db.execute(sql.SQL("SELECT DISTINCT batch_id FROM {}").format(staging)).fetchall()
@@ -357,16 +361,22 @@ def test_producer_retry_duplicate_is_flagged_not_promoted(make_pipeline, run_bat
 
 def test_missing_topic_fails_with_a_clear_error(make_pipeline):
     env = make_pipeline(create_topic=False)
-    with pytest.raises(TopicNotFoundError, match=rf"topic '{env.topic}' does not exist"):
+    with pytest.raises(TopicNotFoundError) as missing:
         open_batch(env.settings, env.pipeline)
+    assert (missing.value.topic, missing.value.cluster) == (env.topic, env.settings.bootstrap_servers)
 
 
 def test_unreachable_kafka_fails_within_seconds_naming_the_servers(make_pipeline, capfd):
     env = make_pipeline()
     dead = dataclasses.replace(env.settings, kafka="127.0.0.1:9", kafka_timeout_s=3)
     started = time.monotonic()
-    with pytest.raises(KafkaUnavailableError, match=r"Kafka at 127\.0\.0\.1:9 did not answer within 3s"):
+    with pytest.raises(KafkaUnavailableError) as unavailable:
         open_batch(dead, env.pipeline)
+    assert (unavailable.value.cluster, unavailable.value.timeout_s, unavailable.value.topic) == (
+        "127.0.0.1:9",
+        3,
+        env.topic,
+    )
     assert time.monotonic() - started < 15
     assert capfd.readouterr().err.count("127.0.0.1:9") < 5, "librdkafka must not flood the log"
 
@@ -374,9 +384,10 @@ def test_unreachable_kafka_fails_within_seconds_naming_the_servers(make_pipeline
 def test_unreachable_postgres_names_the_server_without_password(make_pipeline):
     env = make_pipeline()
     dead = dataclasses.replace(env.settings, database_url="postgresql://u:secret@127.0.0.1:9/nowhere")
-    with pytest.raises(DatabaseUnavailableError, match=r"PostgreSQL at 127\.0\.0\.1:9/nowhere is unreachable") as info:
+    with pytest.raises(DatabaseUnavailableError) as info:
         open_batch(dead, env.pipeline)
-    assert "secret" not in str(info.value)
+    assert info.value.database == "127.0.0.1:9/nowhere"
+    assert "secret" not in str(info.value) and "secret" not in repr(info.value.evidence)
 
 
 def test_zombie_run_with_an_older_claim_is_fenced_at_every_step(make_pipeline, spark, db, heads):

@@ -14,7 +14,7 @@ from psycopg import sql
 from kafka2pg.audit import audit_pipeline
 from kafka2pg.checks import DEFERRED_KEY_PROBE
 from kafka2pg.devtools.producer import produce, sample_events
-from kafka2pg.exceptions import QualityGateFailed, StagingLostError
+from kafka2pg.exceptions import BatchStateError, QualityGateFailed, StagingLostError
 from kafka2pg.opening import open_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.report import quality_summary
@@ -117,11 +117,12 @@ def test_fail_policy_promotes_nothing_and_fails_with_the_report_path(make_pipeli
     produce(env.settings.bootstrap_servers, env.topic, first_batch(events), key_field=None)
     batch = open_batch(env.settings, env.pipeline).batch
     stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
-    with pytest.raises(
-        QualityGateFailed, match=r"rejected, nothing promoted, ledger unchanged.*Report: (\S+\.html)"
-    ) as info:
+    with pytest.raises(QualityGateFailed) as info:
         validate_batch(env.settings, env.pipeline, batch.batch_id)
-    report = Path(str(info.value).split("Report: ")[1].split(". Inspect")[0])
+    report = Path(info.value.report)
+    assert (info.value.batch_id, info.value.state, report.suffix) == (batch.batch_id, "rejected", ".html")
+    # What the operator reads: the verdict and where the report is.
+    assert "rejected, nothing promoted, ledger unchanged" in str(info.value) and f"Report: {report}." in str(info.value)
     assert target_ids(db, env) == [] and quarantine(db, env) == []
     assert db.execute(
         "SELECT count(*) FROM kafka2pg.ledger_heads WHERE pipeline = %s", (env.pipeline.name,)
@@ -138,8 +139,10 @@ def test_fail_policy_promotes_nothing_and_fails_with_the_report_path(make_pipeli
         "gx:ExpectColumnValuesToBeBetween:amount": 1,
         "gx:ExpectColumnValuesToBeInSet:currency": 1,
     }
-    with pytest.raises(Exception, match="rejected"):
+    assert set(info.value.failed) == set(failed)
+    with pytest.raises(BatchStateError) as refused:
         promote_batch(env.settings, env.pipeline, batch.batch_id)
+    assert (refused.value.batch_id, refused.value.state) == (batch.batch_id, "rejected")
     dom = render(report, "quality-report-fail")
     assert "REJECTED" in dom and "FAILED" in dom and "p0@8" in dom
     assert '<td>business-key duplicates found</td><td class="num">1</td>' in dom
@@ -157,8 +160,12 @@ def test_an_error_inside_great_expectations_blocks_promotion(make_pipeline, spar
         raise RuntimeError("metric computation exploded")
 
     monkeypatch.setattr(kafka2pg.expectations, "run_suite", broken)
-    with pytest.raises(QualityGateFailed, match="Great Expectations raised RuntimeError: metric computation exploded"):
+    with pytest.raises(QualityGateFailed) as rejected:
         validate_batch(env.settings, env.pipeline, batch.batch_id)
+    assert rejected.value.batch_id == batch.batch_id
+    assert rejected.value.failed["gx:validation_error"] == (
+        "Great Expectations raised RuntimeError: metric computation exploded"
+    )
     assert target_ids(db, env) == []
 
 
@@ -189,9 +196,11 @@ def test_offsets_already_in_the_target_or_quarantine_are_rejected(make_pipeline,
         " VALUES (%s, %s, %s, %s, %s, 'old quarantine row')",
         (env.pipeline.name, batch_id, env.topic, p1, o1),
     )
-    already = "provenance_not_already_promoted: {} staged offsets already in the target or the quarantine"
-    with pytest.raises(QualityGateFailed, match=already.format(1)):
+    already = "{} staged offsets already in the target or the quarantine"
+    with pytest.raises(QualityGateFailed) as rejected:
         validate_batch(env.settings, env.pipeline, batch_id)
+    assert rejected.value.batch_id == batch_id
+    assert rejected.value.failed["provenance_not_already_promoted"].startswith(already.format(1))
 
     batch_id, _ = stage()  # the rejected batch's offsets, planned again
     db.execute(
@@ -201,8 +210,10 @@ def test_offsets_already_in_the_target_or_quarantine_are_rejected(make_pipeline,
         ).format(target),
         (env.topic, p0, o0, batch_id),
     )
-    with pytest.raises(QualityGateFailed, match=already.format(2)):
+    with pytest.raises(QualityGateFailed) as rejected:
         validate_batch(env.settings, env.pipeline, batch_id)
+    assert rejected.value.batch_id == batch_id
+    assert rejected.value.failed["provenance_not_already_promoted"].startswith(already.format(2))
     assert target_ids(db, env) == ["old-row"]
 
     db.execute(sql.SQL("UPDATE {} SET kafka_topic = 'another-topic'").format(target))
@@ -225,8 +236,10 @@ def test_a_record_staged_twice_is_rejected_by_provenance_uniqueness(make_pipelin
     db.execute(
         "UPDATE kafka2pg.batch_partitions SET records_read = records_read + 2 WHERE batch_id = %s", (batch.batch_id,)
     )
-    with pytest.raises(QualityGateFailed, match="provenance_unique: 2 provenance duplicates in staging"):
+    with pytest.raises(QualityGateFailed) as rejected:
         validate_batch(env.settings, env.pipeline, batch.batch_id)
+    assert rejected.value.batch_id == batch.batch_id
+    assert rejected.value.failed["provenance_unique"] == "2 provenance duplicates in staging"
     assert target_ids(db, env) == []
 
 
@@ -258,8 +271,10 @@ def test_validation_counts_staged_rows_once_for_the_loss_guard_and_the_completen
         (batch.batch_id,),
     )
     db.execute(sql.SQL("DELETE FROM {} WHERE batch_id = %s AND kafka_partition = 1").format(staging), (batch.batch_id,))
-    with pytest.raises(QualityGateFailed, match="staged_rows_equal_records_read: p1: read None, staged 0"):
+    with pytest.raises(QualityGateFailed) as rejected:
         validate_batch(env.settings, env.pipeline, batch.batch_id)
+    assert rejected.value.batch_id == batch.batch_id
+    assert rejected.value.failed["staged_rows_equal_records_read"] == "p1: read None, staged 0"
     assert target_ids(db, env) == []
 
 
@@ -419,8 +434,10 @@ def test_under_the_fail_policy_a_key_refused_at_promotion_rejects_the_batch(make
     batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
     stage_batch(spark, env.settings, env.pipeline, batch_id)
     validate_batch(env.settings, env.pipeline, batch_id)
-    with pytest.raises(QualityGateFailed, match="business_key_not_already_promoted: 1 duplicate business key"):
+    with pytest.raises(QualityGateFailed) as rejected:
         promote_batch(env.settings, env.pipeline, batch_id)
+    assert rejected.value.batch_id == batch_id
+    assert rejected.value.failed["business_key_not_already_promoted"].startswith("1 duplicate business key")
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
     assert state == "rejected"
     assert target_ids(db, env) == sorted(e["event_id"] for e in events[:2]) and quarantine(db, env) == []
@@ -510,10 +527,10 @@ def test_a_deferred_batch_whose_offsets_landed_meanwhile_is_rejected_at_promotio
         ).format(sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)),
         (env.topic,),
     )
-    with pytest.raises(
-        QualityGateFailed, match="provenance_not_already_promoted: 1 staged offsets already in the target"
-    ):
+    with pytest.raises(QualityGateFailed) as rejected:
         promote_batch(env.settings, env.pipeline, batch_id)
+    assert rejected.value.batch_id == batch_id
+    assert rejected.value.failed["provenance_not_already_promoted"].startswith("1 staged offsets already in the target")
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
     assert state == "rejected" and heads(env) == {0: 2}
     assert target_ids(db, env) == sorted([e["event_id"] for e in events[:2]] + ["written-by-hand"])

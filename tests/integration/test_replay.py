@@ -216,10 +216,12 @@ def test_replays_beyond_the_head_or_outside_the_loaded_ledger_are_refused(make_p
     run_batch(env)
     head = heads(env)
     produce(env.settings.bootstrap_servers, env.topic, sample_events(10, seed=4))
-    with pytest.raises(ReplayRefusedError, match=f"beyond the live head {head[0]}"):
+    with pytest.raises(ReplayRefusedError) as refused:
         open_replay(env.settings, env.pipeline, ReplayRequest("replace", (OffsetRange(0, 0, head[0] + 1),)))
-    with pytest.raises(ReplayRefusedError, match="never loaded this partition"):
+    assert (refused.value.partition, refused.value.offsets, refused.value.head) == (0, (0, head[0] + 1), head[0])
+    with pytest.raises(ReplayRefusedError) as refused:  # the ledger has no head for it: never loaded
         open_replay(env.settings, env.pipeline, ReplayRequest("replace", (OffsetRange(7, 0, 1),)))
+    assert (refused.value.partition, refused.value.offsets, refused.value.head) == (7, (0, 1), None)
     count = db.execute("SELECT count(*) FROM kafka2pg.batches WHERE pipeline = %s", (env.pipeline.name,)).fetchone()
     assert count[0] == 1, "a refused replay records nothing"
 
@@ -252,8 +254,11 @@ def test_undo_of_the_newest_batch_rewinds_atomically_and_older_batches_need_a_re
     ).batch
     stage_batch(spark, old.settings, old.pipeline, stale.batch_id)
     validate_batch(old.settings, old.pipeline, stale.batch_id)
-    with pytest.raises(ReplayRefusedError, match="Replay its range instead"):
+    with pytest.raises(ReplayRefusedError) as refused:  # newer batches moved its partitions' heads
         undo_batch(old.settings, old.pipeline, batches[0], confirm=True)
+    assert refused.value.batch_id == batches[0]
+    assert refused.value.moved_by and set(refused.value.moved_by) <= set(batches[1:])
+    assert "Replay its range instead" in str(refused.value)  # the operator's way out
     preview = undo_batch(old.settings, old.pipeline, batches[-1], confirm=False)
     assert not preview.applied and snapshot(db, old) == before
     undone = undo_batch(old.settings, old.pipeline, batches[-1], confirm=True, reason="test", requested_by="me")
@@ -265,15 +270,19 @@ def test_undo_of_the_newest_batch_rewinds_atomically_and_older_batches_need_a_re
     assert_clean(old)
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batches[-1],)).fetchone()[0]
     assert state == "undone"
-    with pytest.raises(ReplayRefusedError, match="beyond the live head"):
+    with pytest.raises(ReplayRefusedError) as refused:  # the undo rewound the head below its range
         promote_batch(old.settings, old.pipeline, stale.batch_id)
+    assert (refused.value.batch_id, refused.value.partition) == (stale.batch_id, partition)
+    assert refused.value.head == rewound[partition] < span["end"]
     # The next live run loads the range again: the target is as before.
     load_all(run_batch, old)
     assert snapshot(db, old) == before and heads(old) == before_heads
     assert_clean(old)
     # The stale replay (planned before the reload) still must not overwrite the reloaded rows.
-    with pytest.raises(ReplayRefusedError, match="newer than this replay"):
+    with pytest.raises(ReplayRefusedError) as refused:
         promote_batch(old.settings, old.pipeline, stale.batch_id)
+    assert (refused.value.batch_id, refused.value.partition) == (stale.batch_id, partition)
+    assert refused.value.newer_batch_id > stale.batch_id
     assert snapshot(db, old) == before
 
 

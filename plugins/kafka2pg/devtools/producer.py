@@ -86,7 +86,9 @@ def produce(
     remaining = producer.flush(timeout_s)
     if remaining or errors:
         raise KafkaUnavailableError(
-            f"producing to {topic!r} on Kafka at {kafka}: {remaining} undelivered, errors: {sorted(set(errors))[:3]}"
+            f"producing to {topic!r} on Kafka at {kafka}: {remaining} undelivered, errors: {sorted(set(errors))[:3]}",
+            cluster=str(kafka),
+            topic=topic,
         )
     return count
 
@@ -95,4 +97,6 @@ def produce_sample(kafka: KafkaLike, topic: str, count: int, *, seed: int = 0) -
     try:
         return produce(kafka, topic, sample_events(count, seed=seed))
     except KafkaException as exc:
-        raise KafkaUnavailableError(f"producing to {topic!r} on Kafka at {kafka}: {exc}") from exc
+        raise KafkaUnavailableError(
+            f"producing to {topic!r} on Kafka at {kafka}: {exc}", cluster=str(kafka), topic=topic
+        ) from exc

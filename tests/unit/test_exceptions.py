@@ -1,0 +1,155 @@
+"""Errors carry their evidence as fields and build their messages from them; only transient
+failures (a service away, a range lock held, a stopped Spark job) are retryable."""
+
+import inspect
+
+import pytest
+
+from kafka2pg import exceptions
+from kafka2pg.exceptions import (
+    BatchStateError,
+    DatabaseUnavailableError,
+    Kafka2PgError,
+    KafkaAuthenticationError,
+    KafkaUnavailableError,
+    OffsetRegressionError,
+    QualityGateFailed,
+    RangeLockedError,
+    ReplayRefusedError,
+    RetentionLossError,
+    ServiceUnavailableError,
+    StageInterrupted,
+)
+
+# (error, its evidence exactly, what its message must say)
+BUILT = {
+    "no_answer": (
+        KafkaUnavailableError.no_answer("broker1:9092", 3, "while listing offsets", topic="orders", partition=2),
+        {
+            "cluster": "broker1:9092",
+            "timeout_s": 3,
+            "cause": "while listing offsets",
+            "topic": "orders",
+            "partition": 2,
+        },
+        ["Kafka at broker1:9092 did not answer within 3s (while listing offsets)", "Check that the brokers run"],
+    ),
+    "no_answer, topic unknown": (
+        KafkaUnavailableError.no_answer("broker1:9092", 10, "KafkaError{...}"),
+        {"cluster": "broker1:9092", "timeout_s": 10, "cause": "KafkaError{...}"},
+        ["Kafka at broker1:9092 did not answer within 10s"],
+    ),
+    "refused": (
+        KafkaAuthenticationError.refused(
+            "b:9093 (SASL_SSL, SCRAM-SHA-512)", "refused the client's credentials", "SASL authentication error"
+        ),
+        {
+            "cluster": "b:9093 (SASL_SSL, SCRAM-SHA-512)",
+            "refusal": "refused the client's credentials",
+            "cause": "SASL authentication error",
+        },
+        [
+            "Kafka at b:9093 (SASL_SSL, SCRAM-SHA-512) refused the client's credentials: SASL authentication error",
+            "Retrying will not help",
+        ],
+    ),
+    "expired": (
+        RetentionLossError.expired("orders", "orders-topic", 1, 10, 40),
+        {"pipeline": "orders", "topic": "orders-topic", "partition": 1, "offsets": (10, 40)},
+        ["pipeline 'orders', topic 'orders-topic', partition 1: offsets [10, 40) (30 records)", "on_retention_loss"],
+    ),
+    "beyond_high_watermark": (
+        OffsetRegressionError.beyond_high_watermark("orders", "orders-topic", 0, 50, 10),
+        {"pipeline": "orders", "topic": "orders-topic", "partition": 0, "head": 50, "high_watermark": 10},
+        [
+            "partition 0: the ledger head 50 is beyond the high watermark 10",
+            "`kafka2pg reset --pipeline orders --partition 0 --to-offset <offset> --confirm`",
+        ],
+    ),
+    "partitions_gone": (
+        OffsetRegressionError.partitions_gone("orders", "orders-topic", [2, 3]),
+        {"pipeline": "orders", "topic": "orders-topic", "partitions": [2, 3]},
+        ["heads for partition(s) [2, 3] that the topic no longer has", "`kafka2pg reset`"],
+    ),
+    "held": (
+        RangeLockedError.held("orders", 4, "replay batch 7", 300, "backend pid 42, application 'kafka2pg'"),
+        {
+            "pipeline": "orders",
+            "partition": 4,
+            "purpose": "replay batch 7",
+            "waited_s": 300,
+            "holder": "backend pid 42, application 'kafka2pg'",
+        },
+        ["replay batch 7 waited 300s for partition 4", "(backend pid 42, application 'kafka2pg')", "Retry"],
+    ),
+    "held, holder unknown": (
+        RangeLockedError.held("orders", 4, "undo of batch 3", 300, None),
+        {"pipeline": "orders", "partition": 4, "purpose": "undo of batch 3", "waited_s": 300},
+        ["undo of batch 3 waited 300s for partition 4, which another promotion, replay or undo still holds;"],
+    ),
+    "range_refused": (
+        ReplayRefusedError.range_refused("orders", 0, (5, 90), "the range reaches beyond the live head 80", head=80),
+        {"pipeline": "orders", "partition": 0, "offsets": (5, 90), "head": 80},
+        ["pipeline 'orders' partition 0 [5, 90): the range reaches beyond the live head 80"],
+    ),
+    "range_refused, finishing": (
+        ReplayRefusedError.range_refused(
+            "orders", 1, (0, 10), "batch 9, newer than this replay, ...", batch_id=7, head=10, newer_batch_id=9
+        ),
+        {"pipeline": "orders", "batch_id": 7, "partition": 1, "offsets": (0, 10), "head": 10, "newer_batch_id": 9},
+        ["pipeline 'orders' replay batch 7: partition 1 [0, 10): batch 9, newer", "Nothing was changed"],
+    ),
+    "other_pipeline": (
+        BatchStateError.other_pipeline("orders", 12, "payments"),
+        {"pipeline": "orders", "batch_id": 12, "owner": "payments"},
+        ["batch 12 belongs to pipeline 'payments', not 'orders'"],
+    ),
+    "rejected": (
+        QualityGateFailed.rejected(
+            "orders", 5, {"provenance_unique": "2 provenance duplicates", "gx:x": "1 unexpected"}, "/r/5.html", "stg_o"
+        ),
+        {
+            "pipeline": "orders",
+            "batch_id": 5,
+            "state": "rejected",
+            "failed": {"provenance_unique": "2 provenance duplicates", "gx:x": "1 unexpected"},
+            "report": "/r/5.html",
+        },
+        [
+            "pipeline 'orders' batch 5 rejected, nothing promoted",
+            "provenance_unique: 2 provenance duplicates; gx:x: 1 unexpected",
+            "Report: /r/5.html.",
+            "kafka2pg.stg_o",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BUILT)
+def test_a_built_error_holds_exactly_its_evidence_and_says_it(name):
+    error, evidence, said = BUILT[name]
+    assert error.evidence == evidence
+    assert all(getattr(error, field) == value for field, value in evidence.items())
+    message = str(error)
+    assert [s for s in said if s not in message] == []
+
+
+def test_evidence_not_given_reads_as_none():
+    error = KafkaUnavailableError.no_answer("broker1:9092", 3, "timeout")
+    assert (error.topic, error.partition, error.pipeline, error.batch_id, error.offsets) == (None,) * 5
+    assert "topic" not in error.evidence
+
+
+RETRYABLE = {
+    ServiceUnavailableError,
+    KafkaUnavailableError,
+    DatabaseUnavailableError,
+    RangeLockedError,
+    StageInterrupted,
+}
+ERRORS = [c for _, c in inspect.getmembers(exceptions, inspect.isclass) if issubclass(c, Kafka2PgError)]
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda c: c.__name__)
+def test_only_transient_errors_are_retryable(error):
+    assert error.terminal is (error not in RETRYABLE)
