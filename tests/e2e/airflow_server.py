@@ -142,10 +142,28 @@ def _stop(server: AirflowServer, grace_s: float = 20) -> None:
 
 
 def wait_for(check, timeout_s: float = 300, interval_s: float = 2, what: str = "condition"):
+    """Poll `check` until it returns something truthy; a slow or dropped API answer is a "not yet"."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
+        with contextlib.suppress(requests.ConnectionError, requests.Timeout):
+            value = check()
+            if value:
+                return value
         time.sleep(interval_s)
     raise TimeoutError(f"waited {timeout_s}s for {what}")
+
+
+def api(method: str, url: str, *, deadline_s: float = 180, **kwargs) -> requests.Response:
+    """One REST call on a loaded machine: an answer may take long, and a call that times out or
+    loses its connection is sent again until `deadline_s` (only for calls that are safe to repeat:
+    reads, pause/unpause, cancel). A POST is sent once and waited for up to `deadline_s`."""
+    if method.upper() == "POST":
+        return requests.request(method, url, timeout=(10, deadline_s), **kwargs)
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return requests.request(method, url, timeout=(10, 60), **kwargs)
+        except (requests.ConnectionError, requests.Timeout):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)

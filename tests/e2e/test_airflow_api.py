@@ -6,8 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import requests
-from airflow_server import running_airflow, wait_for
+from airflow_server import api, running_airflow, wait_for
 from cdp_screenshot import screenshot_trigger_form
 from psycopg import sql
 
@@ -38,7 +37,7 @@ def replays(db, env) -> list[tuple]:
 
 def finished_run(server, dag_id: str, run_id: str) -> dict:
     def done():
-        run = requests.get(f"{server.api}/dags/{dag_id}/dagRuns/{run_id}", timeout=10).json()
+        run = api("GET", f"{server.api}/dags/{dag_id}/dagRuns/{run_id}").json()
         return run if run["state"] in ("success", "failed") else None
 
     return wait_for(done, what=f"run {run_id}")
@@ -46,10 +45,10 @@ def finished_run(server, dag_id: str, run_id: str) -> dict:
 
 def finished_backfill(server, dag_id: str, first: str, last: str) -> list[dict]:
     def done():
-        runs = requests.get(
+        runs = api(
+            "GET",
             f"{server.api}/dags/{dag_id}/dagRuns",
             params={"run_type": "backfill", "logical_date_gte": first, "logical_date_lte": last, "limit": 100},
-            timeout=10,
         ).json()["dag_runs"]
         return runs if len(runs) == DAYS and all(r["state"] in ("success", "failed") for r in runs) else None
 
@@ -81,26 +80,23 @@ def test_replay_trigger_and_backfill_through_the_rest_api(make_pipeline, run_bat
     }
     with running_airflow(tmp_path / "airflow", env.settings.database_url, extra) as server:
         details = wait_for(
-            lambda: (r := requests.get(f"{server.api}/dags/{dag_id}/details", timeout=10)).ok and r.json(),
+            lambda: (r := api("GET", f"{server.api}/dags/{dag_id}/details")).ok and r.json(),
             timeout_s=180,
             what=f"DAG {dag_id} parsed",
         )
         assert details["is_paused"] is True, "the replay DAG is created paused"
         assert {"mode", "offset_ranges", "from_time", "to_time", "reason"} <= set(details["params"])
         # Backfill runs stay queued on a paused DAG; its own scheduled runs replay nothing.
-        assert requests.patch(f"{server.api}/dags/{dag_id}", json={"is_paused": False}, timeout=10).ok
+        assert api("PATCH", f"{server.api}/dags/{dag_id}", json={"is_paused": False}).ok
 
         # Invalid Params are refused by the API before any run exists.
-        bad = requests.post(
-            f"{server.api}/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": {"mode": "delete"}}, timeout=10
-        )
+        runs_url = f"{server.api}/dags/{dag_id}/dagRuns"
+        bad = api("POST", runs_url, json={"logical_date": None, "conf": {"mode": "delete"}})
         assert bad.status_code == 400 and "mode" in bad.text
 
         # 1. A replay triggered with Params and no logical date.
         conf = {"mode": "replace", "offset_ranges": [{"partition": 0, "start": 0, "end": 10}], "reason": "api test"}
-        created = requests.post(
-            f"{server.api}/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf}, timeout=10
-        )
+        created = api("POST", f"{server.api}/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
         assert created.ok, created.text
         run = finished_run(server, dag_id, created.json()["dag_run_id"])
         assert run["state"] == "success", server.task_logs()
@@ -120,13 +116,13 @@ def test_replay_trigger_and_backfill_through_the_rest_api(make_pipeline, run_bat
         }
         snapshots = []
         for _ in range(2):
-            response = requests.post(f"{server.api}/backfills", json=body, timeout=30)
+            response = api("POST", f"{server.api}/backfills", json=body)
             assert response.ok, response.text
             runs = finished_backfill(server, dag_id, first, last)
             assert all(r["state"] == "success" for r in runs), server.task_logs()
             snapshots.append(snapshot(db, env))
             # Completes the finished backfill now (the scheduler would take up to 30 s) so the next can start.
-            requests.put(f"{server.api}/backfills/{response.json()['id']}/cancel", timeout=10)
+            api("PUT", f"{server.api}/backfills/{response.json()['id']}/cancel")
             body["reprocess_behavior"] = "completed"
 
         # 3. The trigger form, as a user sees it.
