@@ -6,9 +6,14 @@ Imported by the DAG factory when it builds a DAG (the spark provider is an Airfl
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+from kafka2pg.exceptions import ConfigError
 
 
 class StageOperator(SparkSubmitOperator):
@@ -16,8 +21,17 @@ class StageOperator(SparkSubmitOperator):
 
     The connections are looked up in `execute` (in the task, with Airflow's own lookup), not at
     DAG-parse time, and never go into a templated field: Airflow would keep rendered fields in
-    its database and show them in the UI. spark-submit's environment is not logged; the job
-    (kafka2pg.runner) builds its Settings from it (`Settings.from_env`).
+    its database and show them in the UI. The job (kafka2pg.runner) builds its Settings from its
+    environment (`Settings.from_env`); that environment, which holds the database password and
+    any Kafka secret, never goes on spark-submit's command line:
+
+    - local and standalone masters: the provider hands `env_vars` to spark-submit's process;
+    - YARN and Kubernetes masters, client deploy mode: the provider would turn `env_vars` into
+      `--conf spark.yarn.appMasterEnv.*` / `spark.kubernetes.driverEnv.*` (visible in `ps` and in
+      the submit line of the log), so the services go into this task's own environment instead,
+      which spark-submit and the driver it starts here inherit, and are taken out after;
+    - cluster deploy mode on YARN or Kubernetes (a remote driver) is refused: the only way the
+      provider offers to reach a remote driver is that command line.
     """
 
     def __init__(self, *, pipeline_name: str, pipelines_file: str, **kwargs: Any) -> None:
@@ -30,5 +44,41 @@ class StageOperator(SparkSubmitOperator):
 
         with airflow_errors():
             settings, _ = resolve(self.pipeline_name, self.pipelines_file)
-        self.env_vars = {**(self.env_vars or {}), **settings.to_env()}
-        return super().execute(context)
+            services = settings.to_env()
+            hook = self._get_hook()
+            master, deploy_mode = hook._connection["master"], hook._connection["deploy_mode"]
+            if not remote_env_master(master):
+                self.env_vars = {**(self.env_vars or {}), **services}
+                return super().execute(context)  # builds its hook with these env_vars
+            if deploy_mode == "cluster":
+                raise ConfigError(
+                    f"Spark master {master!r} with deploy mode 'cluster': the stage job's driver would run "
+                    "remotely and the spark provider can hand it the pipeline's services (the database "
+                    "password, Kafka secrets) only on spark-submit's command line; use deploy mode 'client' "
+                    "(the driver runs in this task, executors on the cluster)",
+                    master=master,
+                    deploy_mode=deploy_mode,
+                )
+        self._hook = hook
+        with _environment(services):
+            return super().execute(context)
+
+
+def remote_env_master(master: str) -> bool:
+    """Masters for which the spark provider puts `env_vars` on the command line (its own test)."""
+    return "yarn" in master or "k8s" in master
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in this process's environment for the block, the previous values back after."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

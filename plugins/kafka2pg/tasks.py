@@ -26,7 +26,7 @@ def airflow_errors() -> Iterator[None]:
     except Kafka2PgError as exc:
         if not exc.terminal:
             raise
-        from airflow.exceptions import AirflowFailException
+        from airflow.sdk.exceptions import AirflowFailException
 
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 

@@ -1,0 +1,80 @@
+"""The stage job's services (database password, Kafka secrets) never reach spark-submit's command
+line, whatever the master: the provider's real command builder is run and its output inspected."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+
+from kafka2pg.stage_operator import StageOperator
+
+SECRET = "pw-8c1f0e-never-printed"
+SERVICES = {
+    "KAFKA2PG_DATABASE_URL": f"postgresql://runtime:{SECRET}@db:5432/warehouse",
+    "KAFKA2PG_KAFKA_CONFIG": json.dumps({"bootstrap.servers": "k1:9093", "sasl.password": SECRET}),
+}
+
+
+class FakeSettings:
+    def to_env(self) -> dict[str, str]:
+        return dict(SERVICES)
+
+
+@pytest.fixture
+def submitted(monkeypatch):
+    """What `submit` would run: the command line and the environment spark-submit would get."""
+    seen: dict = {}
+
+    def submit(hook: SparkSubmitHook, application: str = "", **kwargs) -> None:
+        seen["command"] = shlex.join(hook._build_spark_submit_command(application))
+        seen["env"] = {**os.environ, **(hook._env or {})}
+
+    monkeypatch.setattr(SparkSubmitHook, "submit", submit)
+    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(), None))
+    for name in SERVICES:
+        monkeypatch.delenv(name, raising=False)
+    return seen
+
+
+def run_stage(monkeypatch, spark_connection: dict) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_SPARK", json.dumps({"conn_type": "spark", **spark_connection}))
+    operator = StageOperator(
+        pipeline_name="orders",
+        pipelines_file="/nonexistent/pipelines.yaml",
+        task_id="read_and_stage",
+        application="/opt/kafka2pg/jobs/stage_batch.py",
+        conn_id="kafka2pg_spark",
+        env_vars={"TZ": "UTC"},
+    )
+    operator.execute({})
+
+
+@pytest.mark.parametrize(
+    "connection",
+    [
+        {"host": "local[2]"},
+        {"host": "spark://spark-master", "port": 7077},
+        {"host": "yarn"},
+        {"host": "yarn", "extra": {"deploy-mode": "client"}},
+    ],
+    ids=["local", "standalone", "yarn", "yarn-client"],
+)
+def test_services_reach_the_job_by_environment_not_command_line(monkeypatch, submitted, connection):
+    run_stage(monkeypatch, connection)
+    assert SECRET not in submitted["command"], submitted["command"]
+    assert "KAFKA2PG_" not in submitted["command"]
+    assert {name: submitted["env"].get(name) for name in SERVICES} == SERVICES
+    assert submitted["env"]["TZ"] == "UTC" or "TZ" in submitted["command"]
+    # Nothing left behind in the task's own environment.
+    assert not any(name in os.environ for name in SERVICES)
+
+
+def test_a_remote_driver_on_yarn_is_refused_before_submit(monkeypatch, submitted):
+    with pytest.raises(AirflowFailException, match="deploy mode 'client'"):
+        run_stage(monkeypatch, {"host": "yarn", "extra": {"deploy-mode": "cluster"}})
+    assert submitted == {}
