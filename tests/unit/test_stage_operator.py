@@ -8,8 +8,8 @@ import os
 import shlex
 
 import pytest
-from airflow.sdk.exceptions import AirflowFailException
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+from airflow.sdk.exceptions import AirflowFailException
 
 from kafka2pg.stage_operator import StageOperator
 
