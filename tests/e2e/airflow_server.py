@@ -1,4 +1,5 @@
-"""A throwaway real Airflow (api-server + scheduler + dag-processor, LocalExecutor) for e2e tests.
+"""A throwaway real Airflow (api-server + scheduler + dag-processor + triggerer, LocalExecutor
+unless told otherwise) for e2e tests, and the docker-compose Airflow settings mapped onto it.
 
 The metadata DB is a fresh database in the test stack's PostgreSQL (SQLite refuses concurrent
 backfill creation at random). No auth (SimpleAuthManager, all admins), 127.0.0.1 only.
@@ -7,6 +8,7 @@ backfill creation at random). No auth (SimpleAuthManager, all admins), 127.0.0.1
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -17,12 +19,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import psycopg
 import requests
+import yaml
+from psycopg.conninfo import conninfo_to_dict
 
 from kafka2pg.devtools.processes import free_port
 
 SIMPLE_AUTH = "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager"
+INHERITED_NOT = frozenset(
+    {"AIRFLOW_CONFIG", "KAFKA2PG_DATABASE_URL", "KAFKA2PG_BOOTSTRAP_SERVERS", "KAFKA2PG_KAFKA_CONFIG"}
+)
+# Components whose heartbeat /monitor/health reports ("metadatabase" is the API server's own check).
+HEALTH_PARTS = ("metadatabase", "scheduler", "dag_processor", "triggerer")
 
 
 @dataclass
@@ -30,7 +40,11 @@ class AirflowServer:
     port: int
     env: dict[str, str]
     logs: Path
+    work: Path
+    commands: dict[str, list[str]]
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # Processes left behind by a killed component (task runners in their own process groups).
+    orphans: list[psutil.Process] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -39,6 +53,37 @@ class AirflowServer:
     @property
     def api(self) -> str:
         return f"{self.url}/api/v2"
+
+    def start(self, name: str) -> subprocess.Popen:
+        """Start (or start again) one component, in its own session, its output appended to its log."""
+        with open(self.logs / f"{name}.log", "a") as out:
+            self.procs[name] = subprocess.Popen(
+                self.commands[name],
+                env=self.env,
+                cwd=self.work,
+                start_new_session=True,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        return self.procs[name]
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one component's process group (as `kill -9 -PGID` or the OOM killer would); its
+        descendants in other process groups (task runners) live on, remembered for `kill_orphans`."""
+        proc = self.procs[name]
+        self.orphans += psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def kill_orphans(self) -> None:
+        """SIGKILL what `kill` left behind, by PID (psutil checks each is still the same process)."""
+        for orphan in self.orphans:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                orphan.kill()
+        psutil.wait_procs(self.orphans, timeout=30)
+
+    def health(self) -> dict:
+        return requests.get(f"{self.api}/monitor/health", timeout=5).json()
 
     def task_logs(self) -> str:
         """Every task log of this server (for a failure message), newest last."""
@@ -56,7 +101,8 @@ def _metadata_db(database_url: str) -> str:
 
 
 def _env(home: Path, port: int, db_url: str, extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "AIRFLOW_CONFIG"}
+    # Services come from `extra` only (connections or the CLI fallback), never from the caller's shell.
+    env = {k: v for k, v in os.environ.items() if k not in INHERITED_NOT}
     env.update(
         {
             "AIRFLOW_HOME": str(home),
@@ -87,31 +133,31 @@ def _env(home: Path, port: int, db_url: str, extra: dict[str, str]) -> dict[str,
 def running_airflow(
     work: Path, database_url: str, extra_env: dict[str, str], timeout_s: float = 240
 ) -> Iterator[AirflowServer]:
-    """Migrate a fresh metadata DB, start the three components, wait until healthy; stop them by PID."""
+    """Migrate a fresh metadata DB, start the four components, wait until healthy; stop them by PID."""
     home, logs = work / "home", work / "logs"
     home.mkdir(parents=True, exist_ok=True)
     logs.mkdir(exist_ok=True)
     port = free_port()
-    server = AirflowServer(port, _env(home, port, _metadata_db(database_url), extra_env), logs)
+    commands = {
+        "api-server": ["airflow", "api-server", "--host", "127.0.0.1", "--port", str(port)],
+        "scheduler": ["airflow", "scheduler"],
+        "dag-processor": ["airflow", "dag-processor"],
+        "triggerer": ["airflow", "triggerer"],
+    }
+    server = AirflowServer(port, _env(home, port, _metadata_db(database_url), extra_env), logs, work, commands)
     with open(logs / "db-migrate.log", "w") as out:
         subprocess.run(["airflow", "db", "migrate"], env=server.env, check=True, stdout=out, stderr=subprocess.STDOUT)
     try:
-        for name, command in {
-            "api-server": ["airflow", "api-server", "--host", "127.0.0.1", "--port", str(port)],
-            "scheduler": ["airflow", "scheduler"],
-            "dag-processor": ["airflow", "dag-processor"],
-        }.items():
-            with open(logs / f"{name}.log", "w") as out:
-                server.procs[name] = subprocess.Popen(
-                    command, env=server.env, cwd=work, start_new_session=True, stdout=out, stderr=subprocess.STDOUT
-                )
-        _wait_healthy(server, timeout_s)
+        for name in commands:
+            server.start(name)
+        wait_healthy(server, timeout_s)
         yield server
     finally:
         _stop(server)
 
 
-def _wait_healthy(server: AirflowServer, timeout_s: float) -> None:
+def wait_healthy(server: AirflowServer, timeout_s: float = 240) -> dict:
+    """Every component running and reported healthy by /monitor/health (with heartbeats); the report."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for name, proc in server.procs.items():
@@ -119,14 +165,17 @@ def _wait_healthy(server: AirflowServer, timeout_s: float) -> None:
                 tail = (server.logs / f"{name}.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"airflow {name} exited with {proc.returncode}:\n{tail}")
         with contextlib.suppress(requests.RequestException, ValueError, KeyError, TypeError):
-            health = requests.get(f"{server.api}/monitor/health", timeout=2).json()
-            if all(health[part]["status"] == "healthy" for part in ("metadatabase", "scheduler", "dag_processor")):
-                return
+            health = server.health()
+            if all(health[part]["status"] == "healthy" for part in HEALTH_PARTS):
+                return health
         time.sleep(1)
     raise TimeoutError(f"airflow not healthy within {timeout_s}s; logs in {server.logs}")
 
 
 def _stop(server: AirflowServer, grace_s: float = 20) -> None:
+    for proc in server.procs.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            server.orphans += psutil.Process(proc.pid).children(recursive=True)
     for proc in server.procs.values():
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -139,6 +188,52 @@ def _stop(server: AirflowServer, grace_s: float = 20) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # task supervisors and uvicorn workers of the same group
         proc.wait()
+    server.kill_orphans()
+
+
+COMPOSE_POSTGRES_HOST = "postgres"
+COMPOSE_KAFKA = "kafka:9092"
+COMPOSE_SPARK_PREFIX = "spark://spark-master:"
+
+
+def compose_airflow_env(compose_file: Path, database_url: str, bootstrap_servers: str, spark_master: str) -> dict:
+    """The executor and kafka2pg connections of docker-compose's `x-airflow-common` environment, their
+    compose hosts mapped onto a test's own services: the `postgres` host (port, login, password,
+    database) onto `database_url`, `kafka:9092` onto `bootstrap_servers`, the Spark master onto
+    `spark_master`. Everything else in a connection (its type, its extra) stays as compose has it;
+    a connection pointing elsewhere than the compose hosts raises, so the two cannot drift apart."""
+    compose = yaml.safe_load(compose_file.read_text())
+    environment = compose["x-airflow-common"]["environment"]
+    mapped = {"AIRFLOW__CORE__EXECUTOR": environment["AIRFLOW__CORE__EXECUTOR"]}
+    for name, value in environment.items():
+        if name.startswith("AIRFLOW_CONN_KAFKA2PG_"):
+            mapped[name] = json.dumps(
+                _mapped_connection(name, json.loads(value), database_url, bootstrap_servers, spark_master)
+            )
+    return mapped
+
+
+def _mapped_connection(name: str, conn: dict, database_url: str, bootstrap_servers: str, spark_master: str) -> dict:
+    conn = dict(conn)
+    kind = conn.get("conn_type")
+    if kind == "postgres" and conn.get("host") == COMPOSE_POSTGRES_HOST:
+        target = conninfo_to_dict(database_url)
+        conn.update(
+            host=target["host"],
+            port=int(target.get("port", 5432)),
+            login=target["user"],
+            password=target.get("password", ""),
+            schema=target["dbname"],
+        )
+        return conn
+    if kind == "kafka" and conn.get("extra", {}).get("bootstrap.servers") == COMPOSE_KAFKA:
+        conn["extra"] = {**conn["extra"], "bootstrap.servers": bootstrap_servers}
+        return conn
+    if kind == "spark" and str(conn.get("host", "")).startswith(COMPOSE_SPARK_PREFIX):
+        conn.pop("port", None)
+        conn["host"] = spark_master
+        return conn
+    raise ValueError(f"{name} in docker-compose.yaml: no mapping onto the test stack for {conn!r}")
 
 
 def wait_for(check, timeout_s: float = 300, interval_s: float = 2, what: str = "condition"):
