@@ -8,14 +8,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from psycopg import Connection, sql
 
-from kafka2pg.batch_store import Batch, load_batch
+from kafka2pg.batch_store import Batch, key_probe_deferred, load_batch
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError
+from kafka2pg.exceptions import WitnessMismatchError
 from kafka2pg.kafka_offsets import count_range, topic_retention
 from kafka2pg.ledger import reset_floors
 from kafka2pg.lifecycle import BatchState
@@ -67,7 +67,7 @@ def run_checks(
     batch: Batch,
     probe_promoted_keys: bool,
     staged: dict[int, int],
-    witnesses: GapWitnesses,
+    witnesses: GapWitnesses | None,
 ) -> list[Check]:
     checks = [
         _completeness(conn, batch, staged),
@@ -212,24 +212,44 @@ def _completeness(conn: Connection, batch: Batch, staged: dict[int, int]) -> Che
 @dataclass(frozen=True)
 class GapWitnesses:
     """What a consumer outside Spark found in the ranges where the batch read fewer records than
-    offsets (`reads`: records read per partition, as staged), asked before the gate's lock."""
+    offsets, asked before the gate's lock, and the batch they were asked about: its `state` and
+    claim `epoch` then and `reads`, its records read per partition as staged then."""
 
+    state: BatchState
+    epoch: int
     reads: dict[int, int]
     compacted: bool
     found: dict  # OffsetRange -> the witness's count
 
+    def describe(self) -> str:
+        return f"asked while it was {self.state} at claim epoch {self.epoch} with records read {self.reads}"
 
-def gap_witnesses(settings: Settings, pipeline: Pipeline, batch_id: int) -> GapWitnesses:
+    def unwitnessed(self, batch: Batch, reads: dict[int, int]) -> list[int] | None:
+        """The partitions of `batch` (locked, read `reads`) whose gap no witness counted, or None
+        when the witnesses were asked about another staging of it: a different state, claim or
+        reads, which a batch staged again with the same counts would hide."""
+        if (self.state, self.epoch, self.reads) != (BatchState.STAGED, batch.epoch, reads):
+            return None
+        return [r.partition for r in batch.plan.ranges if reads.get(r.partition, 0) != r.size and r not in self.found]
+
+
+def gap_witnesses(settings: Settings, pipeline: Pipeline, batch_id: int) -> GapWitnesses | None:
+    """Ask Kafka how many committed and data records lie in the batch's gappy ranges. None for a
+    batch sent back by a key collision (`key_probe_deferred`): `recheck_after_collision` does not
+    look at gaps, and Kafka need not be up nor hold the offsets any more to recheck it."""
     with transaction(settings.database_url) as conn:
-        batch = load_batch(conn, batch_id)  # no lock: the gate checks these reads again under it
+        batch = load_batch(conn, batch_id)  # no lock: the gate checks what they were asked about under it
         reads = _reads(conn, batch_id)
+        if key_probe_deferred(conn, batch_id):
+            return None
+    witnesses = GapWitnesses(batch.state, batch.epoch, reads, False, {})
     gappy = [r for r in batch.plan.ranges if reads.get(r.partition, 0) != r.size]
     if batch.state is not BatchState.STAGED or not gappy:
-        return GapWitnesses(reads, False, {})
+        return witnesses
     kafka, timeout = settings.kafka, settings.kafka_timeout_s
     compacted = topic_retention(kafka, pipeline.topic, timeout).compacted
     found = {r: count_range(kafka, pipeline.topic, r.partition, r.start, r.end, timeout) for r in gappy}
-    return GapWitnesses(reads, compacted, found)
+    return replace(witnesses, compacted=compacted, found=found)
 
 
 def _reads(conn: Connection, batch_id: int) -> dict[int, int]:
@@ -241,29 +261,28 @@ def _reads(conn: Connection, batch_id: int) -> dict[int, int]:
     )
 
 
-def _offset_gaps_explained(conn: Connection, batch: Batch, witnesses: GapWitnesses) -> Check:
+def _offset_gaps_explained(conn: Connection, batch: Batch, witnesses: GapWitnesses | None) -> Check:
     """Every offset of the batch without a staged record is explained (aborted, marker, compacted),
     witnessed by a consumer outside Spark (`gap_witnesses`); otherwise the batch is held
     (rejected), not promoted."""
     reads = _reads(conn, batch.batch_id)
-    if reads != witnesses.reads:  # re-staged since the witnesses were asked: ask again
-        raise BatchStateError.wrong_state(
-            batch.pipeline,
-            batch.batch_id,
-            batch.state,
-            "it was staged again while the gate asked Kafka about it",
-            "Validate it again.",
+    unwitnessed = None if witnesses is None else witnesses.unwitnessed(batch, reads)
+    if unwitnessed is None or unwitnessed:  # staged (again) since the witnesses were asked: ask again
+        witnessed = (
+            "none: Kafka was not asked, the gate only had to recheck a key collision"
+            if witnesses is None
+            else witnesses.describe()
+        )
+        raise WitnessMismatchError.restaged(
+            batch.pipeline, batch.batch_id, batch.state, batch.epoch, reads, witnessed, unwitnessed or []
         )
     accounts = []
     for rng in batch.plan.ranges:
-        read = reads.get(rng.partition, 0)
         witness = witnesses.found.get(rng)
-        if witness is not None:
-            accounts.append(
-                account_gap(rng, read, witness.committed, witness.data_records, compacted_topic=witnesses.compacted)
-            )
-        else:
-            accounts.append(account_gap(rng, read, None, None, compacted_topic=witnesses.compacted))
+        committed, data = (None, None) if witness is None else (witness.committed, witness.data_records)
+        accounts.append(
+            account_gap(rng, reads.get(rng.partition, 0), committed, data, compacted_topic=witnesses.compacted)
+        )
     with conn.cursor() as cur:
         cur.executemany(
             "UPDATE kafka2pg.batch_partitions SET committed_records = %s, aborted_records = %s, marker_offsets = %s,"

@@ -12,6 +12,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from kafka2pg.exceptions import ConfigError, DatabaseUnavailableError, SchemaNotReadyError, TableRefusesRowsError
+from kafka2pg.locations import migration_files
 
 
 def describe(url: str) -> str:
@@ -65,11 +66,8 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
     try:
         with conn.transaction():
             yield conn
-    except psycopg.errors.UndefinedTable as exc:
-        raise SchemaNotReadyError(
-            f"PostgreSQL at {describe(url)} lacks kafka2pg tables ({str(exc).strip()}): run `./kafka2pg migrate`",
-            database=describe(url),
-        ) from exc
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as exc:
+        raise _not_migrated(url, exc) from exc
     except psycopg.errors.InsufficientPrivilege as exc:
         role = conn.info.user
         raise SchemaNotReadyError(
@@ -91,6 +89,35 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
         ) from exc
     finally:
         conn.close()
+
+
+def _not_migrated(url: str, exc: psycopg.Error) -> SchemaNotReadyError:
+    """A table or column kafka2pg's code uses is missing: most likely a migration this version
+    ships that the database lacks (code upgraded, `migrate` not run). Names those migrations."""
+    pending = _pending_migrations(url)
+    found = f"pending migration(s) {', '.join(pending)}" if pending else "missing kafka2pg tables or columns"
+    return SchemaNotReadyError(
+        f"PostgreSQL at {describe(url)} is not ready for this version of kafka2pg: {found} "
+        f"({_one_line(exc)}); the transaction was rolled back. Run `kafka2pg migrate` with the URL of the role "
+        "that owns kafka2pg's objects (then `kafka2pg grant --role <runtime role>` unless it is that role), and "
+        "retry.",
+        missing=tuple(f"migration {m}" for m in pending),
+        database=describe(url),
+    )
+
+
+def _pending_migrations(url: str) -> list[str]:
+    """The migrations shipped but not recorded in public.kafka2pg_migrations; [] if that cannot
+    be read (the error being reported matters more than this detail of it)."""
+    shipped = [p.name for p in migration_files()]
+    try:
+        with connect(url, autocommit=True) as conn:
+            applied = {r[0] for r in conn.execute("SELECT name FROM public.kafka2pg_migrations")}
+    except psycopg.errors.UndefinedTable:
+        return shipped
+    except (psycopg.Error, DatabaseUnavailableError):
+        return []
+    return [m for m in shipped if m not in applied]
 
 
 # SQLSTATEs that mean "this row's data", never "this database": data exceptions (class 22),

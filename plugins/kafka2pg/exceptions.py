@@ -17,6 +17,7 @@ Kafka2PgError
  ├── ReplayRefusedError       a replay/undo request the ledger cannot honour (beyond the head, ...)
  ├── BatchStateError          a batch is not in the state a step needs
  │    └── StagingLostError     staged rows vanished (PostgreSQL crash); batch back to planned
+ ├── WitnessMismatchError     the gate's Kafka witnesses were asked about another staging (retryable)
  ├── StageInterrupted         SIGTERM stopped the Spark job; the batch stays resumable
  ├── TableRefusesRowsError    PostgreSQL refused most rows of a batch: the table is at fault, not the records
  ├── QualityGateFailed        validation blocked promotion
@@ -315,6 +316,41 @@ class StagingLostError(BatchStateError):
         )
 
 
+class WitnessMismatchError(Kafka2PgError):
+    """The quality gate asked Kafka about a batch's offset gaps as it was staged before; it is
+    staged differently now (or was not staged then). Retryable: the next attempt asks again."""
+
+    terminal = False
+
+    @classmethod
+    def restaged(
+        cls,
+        pipeline: str,
+        batch_id: int,
+        state: str,
+        epoch: int,
+        reads: Mapping[int, int],
+        witnessed: str,
+        unwitnessed: list[int],
+    ) -> Self:
+        """`witnessed`: what the witnesses were asked about ("asked while it was planned at claim
+        epoch 3 with records read {0: 0}"); `unwitnessed`: partitions with a gap no witness counted."""
+        gaps = f"; partitions {unwitnessed} have a gap no witness counted" if unwitnessed else ""
+        return cls(
+            f"pipeline {pipeline!r} batch {batch_id}: the quality gate's Kafka witnesses of its offset gaps "
+            f"({witnessed}) do not match the batch as it is now, {state} at claim epoch {epoch} with records read "
+            f"{dict(reads)} (staged again meanwhile){gaps}. Nothing was decided or changed. Validate it again "
+            "(Airflow retries the task): the next attempt asks Kafka about the batch as it is staged then.",
+            pipeline=pipeline,
+            batch_id=batch_id,
+            state=state,
+            epoch=epoch,
+            reads=dict(reads),
+            witnessed=witnessed,
+            unwitnessed=unwitnessed,
+        )
+
+
 class StageInterrupted(Kafka2PgError):
     """The Spark job was asked to stop (SIGTERM) before it finished staging."""
 
@@ -331,12 +367,14 @@ class QualityGateFailed(Kafka2PgError):
 
     @classmethod
     def rejected(
-        cls, pipeline: str, batch_id: int, failed: Mapping[str, str], report: Path | str, staging_table: str
+        cls, pipeline: str, batch_id: int, failed: Mapping[str, str], report: Path | str | None, staging_table: str
     ) -> Self:
-        """`failed`: the failed checks' details by check name; `report`: the data-docs file of the run."""
+        """`failed`: the failed checks' details by check name; `report`: the data-docs file of the run
+        (None: it could not be written)."""
+        written = report or "not written (see the task log)"
         return cls(
             f"pipeline {pipeline!r} batch {batch_id} rejected, nothing promoted, ledger unchanged: "
-            f"{cls.summary(failed)}. Report: {report}. Inspect kafka2pg.batch_checks and the staging table "
+            f"{cls.summary(failed)}. Report: {written}. Inspect kafka2pg.batch_checks and the staging table "
             f"kafka2pg.{staging_table}; fix the data or the pipeline config, then trigger a new run.",
             pipeline=pipeline,
             batch_id=batch_id,

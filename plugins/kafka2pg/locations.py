@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kafka2pg.exceptions import InstallationError
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -24,6 +26,14 @@ def _checkout() -> Path | None:
 CHECKOUT = _checkout()
 # The wheel carries the top-level sql/ inside the package (pyproject.toml's force-include).
 SQL_DIR = CHECKOUT / "sql" if CHECKOUT else PACKAGE_DIR / "sql"
+
+
+def migration_files() -> list[Path]:
+    """The numbered migrations kafka2pg ships; an installation without them is an error, never "none pending"."""
+    files = sorted(SQL_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql"))
+    if not files:
+        raise InstallationError("SQL migrations", SQL_DIR)
+    return files
 
 
 def default_state_dir() -> Path:

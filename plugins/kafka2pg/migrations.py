@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import psycopg
 from psycopg import Connection, sql
 
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect, describe, transaction
-from kafka2pg.exceptions import ConfigError, InstallationError, ObjectNameTakenError, SchemaNotReadyError
-from kafka2pg.locations import SQL_DIR
+from kafka2pg.exceptions import ConfigError, ObjectNameTakenError, SchemaNotReadyError
+from kafka2pg.locations import SQL_DIR, migration_files
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +30,6 @@ RAW = ("raw_key", "raw_value", "raw_headers")
 # written by COPY (INSERT), flagged by the quality gate (UPDATE) and cleared by batch (DELETE).
 TARGET_PRIVILEGES = ("SELECT", "INSERT", "DELETE")
 STAGING_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE")
-
-
-def migration_files() -> list[Path]:
-    """The numbered migrations kafka2pg ships; an installation without them is an error, never "none pending"."""
-    files = sorted(SQL_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql"))
-    if not files:
-        raise InstallationError("SQL migrations", SQL_DIR)
-    return files
 
 
 def target_columns(pipeline: Pipeline) -> list[str]:

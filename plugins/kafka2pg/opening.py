@@ -4,9 +4,7 @@ multi-batch run, and the time-to-data-loss horizons."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 import time
 from dataclasses import dataclass
 
@@ -25,7 +23,7 @@ from kafka2pg.batch_store import (
 )
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, Kafka2PgError
+from kafka2pg.exceptions import BatchStateError
 from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, record_timestamp, topic_retention
 from kafka2pg.ledger import lock_plan, read_head_batches, read_heads
 from kafka2pg.lifecycle import OPEN, BatchState, resume_or_abandon
@@ -58,22 +56,18 @@ def open_batch(
     (it never promoted anything, so nothing is undone) and a fresh batch is planned.
     """
     offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
-    heads: dict[int, int] | None = None
-    try:
-        with transaction(settings.database_url) as conn:
-            # One planner per pipeline at a time; promotion is still fenced by compare-and-set.
-            lock_plan(conn, pipeline.name)
-            # Lock the open batch BEFORE reading heads: a promote of it still in flight commits
-            # first, so the heads read below are never older than the batch states seen.
-            open_id = open_batch_id(conn, pipeline)
-            if not dry_run:  # this run takes the pipeline over: an earlier run's lookahead is void
-                abandon_lookaheads(conn, pipeline, f"run {run_id} took the pipeline over before it was promoted")
-            heads = read_heads(conn, pipeline.name)
-            return _open(conn, pipeline, offsets, heads, open_id, max_records_per_batch, run_id, dry_run)
-    finally:
-        if heads is not None:  # time to data loss asks Kafka: after the plan lock is released
-            with contextlib.suppress(Kafka2PgError) if sys.exc_info()[0] else contextlib.nullcontext():
-                _warn_loss_horizons(settings, pipeline, offsets, heads)
+    with transaction(settings.database_url) as conn:
+        # One planner per pipeline at a time; promotion is still fenced by compare-and-set.
+        lock_plan(conn, pipeline.name)
+        # Lock the open batch BEFORE reading heads: a promote of it still in flight commits
+        # first, so the heads read below are never older than the batch states seen.
+        open_id = open_batch_id(conn, pipeline)
+        if not dry_run:  # this run takes the pipeline over: an earlier run's lookahead is void
+            abandon_lookaheads(conn, pipeline, f"run {run_id} took the pipeline over before it was promoted")
+        heads = read_heads(conn, pipeline.name)
+        opened = _open(conn, pipeline, offsets, heads, open_id, max_records_per_batch, run_id, dry_run)
+    _warn_loss_horizons(settings, pipeline, offsets, heads)  # asks Kafka: after the plan lock is released
+    return opened
 
 
 def _open(
@@ -130,7 +124,16 @@ def loss_horizons(
 def _warn_loss_horizons(
     settings: Settings, pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]
 ) -> None:
-    for h in loss_horizons(settings, pipeline, offsets, heads):
+    """Log each partition's time to data loss. Advice on a plan already committed: a failure to
+    work it out (Kafka gone since, a record unreadable) is logged and never fails the plan."""
+    try:
+        horizons = loss_horizons(settings, pipeline, offsets, heads)
+    except Exception as exc:  # noqa: BLE001 - advice only: the plan it would fail is committed
+        log.warning(
+            "pipeline=%s time to data loss not known: %s: %s; the plan stands", pipeline.name, type(exc).__name__, exc
+        )
+        return
+    for h in horizons:
         if not h.unread:
             continue
         left = "no time-based retention" if h.seconds_left is None else f"~{h.seconds_left / 3600:.1f} h"

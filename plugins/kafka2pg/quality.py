@@ -68,7 +68,8 @@ def validate_batch(
     check (whoever validates it: the promotion itself, a retry, the next run).
     """
     checks: list[Check] = []
-    witnesses = gap_witnesses(settings, pipeline, batch_id)  # Kafka is asked before any lock is taken
+    # Kafka is asked before any lock is taken; None for a batch only rechecked after a key collision.
+    witnesses = gap_witnesses(settings, pipeline, batch_id)
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         action = validate_action(batch.state)
@@ -105,7 +106,10 @@ def validate_batch(
     if summary:
         raise QualityGateFailed.rejected(pipeline.name, batch_id, failed, report, pipeline.staging_table)
     flagged = sum(c.flagged for c in checks)
-    message = f"batch {batch_id}: {len(checks)} checks passed, {flagged} row(s) flagged to quarantine; report: {report}"
+    message = (
+        f"batch {batch_id}: {len(checks)} checks passed, {flagged} row(s) flagged to quarantine; "
+        f"report: {report or 'not written'}"
+    )
     log.info("pipeline=%s %s", pipeline.name, message)
     return ValidationResult(batch_id, BatchState.VALIDATED, tuple(checks), message, report)
 
@@ -189,13 +193,28 @@ def _report(batch: Batch, sql_checks: list[Check], gx_rows: list[dict], quaranti
     }
 
 
-def _write_report(settings: Settings, pipeline: Pipeline, batch_id: int, payload: dict) -> Path:
-    """Write the report files, then record where (a crash in between leaves report_path unset)."""
-    from kafka2pg.data_docs import write_report
+def _write_report(settings: Settings, pipeline: Pipeline, batch_id: int, payload: dict) -> Path | None:
+    """Write the report files, then record where (a crash in between leaves report_path unset).
 
-    path = write_report(settings.state_dir, pipeline, batch_id, **payload)
-    with transaction(settings.database_url) as conn:
-        conn.execute("UPDATE kafka2pg.batches SET report_path = %s WHERE batch_id = %s", (str(path), batch_id))
+    Best effort: the verdict is committed already, so a report that cannot be written (disk full,
+    no permission) is logged, leaves the batch without a report_path, and None is returned.
+    """
+    from kafka2pg.data_docs import report_dir, write_report
+
+    try:
+        path = write_report(settings.state_dir, pipeline, batch_id, **payload)
+    except OSError as exc:
+        log.warning(
+            "pipeline=%s batch_id=%s quality report not written to %s (%s); the gate's verdict stands, "
+            "the batch records no report",
+            pipeline.name,
+            batch_id,
+            report_dir(settings.state_dir, pipeline),
+            exc,
+        )
+        path = None
+    with transaction(settings.database_url) as conn:  # a report of an earlier verdict is not this one's
+        conn.execute("UPDATE kafka2pg.batches SET report_path = %s WHERE batch_id = %s", (path and str(path), batch_id))
     return path
 
 

@@ -5,11 +5,19 @@ import dataclasses
 import logging
 import uuid
 
+import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
-from kafka2pg.exceptions import ObjectNameTakenError
-from kafka2pg.migrations import migrate
+import kafka2pg.migrations
+from kafka2pg.devtools.producer import produce, sample_events
+from kafka2pg.exceptions import ObjectNameTakenError, SchemaNotReadyError
+from kafka2pg.migrations import migrate, migration_files, require_ready
+from kafka2pg.opening import open_batch
+from kafka2pg.quality import validate_batch
+from kafka2pg.staging import stage_batch
+from kafka2pg.steps import promote_batch
 
 
 def indexes(db, schema: str, table: str) -> dict[str, str]:
@@ -72,3 +80,51 @@ def test_a_changed_business_key_keeps_the_old_index_and_says_so(make_pipeline, d
         migrate(env.settings.database_url, [changed])
     assert "already has an index" in caplog.text and "customer_id" in caplog.text
     assert "(event_id)" in indexes(db, "public", env.pipeline.target_table)[env.pipeline.business_key_index]
+
+
+@pytest.fixture
+def own_database(base_settings, db):
+    """A database of its own in the test cluster (migrations change the whole schema), dropped after."""
+    name = f"k2p_{uuid.uuid4().hex[:8]}"
+    db.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    yield make_conninfo(base_settings.database_url, dbname=name)
+    db.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def test_a_database_migrated_up_to_0008_names_migration_0009_at_every_step(
+    make_pipeline, spark, own_database, monkeypatch
+):
+    """kafka2pg upgraded with its migration 0009 (batch_checks.deferred) not applied yet: the plan
+    step's readiness check names it, and so does a step that needs it for a batch planned before
+    the upgrade (the quality gate), instead of psycopg's UndefinedColumn. After `migrate` the
+    batch goes on."""
+    env = make_pipeline(partitions=1)
+    shipped = migration_files()
+    up_to_0008 = [p for p in shipped if p.name < "0009"]
+    assert shipped[len(up_to_0008)].name == "0009_deferred_checks.sql"
+    with monkeypatch.context() as patch:
+        patch.setattr(kafka2pg.migrations, "migration_files", lambda: up_to_0008)
+        migrate(own_database, [env.pipeline])
+    settings = dataclasses.replace(env.settings, database_url=own_database)
+    with psycopg.connect(own_database) as conn:
+        applied = [r[0] for r in conn.execute("SELECT name FROM public.kafka2pg_migrations ORDER BY name")]
+    assert applied == [p.name for p in up_to_0008]
+
+    with pytest.raises(SchemaNotReadyError) as not_ready:
+        require_ready(settings, env.pipeline)
+    assert not_ready.value.missing == ("migration 0009_deferred_checks.sql",)
+
+    produce(settings.bootstrap_servers, env.topic, list(sample_events(3, seed=82)), key_field=None)
+    batch_id = open_batch(settings, env.pipeline).batch.batch_id
+    stage_batch(spark, settings, env.pipeline, batch_id)
+    with pytest.raises(SchemaNotReadyError) as not_ready:
+        validate_batch(settings, env.pipeline, batch_id)
+    assert not_ready.value.missing == ("migration 0009_deferred_checks.sql",)
+    message = str(not_ready.value)
+    assert "pending migration(s) 0009_deferred_checks.sql" in message and "Run `kafka2pg migrate`" in message
+    assert isinstance(not_ready.value.__cause__, psycopg.errors.UndefinedColumn)
+
+    assert migrate(own_database, [env.pipeline]) == ["0009_deferred_checks.sql"]
+    require_ready(settings, env.pipeline)
+    assert validate_batch(settings, env.pipeline, batch_id).state == "validated"
+    assert promote_batch(settings, env.pipeline, batch_id).promoted == 3

@@ -1,6 +1,7 @@
 """The walking skeleton against the real broker, PostgreSQL and Spark (same functions as the DAG)."""
 
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from kafka2pg.exceptions import (
     DatabaseUnavailableError,
     KafkaUnavailableError,
     LedgerConflictError,
+    OffsetRegressionError,
     QualityGateFailed,
     TopicNotFoundError,
 )
@@ -490,3 +492,39 @@ def test_values_round_trip_exactly_through_staging(make_pipeline, run_batch, db,
         ),
         ("b", 2, None, None, b_time, None, "", False, None, 1e300, None, b_time),
     ]
+
+
+def test_time_to_data_loss_never_fails_a_plan_nor_hides_the_plans_own_error(make_pipeline, db, monkeypatch, caplog):
+    """The time-to-data-loss lines are advice worked out after the plan committed: when Kafka
+    cannot answer them, the plan still returns its recorded batch (and says why there are
+    none); when the plan itself fails, its error is the one raised, and nothing is worked out."""
+    import kafka2pg.opening
+
+    env = make_pipeline(partitions=1)
+    produce_sample(env.settings.bootstrap_servers, env.topic, 5, seed=81)
+    asked = []
+
+    def kafka_gone(*args):
+        asked.append(args)
+        raise KafkaUnavailableError.no_answer(env.settings.bootstrap_servers, 1, "while reading a record's timestamp")
+
+    monkeypatch.setattr(kafka2pg.opening, "loss_horizons", kafka_gone)
+    with caplog.at_level(logging.WARNING, logger="kafka2pg.opening"):
+        opened = open_batch(env.settings, env.pipeline)
+    assert opened.batch is not None and opened.batch.plan.record_budget == 5 and len(asked) == 1
+    assert [state for _, state, _ in batch_states(db, env)] == ["planned"]
+    assert "time to data loss not known: KafkaUnavailableError" in caplog.text
+
+    def crashes(*args):
+        asked.append(args)
+        raise RuntimeError("the horizon lookup crashed")
+
+    monkeypatch.setattr(kafka2pg.opening, "loss_horizons", crashes)
+    db.execute(  # a head beyond the topic's end: the plan refuses it
+        "INSERT INTO kafka2pg.ledger_heads (pipeline, topic, kafka_partition, next_offset) VALUES (%s, %s, 0, 50)",
+        (env.pipeline.name, env.topic),
+    )
+    with pytest.raises(OffsetRegressionError) as regressed:
+        open_batch(env.settings, env.pipeline)
+    assert (regressed.value.partition, regressed.value.head) == (0, 50) and len(asked) == 1
+    assert [state for _, state, _ in batch_states(db, env)] == ["planned"]

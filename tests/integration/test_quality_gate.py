@@ -3,18 +3,23 @@ per-batch reports that render offline (checked in headless Chromium)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Producer
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline
 from kafka2pg.checks import DEFERRED_KEY_PROBE
 from kafka2pg.devtools.producer import produce, sample_events
-from kafka2pg.exceptions import BatchStateError, QualityGateFailed, StagingLostError
+from kafka2pg.exceptions import BatchStateError, QualityGateFailed, StagingLostError, WitnessMismatchError
+from kafka2pg.kafka_offsets import client_config, partition_offsets
 from kafka2pg.opening import open_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.report import quality_summary
@@ -534,3 +539,145 @@ def test_a_deferred_batch_whose_offsets_landed_meanwhile_is_rejected_at_promotio
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
     assert state == "rejected" and heads(env) == {0: 2}
     assert target_ids(db, env) == sorted([e["event_id"] for e in events[:2]] + ["written-by-hand"])
+
+
+def produce_in_a_transaction(env, events: list[dict]) -> None:
+    """Write `events` to partition 0 in one committed transaction: its commit marker takes an
+    offset without a record, a gap the gate asks Kafka to witness."""
+    producer = Producer(
+        {**client_config(env.settings.bootstrap_servers, 10), "transactional.id": f"tx-{env.topic}-{len(events)}"}
+    )
+    producer.init_transactions(10)
+    producer.begin_transaction()
+    for event in events:
+        producer.produce(env.topic, value=json.dumps(event).encode(), partition=0)
+    producer.commit_transaction(10)
+    deadline = time.monotonic() + 30  # the coordinator writes the marker after the commit returns
+    while time.monotonic() < deadline:
+        (p0,) = partition_offsets(env.settings.bootstrap_servers, env.topic)
+        if p0.last_stable == p0.high:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the transaction's marker did not land within 30s: {p0}")
+
+
+def gap_check(db, batch_id: int) -> tuple[bool, str]:
+    return db.execute(
+        "SELECT success, details FROM kafka2pg.batch_checks"
+        " WHERE batch_id = %s AND check_name = 'offset_gaps_explained'",
+        (batch_id,),
+    ).fetchone()
+
+
+def test_a_batch_sent_back_by_a_collision_is_rechecked_without_asking_kafka(
+    make_pipeline, spark, run_batch, db, monkeypatch
+):
+    """A batch whose range holds a transaction marker (its first validation had Kafka witness the
+    gap), sent back by a key collision: the recheck looks only into the target, so it validates
+    and promotes with Kafka unreachable (or its offsets expired since), and its gap findings stand."""
+    env = make_pipeline(partitions=1)
+    events = list(sample_events(4, seed=79))
+    produce(env.settings.bootstrap_servers, env.topic, events[:2], key_field=None)
+    assert run_batch(env).promoted == 2
+    produce_in_a_transaction(env, [{**events[2], "event_id": events[0]["event_id"]}, events[3]])  # marker at 4
+    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, batch_id)
+    assert validate_batch(env.settings, env.pipeline, batch_id).state == "validated"
+    assert key_check(db, batch_id) == (True, 0, DEFERRED_KEY_PROBE)
+    explained = (True, "p0: 1 offsets without a record (0 aborted, 1 transaction markers, 0 compacted)")
+    assert gap_check(db, batch_id) == explained
+
+    promote_dying_in_the_deferred_check(monkeypatch, env, batch_id)
+    kafka_gone = dataclasses.replace(env.settings, kafka="127.0.0.1:9", kafka_timeout_s=2)
+    assert validate_batch(kafka_gone, env.pipeline, batch_id).state == "validated"
+    assert key_check(db, batch_id)[:2] == (True, 1) and gap_check(db, batch_id) == explained
+    promoted = promote_batch(env.settings, env.pipeline, batch_id)
+    assert (promoted.promoted, promoted.quarantined) == (1, 1)
+    assert target_ids(db, env) == sorted(e["event_id"] for e in [*events[:2], events[3]])
+
+
+def test_witnesses_asked_about_another_staging_of_the_batch_make_the_gate_retry(make_pipeline, spark, db, monkeypatch):
+    """The gate asks Kafka about a batch's gaps before it locks the batch; a stage job may finish
+    in between. Witnesses asked before the batch was staged, or while it was back to planned
+    with the read counts of a staging since lost, are refused with a retryable error naming
+    both stagings; nothing is decided, and the next attempt asks Kafka again and validates."""
+    import kafka2pg.quality
+
+    env = make_pipeline(partitions=1)
+    produce_in_a_transaction(env, list(sample_events(3, seed=80)))  # offsets 0-2, marker at 3
+    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+    asked = kafka2pg.quality.gap_witnesses
+
+    def staged_before_the_lock(settings, pipeline, batch_id):
+        witnesses = asked(settings, pipeline, batch_id)
+        stage_batch(spark, env.settings, env.pipeline, batch_id)  # a stage job finishing meanwhile
+        return witnesses
+
+    def validated_while_staged_meanwhile() -> WitnessMismatchError:
+        with monkeypatch.context() as patch:
+            patch.setattr(kafka2pg.quality, "gap_witnesses", staged_before_the_lock)
+            with pytest.raises(WitnessMismatchError) as refused:
+                validate_batch(env.settings, env.pipeline, batch_id)
+        assert not refused.value.terminal
+        state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
+        assert state == "staged" and gap_check(db, batch_id) is None
+        return refused.value
+
+    refused = validated_while_staged_meanwhile()  # asked while planned, never staged
+    assert (refused.batch_id, refused.state, refused.reads) == (batch_id, "staged", {0: 3})
+    assert refused.witnessed.startswith("asked while it was planned") and refused.witnessed.endswith("{0: 0}")
+
+    db.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier("kafka2pg", env.pipeline.staging_table)))
+    with pytest.raises(StagingLostError):
+        validate_batch(env.settings, env.pipeline, batch_id)
+    refused = validated_while_staged_meanwhile()  # planned again, staged again with the same counts
+    assert refused.reads == {0: 3} and refused.witnessed.startswith("asked while it was planned")
+    assert refused.witnessed.endswith("{0: 3}")
+
+    assert validate_batch(env.settings, env.pipeline, batch_id).state == "validated"  # the retry
+    assert gap_check(db, batch_id) == (
+        True,
+        "p0: 1 offsets without a record (0 aborted, 1 transaction markers, 0 compacted)",
+    )
+    assert promote_batch(env.settings, env.pipeline, batch_id).promoted == 3
+
+
+def test_a_report_that_cannot_be_written_leaves_the_verdict_standing(
+    make_pipeline, spark, db, sample_columns, tmp_path, caplog
+):
+    """The report is written after the verdict committed: a disk that refuses it (here a file
+    where its directory goes) is logged, the batch records no report, and the gate's outcome,
+    rejected or validated, is what the caller gets."""
+    rejecting = make_pipeline(partitions=1, columns=with_rules(sample_columns, "fail"), duplicate_policy="fail")
+    passing = make_pipeline(partitions=1)
+    blocked = tmp_path / "state"
+    (blocked / "reports").mkdir(parents=True)
+    events = list(sample_events(9, seed=54))
+    produce(rejecting.settings.bootstrap_servers, rejecting.topic, first_batch(events), key_field=None)
+    produce(passing.settings.bootstrap_servers, passing.topic, events[:3], key_field=None)
+
+    def staged(env) -> int:
+        batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+        stage_batch(spark, env.settings, env.pipeline, batch_id)
+        (blocked / "reports" / env.pipeline.name).write_text("not a directory")
+        return batch_id
+
+    def report_path(batch_id: int) -> tuple[str, str | None]:
+        return db.execute("SELECT state, report_path FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()
+
+    rejected_id = staged(rejecting)
+    with caplog.at_level(logging.WARNING, logger="kafka2pg.quality"):
+        with pytest.raises(QualityGateFailed) as rejected:
+            validate_batch(dataclasses.replace(rejecting.settings, state_dir=blocked), rejecting.pipeline, rejected_id)
+    assert (rejected.value.batch_id, rejected.value.report) == (rejected_id, None)
+    assert "Report: not written (see the task log)." in str(rejected.value)
+    assert report_path(rejected_id) == ("rejected", None)
+    warning = [r.getMessage() for r in caplog.records if "quality report not written" in r.getMessage()]
+    assert len(warning) == 1 and str(blocked / "reports" / rejecting.pipeline.name) in warning[0]
+    assert "File exists" in warning[0] or "Not a directory" in warning[0]
+
+    passed_id = staged(passing)
+    result = validate_batch(dataclasses.replace(passing.settings, state_dir=blocked), passing.pipeline, passed_id)
+    assert (result.state, result.report) == ("validated", None) and "report: not written" in result.message
+    assert report_path(passed_id) == ("validated", None)
+    assert promote_batch(passing.settings, passing.pipeline, passed_id).promoted == 3

@@ -19,6 +19,7 @@ from kafka2pg.exceptions import (
     RetentionLossError,
     ServiceUnavailableError,
     StageInterrupted,
+    WitnessMismatchError,
 )
 
 # (error, its evidence exactly, what its message must say)
@@ -122,6 +123,42 @@ BUILT = {
             "kafka2pg.stg_o",
         ],
     ),
+    "rejected, report not written": (
+        QualityGateFailed.rejected("orders", 5, {"provenance_unique": "2 provenance duplicates"}, None, "stg_o"),
+        {
+            "pipeline": "orders",
+            "batch_id": 5,
+            "state": "rejected",
+            "failed": {"provenance_unique": "2 provenance duplicates"},
+        },
+        ["pipeline 'orders' batch 5 rejected", "Report: not written (see the task log)."],
+    ),
+    "restaged": (
+        WitnessMismatchError.restaged(
+            "orders",
+            5,
+            "staged",
+            3,
+            {0: 7},
+            "asked while it was planned at claim epoch 3 with records read {0: 7}",
+            [0],
+        ),
+        {
+            "pipeline": "orders",
+            "batch_id": 5,
+            "state": "staged",
+            "epoch": 3,
+            "reads": {0: 7},
+            "witnessed": "asked while it was planned at claim epoch 3 with records read {0: 7}",
+            "unwitnessed": [0],
+        },
+        [
+            "(asked while it was planned at claim epoch 3 with records read {0: 7}) do not match the batch as it is "
+            "now, staged at claim epoch 3 with records read {0: 7}",
+            "partitions [0] have a gap no witness counted",
+            "Nothing was decided or changed",
+        ],
+    ),
 }
 
 
@@ -146,6 +183,7 @@ RETRYABLE = {
     DatabaseUnavailableError,
     RangeLockedError,
     StageInterrupted,
+    WitnessMismatchError,  # the next attempt asks Kafka again about the batch as staged then
 }
 ERRORS = [c for _, c in inspect.getmembers(exceptions, inspect.isclass) if issubclass(c, Kafka2PgError)]
 

@@ -3,6 +3,7 @@
 import yaml
 
 from kafka2pg.config import get_pipeline
+from kafka2pg.locations import migration_files
 from kafka2pg.migrations import (
     MIGRATIONS_TABLE,
     STAGING_PRIVILEGES,
@@ -45,6 +46,13 @@ def ready_catalog(p) -> dict:
 def test_a_migrated_and_granted_database_lacks_nothing(tmp_path):
     p = pipeline(tmp_path)
     assert readiness(p, ready_catalog(p), set(MIGRATIONS), MIGRATIONS).missing == ()
+
+
+def test_a_database_migrated_up_to_0008_has_the_deferred_checks_migration_pending(tmp_path):
+    p = pipeline(tmp_path)
+    shipped = [f.name for f in migration_files()]
+    applied = {m for m in shipped if m < "0009"}
+    assert readiness(p, ready_catalog(p), applied, shipped).missing == ("migration 0009_deferred_checks.sql",)
 
 
 def test_a_database_never_migrated_has_every_migration_pending_and_no_pipeline_table(tmp_path):
