@@ -61,6 +61,18 @@ def assert_audit_clean(env) -> list:
     return audits
 
 
+def offsets_become(env, *, last_stable: int, high: int, timeout_s: float = 60) -> bool:
+    """Partition 0's last stable offset and high watermark reach these values within the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (p0,) = partition_offsets(env.settings.bootstrap_servers, env.topic)
+        if (p0.last_stable, p0.high) == (last_stable, high):
+            return True
+        if time.monotonic() > deadline:
+            raise AssertionError(f"p0 stayed at last stable {p0.last_stable}, high {p0.high}")
+        time.sleep(0.2)
+
+
 def test_transactions_aborted_never_promoted_markers_explained_open_one_waits(make_pipeline, run_batch, db):
     env = make_pipeline(create_topic=False)
     create_topic(env)
@@ -80,8 +92,8 @@ def test_transactions_aborted_never_promoted_markers_explained_open_one_waits(ma
             producer.abort_transaction(10)
     # Offsets: 0-29 committed, 30 marker, 31-50 aborted, 51 marker, 52-76 committed, 77 marker,
     # 78-92 an open transaction: the last stable offset stays at 78 until it ends.
-    (p0,) = partition_offsets(env.settings.bootstrap_servers, env.topic)
-    assert (p0.last_stable, p0.high) == (78, 93)
+    # The coordinator writes a transaction's markers after commit/abort returns: wait for them.
+    assert offsets_become(env, last_stable=78, high=93)
 
     first = run_batch(env)
     assert first.promoted == 55 and first.quarantined == 0
@@ -97,6 +109,7 @@ def test_transactions_aborted_never_promoted_markers_explained_open_one_waits(ma
     assert run_batch(env) is None, "the open transaction must make the batch wait, not hang"
 
     producer.commit_transaction(10)
+    assert offsets_become(env, last_stable=94, high=94)
     second = run_batch(env)
     assert second.promoted == 15
     assert partition_gaps(db, second.batch_id) == [(0, 78, 94, 15, 0, 1, 0)]
