@@ -47,6 +47,17 @@ def load_batch(conn: Connection, batch_id: int, *, for_update: bool = False) -> 
     return Batch(row[0], row[1], row[2], BatchState(row[3]), BatchPlan.from_json(row[4]), *row[5:])
 
 
+def promoted_in_run(conn: Connection, pipeline: Pipeline, batch_id: int, run_id: str | None) -> list[Batch]:
+    """The batch, if promoted, and the live batches after it the same run promoted (a Spark job
+    with batches_per_run > 1 promotes a run's further batches itself), in batch order."""
+    rows = conn.execute(
+        "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND state = %s"
+        " AND (batch_id = %s OR (kind = 'live' AND run_id = %s AND batch_id > %s)) ORDER BY batch_id",
+        (pipeline.name, str(BatchState.PROMOTED), batch_id, run_id, batch_id),
+    ).fetchall()
+    return [load_batch(conn, r[0]) for r in rows]
+
+
 def load_claimed(conn: Connection, pipeline: Pipeline, batch_id: int, epoch: int | None) -> Batch:
     """Lock a batch for one step of a run; the run's claim (`epoch`) must still be the newest.
 

@@ -193,6 +193,11 @@ class Pipeline:
         return f"kafka2pg_{self.name}_replay"
 
     @property
+    def asset_alias(self) -> str:
+        """The Airflow AssetAlias its promote and finish tasks emit the target table's Asset through."""
+        return f"kafka2pg_{self.name}"
+
+    @property
     def staging_table(self) -> str:
         return f"{_STAGING_TABLE_PREFIX}{self.name}"
 

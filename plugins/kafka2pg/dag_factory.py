@@ -92,16 +92,40 @@ def build_dag(pipeline: Pipeline, pipelines_file: Path):
 
         stage = _stage_operator(pipeline, pipelines_file, several_batches=True)
 
-        @task(task_id="promote")
-        def promote_batch(planned: dict) -> dict:
+        alias = _asset_alias(pipeline)
+
+        @task(task_id="promote", outlets=[alias])
+        def promote_batch(planned: dict, run_id: str | None = None, outlet_events=None) -> dict:
             from kafka2pg import tasks
 
-            return tasks.promote(name, planned["batch_id"], planned["epoch"], pipelines_file=pipelines_file)
+            promoted = tasks.promote(
+                name, planned["batch_id"], planned["epoch"], run_id=run_id, pipelines_file=pipelines_file
+            )
+            _emit(outlet_events, alias, promoted["asset_event"])
+            return promoted
 
         planned = plan_batch()
         validated = _validate_task(name, pipelines_file)(planned)
         _has_batch_task()(planned) >> stage >> validated >> promote_batch(planned)
     return dag
+
+
+def _asset_alias(pipeline: Pipeline):
+    """The alias the promote (finish) task emits the target table's Asset through: the table's URI
+    names the PostgreSQL server, known only from the connection at run time, never at parse time."""
+    from airflow.sdk import AssetAlias
+
+    return AssetAlias(pipeline.asset_alias)
+
+
+def _emit(outlet_events, alias, event: dict | None) -> None:
+    """The target table's Asset event (kafka2pg.asset_events), if the run promoted anything; Airflow
+    records it, and triggers the DAGs scheduled on the table's Asset or on the alias, when the task
+    succeeds."""
+    from airflow.sdk import Asset
+
+    if event is not None:
+        outlet_events[alias].add(Asset(uri=event["uri"]), extra=event["extra"])
 
 
 def _run_type(dag_run) -> str | None:
@@ -269,11 +293,15 @@ def build_replay_dag(pipeline: Pipeline, pipelines_file: Path):
             )
             return planned or NO_BATCH
 
-        @task(task_id="finish")
-        def finish(planned: dict) -> dict:
+        alias = _asset_alias(pipeline)
+
+        @task(task_id="finish", outlets=[alias])
+        def finish(planned: dict, outlet_events=None) -> dict:
             from kafka2pg import tasks
 
-            return tasks.finish_replay(name, planned["batch_id"], planned["epoch"], pipelines_file=pipelines_file)
+            finished = tasks.finish_replay(name, planned["batch_id"], planned["epoch"], pipelines_file=pipelines_file)
+            _emit(outlet_events, alias, finished["asset_event"])
+            return finished
 
         planned = plan_replay()
         validated = _validate_task(name, pipelines_file)(planned)

@@ -99,7 +99,18 @@ def validate(
     return {"batch_id": batch_id, "state": result.state, "report": str(result.report) if result.report else None}
 
 
-def promote(pipeline_name: str, batch_id: int, epoch: int | None = None, *, pipelines_file: Path | None = None) -> dict:
+def promote(
+    pipeline_name: str,
+    batch_id: int,
+    epoch: int | None = None,
+    *,
+    run_id: str | None = None,
+    pipelines_file: Path | None = None,
+) -> dict:
+    """Promote the run's batch (or confirm it, when the Spark job promoted it). `asset_event`: the
+    target table's event for the batches this run promoted (`run_id`: the DAG run's, which the
+    job's further batches carry)."""
+    from kafka2pg.asset_events import run_event_of
     from kafka2pg.report import batch_report
     from kafka2pg.steps import promote_batch
     from kafka2pg.stuck import recording_failures
@@ -110,7 +121,28 @@ def promote(pipeline_name: str, batch_id: int, epoch: int | None = None, *, pipe
             result = promote_batch(settings, pipeline, batch_id, epoch)
         log.info("pipeline=%s %s", pipeline_name, result.message)
         log.info("\n%s", batch_report(settings, pipeline, batch_id))
-    return {"batch_id": batch_id, "promoted": result.promoted, "quarantined": result.quarantined}
+        event = run_event_of(settings, pipeline, batch_id, run_id)
+    return {
+        "batch_id": batch_id,
+        "promoted": result.promoted,
+        "quarantined": result.quarantined,
+        "asset_event": _logged(pipeline_name, event),
+    }
+
+
+def _logged(pipeline_name: str, event) -> dict | None:
+    """The Asset event as the task hands it to Airflow (a plain dict), logged."""
+    if event is None:
+        return None
+    log.info(
+        "pipeline=%s asset event %s batches=%s rows=%s quarantined=%s",
+        pipeline_name,
+        event.uri,
+        event.extra["batch_ids"],
+        event.extra["rows"],
+        event.extra["quarantined"],
+    )
+    return {"uri": event.uri, "extra": event.extra}
 
 
 def plan_replay(
@@ -149,12 +181,15 @@ def plan_replay(
 def finish_replay(
     pipeline_name: str, batch_id: int, epoch: int | None = None, *, pipelines_file: Path | None = None
 ) -> dict:
-    """The replay DAG's last task: replace the range's rows, or report the differences (verify-only)."""
+    """The replay DAG's last task: replace the range's rows, or report the differences (verify-only).
+    `asset_event`: the replaced range's event (None for verify-only: the target did not change)."""
+    from kafka2pg.asset_events import run_event_of
     from kafka2pg.steps import promote_batch
 
     with airflow_errors():
         settings, pipeline = resolve(pipeline_name, pipelines_file)
         result = promote_batch(settings, pipeline, batch_id, epoch)
+        event = run_event_of(settings, pipeline, batch_id, None)
     log.info("pipeline=%s %s", pipeline_name, result.message)
     for kind, found in sorted(result.differences.items()):
         log.info("difference %-28s %6s  e.g. %s", kind, found["count"], ", ".join(found["sample"]))
@@ -165,4 +200,5 @@ def finish_replay(
         "quarantined": result.quarantined,
         "rows_before": list(result.before),
         "differences": {kind: found["count"] for kind, found in result.differences.items()},
+        "asset_event": _logged(pipeline_name, event),
     }

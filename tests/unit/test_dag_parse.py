@@ -22,6 +22,8 @@ print(json.dumps({
     "max_active_runs": dag.max_active_runs,
     "params": sorted(dag.params.keys()),
     "replay_tasks": sorted(replay.task_ids),
+    "outlets": [[type(o).__name__, o.name] for d, t in ((dag, "promote"), (replay, "finish"))
+                for o in d.get_task(t).outlets],
     "replay_params": {
         k: {**replay.params.get_param(k).schema, "description": replay.params.get_param(k).description}
         for k in replay.params.keys()
@@ -63,6 +65,8 @@ def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
     assert all(schema.get("description") for schema in params.values())
     assert result["replay_paused"] is True
     assert result["replay_timetable"] == "CronDataIntervalTimetable"
+    # The target's Asset (its URI names the server) is resolved at run time, through this alias.
+    assert result["outlets"] == [["AssetAlias", "kafka2pg_orders"]] * 2
 
 
 def test_stage_jvm_options_follow_the_runs_batches_and_name_the_class_archive(tmp_path, monkeypatch):
