@@ -42,14 +42,29 @@ STAGE_JVM_OPTIONS_SEVERAL_BATCHES = (
 )
 
 
-def stage_jvm_options(batches: int = 1, state_dir: Path | None = None) -> str:
+# Log levels of Spark's own logging (log4j2) a pipeline's spark_log_level may name; the first is the default.
+SPARK_LOG_LEVELS = ("WARN", "ERROR", "INFO", "DEBUG", "TRACE", "FATAL", "OFF")
+# kafka2pg's log4j2 configuration of the stage driver: the level comes from a system property.
+SPARK_LOG_CONFIG = locations.PACKAGE_DIR / "log4j2.properties"
+
+
+def stage_jvm_options(batches: int = 1, state_dir: Path | None = None, log_level: str = SPARK_LOG_LEVELS[0]) -> str:
     """The stage JVM's options for a job that may finish `batches` batches, with the class-data
-    archive `./kafka2pg setup` made for this pyspark and java, when there is one."""
+    archive `./kafka2pg setup` made for this pyspark and java, when there is one, and Spark's
+    logging at `log_level` (kafka2pg's log4j2.properties)."""
     options = STAGE_JVM_OPTIONS_ONE_BATCH if batches == 1 else STAGE_JVM_OPTIONS_SEVERAL_BATCHES
     archive = class_archive_path(state_dir)
     if archive.is_file():
         options += f" -XX:SharedArchiveFile={shlex.quote(str(archive))}"
-    return options
+    return f"{options} {spark_log_options(log_level)}"
+
+
+def spark_log_options(level: str = SPARK_LOG_LEVELS[0]) -> str:
+    """JVM options that give a Spark driver kafka2pg's log4j2 configuration at `level`. Spark
+    starts logging before any Python code could call setLogLevel: the level must be there first."""
+    if level not in SPARK_LOG_LEVELS:
+        raise ConfigError(f"Spark log level must be one of {', '.join(SPARK_LOG_LEVELS)}, got {level!r}")
+    return f"-Dlog4j2.configurationFile={shlex.quote(str(SPARK_LOG_CONFIG))} -Dkafka2pg.spark.log.level={level}"
 
 
 def stage_jvm_conf(batches: int = 1, state_dir: Path | None = None) -> dict[str, str]:
@@ -179,6 +194,7 @@ class Pipeline:
     duplicate_policy: Literal["quarantine", "fail"] = "quarantine"
     data_loss_warning_hours: float = 24.0
     spark_conf: dict[str, str] = field(default_factory=dict)
+    spark_log_level: str = SPARK_LOG_LEVELS[0]
     schedule: str | None = None
     replay_interval: str = "0 0 * * *"
     postgres_conn_id: str = DEFAULT_POSTGRES_CONN_ID
@@ -397,6 +413,7 @@ _PIPELINE_KEYS = {
     "duplicate_policy",
     "data_loss_warning_hours",
     "spark_conf",
+    "spark_log_level",
     "schedule",
     "replay_interval",
     "postgres_conn_id",
@@ -437,6 +454,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         duplicate_policy=_choice(raw, "duplicate_policy", where, ("quarantine", "fail")),
         data_loss_warning_hours=_positive_number(raw, "data_loss_warning_hours", where, 24.0),
         spark_conf=_spark_conf(raw.get("spark_conf"), where),
+        spark_log_level=_choice(raw, "spark_log_level", where, SPARK_LOG_LEVELS),
         schedule=_schedule(raw, where),
         replay_interval=_cron(raw, "replay_interval", where, "0 0 * * *"),
         postgres_conn_id=_conn_id(raw, "postgres_conn_id", where, DEFAULT_POSTGRES_CONN_ID),

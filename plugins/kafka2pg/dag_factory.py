@@ -76,9 +76,10 @@ def build_dag(pipeline: Pipeline, pipelines_file: Path):
     ) as dag:
 
         @task(task_id="plan")
-        def plan_batch(params: dict | None = None, run_id: str | None = None) -> dict:
+        def plan_batch(params: dict | None = None, run_id: str | None = None, dag_run=None, dag=None) -> dict:
             from kafka2pg import tasks
 
+            tasks.check_run_conf(dag.dag_id, getattr(dag_run, "conf", None), dag.params.keys())
             params = params or {}
             planned = tasks.plan(
                 name,
@@ -170,10 +171,12 @@ def _stage_operator(pipeline: Pipeline, pipelines_file: Path, *, several_batches
     planned = "ti.xcom_pull(task_ids='plan')"
     more = []
     # With the class-data archive, if set-up made one (checked when the DAG file is parsed).
-    jvm_options = stage_jvm_options(1)
+    level = pipeline.spark_log_level
+    jvm_options = stage_jvm_options(1, log_level=level)
     if several_batches:
         # The JIT options follow the run's batches_per_run (config.stage_jvm_options' choice).
-        jvm_options = f"{{{{ {jvm_options!r} if {planned}['batches'] == 1 else {stage_jvm_options(2)!r} }}}}"
+        several = stage_jvm_options(2, log_level=level)
+        jvm_options = f"{{{{ {jvm_options!r} if {planned}['batches'] == 1 else {several!r} }}}}"
         more = [
             "--batches",
             f"{{{{ {planned}['batches'] }}}}",
@@ -281,6 +284,8 @@ def build_replay_dag(pipeline: Pipeline, pipelines_file: Path):
         def plan_replay(params: dict | None = None, run_id: str | None = None, dag_run=None, **context) -> dict:
             from kafka2pg import tasks
 
+            dag = context["dag"]
+            tasks.check_run_conf(dag.dag_id, getattr(dag_run, "conf", None), dag.params.keys())
             user = getattr(dag_run, "triggering_user_name", None) or ""
             planned = tasks.plan_replay(
                 name,

@@ -3,6 +3,7 @@
 Kafka2PgError
  ├── ConfigError              bad pipelines file / settings (names the field and the file)
  │    ├── UnknownPipelineError
+ │    ├── UnknownRunConfError  a DAG run triggered with conf keys its DAG has no Param for
  │    └── ObjectNameTakenError a table or index name migrations need belongs to another relation
  ├── ServiceUnavailableError  transient: retrying may help
  │    ├── KafkaUnavailableError
@@ -28,7 +29,8 @@ Kafka2PgError
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Self
 
@@ -65,6 +67,33 @@ class ConfigError(Kafka2PgError):
 
 class UnknownPipelineError(ConfigError):
     """A pipeline name that is not in the pipelines file."""
+
+
+class UnknownRunConfError(ConfigError):
+    """A DAG run's conf names keys its DAG has no Param for (a typo would otherwise run with defaults)."""
+
+    dag_id: str | None = None
+    unknown: tuple[str, ...] = ()
+    known: tuple[str, ...] = ()
+
+    @classmethod
+    def keys(cls, dag_id: str, unknown: Iterable[str], known: Iterable[str]) -> Self:
+        """`unknown`: the conf's keys the DAG does not declare; `known`: the Params it declares."""
+        unknown, known = tuple(sorted(unknown)), tuple(sorted(known))
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, known, n=1)
+            if close:
+                hints.append(f"{key!r} -> {close[0]!r}?")
+        return cls(
+            f"DAG {dag_id!r}: the run's conf has unknown key(s) {', '.join(map(repr, unknown))}"
+            + (f" (did you mean {'; '.join(hints)})" if hints else "")
+            + f". Known keys: {', '.join(known) or 'none'}. Nothing was planned: trigger the run again "
+            "with the keys spelled as the DAG's Params are.",
+            dag_id=dag_id,
+            unknown=unknown,
+            known=known,
+        )
 
 
 class ObjectNameTakenError(ConfigError):

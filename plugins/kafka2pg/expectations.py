@@ -153,10 +153,11 @@ def warm_up() -> None:
 def run_suite(frame, suite: list[Expectation]) -> GxOutcome:
     """Validate `frame` with GX; an expectation that raised counts as failed (fail closed)."""
     started = time.monotonic()
+    # Before the import: importing GX logs a few hundred INFO lines into the task log.
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)
     import great_expectations as gx
     import great_expectations.expectations as gxe
 
-    logging.getLogger("great_expectations").setLevel(logging.WARNING)
     _skip_frame_fingerprint()
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = gx.data_context.types.base.ProgressBarsConfig(globally=False)

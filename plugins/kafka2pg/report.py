@@ -14,14 +14,7 @@ from kafka2pg.ledger import head_status, read_heads
 from kafka2pg.opening import loss_horizons
 from kafka2pg.planner import LossHorizon
 from kafka2pg.stuck import stuck_batches
-
-
-def _table(headers: list[str], rows: list[list]) -> str:
-    cells = [[str("-" if v is None else v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(lines)
+from kafka2pg.task_log import fit, table
 
 
 def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
@@ -50,7 +43,7 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
             "batches: " + (", ".join(f"{n} {s}" for s, n in batches) or "none"),
             *(batch.describe() for batch in stuck),
             "ledger:",
-            _table(
+            table(
                 ["partition", "next_offset", "low_watermark", "high_watermark", "lag", "margin", "time_to_loss"], rows
             ),
         ]
@@ -91,12 +84,12 @@ def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
     lines = [
         f"batch {batch_id} ({state}): planned {planned} offsets, read {read}, "
         f"promoted {promoted}, quarantined {quarantined}",
-        _table(
+        table(
             ["partition", "start", "end", "read", "min_offset", "max_offset", "aborted", "markers", "compacted"],
             [list(p) for p in parts],
         ),
-        f"quality checks of batch {batch_id} (table kafka2pg.batch_checks; report: {report_path or 'none'}):",
-        _table(["check", "result", "unexpected", "details"], [list(c) for c in checks]),
+        fit(f"quality checks of batch {batch_id} (table kafka2pg.batch_checks; report: {report_path or 'none'}):"),
+        table(["check", "result", "unexpected", "details"], [list(c) for c in checks]),
         ledger_report(settings, pipeline),
     ]
     return "\n".join(lines)

@@ -31,9 +31,10 @@ from kafka2pg.ledger import lock_plan
 from kafka2pg.lifecycle import BatchState, is_open
 from kafka2pg.opening import open_batch, plan_lookahead
 from kafka2pg.quality import validate_batch
-from kafka2pg.staging import package_zip, spark_session, stage_batch
+from kafka2pg.staging import kafka_group_id, package_zip, spark_session, stage_batch
 from kafka2pg.steps import promote_batch
 from kafka2pg.stuck import recording_failures
+from kafka2pg.task_log import promotion_summary, step_summary, validation_summary
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +152,23 @@ class _Staged:
 
 
 def _stage(result: RunResult, spark, settings, pipeline, batch_id: int, epoch: int | None, stop) -> _Staged:
+    started = time.monotonic()
     with recording_failures(settings, pipeline.name, batch_id, epoch, "stage"):
         staged = _timed(result, "stage", stage_batch, spark, settings, pipeline, batch_id, epoch, stop=stop)
+    log.info(
+        "%s",
+        step_summary(
+            "stage",
+            pipeline.name,
+            batch_id,
+            time.monotonic() - started,
+            ranges=staged.ranges,
+            state=None if staged.state is BatchState.STAGED else staged.state,  # shown when found further on
+            records=staged.records_read,
+            rows=staged.records_read - staged.quarantined,
+            quarantined=staged.quarantined,
+        ),
+    )
     result.staged.append(batch_id)
     result.records += staged.records_read
     return _Staged(batch_id, epoch, staged.state, staged.message)
@@ -189,10 +205,14 @@ class _Finish(threading.Thread):
     def run(self) -> None:
         result, settings, pipeline, batch_id, epoch = self.args_
         try:
+            started = time.monotonic()
             with recording_failures(settings, pipeline.name, batch_id, epoch, "validate"):
-                _timed(result, "validate", validate_batch, settings, pipeline, batch_id, epoch)
+                validated = _timed(result, "validate", validate_batch, settings, pipeline, batch_id, epoch)
+            log.info("%s", validation_summary(pipeline.name, validated, time.monotonic() - started))
+            started = time.monotonic()
             with recording_failures(settings, pipeline.name, batch_id, epoch, "promote"):
                 promoted = _timed(result, "promote", promote_batch, settings, pipeline, batch_id, epoch)
+            log.info("%s", promotion_summary(pipeline.name, promoted, time.monotonic() - started))
             self.message = promoted.message
             if not promoted.already_promoted:  # an earlier attempt landed those rows
                 result.rows_promoted += promoted.promoted
@@ -253,7 +273,15 @@ def run_job(
     spark = spark_session(
         None, app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}", conf=pipeline.spark_conf, batches=batches
     )
-    spark.sparkContext.setLogLevel("WARN")
+    # Where the JVM started without kafka2pg's log4j2 file (cluster deploy mode, spark_conf
+    # overriding the driver's JVM options) the level still applies from here on.
+    spark.sparkContext.setLogLevel(pipeline.spark_log_level)
+    log.info(
+        "pipeline=%s Kafka reads use consumer group %s: assign only, nothing committed "
+        "(Spark's per-read warning about kafka.group.id is filtered)",
+        pipeline.name,
+        kafka_group_id(pipeline.name),
+    )
     archive = package_zip(settings.state_dir / "spark")
     stop = threading.Event()
     cancelling: list[threading.Thread] = []

@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.batches < 1:
         parser.error(f"--batches must be at least 1, got {args.batches}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # py4j logs every connection it closes at INFO: noise in the task log.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
 
     from kafka2pg.exceptions import Kafka2PgError, StageInterrupted
     from kafka2pg.runner import run_job

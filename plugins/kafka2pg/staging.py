@@ -33,7 +33,7 @@ from kafka2pg.exceptions import (
 from kafka2pg.kafka_offsets import record_headers
 from kafka2pg.lifecycle import Action, BatchState, stage_action
 from kafka2pg.locations import PACKAGE_DIR
-from kafka2pg.planner import BatchPlan, describe_ranges
+from kafka2pg.planner import BatchPlan, OffsetRange, describe_ranges
 from kafka2pg.rows import staged_counts
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class StageResult:
     state: BatchState
     reads: tuple[PartitionRead, ...]
     message: str
+    ranges: tuple[OffsetRange, ...] = ()  # the batch's planned ranges
 
     @property
     def records_read(self) -> int:
@@ -92,8 +93,14 @@ def kafka_read_options(settings: Settings, plan: BatchPlan) -> dict[str, str]:
         # made every batch build a consumer per partition (about half the JVM's fixed cost of a
         # batch); a stable one reuses them, positioned where the previous batch ended, as a streaming
         # query does. Only `assign` is used and nothing is committed, so the group stays empty.
-        "kafka.group.id": f"kafka2pg-stage-{plan.pipeline}",
+        # Spark warns about it on every read; its log4j2 file (log4j2.properties) filters that out.
+        "kafka.group.id": kafka_group_id(plan.pipeline),
     }
+
+
+def kafka_group_id(pipeline_name: str) -> str:
+    """The consumer group id of a pipeline's Spark reads (never committed to: see kafka_read_options)."""
+    return f"kafka2pg-stage-{pipeline_name}"
 
 
 def stage_batch(
@@ -154,8 +161,7 @@ def stage_batch(
         quarantined = sum(r.quarantined for r in reads)
         transition(conn, batch, BatchState.STAGED, records_read=total, rows_staged=total, rows_quarantined=quarantined)
     message = f"batch {batch_id}: read {total} records, {quarantined} to quarantine"
-    log.info("pipeline=%s %s", pipeline.name, message)
-    return StageResult(batch_id, BatchState.STAGED, reads, message)
+    return StageResult(batch_id, BatchState.STAGED, reads, message, batch.plan.ranges)
 
 
 def _read_and_write(

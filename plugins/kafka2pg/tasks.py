@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 from kafka2pg.config import Pipeline, Settings, get_pipeline, pipelines_file_from_env
-from kafka2pg.exceptions import Kafka2PgError
+from kafka2pg.exceptions import Kafka2PgError, UnknownRunConfError
+from kafka2pg.task_log import fit, promotion_summary, step_summary, validation_summary
 
 log = logging.getLogger("kafka2pg")
 
@@ -42,6 +44,16 @@ def resolve(pipeline_name: str, pipelines_file: Path | str | None = None) -> tup
     return dataclasses.replace(settings_for(pipeline), pipelines_file=path), pipeline
 
 
+def check_run_conf(dag_id: str, conf: Mapping | None, known: Iterable[str]) -> None:
+    """A plan task's first act: a run whose conf names a key the DAG has no Param for fails
+    (`UnknownRunConfError`, no retry) instead of running with that Param's default."""
+    known = tuple(known)
+    unknown = set(conf or {}) - set(known)
+    if unknown:
+        with airflow_errors():
+            raise UnknownRunConfError.keys(dag_id, unknown, known)
+
+
 def plan(
     pipeline_name: str,
     *,
@@ -59,6 +71,7 @@ def plan(
     from kafka2pg.migrations import require_ready
     from kafka2pg.opening import open_batch
 
+    started = time.monotonic()
     with airflow_errors():
         settings, pipeline = resolve(pipeline_name, pipelines_file)
         require_ready(settings, pipeline)
@@ -69,6 +82,18 @@ def plan(
     if opened.batch is None or dry_run:
         return None
     batch = opened.batch
+    log.info(
+        "%s",
+        step_summary(
+            "plan",
+            pipeline_name,
+            batch.batch_id,
+            time.monotonic() - started,
+            ranges=batch.plan.ranges,
+            records=batch.plan.record_budget,
+            resumed=opened.resumed or None,
+        ),
+    )
     return {
         "batch_id": batch.batch_id,
         "epoch": batch.epoch,
@@ -85,17 +110,15 @@ def validate(
     from kafka2pg.quality import validate_batch
     from kafka2pg.stuck import recording_failures
 
+    started = time.monotonic()
     with airflow_errors():
         settings, pipeline = resolve(pipeline_name, pipelines_file)
         with recording_failures(settings, pipeline_name, batch_id, epoch, "validate"):
             result = validate_batch(settings, pipeline, batch_id, epoch)
     for check in result.checks:
-        log.info(
-            "batch_id=%s check %-36s %s  %s", batch_id, check.name, "ok" if check.success else "FAILED", check.details
-        )
-    log.info("pipeline=%s %s", pipeline_name, result.message)
-    if result.report:
-        log.info("quality report of batch %s: %s", batch_id, result.report)
+        verdict = "ok" if check.success else "FAILED"
+        log.info("%s", fit(f"batch_id={batch_id} check {check.name:<36} {verdict}  {check.details}"))
+    log.info("%s", validation_summary(pipeline_name, result, time.monotonic() - started))
     return {"batch_id": batch_id, "state": result.state, "report": str(result.report) if result.report else None}
 
 
@@ -115,13 +138,16 @@ def promote(
     from kafka2pg.steps import promote_batch
     from kafka2pg.stuck import recording_failures
 
+    started = time.monotonic()
     with airflow_errors():
         settings, pipeline = resolve(pipeline_name, pipelines_file)
         with recording_failures(settings, pipeline_name, batch_id, epoch, "promote"):
             result = promote_batch(settings, pipeline, batch_id, epoch)
+        seconds = time.monotonic() - started
         log.info("pipeline=%s %s", pipeline_name, result.message)
         log.info("\n%s", batch_report(settings, pipeline, batch_id))
         event = run_event_of(settings, pipeline, batch_id, run_id)
+    log.info("%s", promotion_summary(pipeline_name, result, seconds))
     return {
         "batch_id": batch_id,
         "promoted": result.promoted,
@@ -160,6 +186,7 @@ def plan_replay(
     from kafka2pg.replay import open_replay
     from kafka2pg.replay_request import request_from_params
 
+    started = time.monotonic()
     with airflow_errors():
         settings, pipeline = resolve(pipeline_name, pipelines_file)
         request = request_from_params(params, run_type=run_type, interval=interval, requested_by=requested_by)
@@ -175,6 +202,11 @@ def plan_replay(
     log.info("pipeline=%s %s", pipeline_name, opened.message)
     if opened.batch is None:
         return None
+    plan = opened.batch.plan
+    summary = step_summary(
+        "plan", pipeline_name, opened.batch.batch_id, time.monotonic() - started, ranges=plan.ranges, mode=request.mode
+    )
+    log.info("%s", summary)
     return {"batch_id": opened.batch.batch_id, "epoch": opened.batch.epoch, "mode": request.mode}
 
 
@@ -186,13 +218,16 @@ def finish_replay(
     from kafka2pg.asset_events import run_event_of
     from kafka2pg.steps import promote_batch
 
+    started = time.monotonic()
     with airflow_errors():
         settings, pipeline = resolve(pipeline_name, pipelines_file)
         result = promote_batch(settings, pipeline, batch_id, epoch)
         event = run_event_of(settings, pipeline, batch_id, None)
+    seconds = time.monotonic() - started
     log.info("pipeline=%s %s", pipeline_name, result.message)
     for kind, found in sorted(result.differences.items()):
-        log.info("difference %-28s %6s  e.g. %s", kind, found["count"], ", ".join(found["sample"]))
+        log.info("%s", fit(f"difference {kind:<28} {found['count']:>6}  e.g. {', '.join(found['sample'])}"))
+    log.info("%s", promotion_summary(pipeline_name, result, seconds))
     return {
         "batch_id": batch_id,
         "mode": result.mode,

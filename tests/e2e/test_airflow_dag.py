@@ -1,5 +1,6 @@
 """`airflow dags test` on the real DAG file against the embedded stack: success, no-op, failure."""
 
+import re
 from pathlib import Path
 
 from psycopg import sql
@@ -7,8 +8,37 @@ from psycopg import sql
 from kafka2pg.devtools.airflow_cli import dags_test
 from kafka2pg.devtools.producer import produce_sample
 from kafka2pg.kafka_offsets import partition_offsets
+from kafka2pg.task_log import LOG_WIDTH
 
 ROOT = Path(__file__).resolve().parents[2]
+# A log record in `airflow dags test` output: time and [level] first, [logger] and key=value fields last.
+RECORD_START = re.compile(r"^\d{4}-\d\d-\d\dT\S+ \[\w+\s*\] ")
+RECORD_END = re.compile(r" ?\[(?P<logger>[\w.]+)\](?: \S+=\S*)*$")
+
+
+def task_log(output: str, task_id: str) -> list[str]:
+    """The lines a task logged in a `dags test` run: from its start to its end marker."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if f"[DAG TEST] starting task_id={task_id} " in line)
+    end = next(i for i, line in enumerate(lines) if f"[DAG TEST] end task task_id={task_id} " in line)
+    return lines[start : end + 1]
+
+
+def kafka2pg_messages(lines: list[str]) -> list[str]:
+    """The lines of kafka2pg's log records among a task's log lines (a multi-line message's lines
+    included), without Airflow's prefix and suffix, which kafka2pg does not choose."""
+    records: list[list[str]] = []
+    for line in lines:
+        if RECORD_START.match(line) or not records:
+            records.append([RECORD_START.sub("", line)])
+        else:
+            records[-1].append(line)
+    messages = []
+    for record in records:
+        end = RECORD_END.search(record[-1])
+        if end is not None and end["logger"].startswith("kafka2pg"):
+            messages += [*record[:-1], record[-1][: end.start()]]
+    return messages
 
 
 def test_dag_run_lands_everything_then_second_run_is_a_noop_without_spark(airflow_env, make_pipeline, db, tmp_path):
@@ -26,6 +56,23 @@ def test_dag_run_lands_everything_then_second_run_is_a_noop_without_spark(airflo
     )
     watermarks = {o.partition: o.high for o in partition_offsets(env.settings.bootstrap_servers, env.topic)}
     assert heads == watermarks
+    # A short read_and_stage log at the default Spark log level: no Spark INFO, no warning per
+    # read about kafka.group.id, a summary line of the batch.
+    stage_log = task_log(output, "read_and_stage")
+    assert len(stage_log) < 60, "\n".join(stage_log)
+    assert "'kafka.group.id' has been set on this query" not in output
+    assert sum("Kafka reads use consumer group" in line for line in stage_log) == 1
+    summary = [line for line in stage_log if "summary step=stage" in line]
+    assert len(summary) == 1 and "ranges=p0[0," in summary[0] and "records=400 rows=400 quarantined=0" in summary[0]
+    for step in ("plan", "validate", "promote"):
+        assert f"summary step={step} pipeline={env.pipeline.name} batch=1 " in "\n".join(task_log(output, step))
+    assert "report=" in next(line for line in task_log(output, "validate") if "summary step=validate" in line)
+    # Check results and the batch report fit the log viewer (Airflow's own lines are not kafka2pg's).
+    for step in ("validate", "promote"):
+        messages = kafka2pg_messages(task_log(output, step))
+        assert any("gx:ExpectCompoundColumnsToBeUnique" in m for m in messages), messages
+        wide = [m for m in messages if len(m) > LOG_WIDTH]
+        assert not wide, wide
 
     code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(env), tmp_path / "run-2.log")
     assert code == 0, output[-3000:]
@@ -63,3 +110,27 @@ def test_failing_task_makes_dags_test_exit_non_zero(airflow_env, make_pipeline, 
     code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(env), tmp_path / "run.log")
     assert code != 0
     assert "TopicNotFoundError" in output and env.topic in output
+
+
+def test_a_run_triggered_with_an_unknown_conf_key_fails_at_plan_naming_it(airflow_env, make_pipeline, db, tmp_path):
+    env = make_pipeline()
+    produce_sample(env.settings.bootstrap_servers, env.topic, 50, seed=13)
+    code, output, _ = dags_test(
+        env.pipeline.dag_id, airflow_env(env), tmp_path / "live.log", conf={"max_records_per_btach": 5}
+    )
+    assert code != 0
+    plan_log = "\n".join(task_log(output, "plan"))
+    assert "UnknownRunConfError" in plan_log and "unknown key(s) 'max_records_per_btach'" in plan_log, plan_log
+    assert "did you mean 'max_records_per_btach' -> 'max_records_per_batch'?" in plan_log
+    assert "Known keys: batches_per_run, dry_run, max_records_per_batch" in plan_log
+    assert "Spark-Submit cmd" not in output
+    planned = db.execute("SELECT count(*) FROM kafka2pg.batches WHERE pipeline = %s", (env.pipeline.name,)).fetchone()
+    assert planned[0] == 0, "nothing is planned with a misspelled key"
+
+    # The replay DAG's Params are checked the same way.
+    conf = {"mode": "verify-only", "offset_range": [{"partition": 0, "start": 0, "end": 5}]}
+    code, output, _ = dags_test(env.pipeline.replay_dag_id, airflow_env(env), tmp_path / "replay.log", conf=conf)
+    assert code != 0
+    plan_log = "\n".join(task_log(output, "plan"))
+    assert "unknown key(s) 'offset_range'" in plan_log and "'offset_range' -> 'offset_ranges'?" in plan_log, plan_log
+    assert "Known keys: from_time, mode, offset_ranges, reason, to_time" in plan_log

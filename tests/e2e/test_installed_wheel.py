@@ -171,6 +171,8 @@ def test_the_installed_wheel_runs_a_dag_copied_alone_without_the_checkout(venv, 
     job = site_packages / "kafka2pg" / "stage_job.py"
     submitted = [line for line in output.splitlines() if "Spark-Submit cmd:" in line]
     assert submitted and str(job) in submitted[0], output[-4000:]
+    # Spark's logging configured from the log4j2 file the wheel ships.
+    assert f"-Dlog4j2.configurationFile={site_packages / 'kafka2pg' / 'log4j2.properties'} " in submitted[0]
     assert str(ROOT) not in migrated + output
     # The default state directory of an installation: under HOME, not in site-packages.
     assert (home / ".cache" / "kafka2pg" / "spark").is_dir()

@@ -40,6 +40,8 @@ def test_good_file_parses_with_defaults(tmp_path):
     assert pipeline.max_records_per_batch == 100_000 and pipeline.batches_per_run == 1
     assert pipeline.duplicate_policy == "quarantine" and pipeline.on_retention_loss == "fail"
     assert pipeline.columns[1].spark_type == "decimal(10,2)"
+    assert pipeline.spark_log_level == "WARN"
+    assert get_pipeline("orders", write(tmp_path, spark_log_level="INFO")).spark_log_level == "INFO"
 
 
 @pytest.mark.parametrize(
@@ -107,6 +109,7 @@ def test_good_file_parses_with_defaults(tmp_path):
         ),
         ({"spark_conf": ["spark.x=1"]}, r"\(orders\)\.spark_conf: expected a mapping of Spark settings"),
         ({"spark_conf": {"spark.x": None}}, r"\(orders\)\.spark_conf: spark.x: expected a string or number"),
+        ({"spark_log_level": "info"}, r"\(orders\)\.spark_log_level: expected one of WARN, ERROR, INFO, DEBUG"),
     ],
 )
 def test_bad_field_is_named(tmp_path, changes, message):

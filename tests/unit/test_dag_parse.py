@@ -79,6 +79,7 @@ def test_stage_jvm_options_follow_the_runs_batches_and_name_the_class_archive(tm
         STAGE_JVM_OPTIONS_ONE_BATCH,
         STAGE_JVM_OPTIONS_SEVERAL_BATCHES,
         class_archive_path,
+        spark_log_options,
         stage_jvm_conf,
     )
 
@@ -98,19 +99,23 @@ def test_stage_jvm_options_follow_the_runs_batches_and_name_the_class_archive(tm
         result = _parse_dag_file()
         return jinja2.Template(result["jvm_options"]).render(ti=PlannedBatches(batches)), result["replay_jvm_options"]
 
-    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": STAGE_JVM_OPTIONS_ONE_BATCH}
-    assert stage_jvm_conf(2) == {"spark.driver.extraJavaOptions": STAGE_JVM_OPTIONS_SEVERAL_BATCHES}
-    assert rendered(1) == (STAGE_JVM_OPTIONS_ONE_BATCH, STAGE_JVM_OPTIONS_ONE_BATCH)
-    assert rendered(7)[0] == STAGE_JVM_OPTIONS_SEVERAL_BATCHES
+    # Spark's own logging at WARN (the pipelines' default spark_log_level) from kafka2pg's log4j2 file.
+    logging = f" {spark_log_options('WARN')}"
+    assert "-Dlog4j2.configurationFile=" in logging and logging.endswith("-Dkafka2pg.spark.log.level=WARN")
+    one, several = STAGE_JVM_OPTIONS_ONE_BATCH, STAGE_JVM_OPTIONS_SEVERAL_BATCHES
+    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": one + logging}
+    assert stage_jvm_conf(2) == {"spark.driver.extraJavaOptions": several + logging}
+    assert rendered(1) == (one + logging, one + logging)
+    assert rendered(7)[0] == several + logging
 
     archive = class_archive_path()
     assert archive.parent.parent == tmp_path and archive.suffix == ".jsa"
     archive.parent.mkdir(parents=True)
     archive.write_bytes(b"made by set-up")
     shared = f" -XX:SharedArchiveFile={archive}"
-    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": STAGE_JVM_OPTIONS_ONE_BATCH + shared}
-    assert rendered(1) == (STAGE_JVM_OPTIONS_ONE_BATCH + shared, STAGE_JVM_OPTIONS_ONE_BATCH + shared)
-    assert rendered(7)[0] == STAGE_JVM_OPTIONS_SEVERAL_BATCHES + shared
+    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": one + shared + logging}
+    assert rendered(1) == (one + shared + logging, one + shared + logging)
+    assert rendered(7)[0] == several + shared + logging
 
 
 COPIED = """

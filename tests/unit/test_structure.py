@@ -108,7 +108,7 @@ def test_pure_modules_import_no_client_library(module):
     assert {lib for name in reached for lib in outside[name]} & CLIENT_LIBRARIES == set()
 
 
-PURE_TOO = ("kafka2pg.replay_request", "kafka2pg.exceptions", "kafka2pg.admission")
+PURE_TOO = ("kafka2pg.replay_request", "kafka2pg.exceptions", "kafka2pg.admission", "kafka2pg.task_log")
 
 
 @pytest.mark.parametrize("module", PURE_TOO)

@@ -1,0 +1,115 @@
+"""What a task log shows besides its step's own lines: one summary line per batch and step, and
+lines kept within what a log viewer shows without clipping. Pure text, no client library."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+
+from kafka2pg.planner import OffsetRange, describe_ranges
+
+# The widest line kafka2pg writes into a task log (Airflow's log viewer clips wider ones).
+LOG_WIDTH = 160
+# Where a batch's ranges are cut short in a summary (the rest of the line needs its room too).
+RANGES_WIDTH = 80
+
+
+def step_summary(
+    step: str,
+    pipeline: str,
+    batch_id: int,
+    seconds: float,
+    *,
+    ranges: Sequence[OffsetRange] = (),
+    report: object = None,
+    **counts: object,
+) -> str:
+    """The line a step ends with, one per batch, e.g.
+
+    `summary step=stage pipeline=orders batch=7 ranges=p0[0,146) p1[0,125) records=271 quarantined=0 seconds=9.4`
+
+    `counts` follow in the order given (None: left out); the report path comes last.
+    """
+    fields = [f"step={step}", f"pipeline={pipeline}", f"batch={batch_id}"]
+    if ranges:
+        fields.append(f"ranges={shorten_ranges(ranges)}")
+    fields += [f"{name}={value}" for name, value in counts.items() if value is not None]
+    fields.append(f"seconds={seconds:.1f}")
+    if report:
+        fields.append(f"report={report}")
+    return "summary " + " ".join(fields)
+
+
+def shorten_ranges(ranges: Sequence[OffsetRange], width: int = RANGES_WIDTH) -> str:
+    """`describe_ranges`, cut after the ranges that fit in `width`: `p0[0,5) p1[0,7) ... (+30 partitions)`."""
+    text = describe_ranges(ranges)
+    if len(text) <= width:
+        return text
+    shown: list[OffsetRange] = []
+    for r in ranges:
+        if len(describe_ranges([*shown, r])) > width - len(" ... (+0000 partitions)"):
+            break
+        shown.append(r)
+    return f"{describe_ranges(shown)} ... (+{len(ranges) - len(shown)} partitions)"
+
+
+def fit(text: str, width: int = LOG_WIDTH, indent: str = "    ") -> str:
+    """`text` with every line wider than `width` wrapped at spaces (a longer word is cut);
+    continuation lines are indented."""
+    lines: list[str] = []
+    for line in text.splitlines() or [""]:
+        if len(line) <= width:
+            lines.append(line)
+            continue
+        lines += textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], width: int = LOG_WIDTH) -> str:
+    """Columns right-aligned; when a row would be wider than `width`, the last column (details,
+    free text) is left-aligned and wrapped under itself instead."""
+    cells = [[str("-" if v is None else v) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    if sum(widths) + 2 * (len(widths) - 1) <= width:
+        lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+        lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+        return "\n".join(lines)
+    lead = widths[:-1]
+    margin = sum(lead) + 2 * len(lead)
+    last = max(20, width - margin)
+    lines = []
+    for row in [list(headers), *cells]:
+        head = "  ".join(v.rjust(w) for v, w in zip(row[:-1], lead, strict=True))
+        wrapped = textwrap.wrap(row[-1], last, break_on_hyphens=False) or [""]
+        lines.append(f"{head}  {wrapped[0]}")
+        lines += [" " * margin + more for more in wrapped[1:]]
+    return "\n".join(lines)
+
+
+def validation_summary(pipeline: str, result, seconds: float) -> str:
+    """The quality gate's summary line (`result`: a `quality.ValidationResult`)."""
+    return step_summary(
+        "validate",
+        pipeline,
+        result.batch_id,
+        seconds,
+        state=None if result.state == "validated" else result.state,  # shown when the gate found it done
+        checks=len(result.checks) or None,
+        failed=sum(not c.success for c in result.checks) if result.checks else None,
+        flagged=sum(c.flagged for c in result.checks) if result.checks else None,
+        report=result.report,
+    )
+
+
+def promotion_summary(pipeline: str, result, seconds: float) -> str:
+    """The promotion's (or a replay's finish) summary line (`result`: a `PromoteResult` or `ReplayResult`)."""
+    return step_summary(
+        "promote",
+        pipeline,
+        result.batch_id,
+        seconds,
+        mode=getattr(result, "mode", None),
+        rows=result.promoted,
+        quarantined=result.quarantined,
+        already_promoted=result.already_promoted or None,
+    )

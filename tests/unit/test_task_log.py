@@ -1,0 +1,97 @@
+"""What task logs show: one summary line per batch and step, lines within the log viewer's width,
+and a DAG run's conf checked against its DAG's Params before anything is planned."""
+
+import pytest
+from airflow.exceptions import AirflowFailException
+
+from kafka2pg.exceptions import UnknownRunConfError
+from kafka2pg.planner import OffsetRange
+from kafka2pg.task_log import LOG_WIDTH, fit, shorten_ranges, step_summary, table
+from kafka2pg.tasks import check_run_conf
+
+LIVE_PARAMS = ("max_records_per_batch", "batches_per_run", "dry_run")
+
+
+def test_a_summary_line_names_the_step_batch_ranges_counts_seconds_and_report():
+    line = step_summary(
+        "validate",
+        "orders",
+        7,
+        5.04,
+        ranges=[OffsetRange(0, 0, 146), OffsetRange(1, 10, 20)],
+        checks=12,
+        failed=0,
+        flagged=None,
+        report="/reports/orders/batch-7.html",
+    )
+    assert line == (
+        "summary step=validate pipeline=orders batch=7 ranges=p0[0,146) p1[10,20) checks=12 failed=0 seconds=5.0 "
+        "report=/reports/orders/batch-7.html"
+    )
+
+
+def test_the_ranges_of_many_partitions_are_cut_short_with_a_count():
+    ranges = [OffsetRange(p, 1_000_000, 2_000_000) for p in range(40)]
+    text = shorten_ranges(ranges)
+    assert text.startswith("p0[1000000,2000000) p1[1000000,2000000) ") and len(text) <= 80
+    shown = text.count("[")
+    assert text.endswith(f" ... (+{40 - shown} partitions)")
+    assert len(step_summary("stage", "orders", 1, 1.0, ranges=ranges, records=40_000_000)) <= LOG_WIDTH
+
+
+def test_long_lines_are_wrapped_within_the_width_and_short_ones_kept():
+    details = "deferred to promotion: the target's unique business-key index refuses a promoted key " * 3
+    text = fit(f"batch_id=1 check business_key_not_already_promoted ok  {details}\nshort line")
+    lines = text.splitlines()
+    assert len(lines) > 2 and all(len(line) <= LOG_WIDTH for line in lines)
+    assert lines[-1] == "short line" and lines[1].startswith("    ")
+    assert (
+        " ".join(line.strip() for line in lines[:-1]).split()
+        == f"batch_id=1 check business_key_not_already_promoted ok  {details}".split()
+    )
+
+
+def test_a_table_too_wide_wraps_its_last_column_a_narrow_one_stays_as_it_was():
+    rows = [
+        ["gx:ExpectCompoundColumnsToBeUnique:kafka_topic,kafka_partition,kafka_offset", "ok", 0, "provenance unique"],
+        [
+            "business_key_not_already_promoted",
+            "ok",
+            0,
+            "deferred to promotion: " + "the target's index refuses it " * 5,
+        ],
+    ]
+    wide = table(["check", "result", "unexpected", "details"], rows)
+    assert all(len(line) <= LOG_WIDTH for line in wide.splitlines()), wide
+    assert len(wide.splitlines()) > 3 and "refuses it" in wide.splitlines()[-1]
+    narrow = table(["partition", "lag"], [[0, 5], [1, None]])
+    assert narrow == "partition  lag\n        0    5\n        1    -"
+
+
+@pytest.mark.parametrize(
+    ("conf", "unknown", "hint"),
+    [
+        (
+            {"max_records_per_btach": 5},
+            ("max_records_per_btach",),
+            "'max_records_per_btach' -> 'max_records_per_batch'?",
+        ),
+        (
+            {"dry_run": True, "zzz": 1, "batch_per_run": 2},
+            ("batch_per_run", "zzz"),
+            "'batch_per_run' -> 'batches_per_run'?",
+        ),
+    ],
+)
+def test_a_run_conf_with_a_key_the_dag_does_not_know_fails_without_retry_naming_it(conf, unknown, hint):
+    with pytest.raises(AirflowFailException) as raised:
+        check_run_conf("kafka2pg_orders", conf, LIVE_PARAMS)
+    error = raised.value.__cause__
+    assert isinstance(error, UnknownRunConfError) and error.terminal
+    assert (error.dag_id, error.unknown, error.known) == ("kafka2pg_orders", unknown, tuple(sorted(LIVE_PARAMS)))
+    assert hint in str(error) and "Known keys: batches_per_run, dry_run, max_records_per_batch" in str(error)
+
+
+@pytest.mark.parametrize("conf", [None, {}, {"dry_run": True, "batches_per_run": 3}])
+def test_a_run_conf_of_known_keys_or_none_passes(conf):
+    check_run_conf("kafka2pg_orders", conf, LIVE_PARAMS)
