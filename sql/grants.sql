@@ -19,6 +19,9 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON kafka2pg.ledger_heads TO {role};
 -- an undo or `reset --archive-old-rows` their range's quarantine rows; (re-)validation a batch's checks.
 GRANT SELECT, INSERT, DELETE ON kafka2pg.ledger_ranges, kafka2pg.quarantine, kafka2pg.batch_checks TO {role};
 GRANT SELECT, INSERT ON kafka2pg.ledger_resets TO {role};
+-- Each batch's quality result: written (or replaced) with the gate's verdict, cleared when the
+-- batch is read again; the operator's pages and `kafka2pg report` read it.
+GRANT SELECT, INSERT, UPDATE, DELETE ON kafka2pg.quality_results TO {role};
 -- `reset --archive-old-rows` moves rows here; only the operator reads them.
 GRANT INSERT ON kafka2pg.archived_rows TO {role};
 -- The bigserial ids of batches, resets and replays.

@@ -212,8 +212,25 @@ def cmd_promote(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from kafka2pg.report import ledger_report
 
+    if args.json:
+        return _status_json(_selected_pipelines(args))
     for settings, pipeline in _selected_pipelines(args):
         print(ledger_report(settings, pipeline))
+    return 0
+
+
+def _status_json(selected: list[tuple[Settings, Pipeline]]) -> int:
+    """`status --json`: what the Airflow overview page shows, one object per pipeline."""
+    import json
+
+    from kafka2pg.database import connect
+    from kafka2pg.status import pipeline_status
+
+    statuses = []
+    for settings, pipeline in selected:
+        with connect(settings.database_url, autocommit=True) as conn:
+            statuses.append(pipeline_status(settings, pipeline, conn).to_json())
+    print(json.dumps(statuses, indent=2))
     return 0
 
 
@@ -235,8 +252,37 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from kafka2pg.report import quality_summary
 
+    if args.html:
+        return _export_report(args)
     for settings, pipeline in _selected_pipelines(args):
         print(quality_summary(settings, pipeline, args.batch_id))
+    return 0
+
+
+def _export_report(args: argparse.Namespace) -> int:
+    """`report --html`: the batch's report rendered from its stored result, to --out or stdout."""
+    from kafka2pg.data_docs import render_html
+    from kafka2pg.database import connect
+    from kafka2pg.quality_results import load_result
+
+    if not args.pipeline or args.batch_id is None:
+        raise ConfigError("report --html: give --pipeline P and --batch-id N")
+    settings, pipeline = _pipeline(args)
+    with connect(settings.database_url) as conn:
+        result = load_result(conn, pipeline.name, args.batch_id)
+    if result is None:
+        print(
+            f"pipeline {pipeline.name} batch {args.batch_id}: no stored quality result (not validated yet, or "
+            "validated before kafka2pg.quality_results existed)",
+            file=sys.stderr,
+        )
+        return 1
+    page = render_html(result)
+    if args.out is None:
+        sys.stdout.write(page)
+        return 0
+    args.out.write_text(page)
+    print(f"pipeline {pipeline.name} batch {args.batch_id}: quality report written to {args.out}")
     return 0
 
 
@@ -389,15 +435,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="ledger heads, watermarks and lag per partition")
     p.add_argument("--pipeline")
+    p.add_argument("--json", action="store_true", help="as JSON (what the Airflow overview page shows)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("verify", help="audit: re-read Kafka for the ledgered ranges, compare with target + quarantine")
     p.add_argument("--pipeline")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("report", help="path and summary of the latest (or a given) batch's quality report")
+    p = sub.add_parser(
+        "report",
+        help="summary of the latest (or a given) batch's quality report; --html: the report page, rendered from "
+        "the result stored in PostgreSQL",
+    )
     p.add_argument("--pipeline")
     p.add_argument("--batch-id", type=int)
+    p.add_argument(
+        "--html", action="store_true", help="export the batch's report as one HTML page (--pipeline, --batch-id)"
+    )
+    p.add_argument("--out", type=Path, help="with --html: write it to this file (default: standard output)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("reset", help="realign a partition's ledger head after the topic was recreated/restored")

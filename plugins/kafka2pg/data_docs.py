@@ -1,8 +1,9 @@
-"""The per-batch quality report: one self-contained HTML page built from the GX results.
+"""The per-batch quality report: the result the gate stores (`report_payload`, kept in
+kafka2pg.quality_results) and one self-contained HTML page rendered from it (`render_html`).
 
 GX's stock Data Docs load Bootstrap, jQuery and fonts from CDNs and render an empty,
 unstyled table without network; this page inlines its CSS, has no script, and opens
-from disk (file://) on an air-gapped machine. Also written: the results as JSON.
+from disk (file://) on an air-gapped machine. `write_report` exports both as files.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ def report_dir(state_dir: Path, pipeline: Pipeline) -> Path:
     return state_dir / "reports" / pipeline.name
 
 
-def write_report(
-    state_dir: Path,
+def report_payload(
     pipeline: Pipeline,
     batch_id: int,
     *,
@@ -41,11 +41,9 @@ def write_report(
     checks: list[dict],
     counts: dict[str, int],
     gx_version: str,
-) -> Path:
-    """Write batch-<id>.html and batch-<id>.json; return the HTML path."""
-    directory = report_dir(state_dir, pipeline)
-    directory.mkdir(parents=True, exist_ok=True)
-    payload = {
+) -> dict:
+    """Everything the report shows, as JSON-ready data: what kafka2pg.quality_results stores."""
+    return {
         "pipeline": pipeline.name,
         "topic": pipeline.topic,
         "target": f"{pipeline.target_schema}.{pipeline.target_table}",
@@ -57,9 +55,16 @@ def write_report(
         "expectations": expectations,
         "checks": checks,
     }
+
+
+def write_report(state_dir: Path, pipeline: Pipeline, payload: dict) -> Path:
+    """Export a stored result as batch-<id>.html and batch-<id>.json; return the HTML path."""
+    directory = report_dir(state_dir, pipeline)
+    directory.mkdir(parents=True, exist_ok=True)
+    batch_id = payload["batch_id"]
     (directory / f"batch-{batch_id}.json").write_text(json.dumps(payload, indent=2, default=str))
     path = directory / f"batch-{batch_id}.html"
-    path.write_text(_html(payload))
+    path.write_text(render_html(payload))
     return path
 
 
@@ -68,7 +73,8 @@ def _cell(value: object, css: str = "") -> str:
     return f"<td{attribute}>{html.escape('-' if value is None else str(value))}</td>"
 
 
-def _html(p: dict) -> str:
+def render_html(p: dict) -> str:
+    """The report page of one stored result (`report_payload`)."""
     passed = p["verdict"] == "promotable"
     counts = "".join(f"<tr>{_cell(k)}{_cell(v, 'num')}</tr>" for k, v in p["counts"].items())
     expectation_rows = "".join(

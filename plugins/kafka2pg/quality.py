@@ -1,9 +1,10 @@
 """The quality gate (DESIGN step 3): the SQL checks (`kafka2pg.checks`, which flag duplicates
 to quarantine) and Great Expectations on a staged batch, the verdict, and the batch's report.
 
-One transaction under the batch's row lock: checks, results (kafka2pg.batch_checks) and the
-state move commit together. It fails closed: a batch is promoted only from `validated`,
-which only this module sets. Kafka is asked before the lock, the report written after it.
+One transaction under the batch's row lock: checks (kafka2pg.batch_checks), the report's data
+(kafka2pg.quality_results) and the state move commit together. It fails closed: a batch is
+promoted only from `validated`, which only this module sets. Kafka is asked before the lock;
+the report's files, an export of the stored result, are written after it.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from kafka2pg.checks import (
     store_checks,
 )
 from kafka2pg.config import Pipeline, Settings
+from kafka2pg.data_docs import report_payload, write_report
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, QualityGateFailed
 from kafka2pg.lifecycle import Action, BatchState, gate_verdict, validate_action
+from kafka2pg.quality_results import store_result
 from kafka2pg.rows import staged_counts
 
 log = logging.getLogger(__name__)
@@ -96,13 +99,16 @@ def validate_batch(
             store_checks(conn, batch_id, checks)
             failed = {c.name: c.details for c in checks if not c.success}
             summary = QualityGateFailed.summary(failed)
-            payload = _report(batch, sql_checks, gx_rows, quarantined, bool(summary))
+            payload = report_payload(
+                pipeline, batch_id, **_report(batch, sql_checks, gx_rows, quarantined, bool(summary))
+            )
+            store_result(conn, batch_id, payload)
             verdict = gate_verdict(sum(not c.success for c in checks))
             error = {"error": summary[:2000]} if verdict is BatchState.REJECTED else {}
             transition(conn, batch, verdict, rows_quarantined=quarantined, **error)
     if lost:
         raise_staging_lost(pipeline, batch_id)
-    report = _write_report(settings, pipeline, batch_id, payload)  # a file: after the batch's lock is released
+    report = _write_report(settings, pipeline, payload)  # a file: after the batch's lock is released
     if summary:
         raise QualityGateFailed.rejected(pipeline.name, batch_id, failed, report, pipeline.staging_table)
     flagged = sum(c.flagged for c in checks)
@@ -193,27 +199,29 @@ def _report(batch: Batch, sql_checks: list[Check], gx_rows: list[dict], quaranti
     }
 
 
-def _write_report(settings: Settings, pipeline: Pipeline, batch_id: int, payload: dict) -> Path | None:
-    """Write the report files, then record where (a crash in between leaves report_path unset).
+def _write_report(settings: Settings, pipeline: Pipeline, payload: dict) -> Path | None:
+    """Export the stored result as files, then record where (a crash in between leaves report_path unset).
 
-    Best effort: the verdict is committed already, so a report that cannot be written (disk full,
-    no permission) is logged, leaves the batch without a report_path, and None is returned.
+    Best effort: the verdict and its stored result are committed already, so files that cannot be
+    written (disk full, no permission) are logged, leave the batch without a report_path, and None
+    is returned; the report stays in the database (`kafka2pg report --html`, the plugin's page).
     """
-    from kafka2pg.data_docs import report_dir, write_report
+    from kafka2pg.data_docs import report_dir
 
+    batch_id = payload["batch_id"]
     try:
-        path = write_report(settings.state_dir, pipeline, batch_id, **payload)
+        path = write_report(settings.state_dir, pipeline, payload)
     except OSError as exc:
         log.warning(
             "pipeline=%s batch_id=%s quality report not written to %s (%s); the gate's verdict stands, "
-            "the batch records no report",
+            "the report is in the database",
             pipeline.name,
             batch_id,
             report_dir(settings.state_dir, pipeline),
             exc,
         )
         path = None
-    with transaction(settings.database_url) as conn:  # a report of an earlier verdict is not this one's
+    with transaction(settings.database_url) as conn:  # a file of an earlier verdict is not this one's
         conn.execute("UPDATE kafka2pg.batches SET report_path = %s WHERE batch_id = %s", (path and str(path), batch_id))
     return path
 

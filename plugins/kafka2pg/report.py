@@ -9,19 +9,13 @@ from psycopg import sql
 
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect
-from kafka2pg.kafka_offsets import partition_offsets
-from kafka2pg.ledger import head_status, read_heads
-from kafka2pg.opening import loss_horizons
-from kafka2pg.planner import LossHorizon
-from kafka2pg.stuck import stuck_batches
+from kafka2pg.status import pipeline_status
 from kafka2pg.task_log import fit, table
 
 
 def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
-    offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
-    with connect(settings.database_url) as conn:
-        heads = head_status(conn, pipeline, offsets)
-        horizons = {h.partition: h for h in loss_horizons(settings, pipeline, offsets, read_heads(conn, pipeline.name))}
+    with connect(settings.database_url, autocommit=True) as conn:  # Kafka is asked in between: no transaction
+        status = pipeline_status(settings, pipeline, conn)
         landed = conn.execute(
             sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(pipeline.target_schema, pipeline.target_table))
         ).fetchone()[0]
@@ -32,32 +26,22 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
             "SELECT state, count(*) FROM kafka2pg.batches WHERE pipeline = %s GROUP BY state ORDER BY state",
             (pipeline.name,),
         ).fetchall()
-        stuck = stuck_batches(conn, pipeline.name)
     rows = [
-        [h.partition, h.next_offset, h.low, h.high, h.lag, *_horizon(horizons[h.partition], pipeline)] for h in heads
+        [p.partition, p.next_offset, p.low_watermark, p.high_watermark, p.lag, p.margin, p.time_to_loss]
+        for p in status.partitions
     ]
     return "\n".join(
         [
             f"pipeline {pipeline.name}: topic {pipeline.topic} -> {pipeline.target_schema}.{pipeline.target_table}",
             f"rows landed in target: {landed}; records in quarantine: {quarantined}",
             "batches: " + (", ".join(f"{n} {s}" for s, n in batches) or "none"),
-            *(batch.describe() for batch in stuck),
+            *(batch.describe() for batch in status.stuck),
             "ledger:",
             table(
                 ["partition", "next_offset", "low_watermark", "high_watermark", "lag", "margin", "time_to_loss"], rows
             ),
         ]
     )
-
-
-def _horizon(horizon: LossHorizon, pipeline: Pipeline) -> list:
-    """Margin (records above the low watermark) and estimated time before unread records expire."""
-    if not horizon.unread:
-        return [horizon.records_margin, "caught up"]
-    if horizon.seconds_left is None:
-        return [horizon.records_margin, "no time limit"]
-    left = f"{horizon.seconds_left / 3600:.1f}h"
-    return [horizon.records_margin, left + (" (AT RISK)" if horizon.at_risk(pipeline.data_loss_warning_hours) else "")]
 
 
 def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:

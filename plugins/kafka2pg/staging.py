@@ -131,6 +131,7 @@ def stage_batch(
         # Check results of earlier staging rows (lost in a crash after validation) judge rows
         # that are gone; the quality gate reuses stored results of a batch sent back to it.
         conn.execute("DELETE FROM kafka2pg.batch_checks WHERE batch_id = %s", (batch_id,))
+        conn.execute("DELETE FROM kafka2pg.quality_results WHERE batch_id = %s", (batch_id,))
     epoch = batch.epoch
     log.info(
         "pipeline=%s batch_id=%s epoch=%s reading %s offsets: %s",

@@ -125,3 +125,41 @@ def screenshot_trigger_form(base_url: str, dag_id: str, out: Path, width: int = 
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+async def _capture_page(port: int, url: str, cookie: dict, out: Path, width: int, height: int) -> str:
+    targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list"))  # noqa: S310 - local DevTools
+    ws_url = next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
+    async with websockets.connect(ws_url, max_size=64 * 2**20) as ws:
+        page = _Page(ws)
+        await page.send("Page.enable")
+        await page.send("Runtime.enable")
+        await page.send("Network.enable")
+        await page.send("Network.setCookie", url=url, **cookie)
+        await page.send(
+            "Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False
+        )
+        await page.send("Page.navigate", url=url)
+        await page.wait("document.readyState === 'complete' && !!document.querySelector('table')")
+        text = await page.js("document.body.innerText")
+        shot = await page.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+        out.write_bytes(base64.b64decode(shot["data"]))
+        return text
+
+
+def screenshot_page(url: str, cookie: dict, out: Path, width: int = 1400, height: int = 900) -> str:
+    """Screenshot of a server-rendered page opened with `cookie` (name, value) at `out`; returns its text."""
+    profile = Path(tempfile.mkdtemp(prefix="kafka2pg-chromium-"))
+    proc, port = _start_chromium(profile, width, height)
+    try:
+        return asyncio.run(_capture_page(port, url, cookie, out, width, height))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(profile, ignore_errors=True)

@@ -52,7 +52,9 @@ def test_a_database_migrated_up_to_0008_has_the_deferred_checks_migration_pendin
     p = pipeline(tmp_path)
     shipped = [f.name for f in migration_files()]
     applied = {m for m in shipped if m < "0009"}
-    assert readiness(p, ready_catalog(p), applied, shipped).missing == ("migration 0009_deferred_checks.sql",)
+    missing = readiness(p, ready_catalog(p), applied, shipped).missing
+    assert missing[0] == "migration 0009_deferred_checks.sql"
+    assert missing == tuple(f"migration {m}" for m in shipped if m not in applied)
 
 
 def test_a_database_never_migrated_has_every_migration_pending_and_no_pipeline_table(tmp_path):

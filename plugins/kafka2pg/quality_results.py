@@ -1,0 +1,31 @@
+"""Each batch's quality result in kafka2pg.quality_results: stored in the quality gate's
+transaction with the verdict, read back to render the report (Airflow pages, `kafka2pg report`).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+from psycopg import Connection
+from psycopg.types.json import Json
+
+
+def store_result(conn: Connection, batch_id: int, payload: dict) -> None:
+    """Record (or replace, for a batch validated again) the batch's result, in the caller's transaction."""
+    conn.execute(
+        "INSERT INTO kafka2pg.quality_results (batch_id, verdict, result) VALUES (%s, %s, %s)"
+        " ON CONFLICT (batch_id) DO UPDATE SET verdict = EXCLUDED.verdict, result = EXCLUDED.result,"
+        " validated_at = now()",
+        (batch_id, payload["verdict"], Json(payload, dumps=partial(json.dumps, default=str))),
+    )
+
+
+def load_result(conn: Connection, pipeline: str, batch_id: int) -> dict | None:
+    """The stored result of the pipeline's batch; None when the batch has none (not validated yet)."""
+    row = conn.execute(
+        "SELECT r.result FROM kafka2pg.quality_results r JOIN kafka2pg.batches b USING (batch_id)"
+        " WHERE b.batch_id = %s AND b.pipeline = %s",
+        (batch_id, pipeline),
+    ).fetchone()
+    return None if row is None else row[0]

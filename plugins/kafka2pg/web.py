@@ -1,0 +1,267 @@
+"""The operator's read-only pages in the Airflow UI (a FastAPI app the plugin mounts at /kafka2pg):
+overview (what `kafka2pg status` shows), a pipeline's batches, a batch's quality report and quarantine.
+
+Airflow mounts a plugin's app without authentication: every page here requires the caller's
+Airflow JWT (the UI's `_token` cookie or an `Authorization: Bearer` header), checked by Airflow's
+auth manager. Each request reads the pipelines file and the pipelines' Airflow Connections then.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+from typing import TYPE_CHECKING
+from urllib.parse import urlencode
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse
+
+if TYPE_CHECKING:
+    from kafka2pg.config import Pipeline, Settings
+    from kafka2pg.status import PipelineStatus
+
+log = logging.getLogger(__name__)
+
+PAGE_SIZE = 50
+MAX_PAGE_SIZE = 500
+
+
+async def require_airflow_user(request: Request) -> object:
+    """The Airflow user of the request; 401/403 for an anonymous or invalid token, as Airflow's API answers."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.base_auth_manager import COOKIE_NAME_JWT_TOKEN
+    from airflow.api_fastapi.auth.managers.models.resource_details import AccessView
+    from airflow.api_fastapi.core_api.security import resolve_user_from_token
+
+    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    token = credentials if scheme.lower() == "bearer" and credentials else request.cookies.get(COOKIE_NAME_JWT_TOKEN)
+    user = await resolve_user_from_token(token)
+    if not get_auth_manager().is_authorized_view(access_view=AccessView.WEBSITE, user=user):
+        raise HTTPException(status_code=403, detail="Forbidden")
+    return user
+
+
+app = FastAPI(title="kafka2pg", dependencies=[Depends(require_airflow_user)], docs_url=None, redoc_url=None)
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 1.5em; color: #1d2733; }
+h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.4em; }
+table { border-collapse: collapse; margin-top: .5em; }
+th, td { border: 1px solid #c9d1d9; padding: .3em .6em; text-align: left; vertical-align: top; }
+th { background: #eef2f6; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr.risk td, .alarm { background: #fdecea; color: #b71c1c; font-weight: bold; }
+.error { color: #b71c1c; } .meta { color: #57606a; font-size: .9em; } nav a { margin-right: 1em; }
+"""
+
+
+def _page(request: Request, title: str, body: str) -> HTMLResponse:
+    home = _base(request)
+    return HTMLResponse(
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f'<style>{CSS}</style></head><body><nav><a href="{home}/">kafka2pg overview</a></nav>'
+        f"<h1>{html.escape(title)}</h1>{body}</body></html>"
+    )
+
+
+def _base(request: Request) -> str:
+    """Where the app is mounted (/kafka2pg), for links between its pages."""
+    return html.escape(request.scope.get("root_path", "").rstrip("/"))
+
+
+def _cell(value: object, css: str = "") -> str:
+    attribute = f' class="{css}"' if css else ""
+    return f"<td{attribute}>{html.escape('-' if value is None else str(value))}</td>"
+
+
+def _link(href: str, text: object) -> str:
+    return f'<a href="{html.escape(href)}">{html.escape(str(text))}</a>'
+
+
+def _table(headers: list[str], rows: list[str], table_id: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    return f'<table id="{table_id}"><tr>{head}</tr>{"".join(rows)}</table>'
+
+
+def _pipeline(name: str) -> tuple[Settings, Pipeline]:
+    from kafka2pg.config import load_pipelines, pipelines_file_from_env
+    from kafka2pg.connections import settings_for
+
+    pipelines = load_pipelines(pipelines_file_from_env())
+    if name not in pipelines:
+        raise HTTPException(status_code=404, detail=f"no pipeline {name!r} in the pipelines file")
+    return settings_for(pipelines[name]), pipelines[name]
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}min"
+    return f"{seconds / 3600:.1f}h"
+
+
+@app.get("/", response_class=HTMLResponse)
+def overview(request: Request) -> HTMLResponse:
+    """Per pipeline and partition: head, last stable offset, lag, margin, time to data loss; last batch; STUCK."""
+    from kafka2pg.config import load_pipelines, pipelines_file_from_env
+    from kafka2pg.connections import settings_for
+    from kafka2pg.database import connect
+    from kafka2pg.exceptions import Kafka2PgError
+    from kafka2pg.status import pipeline_status
+
+    base = _base(request)
+    sections = []
+    for pipeline in load_pipelines(pipelines_file_from_env()).values():
+        heading = f'<h2 id="pipeline-{html.escape(pipeline.name)}">pipeline {html.escape(pipeline.name)}</h2>'
+        try:
+            settings = settings_for(pipeline)
+            with connect(settings.database_url, autocommit=True) as conn:
+                status = pipeline_status(settings, pipeline, conn)
+        except Kafka2PgError as exc:  # one pipeline's unreachable service does not hide the others
+            log.warning("pipeline=%s overview: %s", pipeline.name, exc)
+            sections.append(f'{heading}<p class="error">{html.escape(f"{type(exc).__name__}: {exc}")}</p>')
+            continue
+        sections.append(heading + _status_section(base, status))
+    return _page(request, "kafka2pg pipelines", "".join(sections) or "<p>no pipelines in the pipelines file</p>")
+
+
+def _status_section(base: str, status: PipelineStatus) -> str:
+    name = status.pipeline
+    rows = [
+        f'<tr class="{"risk" if p.at_risk else ""}" data-partition="{p.partition}">{_cell(p.partition, "num")}'
+        f"{_cell(p.next_offset, 'num')}{_cell(p.last_stable_offset, 'num')}{_cell(p.low_watermark, 'num')}"
+        f"{_cell(p.high_watermark, 'num')}{_cell(p.lag, 'num')}{_cell(p.margin, 'num')}{_cell(p.time_to_loss)}</tr>"
+        for p in status.partitions
+    ]
+    last = status.last_batch
+    batches = f"{base}/pipelines/{name}/batches"
+    if last is None:
+        last_line = "no batch yet"
+    else:
+        report = _link(f"{batches}/{last.batch_id}/report", "quality report")
+        last_line = (
+            f"last batch {_link(f'{batches}?before={last.batch_id + 1}', last.batch_id)}: "
+            f'<span class="state">{html.escape(last.state)}</span>, {_age(last.age_seconds)} ago ({report})'
+        )
+    stuck = "".join(f'<p class="alarm">{html.escape(b.describe())}</p>' for b in status.stuck)
+    return (
+        f'<p class="meta">topic {html.escape(status.topic)} &rarr; {html.escape(status.target)} &middot; '
+        f"{_link(batches, 'batches')}</p><p>{last_line}</p>{stuck}"
+        + _table(
+            [
+                "partition",
+                "head",
+                "last stable offset",
+                "low watermark",
+                "high watermark",
+                "lag",
+                "margin",
+                "time to data loss",
+            ],
+            rows,
+            f"partitions-{html.escape(name)}",
+        )
+    )
+
+
+@app.get("/pipelines/{name}/batches", response_class=HTMLResponse)
+def batches(request: Request, name: str, before: int | None = None, limit: int = PAGE_SIZE) -> HTMLResponse:
+    """The pipeline's batches, newest first, `limit` per page; `before`: the page below that batch id."""
+    from kafka2pg.browse import batches_page
+    from kafka2pg.database import connect
+
+    settings, pipeline = _pipeline(name)
+    limit = max(1, min(limit, MAX_PAGE_SIZE))
+    with connect(settings.database_url, autocommit=True) as conn:
+        page = batches_page(conn, pipeline.name, before, limit)
+    here = f"{_base(request)}/pipelines/{name}/batches"
+    rows = [
+        f'<tr data-batch="{b.batch_id}">{_cell(b.batch_id, "num")}{_cell(b.kind)}{_cell(b.state)}{_cell(b.ranges)}'
+        f"{_cell(b.records_planned, 'num')}{_cell(b.records_read, 'num')}{_cell(b.rows_promoted, 'num')}"
+        f"{_cell(b.rows_quarantined, 'num')}{_cell(b.epoch, 'num')}{_cell(b.run_id)}"
+        f"{_cell(f'{b.updated_at:%Y-%m-%d %H:%M:%S %Z}')}"
+        f"<td>{_link(f'{here}/{b.batch_id}/report', 'report') if b.has_report else '-'} "
+        f"{_link(f'{here}/{b.batch_id}/quarantine', 'quarantine') if b.rows_quarantined else ''}</td></tr>"
+        for b in page
+    ]
+    more = ""
+    if len(page) == limit:
+        query = urlencode({"before": page[-1].batch_id, "limit": limit})
+        more = f"<p>{_link(f'{here}?{query}', 'older batches')}</p>"
+    table = _table(
+        [
+            "batch",
+            "kind",
+            "state",
+            "offset ranges [start, end)",
+            "records planned",
+            "records read",
+            "promoted",
+            "quarantined",
+            "claim epoch",
+            "run id",
+            "updated",
+            "",
+        ],
+        rows,
+        "batches",
+    )
+    return _page(request, f"pipeline {pipeline.name}: batches", table + more)
+
+
+@app.get("/pipelines/{name}/batches/{batch_id}/report", response_class=HTMLResponse)
+def report(name: str, batch_id: int) -> HTMLResponse:
+    """The batch's quality report, rendered from the result stored with it (kafka2pg.quality_results)."""
+    from kafka2pg.data_docs import render_html
+    from kafka2pg.database import connect
+    from kafka2pg.quality_results import load_result
+
+    settings, pipeline = _pipeline(name)
+    with connect(settings.database_url, autocommit=True) as conn:
+        result = load_result(conn, pipeline.name, batch_id)
+    if result is None:
+        raise HTTPException(status_code=404, detail=f"pipeline {name!r} batch {batch_id}: no stored quality result")
+    return HTMLResponse(render_html(result))
+
+
+@app.get("/pipelines/{name}/batches/{batch_id}/quarantine", response_class=HTMLResponse)
+def quarantine(
+    request: Request,
+    name: str,
+    batch_id: int,
+    after_partition: int | None = None,
+    after_offset: int | None = None,
+    limit: int = PAGE_SIZE,
+) -> HTMLResponse:
+    """The batch's quarantined records with their reasons, by partition and offset, `limit` per page."""
+    from kafka2pg.browse import batch_state, quarantine_page
+    from kafka2pg.database import connect
+
+    settings, pipeline = _pipeline(name)
+    limit = max(1, min(limit, MAX_PAGE_SIZE))
+    after = None if after_partition is None or after_offset is None else (after_partition, after_offset)
+    with connect(settings.database_url, autocommit=True) as conn:
+        if batch_state(conn, pipeline.name, batch_id) is None:
+            raise HTTPException(status_code=404, detail=f"pipeline {name!r} has no batch {batch_id}")
+        page = quarantine_page(conn, pipeline.name, batch_id, after, limit)
+    rows = [
+        f'<tr data-offset="{q.partition}:{q.offset}">{_cell(q.partition, "num")}{_cell(q.offset, "num")}'
+        f"{_cell(q.timestamp)}{_cell(q.reason)}{_cell(_preview(q.raw_key))}{_cell(_preview(q.raw_value))}</tr>"
+        for q in page
+    ]
+    more = ""
+    if len(page) == limit:
+        query = urlencode({"after_partition": page[-1].partition, "after_offset": page[-1].offset, "limit": limit})
+        more = (
+            f"<p>{_link(f'{_base(request)}/pipelines/{name}/batches/{batch_id}/quarantine?{query}', 'next page')}</p>"
+        )
+    table = _table(["partition", "offset", "kafka timestamp", "reason", "raw key", "raw value"], rows, "quarantine")
+    return _page(request, f"pipeline {pipeline.name}: quarantine of batch {batch_id}", table + more)
+
+
+def _preview(raw: bytes | None, limit: int = 200) -> str | None:
+    """The first bytes of a raw key or value, undecodable bytes shown as \\x escapes."""
+    if raw is None:
+        return None
+    text = bytes(raw[:limit]).decode("utf-8", errors="backslashreplace")
+    return text + ("…" if len(raw) > limit else "")

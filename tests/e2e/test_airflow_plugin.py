@@ -1,0 +1,114 @@
+"""The kafka2pg plugin on a real Airflow api-server with login required: the overview shows what
+`kafka2pg status --json` shows, a batch's report page its checks, and anonymous callers are refused;
+screenshots of the pages as a signed-in browser shows them."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from pathlib import Path
+
+from airflow_server import api, running_airflow
+from cdp_screenshot import screenshot_page
+
+from kafka2pg import cli
+from kafka2pg.devtools.producer import produce, sample_events
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / ".cache" / "test-artifacts"
+
+
+def row_cells(page: str, row_attribute: str) -> list[str]:
+    row = re.search(rf"<tr[^>]*{re.escape(row_attribute)}[^>]*>(.*?)</tr>", page, re.S)
+    assert row, f"no row {row_attribute} in {page[:3000]}"
+    return re.findall(r"<td[^>]*>(.*?)</td>", row.group(1), re.S)
+
+
+def test_plugin_pages_behind_airflow_login_agree_with_the_cli(make_pipeline, run_batch, tmp_path, monkeypatch, capsys):
+    env = make_pipeline(partitions=2)
+    events = list(sample_events(30, seed=81))
+    produce(env.settings.bootstrap_servers, env.topic, [*events, events[3]])
+    result = run_batch(env)
+    assert (result.promoted, result.quarantined) == (30, 1)
+    services = {
+        "KAFKA2PG_PIPELINES": str(env.settings.pipelines_file),
+        "KAFKA2PG_BOOTSTRAP_SERVERS": env.settings.bootstrap_servers,
+        "KAFKA2PG_DATABASE_URL": env.settings.database_url,
+    }
+    for name, value in services.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert cli.main(["status", "--pipeline", env.pipeline.name, "--json"]) == 0
+    (status,) = json.loads(capsys.readouterr().out)
+
+    password = secrets.token_urlsafe(12)
+    passwords = tmp_path / "passwords.json"
+    passwords.write_text(json.dumps({"operator": password}))
+    extra = {
+        **services,
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+        # Logins required: with all-admins, Airflow signs every request in, anonymous ones too.
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "operator:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
+    }
+    name, batch_id = env.pipeline.name, result.batch_id
+    with running_airflow(tmp_path / "airflow", env.settings.database_url, extra) as server:
+        overview_url = f"{server.url}/kafka2pg/"
+        report_url = f"{server.url}/kafka2pg/pipelines/{name}/batches/{batch_id}/report"
+        for url in (overview_url, report_url, f"{server.url}/kafka2pg/pipelines/{name}/batches"):
+            assert api("GET", url).status_code == 401, f"{url} answered an anonymous caller"
+        forged = api("GET", overview_url, cookies={"_token": "not-a-token"})
+        assert forged.status_code == 403
+
+        login = api("POST", f"{server.url}/auth/token", json={"username": "operator", "password": password})
+        assert login.status_code == 201, login.text
+        token = login.json()["access_token"]
+        plugins = api("GET", f"{server.api}/plugins", headers={"Authorization": f"Bearer {token}"}).json()
+        (plugin,) = [p for p in plugins["plugins"] if p["name"] == "kafka2pg"]
+        assert plugin["fastapi_apps"] == [
+            {"app": "fastapi.applications.FastAPI", "url_prefix": "/kafka2pg", "name": "kafka2pg"}
+        ]
+        assert (
+            plugin["external_views"][0]["href"] == "/kafka2pg/" and plugin["external_views"][0]["destination"] == "nav"
+        )
+
+        overview = api("GET", overview_url, cookies={"_token": token})  # as the UI's frame sends it
+        assert overview.status_code == 200, overview.text
+        for partition in status["partitions"]:
+            cells = row_cells(overview.text, f'data-partition="{partition["partition"]}"')
+            keys = [
+                "partition",
+                "next_offset",
+                "last_stable_offset",
+                "low_watermark",
+                "high_watermark",
+                "lag",
+                "margin",
+            ]
+            assert cells[:7] == [str(partition[k]) for k in keys] and cells[7] == partition["time_to_loss"]
+        assert sum(p["next_offset"] for p in status["partitions"]) == 31 and all(
+            p["lag"] == 0 for p in status["partitions"]
+        )
+        assert '<span class="state">promoted</span>' in overview.text
+
+        report = api("GET", report_url, headers={"Authorization": f"Bearer {token}"})
+        assert report.status_code == 200, report.text
+        assert "PROMOTABLE" in report.text
+        for check in ("business_key_unique_in_batch", "staged_rows_equal_records_read", "provenance_unique"):
+            assert check in report.text, check
+        quarantine = api(
+            "GET", f"{server.url}/kafka2pg/pipelines/{name}/batches/{batch_id}/quarantine", cookies={"_token": token}
+        )
+        assert "duplicate business key within batch" in quarantine.text
+
+        # As a signed-in browser shows them (the UI's session cookie).
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        cookie = {"name": "_token", "value": token}
+        text = screenshot_page(overview_url, cookie, ARTIFACTS / "plugin-overview.png")
+        assert f"pipeline {name}" in text and "time to data loss" in text
+        text = screenshot_page(report_url, cookie, ARTIFACTS / "plugin-quality-report.png")
+        assert "business_key_unique_in_batch" in text
+        assert (ARTIFACTS / "plugin-overview.png").stat().st_size > 10_000
