@@ -145,8 +145,11 @@ def promote(
             result = promote_batch(settings, pipeline, batch_id, epoch)
         seconds = time.monotonic() - started
         log.info("pipeline=%s %s", pipeline_name, result.message)
-        log.info("\n%s", batch_report(settings, pipeline, batch_id))
         event = run_event_of(settings, pipeline, batch_id, run_id)
+        try:  # the batch is promoted: a summary that needs Kafka must not fail the task
+            log.info("\n%s", batch_report(settings, pipeline, batch_id))
+        except Kafka2PgError as exc:
+            log.warning("pipeline=%s batch %s promoted; its summary is not available: %s", pipeline_name, batch_id, exc)
     log.info("%s", promotion_summary(pipeline_name, result, seconds))
     return {
         "batch_id": batch_id,

@@ -41,7 +41,9 @@ async def require_airflow_user(request: Request) -> object:
     return user
 
 
-app = FastAPI(title="kafka2pg", dependencies=[Depends(require_airflow_user)], docs_url=None, redoc_url=None)
+app = FastAPI(
+    title="kafka2pg", dependencies=[Depends(require_airflow_user)], docs_url=None, redoc_url=None, openapi_url=None
+)
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #1d2733; }

@@ -60,6 +60,8 @@ def test_plugin_pages_behind_airflow_login_agree_with_the_cli(make_pipeline, run
         report_url = f"{server.url}/kafka2pg/pipelines/{name}/batches/{batch_id}/report"
         for url in (overview_url, report_url, f"{server.url}/kafka2pg/pipelines/{name}/batches"):
             assert api("GET", url).status_code == 401, f"{url} answered an anonymous caller"
+        schema = api("GET", f"{server.url}/kafka2pg/openapi.json")  # FastAPI serves it outside dependencies
+        assert schema.status_code != 200 and '"paths"' not in schema.text, schema.text[:200]
         forged = api("GET", overview_url, cookies={"_token": "not-a-token"})
         assert forged.status_code == 403
 
