@@ -64,8 +64,13 @@ def test_dag_run_lands_everything_then_second_run_is_a_noop_without_spark(airflo
     assert sum("Kafka reads use consumer group" in line for line in stage_log) == 1
     summary = [line for line in stage_log if "summary step=stage" in line]
     assert len(summary) == 1 and "ranges=p0[0," in summary[0] and "records=400 rows=400 quarantined=0" in summary[0]
+    (batch_id,) = db.execute(
+        "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s", (env.pipeline.name,)
+    ).fetchone()
     for step in ("plan", "validate", "promote"):
-        assert f"summary step={step} pipeline={env.pipeline.name} batch=1 " in "\n".join(task_log(output, step))
+        assert f"summary step={step} pipeline={env.pipeline.name} batch={batch_id} " in "\n".join(
+            task_log(output, step)
+        )
     assert "report=" in next(line for line in task_log(output, "validate") if "summary step=validate" in line)
     # Check results and the batch report fit the log viewer (Airflow's own lines are not kafka2pg's).
     for step in ("validate", "promote"):
