@@ -166,6 +166,34 @@ def heads(db):
     return read
 
 
+@pytest.fixture
+def ledgered(db):
+    """What kafka2pg.batches and the ledger say about batches, in an Asset event's terms:
+    `ledgered(batch_id, ...)`, the first id being the run's planned batch."""
+
+    def read(*batch_ids: int) -> dict:
+        rows = db.execute(
+            "SELECT sum(rows_promoted), sum(rows_quarantined), min(kind) FROM kafka2pg.batches"
+            " WHERE batch_id = ANY(%s)",
+            (list(batch_ids),),
+        ).fetchone()
+        ranges = db.execute(
+            "SELECT kafka_partition, min(start_offset), max(end_offset) FROM kafka2pg.batch_partitions"
+            " WHERE batch_id = ANY(%s) GROUP BY kafka_partition ORDER BY kafka_partition",
+            (list(batch_ids),),
+        ).fetchall()
+        return {
+            "batch_id": batch_ids[0],
+            "batch_ids": list(batch_ids),
+            "kind": rows[2],
+            "rows": rows[0],
+            "quarantined": rows[1],
+            "ranges": [{"partition": p, "start": s, "end": e} for p, s, e in ranges],
+        }
+
+    return read
+
+
 def pytest_configure(config):
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     # Every test names its own services; connections of a sourced stack.env must not win over them.

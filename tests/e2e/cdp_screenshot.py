@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import websockets
@@ -83,16 +84,49 @@ def _start_chromium(profile: Path, width: int, height: int) -> tuple[subprocess.
     return proc, int(port_file.read_text().split()[0])
 
 
-async def _capture(port: int, url: str, out: Path, width: int, height: int) -> str:
+@contextlib.contextmanager
+def _chromium(width: int, height: int) -> Iterator[int]:
+    """A headless Chromium with a throwaway profile for the block; yields its DevTools port."""
+    profile = Path(tempfile.mkdtemp(prefix="kafka2pg-chromium-"))
+    proc, port = _start_chromium(profile, width, height)
+    try:
+        yield port
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def _open_page(port: int, width: int, height: int, *, network: bool = False) -> AsyncIterator[_Page]:
+    """The browser's page over DevTools, its domains enabled and its viewport `width` x `height`."""
     targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list"))  # noqa: S310 - local DevTools
     ws_url = next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
     async with websockets.connect(ws_url, max_size=64 * 2**20) as ws:
         page = _Page(ws)
         await page.send("Page.enable")
         await page.send("Runtime.enable")
+        if network:
+            await page.send("Network.enable")
         await page.send(
             "Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False
         )
+        yield page
+
+
+async def _save_screenshot(page: _Page, out: Path) -> None:
+    shot = await page.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+    out.write_bytes(base64.b64decode(shot["data"]))
+
+
+async def _capture(port: int, url: str, out: Path, width: int, height: int) -> str:
+    async with _open_page(port, width, height) as page:
         await page.send("Page.navigate", url=url)
         await page.wait("!!document.querySelector('[data-testid=trigger-dag-button]:not([disabled])')")
         await page.js("document.querySelector('[data-testid=trigger-dag-button]').click()")
@@ -104,62 +138,27 @@ async def _capture(port: int, url: str, out: Path, width: int, height: int) -> s
         await page.wait(FORM_OPEN)
         await asyncio.sleep(1.0)  # fonts and the JSON editor settle
         text = await page.js(FORM_TEXT)
-        shot = await page.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
-        out.write_bytes(base64.b64decode(shot["data"]))
+        await _save_screenshot(page, out)
         return text
 
 
 def screenshot_trigger_form(base_url: str, dag_id: str, out: Path, width: int = 1400, height: int = 1300) -> str:
     """Screenshot of the DAG's trigger form at `out`; returns the form's text."""
-    profile = Path(tempfile.mkdtemp(prefix="kafka2pg-chromium-"))
-    proc, port = _start_chromium(profile, width, height)
-    try:
+    with _chromium(width, height) as port:
         return asyncio.run(_capture(port, f"{base_url}/dags/{dag_id}", out, width, height))
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 async def _capture_page(port: int, url: str, cookie: dict, out: Path, width: int, height: int) -> str:
-    targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list"))  # noqa: S310 - local DevTools
-    ws_url = next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
-    async with websockets.connect(ws_url, max_size=64 * 2**20) as ws:
-        page = _Page(ws)
-        await page.send("Page.enable")
-        await page.send("Runtime.enable")
-        await page.send("Network.enable")
+    async with _open_page(port, width, height, network=True) as page:
         await page.send("Network.setCookie", url=url, **cookie)
-        await page.send(
-            "Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False
-        )
         await page.send("Page.navigate", url=url)
         await page.wait("document.readyState === 'complete' && !!document.querySelector('table')")
         text = await page.js("document.body.innerText")
-        shot = await page.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
-        out.write_bytes(base64.b64decode(shot["data"]))
+        await _save_screenshot(page, out)
         return text
 
 
 def screenshot_page(url: str, cookie: dict, out: Path, width: int = 1400, height: int = 900) -> str:
     """Screenshot of a server-rendered page opened with `cookie` (name, value) at `out`; returns its text."""
-    profile = Path(tempfile.mkdtemp(prefix="kafka2pg-chromium-"))
-    proc, port = _start_chromium(profile, width, height)
-    try:
+    with _chromium(width, height) as port:
         return asyncio.run(_capture_page(port, url, cookie, out, width, height))
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        shutil.rmtree(profile, ignore_errors=True)

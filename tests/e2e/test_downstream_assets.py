@@ -33,27 +33,6 @@ for dag_id, source in (("{name}_on_table", Asset({uri!r})), ("{name}_on_alias", 
 """
 
 
-def ledgered(db, *batch_ids: int) -> dict:
-    """What kafka2pg.batches and the ledger say about these batches, in the event's terms."""
-    rows = db.execute(
-        "SELECT sum(rows_promoted), sum(rows_quarantined), min(kind) FROM kafka2pg.batches WHERE batch_id = ANY(%s)",
-        (list(batch_ids),),
-    ).fetchone()
-    ranges = db.execute(
-        "SELECT kafka_partition, min(start_offset), max(end_offset) FROM kafka2pg.batch_partitions"
-        " WHERE batch_id = ANY(%s) GROUP BY kafka_partition ORDER BY kafka_partition",
-        (list(batch_ids),),
-    ).fetchall()
-    return {
-        "batch_id": batch_ids[0],
-        "batch_ids": list(batch_ids),
-        "kind": rows[2],
-        "rows": rows[0],
-        "quarantined": rows[1],
-        "ranges": [{"partition": p, "start": s, "end": e} for p, s, e in ranges],
-    }
-
-
 def trigger(server, dag_id: str, conf: dict) -> dict:
     created = api("POST", f"{server.api}/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
     assert created.ok, created.text
@@ -96,7 +75,7 @@ def consumed(server, dag_id: str) -> list[dict]:
     ]
 
 
-def test_promotions_emit_the_tables_asset_events_and_trigger_downstream_dags(make_pipeline, db, tmp_path):
+def test_promotions_emit_the_tables_asset_events_and_trigger_downstream_dags(make_pipeline, db, ledgered, tmp_path):
     env = make_pipeline(partitions=2)
     settings, pipeline = env.settings, env.pipeline
     produce(settings.bootstrap_servers, env.topic, [*sample_events(30, seed=21), b"not json"])
@@ -136,7 +115,7 @@ def test_promotions_emit_the_tables_asset_events_and_trigger_downstream_dags(mak
             )
         ]
         assert len(batches) == 2
-        expected = ledgered(db, *batches)
+        expected = ledgered(*batches)
         assert (expected["rows"], expected["quarantined"]) == (30, 1)
         for dag_id in (on_table, on_alias):
             wait_for(lambda dag_id=dag_id: consumed(server, dag_id), what=f"{dag_id} run on the event")
@@ -157,7 +136,7 @@ def test_promotions_emit_the_tables_asset_events_and_trigger_downstream_dags(mak
         (pipeline.dag_id, "promote", live["dag_run_id"]),
         (pipeline.replay_dag_id, "finish", replay["dag_run_id"]),
     ]
-    assert [e["extra"] for e in events] == [expected, ledgered(db, replay_batch)]
+    assert [e["extra"] for e in events] == [expected, ledgered(replay_batch)]
     assert events[1]["extra"]["kind"] == "replay" and events[1]["extra"]["ranges"] == replayed
     password = params.get("password")
     assert not password or all(password not in str(e) for e in events)

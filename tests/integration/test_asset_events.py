@@ -14,28 +14,7 @@ from kafka2pg.planner import OffsetRange
 from kafka2pg.replay_request import ReplayRequest
 
 
-def ledgered(db, *batch_ids: int) -> dict:
-    """What kafka2pg.batches and the ledger say about these batches, in the event's terms."""
-    rows = db.execute(
-        "SELECT sum(rows_promoted), sum(rows_quarantined), min(kind) FROM kafka2pg.batches WHERE batch_id = ANY(%s)",
-        (list(batch_ids),),
-    ).fetchone()
-    ranges = db.execute(
-        "SELECT kafka_partition, min(start_offset), max(end_offset) FROM kafka2pg.batch_partitions"
-        " WHERE batch_id = ANY(%s) GROUP BY kafka_partition ORDER BY kafka_partition",
-        (list(batch_ids),),
-    ).fetchall()
-    return {
-        "batch_id": batch_ids[0],
-        "batch_ids": list(batch_ids),
-        "kind": rows[2],
-        "rows": rows[0],
-        "quarantined": rows[1],
-        "ranges": [{"partition": p, "start": s, "end": e} for p, s, e in ranges],
-    }
-
-
-def test_a_run_announces_the_batches_it_promoted_and_a_replay_its_range(make_pipeline, run_batch, replay, db):
+def test_a_run_announces_the_batches_it_promoted_and_a_replay_its_range(make_pipeline, run_batch, replay, db, ledgered):
     env = make_pipeline(partitions=2)
     settings, pipeline = env.settings, env.pipeline
     produce(settings.bootstrap_servers, env.topic, [*sample_events(30, seed=11), b"not json"])
@@ -51,19 +30,19 @@ def test_a_run_announces_the_batches_it_promoted_and_a_replay_its_range(make_pip
     # The two batches of run-a are contiguous per partition: one range each.
     event = run_event_of(settings, pipeline, first.batch_id, "run-a")
     assert event.uri == uri
-    assert event.extra == ledgered(db, first.batch_id, second.batch_id)
+    assert event.extra == ledgered(first.batch_id, second.batch_id)
     assert (event.extra["rows"], event.extra["quarantined"]) == (30, 1)
-    assert run_event_of(settings, pipeline, third.batch_id, "run-b").extra == ledgered(db, third.batch_id)
+    assert run_event_of(settings, pipeline, third.batch_id, "run-b").extra == ledgered(third.batch_id)
     # Without the run's id (the CLI, a test) only the batch itself.
-    assert run_event_of(settings, pipeline, first.batch_id, None).extra == ledgered(db, first.batch_id)
+    assert run_event_of(settings, pipeline, first.batch_id, None).extra == ledgered(first.batch_id)
     assert not params.get("password") or params["password"] not in json.dumps(event.__dict__)
 
-    p0 = ledgered(db, first.batch_id)["ranges"][0]
+    p0 = ledgered(first.batch_id)["ranges"][0]
     ranges = (OffsetRange(p0["partition"], p0["start"], p0["end"]),)
     replaced = replay(env, ReplayRequest("replace", ranges, requested_by="test"))
     event = run_event_of(settings, pipeline, replaced.batch_id, None)
     assert event.uri == uri
-    assert event.extra == ledgered(db, replaced.batch_id)
+    assert event.extra == ledgered(replaced.batch_id)
     assert event.extra["kind"] == "replay" and event.extra["ranges"] == [p0]
     assert event.extra["rows"] == replaced.promoted
 
