@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 from psycopg import Connection
 
 from kafka2pg.batch_store import (
@@ -34,7 +35,7 @@ from kafka2pg.checks import (
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.data_docs import report_payload, write_report
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, QualityGateFailed
+from kafka2pg.exceptions import BatchStateError, Kafka2PgError, QualityGateFailed
 from kafka2pg.lifecycle import Action, BatchState, gate_verdict, validate_action
 from kafka2pg.quality_results import store_result
 from kafka2pg.rows import staged_counts
@@ -221,8 +222,20 @@ def _write_report(settings: Settings, pipeline: Pipeline, payload: dict) -> Path
             exc,
         )
         path = None
-    with transaction(settings.database_url) as conn:  # a file of an earlier verdict is not this one's
-        conn.execute("UPDATE kafka2pg.batches SET report_path = %s WHERE batch_id = %s", (path and str(path), batch_id))
+    try:
+        with transaction(settings.database_url) as conn:  # a file of an earlier verdict is not this one's
+            conn.execute(
+                "UPDATE kafka2pg.batches SET report_path = %s WHERE batch_id = %s", (path and str(path), batch_id)
+            )
+    except (psycopg.Error, Kafka2PgError) as exc:
+        log.warning(
+            "pipeline=%s batch_id=%s quality report exported to %s but not recorded on the batch (%s); the "
+            "gate's verdict stands, the report is in the database",
+            pipeline.name,
+            batch_id,
+            path,
+            exc,
+        )
     return path
 
 

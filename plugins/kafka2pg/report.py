@@ -80,11 +80,17 @@ def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
 
 
 def quality_summary(settings: Settings, pipeline: Pipeline, batch_id: int | None = None) -> str:
-    """The latest (or the given) batch's quality report path and a summary of its checks."""
+    """The latest (or the given) validated batch's verdict, a summary of its checks and where its report is.
+
+    The report is the result stored with the batch (kafka2pg.quality_results); the file export is
+    named when the validate task wrote one.
+    """
     with connect(settings.database_url) as conn:
         row = conn.execute(
-            "SELECT batch_id, state, report_path FROM kafka2pg.batches WHERE pipeline = %s AND report_path IS NOT NULL"
-            " AND (%s::bigint IS NULL OR batch_id = %s) ORDER BY batch_id DESC LIMIT 1",
+            "SELECT b.batch_id, b.state, b.report_path FROM kafka2pg.batches b"
+            " WHERE b.pipeline = %s AND (%s::bigint IS NULL OR b.batch_id = %s)"
+            " AND (b.report_path IS NOT NULL OR EXISTS (SELECT FROM kafka2pg.quality_results r"
+            " WHERE r.batch_id = b.batch_id)) ORDER BY b.batch_id DESC LIMIT 1",
             (pipeline.name, batch_id, batch_id),
         ).fetchone()
         if row is None:
@@ -96,9 +102,14 @@ def quality_summary(settings: Settings, pipeline: Pipeline, batch_id: int | None
         ).fetchall()
     failed = [f"{name} ({n} unexpected)" for name, ok, n in checks if not ok]
     caught = [f"{name}: {n}" for name, ok, n in checks if ok and n]
+    where = (
+        f"quality report {row[2]}"
+        if row[2]
+        else f"quality report in the database (kafka2pg report --html --pipeline {pipeline.name} --batch-id {row[0]})"
+    )
     return "\n".join(
         [
-            f"pipeline {pipeline.name} batch {row[0]} ({row[1]}): quality report {row[2]}",
+            f"pipeline {pipeline.name} batch {row[0]} ({row[1]}): {where}",
             f"  {len(checks)} checks, {len(failed)} failed" + (f": {'; '.join(failed)}" if failed else ""),
             "  caught and quarantined: " + ("; ".join(caught) or "nothing"),
         ]
