@@ -45,8 +45,10 @@ class StageOperator(SparkSubmitOperator):
         with airflow_errors():
             settings, _ = resolve(self.pipeline_name, self.pipelines_file)
             services = settings.to_env()
-            hook = self._get_hook()
-            master, deploy_mode = hook._connection["master"], hook._connection["deploy_mode"]
+            # Only to read the master: the provider builds the submitting hook itself, after it
+            # added its own conf (OpenLineage), with what this method sets.
+            probe = self._get_hook()
+            master, deploy_mode = probe._connection["master"], probe._connection["deploy_mode"]
             if not remote_env_master(master):
                 self.env_vars = {**(self.env_vars or {}), **services}
                 return super().execute(context)  # builds its hook with these env_vars
@@ -59,7 +61,6 @@ class StageOperator(SparkSubmitOperator):
                     master=master,
                     deploy_mode=deploy_mode,
                 )
-        self._hook = hook
         with _environment(services):
             return super().execute(context)
 

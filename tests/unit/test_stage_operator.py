@@ -41,7 +41,7 @@ def submitted(monkeypatch):
     return seen
 
 
-def run_stage(monkeypatch, spark_connection: dict) -> None:
+def run_stage(monkeypatch, spark_connection: dict, **operator_args) -> None:
     monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_SPARK", json.dumps({"conn_type": "spark", **spark_connection}))
     operator = StageOperator(
         pipeline_name="orders",
@@ -50,6 +50,7 @@ def run_stage(monkeypatch, spark_connection: dict) -> None:
         application="/opt/kafka2pg/jobs/stage_batch.py",
         conn_id="kafka2pg_spark",
         env_vars={"TZ": "UTC"},
+        **operator_args,
     )
     operator.execute({})
 
@@ -78,3 +79,15 @@ def test_a_remote_driver_on_yarn_is_refused_before_submit(monkeypatch, submitted
     with pytest.raises(AirflowFailException, match="deploy mode 'client'"):
         run_stage(monkeypatch, {"host": "yarn", "extra": {"deploy-mode": "cluster"}})
     assert submitted == {}
+
+
+@pytest.mark.parametrize("master", ["local[2]", "yarn"])
+def test_the_conf_the_provider_adds_at_execute_reaches_spark_submit(monkeypatch, submitted, master):
+    """OpenLineage's parent-job conf is added by the provider in `execute`, after kafka2pg read the master."""
+    monkeypatch.setattr(
+        "airflow.providers.apache.spark.operators.spark_submit.inject_parent_job_information_into_spark_properties",
+        lambda conf, context: {**conf, "spark.openlineage.parentJobName": "kafka2pg_orders.read_and_stage"},
+    )
+    run_stage(monkeypatch, {"host": master}, openlineage_inject_parent_job_info=True)
+    assert "spark.openlineage.parentJobName=kafka2pg_orders.read_and_stage" in submitted["command"]
+    assert SECRET not in submitted["command"]
