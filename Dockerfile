@@ -4,6 +4,14 @@
 # requirements.txt's pins (the installation tests/e2e/test_installed_wheel.py proves). The worker runs
 # from this image so that its executors have the driver's Python and kafka2pg's runtime dependencies.
 ARG AIRFLOW_VERSION=3.3.2
+
+# Spark's Kafka source, resolved at build time from the same POM `kafka2pg stack install` uses: the
+# stage job passes these to spark-submit (`--jars`, via KAFKA2PG_SPARK_JARS), so nothing is fetched from
+# Maven Central when a job starts, and the executors get them from the driver.
+FROM maven:3.9-eclipse-temurin-17 AS spark-jars
+COPY plugins/kafka2pg/maven/spark-kafka.pom.xml /build/pom.xml
+RUN mvn -B -q -f /build/pom.xml dependency:copy-dependencies -DoutputDirectory=/jars -DincludeScope=runtime
+
 FROM apache/airflow:slim-${AIRFLOW_VERSION}-python3.11
 ARG AIRFLOW_VERSION
 
@@ -14,6 +22,9 @@ RUN apt-get update \
     && apt-get clean \
     && rm -rf /var/lib/apt/lists/*
 USER airflow
+
+COPY --from=spark-jars /jars /opt/kafka2pg/jars
+ENV KAFKA2PG_SPARK_JARS=/opt/kafka2pg/jars/*.jar
 
 COPY --chown=airflow:0 pyproject.toml README.md requirements.txt /tmp/kafka2pg/
 COPY --chown=airflow:0 plugins/kafka2pg /tmp/kafka2pg/plugins/kafka2pg
