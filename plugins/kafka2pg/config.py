@@ -199,6 +199,9 @@ class Pipeline:
     replay_interval: str = "0 0 * * *"
     postgres_conn_id: str = DEFAULT_POSTGRES_CONN_ID
     kafka_config_id: str = DEFAULT_KAFKA_CONN_ID
+    # A Kafka consumer group the heads are mirrored into after each promotion, for Kafka's own lag
+    # tools (None: off). Informational only: nothing of kafka2pg reads it back.
+    lag_consumer_group: str | None = None
 
     @property
     def dag_id(self) -> str:
@@ -418,6 +421,7 @@ _PIPELINE_KEYS = {
     "replay_interval",
     "postgres_conn_id",
     "kafka_config_id",
+    "lag_consumer_group",
 }
 
 
@@ -459,6 +463,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         replay_interval=_cron(raw, "replay_interval", where, "0 0 * * *"),
         postgres_conn_id=_conn_id(raw, "postgres_conn_id", where, DEFAULT_POSTGRES_CONN_ID),
         kafka_config_id=_conn_id(raw, "kafka_config_id", where, DEFAULT_KAFKA_CONN_ID),
+        lag_consumer_group=_consumer_group(raw, where),
     )
 
 
@@ -510,6 +515,16 @@ def _conn_id(raw: dict, key: str, where: str, default: str) -> str:
     value = raw.get(key, default)
     if not isinstance(value, str) or not _CONN_ID.fullmatch(value):
         raise ConfigError(f"{where}.{key}: expected an Airflow connection id (letters, digits, _ . -), got {value!r}")
+    return value
+
+
+def _consumer_group(raw: dict, where: str) -> str | None:
+    value = raw.get("lag_consumer_group")
+    if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", value)):
+        raise ConfigError(
+            f"{where}.lag_consumer_group: expected a Kafka consumer group id (1-249 characters of A-Z a-z 0-9 . _ -), "
+            f"got {value!r}"
+        )
     return value
 
 

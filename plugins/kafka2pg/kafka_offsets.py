@@ -243,6 +243,28 @@ def record_headers(
     return found
 
 
+def commit_group_offsets(
+    kafka: KafkaLike, group: str, topic: str, offsets: dict[int, int], timeout_s: float = 10.0
+) -> None:
+    """Commit `offsets` (partition -> next offset to read) as consumer group `group`'s positions on
+    `topic`, without joining the group (Kafka accepts that while the group has no active member)."""
+    errors: list[KafkaError] = []
+    consumer = Consumer(
+        {**client_config(kafka, timeout_s), "error_cb": errors.append, "group.id": group, "enable.auto.commit": False}
+    )
+    try:
+        committed = consumer.commit(
+            offsets=[TopicPartition(topic, p, o) for p, o in sorted(offsets.items())], asynchronous=False
+        )
+    except KafkaException as exc:
+        raise _unavailable(kafka, timeout_s, exc, errors, topic=topic) from exc
+    finally:
+        consumer.close()
+    refused = [f"{topic}[{tp.partition}]: {tp.error}" for tp in committed or () if tp.error]
+    if refused:
+        raise _unavailable(kafka, timeout_s, f"committing group {group}'s offsets: {'; '.join(refused)}", errors)
+
+
 def _read_messages(
     kafka: KafkaLike,
     topic: str,

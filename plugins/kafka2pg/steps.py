@@ -10,6 +10,8 @@ from kafka2pg.batch_store import key_probe_deferred, load_claimed, raise_staging
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, KeyCollisionError
+from kafka2pg.kafka_offsets import commit_group_offsets
+from kafka2pg.ledger import read_heads
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.promote import PromoteResult, promote_live
 from kafka2pg.quality import validate_batch
@@ -29,6 +31,33 @@ def promote_batch(
     flags those rows to quarantine (or rejects the batch under duplicate_policy: fail), and the
     rest is promoted.
     """
+    result = _promote(settings, pipeline, batch_id, epoch)
+    if pipeline.lag_consumer_group:
+        mirror_heads(settings, pipeline)
+    return result
+
+
+def mirror_heads(settings: Settings, pipeline: Pipeline) -> None:
+    """Commit the ledger heads as the pipeline's `lag_consumer_group` offsets, so Kafka's own lag
+    tools see its progress. Best effort, after the promotion committed: a failure is a warning."""
+    try:
+        with transaction(settings.database_url) as conn:
+            heads = read_heads(conn, pipeline.name)
+        if heads:
+            commit_group_offsets(
+                settings.kafka, pipeline.lag_consumer_group, pipeline.topic, heads, settings.kafka_timeout_s
+            )
+    except Exception as exc:  # noqa: BLE001 - informational only; the promotion stands
+        log.warning(
+            "pipeline=%s heads not mirrored into consumer group %s (%s: %s); the promotion stands",
+            pipeline.name,
+            pipeline.lag_consumer_group,
+            type(exc).__name__,
+            exc,
+        )
+
+
+def _promote(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None) -> PromoteResult | ReplayResult:
     try:
         return _promote_once(settings, pipeline, batch_id, epoch)
     except KeyCollisionError as exc:

@@ -68,6 +68,8 @@ def test_good_file_parses_with_defaults(tmp_path):
         ({"topic": "orders\n"}, r"\(orders\)\.topic: expected a Kafka topic name"),
         ({"topic": "."}, r"\(orders\)\.topic: expected a Kafka topic name .*not '\.' or '\.\.'"),
         ({"topic": ".."}, r"\(orders\)\.topic: expected a Kafka topic name"),
+        ({"lag_consumer_group": "lag group"}, r"\(orders\)\.lag_consumer_group: expected a Kafka consumer group id"),
+        ({"lag_consumer_group": ""}, r"\(orders\)\.lag_consumer_group: expected a Kafka consumer group id"),
         ({"topic": "t" * 250}, r"\(orders\)\.topic: expected a Kafka topic name \(1-249 characters"),
         # Names PostgreSQL would truncate: `stg_<name>` of two pipelines could become one table.
         ({"name": "p" * (MAX_PIPELINE_NAME + 1)}, r"pipelines\[0\]\.name: .*at most 55 characters"),
