@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
+from kafka2pg.report_link import URL_PREFIX
 from kafka2pg.web import app
-
-URL_PREFIX = "/kafka2pg"
 
 
 class Kafka2PgPlugin(AirflowPlugin):

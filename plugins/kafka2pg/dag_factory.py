@@ -6,6 +6,7 @@ Runs at DAG-parse time, so it reads only the YAML file: no database, Kafka, Spar
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from datetime import datetime, timedelta
@@ -95,7 +96,7 @@ def build_dag(pipeline: Pipeline, pipelines_file: Path):
 
         alias = _asset_alias(pipeline)
 
-        @task(task_id="promote", outlets=[alias])
+        @task(task_id="promote", outlets=[alias], **_report_hooks(name))
         def promote_batch(planned: dict, run_id: str | None = None, outlet_events=None) -> dict:
             from kafka2pg import tasks
 
@@ -106,9 +107,29 @@ def build_dag(pipeline: Pipeline, pipelines_file: Path):
             return promoted
 
         planned = plan_batch()
-        validated = _validate_task(name, pipelines_file)(planned)
-        _has_batch_task()(planned) >> stage >> validated >> promote_batch(planned)
+        validated = _linked_to_report(_validate_task(name, pipelines_file)(planned), name)
+        promoted = _linked_to_report(promote_batch(planned), name)
+        _has_batch_task()(planned) >> stage >> validated >> promoted
     return dag
+
+
+def _report_hooks(pipeline_name: str) -> dict:
+    """A validate or promote (finish) task's hooks that end its log with the report page of the
+    run's batch (`kafka2pg.report_link`): after its own lines when it succeeds (before Airflow's
+    post-execute group), after the error when it fails."""
+    from kafka2pg.report_link import log_report_page
+
+    hook = functools.partial(log_report_page, pipeline_name)
+    return {"post_execute": hook, "on_failure_callback": hook, "on_retry_callback": hook}
+
+
+def _linked_to_report(task_output, pipeline_name: str):
+    """The task (an `@task`'s output) with a "Quality report" link to the report page of the run's
+    batch (`kafka2pg.report_link`), on the task's page in the UI and in the REST API."""
+    from kafka2pg.report_link import QualityReportLink
+
+    task_output.operator.operator_extra_links = (QualityReportLink(pipeline_name),)
+    return task_output
 
 
 def _asset_alias(pipeline: Pipeline):
@@ -152,7 +173,7 @@ def _validate_task(name: str, pipelines_file: Path):
     """The quality gate on the batch the `plan` task handed over (live and replay DAGs alike)."""
     from airflow.sdk import task
 
-    @task(task_id="validate")
+    @task(task_id="validate", **_report_hooks(name))
     def validate_batch(planned: dict) -> dict:
         from kafka2pg import tasks
 
@@ -300,7 +321,7 @@ def build_replay_dag(pipeline: Pipeline, pipelines_file: Path):
 
         alias = _asset_alias(pipeline)
 
-        @task(task_id="finish", outlets=[alias])
+        @task(task_id="finish", outlets=[alias], **_report_hooks(name))
         def finish(planned: dict, outlet_events=None) -> dict:
             from kafka2pg import tasks
 
@@ -309,9 +330,9 @@ def build_replay_dag(pipeline: Pipeline, pipelines_file: Path):
             return finished
 
         planned = plan_replay()
-        validated = _validate_task(name, pipelines_file)(planned)
+        validated = _linked_to_report(_validate_task(name, pipelines_file)(planned), name)
         stage = _stage_operator(pipeline, pipelines_file)
-        _has_batch_task()(planned) >> stage >> validated >> finish(planned)
+        _has_batch_task()(planned) >> stage >> validated >> _linked_to_report(finish(planned), name)
     return dag
 
 

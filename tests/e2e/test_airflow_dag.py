@@ -78,6 +78,13 @@ def test_dag_run_lands_everything_then_second_run_is_a_noop_without_spark(airflo
         assert any("gx:ExpectCompoundColumnsToBeUnique" in m for m in messages), messages
         wide = [m for m in messages if len(m) > LOG_WIDTH]
         assert not wide, wide
+        # The task's last line names the batch's report page (a path: this Airflow has no base_url);
+        # only Airflow's post-execute group follows it.
+        report = f"report: /kafka2pg/pipelines/{env.pipeline.name}/batches/{batch_id}/report"
+        assert messages[-1].rstrip() == report, messages[-3:]
+        lines = task_log(output, step)
+        post_execute = next(i for i, line in enumerate(lines) if "::group::Post Execute" in line)
+        assert f"] {report} [kafka2pg]" in lines[post_execute - 1], lines[post_execute - 3 : post_execute + 1]
 
     code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(env), tmp_path / "run-2.log")
     assert code == 0, output[-3000:]

@@ -1,6 +1,7 @@
 """The pipeline DAG run by Airflow deployed as services (api-server, scheduler, dag-processor,
 triggerer as separate processes) with docker-compose's executor and connections: triggered over
-REST, exactly once; then the scheduler SIGKILLed mid-run and replaced, still exactly once."""
+REST, exactly once, its tasks linking to the batch's quality report; then the scheduler SIGKILLed
+mid-run and replaced, still exactly once."""
 
 from __future__ import annotations
 
@@ -52,6 +53,28 @@ def task_instance(server, dag_id: str, run_id: str, task_id: str) -> dict:
     return api("GET", f"{server.api}/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}").json()
 
 
+def run_links_and_log_end(server, dag_id: str, run_id: str, task_id: str) -> tuple[dict, list[str]]:
+    """The task's extra links (REST, as the UI asks for them) and its log's last lines up to
+    Airflow's post-execute group (what the UI shows above that folded group)."""
+    ti = f"{server.api}/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}"
+    links = api("GET", f"{ti}/links")
+    assert links.ok, links.text
+    try_number = api("GET", ti).json()["try_number"]
+    log = api("GET", f"{ti}/logs/{try_number}", params={"full_content": "true"}, headers={"Accept": "application/json"})
+    assert log.ok, log.text
+    events = [entry["event"] if isinstance(entry, dict) else entry for entry in log.json()["content"]]
+    return links.json()["extra_links"], events[: events.index("::group::Post Execute")]
+
+
+def first_batch_report(server, db, env, run_id: str) -> str:
+    """The report page of the batch the run's plan task planned (in a run of several batches, the
+    Spark job plans the others later), under the api-server's base_url."""
+    (batch_id,) = db.execute(
+        "SELECT min(batch_id) FROM kafka2pg.batches WHERE pipeline = %s AND run_id = %s", (env.pipeline.name, run_id)
+    ).fetchone()
+    return f"{server.url}/kafka2pg/pipelines/{env.pipeline.name}/batches/{batch_id}/report"
+
+
 def promoted_batches(db, env, run_id: str) -> int:
     row = db.execute(
         "SELECT count(*) FROM kafka2pg.batches WHERE pipeline = %s AND run_id = %s AND state = 'promoted'",
@@ -100,6 +123,18 @@ def test_pipeline_dag_on_airflow_services_survives_a_scheduler_kill(make_pipelin
         run = finished_run(server, dag_id, run_id)
         assert run["state"] == "success", server.task_logs()
         assert_exactly_once(db, env, FIRST)
+        # Its validate and promote tasks link to the batch's quality report under the configured
+        # base_url, and their logs end with it; the page (the plugin's) shows the batch's checks.
+        report_url = first_batch_report(server, db, env, run_id)
+        for task_id in ("validate", "promote"):
+            links, log_end = run_links_and_log_end(server, dag_id, run_id, task_id)
+            assert links == {"Quality report": report_url}, links
+            assert log_end[-1] == f"report: {report_url}", log_end[-3:]
+        report = api("GET", report_url)
+        assert report.status_code == 200, report.text
+        assert "PROMOTABLE" in report.text
+        for check in ("business_key_unique_in_batch", "staged_rows_equal_records_read", "provenance_unique"):
+            assert check in report.text, check
 
         # 2. A run of several batches; the scheduler SIGKILLed while its Spark job is between batches.
         produce_sample(env.settings.bootstrap_servers, env.topic, MORE, seed=32)
@@ -155,4 +190,16 @@ def test_pipeline_dag_on_airflow_services_survives_a_scheduler_kill(make_pipelin
             f"killed at {promoted_before_restart}; new scheduler {restarted.pid}: {reset}; read_and_stage "
             f"try {stage['try_number']}; batches {states}"
         )
+        # A run of several batches links to its first, the one its validate and promote tasks were
+        # handed (the Spark job finished them all; the batches page lists the others).
+        report_url = first_batch_report(server, db, env, run_id)
+        assert run_links_and_log_end(server, dag_id, run_id, "promote")[0] == {"Quality report": report_url}
+
+        # 3. A run with nothing to load: its validate and promote tasks are skipped, without a link.
+        run_id = trigger(server, dag_id, {})
+        assert finished_run(server, dag_id, run_id)["state"] == "success", server.task_logs()
+        for task_id in ("validate", "promote"):
+            assert task_instance(server, dag_id, run_id, task_id)["state"] == "skipped"
+            links = api("GET", f"{server.api}/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/links").json()
+            assert links["extra_links"] == {"Quality report": None}, links
     assert_exactly_once(db, env, FIRST + MORE)
