@@ -72,18 +72,29 @@ def load_claimed(conn: Connection, pipeline: Pipeline, batch_id: int, epoch: int
     return batch
 
 
+# The column recording when a step ended, by the state it moves a batch to (the operator's
+# batches page shows the steps' durations from them); the clock, not the transaction's start.
+_STEP_ENDED = {
+    BatchState.STAGED: "staged_at",
+    BatchState.VALIDATED: "validated_at",
+    BatchState.REJECTED: "validated_at",
+    BatchState.PROMOTED: "promoted_at",
+}
 _CLEAR_FAILURES = ", failed_step = NULL, failed_epoch = NULL, failures = 0, failing_since = NULL, last_failure = NULL"
 
 
 def transition(conn: Connection, batch: Batch, to_state: BatchState, **counts: int | str | None) -> Batch:
     """Move the batch from the state and claim it was loaded with to `to_state` (a move the
     lifecycle allows), setting `counts` columns; a move forward clears its recorded step
-    failures. Exactly one row must match: a batch changed since it was loaded (another
-    attempt, a newer claim) raises instead of being overwritten. Returns the moved batch."""
+    failures, and the end of a step records when it ended (`_STEP_ENDED`). Exactly one row must
+    match: a batch changed since it was loaded (another attempt, a newer claim) raises instead
+    of being overwritten. Returns the moved batch."""
     require(batch.state, to_state)
     assignments = "".join(f", {name} = %({name})s" for name in counts)
     if is_progress(batch.state, to_state):
         assignments += _CLEAR_FAILURES
+    if BatchState(to_state) in _STEP_ENDED:
+        assignments += f", {_STEP_ENDED[BatchState(to_state)]} = clock_timestamp()"
     moved = conn.execute(
         f"UPDATE kafka2pg.batches SET state = %(to)s, updated_at = now(){assignments}"  # noqa: S608 - names are code constants
         " WHERE batch_id = %(batch_id)s AND state = %(from)s AND epoch = %(epoch)s",

@@ -316,7 +316,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Plan, read (local Spark), validate and finish one replay in this process."""
     from kafka2pg.migrations import require_ready
     from kafka2pg.quality import validate_batch
-    from kafka2pg.replay import open_replay
+    from kafka2pg.replay import CLI_RUN_ID, open_replay
     from kafka2pg.replay_request import request_from_params
     from kafka2pg.steps import promote_batch
 
@@ -331,7 +331,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     request = request_from_params(params, run_type="manual", requested_by=args.requested_by)
     assert request is not None  # a manual request without ranges or window raises instead
     require_ready(settings, pipeline)
-    opened = open_replay(settings, pipeline, request, run_id="cli")
+    opened = open_replay(settings, pipeline, request, run_id=CLI_RUN_ID)
     print(opened.message)
     if opened.batch is None:
         return 0

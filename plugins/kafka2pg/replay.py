@@ -47,6 +47,8 @@ from kafka2pg.rows import clear_staging, insert_quarantine, insert_target, range
 log = logging.getLogger(__name__)
 
 SAMPLE = 20
+# The run id of a replay started from the command line (`kafka2pg replay`): no Airflow DAG run.
+CLI_RUN_ID = "cli"
 
 
 def resolve_ranges(settings: Settings, pipeline: Pipeline, request: ReplayRequest) -> tuple[OffsetRange, ...]:

@@ -1,17 +1,22 @@
 """The operator's read-only pages in the Airflow UI (a FastAPI app the plugin mounts at /kafka2pg):
-overview (what `kafka2pg status` shows), a pipeline's batches, a batch's quality report and quarantine.
+overview (what `kafka2pg status` shows), a pipeline's batches and history (replays, undos, resets), a
+batch's quality report and quarantine.
 
 Airflow mounts a plugin's app without authentication: every page here requires the caller's
 Airflow JWT (the UI's `_token` cookie or an `Authorization: Bearer` header), checked by Airflow's
-auth manager. Each request reads the pipelines file and the pipelines' Airflow Connections then.
+auth manager, and shows only the pipelines whose DAG the auth manager lets the caller read. Each
+request reads the pipelines file and the pipelines' Airflow Connections then.
 """
 
 from __future__ import annotations
 
 import html
 import logging
-from typing import TYPE_CHECKING
-from urllib.parse import urlencode
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from typing import TYPE_CHECKING, Annotated
+from urllib.parse import quote, urlencode
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse
@@ -24,6 +29,9 @@ log = logging.getLogger(__name__)
 
 PAGE_SIZE = 50
 MAX_PAGE_SIZE = 500
+# Pipelines whose status the overview asks Kafka and PostgreSQL for at the same time: one
+# unreachable broker's timeout then delays the page once, not once per pipeline after it.
+OVERVIEW_WORKERS = 4
 
 
 async def require_airflow_user(request: Request) -> object:
@@ -40,6 +48,17 @@ async def require_airflow_user(request: Request) -> object:
         raise HTTPException(status_code=403, detail="Forbidden")
     return user
 
+
+def dag_reader(user: Annotated[object, Depends(require_airflow_user)]) -> Callable[[str], bool]:
+    """Whether the request's user may read a DAG (by id), as Airflow's auth manager decides."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
+
+    manager = get_auth_manager()
+    return lambda dag_id: manager.is_authorized_dag(method="GET", details=DagDetails(id=dag_id), user=user)
+
+
+MayRead = Annotated[Callable[[str], bool], Depends(dag_reader)]
 
 app = FastAPI(
     title="kafka2pg", dependencies=[Depends(require_airflow_user)], docs_url=None, redoc_url=None, openapi_url=None
@@ -84,13 +103,23 @@ def _table(headers: list[str], rows: list[str], table_id: str) -> str:
     return f'<table id="{table_id}"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
-def _pipeline(name: str) -> tuple[Settings, Pipeline]:
+def readable_pipelines(may_read: Callable[[str], bool]) -> list[Pipeline]:
+    """The pipelines of the pipelines file whose DAG the user may read, in the file's order."""
+    from kafka2pg.config import load_pipelines, pipelines_file_from_env
+
+    return [p for p in load_pipelines(pipelines_file_from_env()).values() if may_read(p.dag_id)]
+
+
+def _pipeline(name: str, may_read: Callable[[str], bool]) -> tuple[Settings, Pipeline]:
+    """The pipeline and its services; 404 for no such pipeline, 403 when its DAG is not the user's to read."""
     from kafka2pg.config import load_pipelines, pipelines_file_from_env
     from kafka2pg.connections import settings_for
 
     pipelines = load_pipelines(pipelines_file_from_env())
     if name not in pipelines:
         raise HTTPException(status_code=404, detail=f"no pipeline {name!r} in the pipelines file")
+    if not may_read(pipelines[name].dag_id):
+        raise HTTPException(status_code=403, detail=f"not allowed to read DAG {pipelines[name].dag_id!r}")
     return settings_for(pipelines[name]), pipelines[name]
 
 
@@ -103,28 +132,37 @@ def _age(seconds: float) -> str:
 
 
 @app.get("/", response_class=HTMLResponse)
-def overview(request: Request) -> HTMLResponse:
+def overview(request: Request, may_read: MayRead) -> HTMLResponse:
     """Per pipeline and partition: head, last stable offset, lag, margin, time to data loss; last batch; STUCK."""
-    from kafka2pg.config import load_pipelines, pipelines_file_from_env
+    base = _base(request)
+    pipelines = readable_pipelines(may_read)
+    with ThreadPoolExecutor(max_workers=OVERVIEW_WORKERS, thread_name_prefix="kafka2pg-overview") as pool:
+        sections = list(pool.map(lambda p: _overview_section(base, p), pipelines))
+    return _page(
+        request,
+        "kafka2pg pipelines",
+        "".join(sections) or "<p>no pipeline in the pipelines file whose DAG you may read</p>",
+    )
+
+
+def _overview_section(base: str, pipeline: Pipeline) -> str:
+    """One pipeline's part of the overview; its services' failure shown there, not hiding the others."""
+    import psycopg
+
     from kafka2pg.connections import settings_for
     from kafka2pg.database import connect
     from kafka2pg.exceptions import Kafka2PgError
     from kafka2pg.status import pipeline_status
 
-    base = _base(request)
-    sections = []
-    for pipeline in load_pipelines(pipelines_file_from_env()).values():
-        heading = f'<h2 id="pipeline-{html.escape(pipeline.name)}">pipeline {html.escape(pipeline.name)}</h2>'
-        try:
-            settings = settings_for(pipeline)
-            with connect(settings.database_url, autocommit=True) as conn:
-                status = pipeline_status(settings, pipeline, conn)
-        except Kafka2PgError as exc:  # one pipeline's unreachable service does not hide the others
-            log.warning("pipeline=%s overview: %s", pipeline.name, exc)
-            sections.append(f'{heading}<p class="error">{html.escape(f"{type(exc).__name__}: {exc}")}</p>')
-            continue
-        sections.append(heading + _status_section(base, status))
-    return _page(request, "kafka2pg pipelines", "".join(sections) or "<p>no pipelines in the pipelines file</p>")
+    heading = f'<h2 id="pipeline-{html.escape(pipeline.name)}">pipeline {html.escape(pipeline.name)}</h2>'
+    try:
+        settings = settings_for(pipeline)
+        with connect(settings.database_url, autocommit=True) as conn:
+            status = pipeline_status(settings, pipeline, conn)
+    except (Kafka2PgError, psycopg.Error) as exc:  # e.g. Kafka down, a migration not applied yet
+        log.warning("pipeline=%s overview: %s", pipeline.name, exc)
+        return f'{heading}<p class="error">{html.escape(f"{type(exc).__name__}: {exc}")}</p>'
+    return heading + _status_section(base, status)
 
 
 def _status_section(base: str, status: PipelineStatus) -> str:
@@ -146,9 +184,10 @@ def _status_section(base: str, status: PipelineStatus) -> str:
             f'<span class="state">{html.escape(last.state)}</span>, {_age(last.age_seconds)} ago ({report})'
         )
     stuck = "".join(f'<p class="alarm">{html.escape(b.describe())}</p>' for b in status.stuck)
+    history = f"{base}/pipelines/{name}/history"
     return (
         f'<p class="meta">topic {html.escape(status.topic)} &rarr; {html.escape(status.target)} &middot; '
-        f"{_link(batches, 'batches')}</p><p>{last_line}</p>{stuck}"
+        f"{_link(batches, 'batches')} &middot; {_link(history, 'history')}</p><p>{last_line}</p>{stuck}"
         + _table(
             [
                 "partition",
@@ -167,21 +206,26 @@ def _status_section(base: str, status: PipelineStatus) -> str:
 
 
 @app.get("/pipelines/{name}/batches", response_class=HTMLResponse)
-def batches(request: Request, name: str, before: int | None = None, limit: int = PAGE_SIZE) -> HTMLResponse:
+def batches(
+    request: Request, name: str, may_read: MayRead, before: int | None = None, limit: int = PAGE_SIZE
+) -> HTMLResponse:
     """The pipeline's batches, newest first, `limit` per page; `before`: the page below that batch id."""
     from kafka2pg.browse import batches_page
     from kafka2pg.database import connect
 
-    settings, pipeline = _pipeline(name)
+    settings, pipeline = _pipeline(name, may_read)
     limit = max(1, min(limit, MAX_PAGE_SIZE))
     with connect(settings.database_url, autocommit=True) as conn:
         page = batches_page(conn, pipeline.name, before, limit)
     here = f"{_base(request)}/pipelines/{name}/batches"
+    ui = _airflow_ui(request)
     rows = [
-        f'<tr data-batch="{b.batch_id}">{_cell(b.batch_id, "num")}{_cell(b.kind)}{_cell(b.state)}{_cell(b.ranges)}'
+        f'<tr data-batch="{b.batch_id}">{_cell(b.batch_id, "num")}{_cell(b.kind)}'
+        f'<td class="state">{html.escape(b.state)}</td>{_cell(b.ranges)}'
         f"{_cell(b.records_planned, 'num')}{_cell(b.records_read, 'num')}{_cell(b.rows_promoted, 'num')}"
-        f"{_cell(b.rows_quarantined, 'num')}{_cell(b.epoch, 'num')}{_cell(b.run_id)}"
-        f"{_cell(f'{b.updated_at:%Y-%m-%d %H:%M:%S %Z}')}"
+        f"{_cell(b.rows_quarantined, 'num')}{_cell(_gaps(b.gaps))}{_cell(_seconds(b.stage_s), 'num')}"
+        f"{_cell(_seconds(b.validate_s), 'num')}{_cell(_seconds(b.promote_s), 'num')}{_cell(b.epoch, 'num')}"
+        f"<td>{_run_link(ui, _dag_of(pipeline, b.kind), b.run_id)}</td>{_cell(f'{b.updated_at:%Y-%m-%d %H:%M:%S %Z}')}"
         f"<td>{_link(f'{here}/{b.batch_id}/report', 'report') if b.has_report else '-'} "
         f"{_link(f'{here}/{b.batch_id}/quarantine', 'quarantine') if b.rows_quarantined else ''}</td></tr>"
         for b in page
@@ -200,6 +244,10 @@ def batches(request: Request, name: str, before: int | None = None, limit: int =
             "records read",
             "promoted",
             "quarantined",
+            "gaps by kind",
+            "stage s",
+            "validate s",
+            "promote s",
             "claim epoch",
             "run id",
             "updated",
@@ -208,17 +256,98 @@ def batches(request: Request, name: str, before: int | None = None, limit: int =
         rows,
         "batches",
     )
-    return _page(request, f"pipeline {pipeline.name}: batches", table + more)
+    meta = (
+        f'<p class="meta">{_link(f"{_base(request)}/pipelines/{name}/history", "history of replays, undos and resets")}'
+        " &middot; gaps: offsets holding no loaded record, by why &middot; a step's seconds run from the end of the"
+        " step before it (planned, staged, the gate's verdict): a batch that waited or was resumed counts the wait</p>"
+    )
+    return _page(request, f"pipeline {pipeline.name}: batches", meta + table + more)
+
+
+def _airflow_ui(request: Request) -> str:
+    """The Airflow UI's root: the server path this app is mounted under, without its own prefix."""
+    return request.scope.get("root_path", "").rstrip("/").rpartition("/")[0]
+
+
+def _dag_of(pipeline: Pipeline, kind: str) -> str:
+    """The DAG whose runs plan a batch of this kind: a replay batch's is the replay DAG."""
+    return pipeline.replay_dag_id if kind == "replay" else pipeline.dag_id
+
+
+def _run_link(ui: str, dag_id: str, run_id: str | None) -> str:
+    """A run id linked to its run of the DAG in the Airflow UI (the whole window, not the plugin's frame)."""
+    from kafka2pg.replay import CLI_RUN_ID
+
+    if run_id is None or run_id == CLI_RUN_ID:
+        return html.escape(run_id or "-")
+    href = f"{ui}/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}"
+    return f'<a class="run" target="_top" href="{html.escape(href)}">{html.escape(run_id)}</a>'
+
+
+def _gaps(gaps: dict[str, int]) -> str:
+    return ", ".join(f"{kind} {offsets}" for kind, offsets in gaps.items()) or "none"
+
+
+def _seconds(seconds: float | None) -> str | None:
+    return None if seconds is None else f"{seconds:.1f}"
+
+
+@app.get("/pipelines/{name}/history", response_class=HTMLResponse)
+def history(
+    request: Request,
+    name: str,
+    may_read: MayRead,
+    before_at: datetime | None = None,
+    before_source: str | None = None,
+    before_id: int | None = None,
+    limit: int = PAGE_SIZE,
+) -> HTMLResponse:
+    """The pipeline's replays, undos and partition resets, newest first, `limit` per page; `before_*`:
+    the page after that entry (kafka2pg.replays and kafka2pg.ledger_resets)."""
+    from kafka2pg.browse import history_page
+    from kafka2pg.database import connect
+
+    settings, pipeline = _pipeline(name, may_read)
+    limit = max(1, min(limit, MAX_PAGE_SIZE))
+    before = None
+    if before_at is not None and before_source is not None and before_id is not None:
+        before = (before_at, before_source, before_id)
+    with connect(settings.database_url, autocommit=True) as conn:
+        page = history_page(conn, pipeline.name, before, limit)
+    base, ui = _base(request), _airflow_ui(request)
+    batches_url = f"{base}/pipelines/{name}/batches"
+    rows = [
+        f'<tr data-entry="{html.escape(e.source)}:{e.entry_id}">{_cell(f"{e.at:%Y-%m-%d %H:%M:%S %Z}")}'
+        f'<td class="operation">{html.escape(e.operation)}</td>'
+        f"<td>{'-' if e.batch_id is None else _link(f'{batches_url}?before={e.batch_id + 1}', e.batch_id)}</td>"
+        f"{_cell(e.ranges)}{_cell(e.requested_by)}{_cell(e.reason or None)}"
+        f"<td>{_run_link(ui, pipeline.replay_dag_id, e.run_id)}</td>{_cell(e.outcome)}</tr>"
+        for e in page
+    ]
+    more = ""
+    if len(page) == limit:
+        last = page[-1]
+        query = urlencode(
+            {"before_at": last.at.isoformat(), "before_source": last.source, "before_id": last.entry_id, "limit": limit}
+        )
+        more = f"<p>{_link(f'{base}/pipelines/{name}/history?{query}', 'older entries')}</p>"
+    table = _table(
+        ["when", "operation", "batch", "ranges [start, end)", "by", "reason", "run id", "outcome"], rows, "history"
+    )
+    meta = f'<p class="meta">{_link(batches_url, "batches")}</p>'
+    if not page and before is None:
+        meta += "<p>no replay, undo or reset yet</p>"
+    return _page(request, f"pipeline {pipeline.name}: replays, undos and resets", meta + table + more)
 
 
 @app.get("/pipelines/{name}/batches/{batch_id}/report", response_class=HTMLResponse)
-def report(name: str, batch_id: int) -> HTMLResponse:
+def report(name: str, batch_id: int, may_read: MayRead) -> HTMLResponse:
     """The batch's quality report, rendered from the result stored with it (kafka2pg.quality_results)."""
     from kafka2pg.data_docs import render_html
     from kafka2pg.database import connect
     from kafka2pg.quality_results import load_result
 
-    settings, pipeline = _pipeline(name)
+    settings, pipeline = _pipeline(name, may_read)
     with connect(settings.database_url, autocommit=True) as conn:
         result = load_result(conn, pipeline.name, batch_id)
     if result is None:
@@ -231,6 +360,7 @@ def quarantine(
     request: Request,
     name: str,
     batch_id: int,
+    may_read: MayRead,
     after_partition: int | None = None,
     after_offset: int | None = None,
     limit: int = PAGE_SIZE,
@@ -239,7 +369,7 @@ def quarantine(
     from kafka2pg.browse import batch_state, quarantine_page
     from kafka2pg.database import connect
 
-    settings, pipeline = _pipeline(name)
+    settings, pipeline = _pipeline(name, may_read)
     limit = max(1, min(limit, MAX_PAGE_SIZE))
     after = None if after_partition is None or after_offset is None else (after_partition, after_offset)
     with connect(settings.database_url, autocommit=True) as conn:

@@ -148,17 +148,20 @@ def screenshot_trigger_form(base_url: str, dag_id: str, out: Path, width: int = 
         return asyncio.run(_capture(port, f"{base_url}/dags/{dag_id}", out, width, height))
 
 
-async def _capture_page(port: int, url: str, cookie: dict, out: Path, width: int, height: int) -> str:
+async def _capture_page(port: int, url: str, cookie: dict, out: Path, width: int, height: int, read: str):
     async with _open_page(port, width, height, network=True) as page:
         await page.send("Network.setCookie", url=url, **cookie)
         await page.send("Page.navigate", url=url)
         await page.wait("document.readyState === 'complete' && !!document.querySelector('table')")
-        text = await page.js("document.body.innerText")
+        found = await page.js(read)
         await _save_screenshot(page, out)
-        return text
+        return found
 
 
-def screenshot_page(url: str, cookie: dict, out: Path, width: int = 1400, height: int = 900) -> str:
-    """Screenshot of a server-rendered page opened with `cookie` (name, value) at `out`; returns its text."""
+def screenshot_page(
+    url: str, cookie: dict, out: Path, width: int = 1400, height: int = 900, *, read: str = "document.body.innerText"
+):
+    """Screenshot of a server-rendered page opened with `cookie` (name, value) at `out`; returns the
+    value of the JavaScript expression `read` on the page (default: its text)."""
     with _chromium(width, height) as port:
-        return asyncio.run(_capture_page(port, url, cookie, out, width, height))
+        return asyncio.run(_capture_page(port, url, cookie, out, width, height, read))

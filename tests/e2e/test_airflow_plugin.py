@@ -1,6 +1,7 @@
 """The kafka2pg plugin on a real Airflow api-server with login required: the overview shows what
-`kafka2pg status --json` shows, a batch's report page its checks, and anonymous callers are refused;
-screenshots of the pages as a signed-in browser shows them."""
+`kafka2pg status --json` shows, a batch's report page its checks, the batches page its state,
+ranges and run (linked to the Airflow run), the history page an undo done with the CLI, and
+anonymous callers are refused; screenshots of the pages as a signed-in browser shows them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import re
 import secrets
 from pathlib import Path
+from urllib.parse import quote
 
 from airflow_server import api, running_airflow
 from cdp_screenshot import screenshot_page
@@ -17,6 +19,14 @@ from kafka2pg.devtools.producer import produce, sample_events
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / ".cache" / "test-artifacts"
+RUN_ID = "manual__2026-11-26T06:00:00+00:00"
+# A table's rows as the browser's DOM holds them: each row's cells' text and its links.
+ROWS = """[...document.querySelectorAll('#TABLE tr[data-KEY]')].map(row => ({
+    key: row.dataset.KEY,
+    cells: [...row.cells].map(cell => cell.innerText.trim()),
+    links: [...row.querySelectorAll('a')].map(
+        a => ({text: a.innerText, href: a.getAttribute('href'), target: a.target})),
+}))"""
 
 
 def row_cells(page: str, row_attribute: str) -> list[str]:
@@ -29,7 +39,7 @@ def test_plugin_pages_behind_airflow_login_agree_with_the_cli(make_pipeline, run
     env = make_pipeline(partitions=2)
     events = list(sample_events(30, seed=81))
     produce(env.settings.bootstrap_servers, env.topic, [*events, events[3]])
-    result = run_batch(env)
+    result = run_batch(env, run_id=RUN_ID)
     assert (result.promoted, result.quarantined) == (30, 1)
     services = {
         "KAFKA2PG_PIPELINES": str(env.settings.pipelines_file),
@@ -114,3 +124,21 @@ def test_plugin_pages_behind_airflow_login_agree_with_the_cli(make_pipeline, run
         text = screenshot_page(report_url, cookie, ARTIFACTS / "plugin-quality-report.png")
         assert "business_key_unique_in_batch" in text
         assert (ARTIFACTS / "plugin-overview.png").stat().st_size > 10_000
+
+        batches_url = f"{server.url}/kafka2pg/pipelines/{name}/batches"
+        rows = ROWS.replace("TABLE", "batches").replace("KEY", "batch")
+        (row,) = screenshot_page(batches_url, cookie, ARTIFACTS / "plugin-batches.png", read=rows)
+        ranges = " ".join(f"p{p['partition']}[0,{p['next_offset']})" for p in status["partitions"] if p["next_offset"])
+        assert row["key"] == str(batch_id) and row["cells"][1:8] == ["live", "promoted", ranges, "31", "31", "30", "1"]
+        assert row["cells"][8] == "none", "every offset of the batch holds a record"
+        run = f"/dags/{env.pipeline.dag_id}/runs/{quote(RUN_ID, safe='')}"
+        assert {"text": RUN_ID, "href": run, "target": "_top"} in row["links"]
+
+        capsys.readouterr()
+        assert cli.main(["undo", "--pipeline", name, "--batch-id", str(batch_id), "--reason", "e2e", "--confirm"]) == 0
+        history_url = f"{server.url}/kafka2pg/pipelines/{name}/history"
+        rows = ROWS.replace("TABLE", "history").replace("KEY", "entry")
+        (entry,) = screenshot_page(history_url, cookie, ARTIFACTS / "plugin-history.png", read=rows)
+        assert entry["cells"][1:4] == ["undo", str(batch_id), ranges] and entry["cells"][5] == "e2e"
+        assert entry["cells"][7] == "target rows 30 -> 0, quarantine rows 1 -> 0"
+        assert api("GET", history_url).status_code == 401

@@ -47,6 +47,7 @@ def test_the_plugins_folder_yields_one_kafka2pg_plugin_with_its_app_and_nav_entr
         "/pipelines/{name}/batches",
         "/pipelines/{name}/batches/{batch_id}/quarantine",
         "/pipelines/{name}/batches/{batch_id}/report",
+        "/pipelines/{name}/history",
     ]
     (view,) = found["views"]
     assert (view["name"], view["href"], view["destination"], view["url_route"]) == (

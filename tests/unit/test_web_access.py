@@ -1,0 +1,96 @@
+"""The operator pages as a user sees them: only pipelines whose DAG Airflow's auth manager lets the
+user read (the others absent from the overview, 403 on their pages), one pipeline's database
+error shown in its section, and the pipelines' statuses asked for at the same time.
+
+The auth manager and the pipelines' services are fakes here; the e2e test runs the pages on a
+real api-server behind a real login."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import psycopg
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+import kafka2pg.connections
+import kafka2pg.database
+import kafka2pg.status
+from kafka2pg.status import PipelineStatus
+from kafka2pg.web import app, require_airflow_user
+
+ROOT = Path(__file__).resolve().parents[2]
+READABLE = ("alpha", "beta")
+
+
+class FakeAuthManager:
+    """Lets its user read the DAGs of the READABLE pipelines, records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, object, str]] = []
+
+    def is_authorized_dag(self, *, method, user, access_entity=None, details=None) -> bool:
+        self.asked.append((method, user, details.id))
+        return method == "GET" and access_entity is None and details.id in {f"kafka2pg_{n}" for n in READABLE}
+
+
+@pytest.fixture
+def client(tmp_path, monkeypatch):
+    (orders,) = yaml.safe_load((ROOT / "dags/pipelines.yaml").read_text())["pipelines"]
+    pipelines = [{**orders, "name": n, "topic": n, "target_table": f"public.{n}"} for n in ("alpha", "beta", "gamma")]
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": pipelines}))
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(tmp_path / "pipelines.yaml"))
+
+    manager = FakeAuthManager()
+    monkeypatch.setattr("airflow.api_fastapi.app.get_auth_manager", lambda: manager)
+    monkeypatch.setitem(app.dependency_overrides, require_airflow_user, lambda: "alice")
+    # Every readable pipeline's status must be under way before any returns: a serial overview
+    # breaks the barrier (after its deadline) instead of rendering.
+    started = threading.Barrier(len(READABLE), timeout=30)
+
+    def status(settings, pipeline, conn) -> PipelineStatus:
+        started.wait()
+        if pipeline.name == "beta":
+            raise psycopg.errors.UndefinedColumn('column "staged_at" does not exist')
+        return PipelineStatus(pipeline.name, pipeline.topic, "public.alpha", (), None, ())
+
+    @contextmanager
+    def connect(url, **_):
+        yield url
+
+    monkeypatch.setattr(kafka2pg.connections, "settings_for", lambda p: SimpleNamespace(database_url=p.name))
+    monkeypatch.setattr(kafka2pg.database, "connect", connect)
+    monkeypatch.setattr(kafka2pg.status, "pipeline_status", status)
+    return TestClient(app), manager
+
+
+def test_the_overview_shows_only_readable_pipelines_each_with_its_own_database_error(client):
+    http, manager = client
+    page = http.get("/")
+    assert page.status_code == 200, page.text
+    assert 'id="pipeline-alpha"' in page.text and "no batch yet" in page.text
+    assert 'id="pipeline-beta"' in page.text
+    assert 'class="error">UndefinedColumn: column &quot;staged_at&quot; does not exist' in page.text
+    assert "gamma" not in page.text
+    assert sorted(manager.asked) == [("GET", "alice", f"kafka2pg_{n}") for n in ("alpha", "beta", "gamma")]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/pipelines/{}/batches",
+        "/pipelines/{}/history",
+        "/pipelines/{}/batches/1/report",
+        "/pipelines/{}/batches/1/quarantine",
+    ],
+)
+def test_a_pipeline_page_of_a_dag_the_user_may_not_read_is_forbidden(client, path):
+    http, manager = client
+    forbidden = http.get(path.format("gamma"))
+    assert forbidden.status_code == 403 and "kafka2pg_gamma" in forbidden.text
+    assert manager.asked == [("GET", "alice", "kafka2pg_gamma")]
+    assert http.get(path.format("nope")).status_code == 404
