@@ -16,13 +16,15 @@ from kafka2pg.exceptions import QualityGateFailed
 from kafka2pg.opening import open_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.staging import stage_batch
-from kafka2pg.web import app, require_airflow_user
+from kafka2pg.web import app, dag_reader, require_airflow_user
 
 
 @pytest.fixture
 def pages(monkeypatch):
-    """The plugin's app with a signed-in user (Airflow's token check is the e2e test's)."""
+    """The plugin's app with a signed-in user who may read every DAG (Airflow's token and DAG
+    checks are the e2e and unit tests')."""
     app.dependency_overrides[require_airflow_user] = lambda: "operator"
+    app.dependency_overrides[dag_reader] = lambda: lambda dag_id: True
     yield lambda env: _client(env, monkeypatch)
     app.dependency_overrides.clear()
 
@@ -99,7 +101,7 @@ def test_the_report_is_stored_with_the_batch_and_rendered_from_the_database(
 
     batches = client.get(f"/pipelines/{name}/batches").text
     row = cells(batches, f'data-batch="{result.batch_id}"')
-    assert row.startswith(f"{result.batch_id} | live | promoted | p0[0,6) | 6 | 6 | 4 | 2 | 1 | ")
+    assert row.startswith(f"{result.batch_id} | live | promoted | p0[0,6) | 6 | 6 | 4 | 2 | none | ")
     quarantine = client.get(f"/pipelines/{name}/batches/{result.batch_id}/quarantine").text
     assert "value is not valid JSON" in cells(quarantine, 'data-offset="0:4"')
     assert "duplicate business key within batch" in cells(quarantine, 'data-offset="0:5"')
