@@ -21,6 +21,8 @@ from urllib.parse import quote, urlencode
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse
 
+from kafka2pg.exceptions import Kafka2PgError
+
 if TYPE_CHECKING:
     from kafka2pg.config import Pipeline, Settings
     from kafka2pg.status import PipelineStatus
@@ -63,6 +65,28 @@ MayRead = Annotated[Callable[[str], bool], Depends(dag_reader)]
 app = FastAPI(
     title="kafka2pg", dependencies=[Depends(require_airflow_user)], docs_url=None, redoc_url=None, openapi_url=None
 )
+
+
+@app.middleware("http")
+async def _service_errors(request: Request, call_next):
+    """A page whose PostgreSQL (or Kafka) fails answers 503 with the cause, not a bare 500; a ledger
+    older than this version (a migration not applied) says so. psycopg is imported only then:
+    loading the plugin loads no database client."""
+    try:
+        return await call_next(request)
+    except Exception as exc:
+        import psycopg
+
+        if not isinstance(exc, psycopg.Error | Kafka2PgError):
+            raise
+        log.warning("kafka2pg page %s: %s: %s", request.url.path, type(exc).__name__, exc)
+        cause = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn):
+            cause += " (the ledger lacks a migration of this version: run `kafka2pg migrate`)"
+        page = _page(request, "kafka2pg: a service failed", f'<p class="error">{html.escape(cause)}</p>')
+        page.status_code = 503
+        return page
+
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #1d2733; }

@@ -94,3 +94,16 @@ def test_a_pipeline_page_of_a_dag_the_user_may_not_read_is_forbidden(client, pat
     assert forbidden.status_code == 403 and "kafka2pg_gamma" in forbidden.text
     assert manager.asked == [("GET", "alice", "kafka2pg_gamma")]
     assert http.get(path.format("nope")).status_code == 404
+
+
+def test_a_page_whose_database_lacks_a_migration_answers_503_naming_it(client, monkeypatch):
+    http, _ = client
+
+    def batches_page(*args):
+        raise psycopg.errors.UndefinedColumn("column b.staged_at does not exist")
+
+    monkeypatch.setattr("kafka2pg.browse.batches_page", batches_page)
+    page = http.get("/pipelines/alpha/batches")
+    assert page.status_code == 503, page.text
+    assert "UndefinedColumn: column b.staged_at does not exist" in page.text and "kafka2pg migrate" in page.text
+    assert "kafka2pg overview" in page.text  # the pages' own frame, with the way back
