@@ -1,4 +1,5 @@
-"""The kafka2pg plugin on a real Airflow api-server with login required: the overview shows what
+"""The kafka2pg plugin on a real Airflow (api-server, scheduler) with login required, after a run the
+signed-in operator triggered promoted a batch: the overview shows what
 `kafka2pg status --json` shows, a batch's report page its checks, the batches page its state,
 ranges and run (linked to the Airflow run), the history page an undo done with the CLI, and
 anonymous callers are refused; screenshots of the pages as a signed-in browser shows them."""
@@ -11,7 +12,7 @@ import secrets
 from pathlib import Path
 from urllib.parse import quote
 
-from airflow_server import api, running_airflow
+from airflow_server import api, running_airflow, wait_for
 from cdp_screenshot import screenshot_page
 
 from kafka2pg import cli
@@ -19,7 +20,6 @@ from kafka2pg.devtools.producer import produce, sample_events
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / ".cache" / "test-artifacts"
-RUN_ID = "manual__2026-11-26T06:00:00+00:00"
 # A table's rows as the browser's DOM holds them: each row's cells' text and its links.
 ROWS = """[...document.querySelectorAll('#TABLE tr[data-KEY]')].map(row => ({
     key: row.dataset.KEY,
@@ -35,12 +35,10 @@ def row_cells(page: str, row_attribute: str) -> list[str]:
     return re.findall(r"<td[^>]*>(.*?)</td>", row.group(1), re.S)
 
 
-def test_plugin_pages_behind_airflow_login_agree_with_the_cli(make_pipeline, run_batch, tmp_path, monkeypatch, capsys):
+def test_plugin_pages_behind_airflow_login_agree_with_the_cli(make_pipeline, db, tmp_path, monkeypatch, capsys):
     env = make_pipeline(partitions=2)
     events = list(sample_events(30, seed=81))
     produce(env.settings.bootstrap_servers, env.topic, [*events, events[3]])
-    result = run_batch(env, run_id=RUN_ID)
-    assert (result.promoted, result.quarantined) == (30, 1)
     services = {
         "KAFKA2PG_PIPELINES": str(env.settings.pipelines_file),
         "KAFKA2PG_BOOTSTRAP_SERVERS": env.settings.bootstrap_servers,
@@ -48,27 +46,25 @@ def test_plugin_pages_behind_airflow_login_agree_with_the_cli(make_pipeline, run
     }
     for name, value in services.items():
         monkeypatch.setenv(name, value)
-    capsys.readouterr()
-    assert cli.main(["status", "--pipeline", env.pipeline.name, "--json"]) == 0
-    (status,) = json.loads(capsys.readouterr().out)
 
     password = secrets.token_urlsafe(12)
     passwords = tmp_path / "passwords.json"
     passwords.write_text(json.dumps({"operator": password}))
     extra = {
         **services,
+        "AIRFLOW_CONN_KAFKA2PG_SPARK": '{"conn_type": "spark", "host": "local[1]"}',
         "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
         # Logins required: with all-admins, Airflow signs every request in, anonymous ones too.
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "operator:admin",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
     }
-    name, batch_id = env.pipeline.name, result.batch_id
+    name, dag_id = env.pipeline.name, env.pipeline.dag_id
     with running_airflow(tmp_path / "airflow", env.settings.database_url, extra) as server:
         overview_url = f"{server.url}/kafka2pg/"
-        report_url = f"{server.url}/kafka2pg/pipelines/{name}/batches/{batch_id}/report"
-        for url in (overview_url, report_url, f"{server.url}/kafka2pg/pipelines/{name}/batches"):
+        for url in (overview_url, f"{server.url}/kafka2pg/pipelines/{name}/batches"):
             assert api("GET", url).status_code == 401, f"{url} answered an anonymous caller"
         schema = api("GET", f"{server.url}/kafka2pg/openapi.json")  # FastAPI serves it outside dependencies
         assert schema.status_code != 200 and '"paths"' not in schema.text, schema.text[:200]
@@ -78,7 +74,8 @@ def test_plugin_pages_behind_airflow_login_agree_with_the_cli(make_pipeline, run
         login = api("POST", f"{server.url}/auth/token", json={"username": "operator", "password": password})
         assert login.status_code == 201, login.text
         token = login.json()["access_token"]
-        plugins = api("GET", f"{server.api}/plugins", headers={"Authorization": f"Bearer {token}"}).json()
+        bearer = {"Authorization": f"Bearer {token}"}
+        plugins = api("GET", f"{server.api}/plugins", headers=bearer).json()
         (plugin,) = [p for p in plugins["plugins"] if p["name"] == "kafka2pg"]
         assert plugin["fastapi_apps"] == [
             {"app": "fastapi.applications.FastAPI", "url_prefix": "/kafka2pg", "name": "kafka2pg"}
@@ -86,6 +83,31 @@ def test_plugin_pages_behind_airflow_login_agree_with_the_cli(make_pipeline, run
         assert (
             plugin["external_views"][0]["href"] == "/kafka2pg/" and plugin["external_views"][0]["destination"] == "nav"
         )
+
+        # The batch is promoted by a run the scheduler runs, triggered by the signed-in operator.
+        wait_for(lambda: api("GET", f"{server.api}/dags/{dag_id}", headers=bearer).ok, 180, what=f"DAG {dag_id} parsed")
+        created = api("POST", f"{server.api}/dags/{dag_id}/dagRuns", headers=bearer, json={"logical_date": None})
+        assert created.ok, created.text
+        run_id = created.json()["dag_run_id"]
+
+        def finished():
+            run = api("GET", f"{server.api}/dags/{dag_id}/dagRuns/{run_id}", headers=bearer).json()
+            return run if run["state"] in ("success", "failed") else None
+
+        assert wait_for(finished, 900, what=f"run {run_id}")["state"] == "success", server.task_logs()
+        ((batch_id, promoted, quarantined),) = db.execute(
+            "SELECT batch_id, rows_promoted, rows_quarantined FROM kafka2pg.batches"
+            " WHERE pipeline = %s AND run_id = %s",
+            (name, run_id),
+        ).fetchall()
+        assert (promoted, quarantined) == (30, 1)
+        report_url = f"{server.url}/kafka2pg/pipelines/{name}/batches/{batch_id}/report"
+        assert api("GET", report_url).status_code == 401
+        links = api("GET", f"{server.api}/dags/{dag_id}/dagRuns/{run_id}/taskInstances/promote/links", headers=bearer)
+        assert links.json()["extra_links"] == {"Quality report": report_url}, links.text
+        capsys.readouterr()
+        assert cli.main(["status", "--pipeline", name, "--json"]) == 0
+        (status,) = json.loads(capsys.readouterr().out)
 
         overview = api("GET", overview_url, cookies={"_token": token})  # as the UI's frame sends it
         assert overview.status_code == 200, overview.text
@@ -131,8 +153,8 @@ def test_plugin_pages_behind_airflow_login_agree_with_the_cli(make_pipeline, run
         ranges = " ".join(f"p{p['partition']}[0,{p['next_offset']})" for p in status["partitions"] if p["next_offset"])
         assert row["key"] == str(batch_id) and row["cells"][1:8] == ["live", "promoted", ranges, "31", "31", "30", "1"]
         assert row["cells"][8] == "none", "every offset of the batch holds a record"
-        run = f"/dags/{env.pipeline.dag_id}/runs/{quote(RUN_ID, safe='')}"
-        assert {"text": RUN_ID, "href": run, "target": "_top"} in row["links"]
+        run = f"/dags/{dag_id}/runs/{quote(run_id, safe='')}"
+        assert {"text": run_id, "href": run, "target": "_top"} in row["links"]
 
         capsys.readouterr()
         assert cli.main(["undo", "--pipeline", name, "--batch-id", str(batch_id), "--reason", "e2e", "--confirm"]) == 0
