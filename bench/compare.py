@@ -7,6 +7,9 @@ provenance primary key, business-key unique index):
   peer    Spark Structured Streaming, Trigger.AvailableNow, foreachBatch -> JDBC
   worker  a hand-written confluent-kafka consumer: COPY each batch + its offsets in one transaction
   floor   PostgreSQL COPY of the same rows from a local file (the cost of landing the data at all)
+  connect a Kafka Connect worker (standalone) with the Debezium JDBC sink, upsert on the business
+          key, one task per partition, reading its own copy of the backlog as JSON with embedded
+          schemas (written untimed before any contender runs)
 Each contender runs in its own child process; the parent samples the child's whole process
 tree (Spark JVM included) for peak RSS. Also: the fixed cost of an empty run and of a
 1-record batch, ours with Spark local[1] vs local[2], and (unless --no-airflow) the fixed costs
@@ -24,10 +27,13 @@ import argparse
 import csv
 import json
 import os
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,7 +48,23 @@ from kafka2pg.devtools.producer import produce, sample_events  # noqa: E402
 from kafka2pg.kafka_offsets import ensure_topic, partition_offsets  # noqa: E402
 from kafka2pg.migrations import migrate  # noqa: E402
 
-CONTENDERS = ("ours", "peer", "worker", "floor")
+CONTENDERS = ("ours", "peer", "worker", "floor", "connect")
+# Kafka Connect's JsonConverter wants a schema in every record; the sample pipeline's column types
+# as Connect types (the sink binds text, timestamptz and jsonb values as strings PostgreSQL casts).
+CONNECT_TYPES = {"text": "string", "bigint": "int64", "numeric": "double", "timestamptz": "string", "jsonb": "string"}
+# As Kafka's bin/connect-standalone.sh starts the worker (KAFKA_HEAP_OPTS, KAFKA_JVM_PERFORMANCE_OPTS).
+CONNECT_JVM = (
+    "-Xms256M",
+    "-Xmx2G",
+    "-server",
+    "-XX:+UseG1GC",
+    "-XX:MaxGCPauseMillis=20",
+    "-XX:InitiatingHeapOccupancyPercent=35",
+    "-XX:+ExplicitGCInvokesConcurrent",
+    "-XX:MaxInlineLevel=15",
+    "-Djava.awt.headless=true",
+)
+CONNECT_DEADLINE_S = 1800
 
 
 def events(count: int, size: int):
@@ -51,6 +73,28 @@ def events(count: int, size: int):
         pad = max(0, size - len(json.dumps(event)) - 12)
         event["payload"]["note"] = "x" * pad
         yield event
+
+
+def connect_topic(topic: str) -> str:
+    return f"{topic}-connect"
+
+
+def connect_events(count: int, size: int) -> Iterator[dict]:
+    """The same events as Kafka Connect's JsonConverter reads them (`schemas.enable`): a schema and
+    a payload whose fields are named as the target's columns (a sink maps fields to columns by name)."""
+    columns = bench_pipeline("connect").columns
+    schema = {
+        "type": "struct",
+        "name": "order",
+        "optional": False,
+        "fields": [
+            {"field": c.name, "type": CONNECT_TYPES[c.type.split("(")[0]], "optional": not c.required} for c in columns
+        ],
+    }
+    for event in events(count, size):
+        payload = {c.name: event[c.field] for c in columns}
+        payload.update({c.name: json.dumps(payload[c.name]) for c in columns if c.type == "jsonb"})
+        yield {"schema": schema, "payload": payload}
 
 
 # ------------------------------------------------------------------ contenders (child process)
@@ -205,6 +249,175 @@ def run_floor(settings: Settings, topic: str, work: Path) -> dict:
     return {"rows": _count(settings, pipeline), "timed_seconds": time.monotonic() - started}
 
 
+def run_connect(settings: Settings, topic: str, work: Path) -> dict:
+    """A Kafka Connect worker in standalone mode running the Debezium JDBC sink, one task per
+    partition, upsert on the business key; done when its consumer group has committed the topic's
+    end offsets, then stopped. `timed_seconds`: from this process's start to done."""
+    from kafka2pg.jars import connect_plugin_path, resolve_jars
+
+    pipeline = bench_pipeline(_fresh("connect"), connect_topic(topic))
+    migrate(settings.database_url, [pipeline])
+    jars = resolve_jars(names=("connect",))["connect"]
+    ends = {o.partition: o.high for o in partition_offsets(settings.bootstrap_servers, pipeline.topic)}
+    name = f"bench-{pipeline.name}"
+    port = _free_port()
+    worker_file, connector_file, log_config = (
+        work / f"{name}{ext}" for ext in (".worker", ".connector", ".log4j2.properties")
+    )
+    _write_properties(
+        worker_file,
+        {
+            "bootstrap.servers": settings.bootstrap_servers,
+            "key.converter": "org.apache.kafka.connect.storage.StringConverter",
+            "value.converter": "org.apache.kafka.connect.json.JsonConverter",
+            "value.converter.schemas.enable": "true",
+            "offset.storage.file.filename": str(work / f"{name}.offsets"),
+            # sink offsets are committed this often (default 60 s): how soon the bench sees "done"
+            "offset.flush.interval.ms": "1000",
+            "plugin.path": str(connect_plugin_path(jars)),
+            # what the worker advises at start when every plugin has ServiceLoader manifests (as
+            # here): the default also scans every jar by reflection, about 30 s of a loaded machine
+            "plugin.discovery": "service_load",
+            "listeners": f"http://127.0.0.1:{port}",
+            # the peer's JDBC batch (10,000 rows); Connect hands a task at most max.poll.records at once
+            "consumer.max.poll.records": "10000",
+        },
+    )
+    url = settings.database_url.replace("postgresql://postgres@", "jdbc:postgresql://")
+    _write_properties(
+        connector_file,
+        {
+            "name": name,
+            "connector.class": "io.debezium.connector.jdbc.JdbcSinkConnector",
+            "tasks.max": str(len(ends)),
+            "topics": pipeline.topic,
+            "connection.url": f"{url}?reWriteBatchedInserts=true&stringtype=unspecified",
+            "connection.username": "postgres",
+            "connection.password": "",
+            "collection.name.format": pipeline.target_table,
+            # upsert on the business key: a record redelivered after a crash updates its row
+            # instead of stopping the task on the target's unique index
+            "insert.mode": "upsert",
+            "primary.key.mode": "record_value",
+            "primary.key.fields": ",".join(pipeline.business_key),
+            "schema.evolution": "none",  # the target exists, created as the other contenders' are
+            "batch.size": "10000",
+            # the provenance columns every contender fills (the target's primary key)
+            "transforms": "provenance",
+            "transforms.provenance.type": "org.apache.kafka.connect.transforms.InsertField$Value",
+            "transforms.provenance.topic.field": "kafka_topic",
+            "transforms.provenance.partition.field": "kafka_partition",
+            "transforms.provenance.offset.field": "kafka_offset",
+            "transforms.provenance.timestamp.field": "kafka_timestamp",
+            "transforms.provenance.static.field": "batch_id",
+            "transforms.provenance.static.value": "0",
+        },
+    )
+    log_config.write_text(CONNECT_LOG4J2)
+    command = [
+        shutil.which("java") or "java",
+        *CONNECT_JVM,
+        f"-Dlog4j2.configurationFile={log_config}",
+        "-cp",
+        f"{jars}/*",
+        "org.apache.kafka.connect.cli.ConnectStandalone",
+        str(worker_file),
+        str(connector_file),
+    ]
+    log = work / f"{name}.log"
+    with open(log, "w") as out:
+        worker = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_for_sink(settings, f"connect-{name}", pipeline.topic, ends, worker, port, name, log)
+        done = time.time() - psutil.Process().create_time()
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+    return {"rows": _count(settings, pipeline), "timed_seconds": done}
+
+
+CONNECT_LOG4J2 = """\
+status = warn
+appender.out.type = Console
+appender.out.name = STDOUT
+appender.out.layout.type = PatternLayout
+appender.out.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = WARN
+rootLogger.appenderRef.out.ref = STDOUT
+logger.connect.name = org.apache.kafka.connect.runtime.Worker
+logger.connect.level = INFO
+"""
+
+
+def _wait_for_sink(
+    settings: Settings,
+    group: str,
+    topic: str,
+    ends: dict[int, int],
+    worker: subprocess.Popen,
+    port: int,
+    name: str,
+    log: Path,
+) -> None:
+    """Until the sink's consumer group has committed every partition's end offset; fails on a
+    worker that exited, a failed task, or the deadline."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from kafka2pg.kafka_offsets import client_config
+
+    watcher = Consumer({**client_config(settings.bootstrap_servers, 10), "group.id": group})
+    deadline = time.monotonic() + CONNECT_DEADLINE_S
+    try:
+        while True:
+            if worker.poll() is not None:
+                raise SystemExit(f"the Connect worker exited ({worker.returncode}); log {log}:\n{_tail(log)}")
+            failed = _failed_tasks(port, name)
+            if failed:
+                raise SystemExit(f"Connect task failed: {failed[:3000]}\nlog {log}")
+            # an empty partition has no commit to wait for (its committed offset stays unset)
+            pending = [TopicPartition(topic, p) for p, end in ends.items() if end > 0]
+            committed = watcher.committed(pending, timeout=10) if pending else []
+            if all(tp.offset >= ends[tp.partition] for tp in committed):
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"Connect did not finish in {CONNECT_DEADLINE_S}s: committed {committed}, ends {ends}")
+            time.sleep(0.5)
+    finally:
+        watcher.close()
+
+
+def _failed_tasks(port: int, name: str) -> str:
+    """The traces of the connector's failed tasks ("" while none failed, or the REST API is not up yet)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/connectors/{name}/status", timeout=5) as answer:
+            status = json.load(answer)
+    except (urllib.error.URLError, ConnectionError):
+        return ""
+    states = [status["connector"], *status.get("tasks", [])]
+    return "\n".join(s.get("trace", "FAILED") for s in states if s["state"] == "FAILED")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _write_properties(path: Path, values: dict[str, str]) -> None:
+    path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-3000:]
+
+
 def _rows(settings: Settings, topic: str, partition: int, ranges):
     from confluent_kafka import Consumer, TopicPartition
 
@@ -356,6 +569,8 @@ def child(name: str, master: str) -> int:
         result = run_worker(settings, topic)
     elif name == "floor":
         result = run_floor(settings, topic, work)
+    elif name == "connect":
+        result = run_connect(settings, topic, work)
     elif name == "airflow":
         result = run_airflow(settings, topic, work)
     else:
@@ -476,6 +691,14 @@ def main() -> int:
         print(
             f"read the backlog once for the floor's file (warms the broker for all): {time.monotonic() - started:.1f}s"
         )
+        names = args.contenders.split(",")
+        if "connect" in names:
+            started = time.monotonic()
+            ensure_topic(settings.bootstrap_servers, connect_topic(topic), args.partitions)
+            produce(
+                settings.bootstrap_servers, connect_topic(topic), connect_events(args.events, args.size), key_field=None
+            )
+            print(f"wrote the backlog again for connect, with embedded schemas: {time.monotonic() - started:.1f}s")
         env = {
             **os.environ,
             **stack.env(),
@@ -486,7 +709,6 @@ def main() -> int:
             **({"BENCH_AIRFLOW_PER_BATCH": "1"} if args.airflow_per_batch else {}),
         }
         servers = {"PostgreSQL": stack.postgres.pid, "Kafka broker": stack.kafka.pid}
-        names = args.contenders.split(",")
         runs: dict[str, list[dict]] = {name: [] for name in names}
         for round_no in range(args.rounds):
             # Odd rounds run the contenders in reverse order: neither always goes first.
@@ -546,7 +768,7 @@ def print_table(
     ours = results.get("ours")
     runs = runs or {name: [r] for name, r in results.items()}
     if ours:
-        for other in ("peer", "worker", "floor"):
+        for other in ("peer", "worker", "floor", "connect"):
             if other in results:
                 # Paired by round (same minutes of the box's drift); the median of the rounds.
                 ratios = sorted(_seconds(o) / _seconds(u) for o, u in zip(runs[other], runs["ours"], strict=True))

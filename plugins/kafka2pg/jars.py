@@ -1,8 +1,10 @@
 """The jars resolved from Maven Central with `mvn`: Spark's Kafka source, which every stage job
-needs, and the Kafka broker, which the local stack (kafka2pg.devtools) runs.
+needs, the Kafka broker, which the local stack (kafka2pg.devtools) runs, and a Kafka Connect worker
+with the Debezium JDBC sink, the benchmark's Kafka Connect contender (bench/compare.py).
 
-Set-up (`kafka2pg stack install`) resolves both once under the state directory's `jars/`; the
-DAG's spark-submit finds Spark's there (dag_factory.spark_kafka_source). Later calls are offline.
+Set-up (`kafka2pg stack install`) resolves the broker's and Spark's once under the state directory's
+`jars/`, the benchmark Connect's the first time it runs; the DAG's spark-submit finds Spark's there
+(dag_factory.spark_kafka_source). Later calls are offline.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 from kafka2pg.exceptions import StackError
@@ -20,16 +23,23 @@ log = logging.getLogger(__name__)
 
 MAVEN_DIR = PACKAGE_DIR / "maven"
 DEFAULT_CACHE = default_state_dir()
+# name under jars/ -> the POM that lists them
+POMS = {"kafka": "kafka-broker.pom.xml", "spark": "spark-kafka.pom.xml", "connect": "kafka-connect.pom.xml"}
 
 
 def jar_dir(cache: Path, name: str) -> Path:
     return cache / "jars" / name
 
 
-def resolve_jars(cache: Path = DEFAULT_CACHE) -> dict[str, Path]:
-    """Resolve the Kafka broker and Spark Kafka source jars once; later calls are offline."""
+# What set-up resolves; the benchmark asks for "connect" itself, the first time it runs.
+SET_UP = ("kafka", "spark")
+
+
+def resolve_jars(cache: Path = DEFAULT_CACHE, names: tuple[str, ...] = SET_UP) -> dict[str, Path]:
+    """Resolve the jars of the named POMs once; later calls are offline."""
     result = {}
-    for name, pom in (("kafka", "kafka-broker.pom.xml"), ("spark", "spark-kafka.pom.xml")):
+    for name in names:
+        pom = POMS[name]
         target = jar_dir(cache, name)
         marker = target / ".complete"
         pom_path = MAVEN_DIR / pom
@@ -56,9 +66,24 @@ def resolve_jars(cache: Path = DEFAULT_CACHE) -> dict[str, Path]:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise StackError(f"Maven could not resolve {pom}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
+        _unpack_plugins(target)
         marker.write_text(pom_path.read_text())
         result[name] = target
     return result
+
+
+def connect_plugin_path(jars: Path) -> Path:
+    """The Kafka Connect `plugin.path` folder: one sub-folder per connector archive."""
+    return jars / "plugins"
+
+
+def _unpack_plugins(target: Path) -> None:
+    """A connector comes as a plugin archive (tar.gz of its jars); Connect loads it unpacked, each in
+    its own class loader, so its jars stay off the worker's class path."""
+    for archive in sorted(target.glob("*.tar.gz")):
+        with tarfile.open(archive) as tar:
+            tar.extractall(connect_plugin_path(target), filter="data")
+        archive.unlink()
 
 
 def spark_jars(cache: Path = DEFAULT_CACHE) -> list[Path]:

@@ -20,7 +20,9 @@ def test_compare_benchmark_smoke_runs_every_contender_and_prints_the_ratios():
         "peer ",
         "worker ",
         "floor ",
+        "connect ",
         "throughput ours/peer:",
+        "throughput ours/connect:",
         "ours per phase:",
         "fixed costs:",
         "CPU core-seconds while each ran",
@@ -30,13 +32,16 @@ def test_compare_benchmark_smoke_runs_every_contender_and_prints_the_ratios():
     ):
         assert line in done.stdout, done.stdout
     rows = [
-        ln.split() for ln in done.stdout.splitlines() if ln.split()[:1] in (["ours"], ["peer"], ["worker"], ["floor"])
+        ln.split()
+        for ln in done.stdout.splitlines()
+        if ln.split()[:1] in (["ours"], ["peer"], ["worker"], ["floor"], ["connect"])
     ]
     assert {r[0]: int(r[1]) for r in rows if r[1].isdigit()} == {
         "ours": 2000,
         "peer": 2000,
         "worker": 2000,
         "floor": 2000,
+        "connect": 2000,
     }
 
 
