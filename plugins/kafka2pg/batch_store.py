@@ -93,7 +93,8 @@ def transition(conn: Connection, batch: Batch, to_state: BatchState, **counts: i
     assignments = "".join(f", {name} = %({name})s" for name in counts)
     if is_progress(batch.state, to_state):
         assignments += _CLEAR_FAILURES
-    if BatchState(to_state) in _STEP_ENDED:
+    if BatchState(to_state) in _STEP_ENDED and is_progress(batch.state, to_state):
+        # Forward moves only: a batch sent back to `staged` (a key collision) keeps when it was staged.
         assignments += f", {_STEP_ENDED[BatchState(to_state)]} = clock_timestamp()"
     moved = conn.execute(
         f"UPDATE kafka2pg.batches SET state = %(to)s, updated_at = now(){assignments}"  # noqa: S608 - names are code constants

@@ -12,7 +12,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
-from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    IsolationLevel,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from kafka2pg.exceptions import KafkaAuthenticationError, KafkaUnavailableError, RetentionLossError, TopicNotFoundError
@@ -246,23 +254,19 @@ def record_headers(
 def commit_group_offsets(
     kafka: KafkaLike, group: str, topic: str, offsets: dict[int, int], timeout_s: float = 10.0
 ) -> None:
-    """Commit `offsets` (partition -> next offset to read) as consumer group `group`'s positions on
-    `topic`, without joining the group (Kafka accepts that while the group has no active member)."""
-    errors: list[KafkaError] = []
-    consumer = Consumer(
-        {**client_config(kafka, timeout_s), "error_cb": errors.append, "group.id": group, "enable.auto.commit": False}
-    )
+    """Set consumer group `group`'s offsets on `topic` to `offsets` (partition -> next offset to read)
+    with the admin API, within `timeout_s` (a consumer's synchronous commit would wait for a group
+    coordinator without end). Kafka accepts it only while the group has no active member."""
+    admin = admin_client(kafka, timeout_s)
+    request = ConsumerGroupTopicPartitions(group, [TopicPartition(topic, p, o) for p, o in sorted(offsets.items())])
+    (future,) = admin.alter_consumer_group_offsets([request], request_timeout=timeout_s).values()
     try:
-        committed = consumer.commit(
-            offsets=[TopicPartition(topic, p, o) for p, o in sorted(offsets.items())], asynchronous=False
-        )
+        result = _answer(future, f"setting consumer group {group}'s offsets", kafka, timeout_s, admin, topic)
     except KafkaException as exc:
-        raise _unavailable(kafka, timeout_s, exc, errors, topic=topic) from exc
-    finally:
-        consumer.close()
-    refused = [f"{topic}[{tp.partition}]: {tp.error}" for tp in committed or () if tp.error]
+        raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
+    refused = [f"{topic}[{tp.partition}]: {tp.error}" for tp in result.topic_partitions if tp.error]
     if refused:
-        raise _unavailable(kafka, timeout_s, f"committing group {group}'s offsets: {'; '.join(refused)}", errors)
+        raise _unavailable(kafka, timeout_s, f"setting consumer group {group}'s offsets: {'; '.join(refused)}")
 
 
 def _read_messages(

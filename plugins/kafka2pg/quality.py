@@ -106,7 +106,8 @@ def validate_batch(
             store_result(conn, batch_id, payload)
             verdict = gate_verdict(sum(not c.success for c in checks))
             error = {"error": summary[:2000]} if verdict is BatchState.REJECTED else {}
-            transition(conn, batch, verdict, rows_quarantined=quarantined, **error)
+            # report_path: the export of an earlier verdict is not this one's (set again after the export).
+            transition(conn, batch, verdict, rows_quarantined=quarantined, report_path=None, **error)
     if lost:
         raise_staging_lost(pipeline, batch_id)
     report = _write_report(settings, pipeline, payload)  # a file: after the batch's lock is released

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import logging
 
+import psycopg
+from confluent_kafka import KafkaException
+
 from kafka2pg.batch_store import key_probe_deferred, load_claimed, raise_staging_lost, transition
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, KeyCollisionError
+from kafka2pg.exceptions import BatchStateError, Kafka2PgError, KeyCollisionError
 from kafka2pg.kafka_offsets import commit_group_offsets
 from kafka2pg.ledger import read_heads
 from kafka2pg.lifecycle import BatchState
@@ -32,8 +35,8 @@ def promote_batch(
     rest is promoted.
     """
     result = _promote(settings, pipeline, batch_id, epoch)
-    if pipeline.lag_consumer_group:
-        mirror_heads(settings, pipeline)
+    if pipeline.lag_consumer_group and isinstance(result, PromoteResult) and not result.already_promoted:
+        mirror_heads(settings, pipeline)  # a live promotion moved the heads (a replay moves none)
     return result
 
 
@@ -47,7 +50,7 @@ def mirror_heads(settings: Settings, pipeline: Pipeline) -> None:
             commit_group_offsets(
                 settings.kafka, pipeline.lag_consumer_group, pipeline.topic, heads, settings.kafka_timeout_s
             )
-    except Exception as exc:  # noqa: BLE001 - informational only; the promotion stands
+    except (psycopg.Error, Kafka2PgError, KafkaException) as exc:  # informational only: the promotion stands
         log.warning(
             "pipeline=%s heads not mirrored into consumer group %s (%s: %s); the promotion stands",
             pipeline.name,

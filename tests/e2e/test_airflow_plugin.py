@@ -141,8 +141,13 @@ def test_plugin_pages_behind_airflow_login_agree_with_the_cli(make_pipeline, db,
         # As a signed-in browser shows them (the UI's session cookie).
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         cookie = {"name": "_token", "value": token}
-        text = screenshot_page(overview_url, cookie, ARTIFACTS / "plugin-overview.png")
-        assert f"pipeline {name}" in text and "time to data loss" in text
+        rows = ROWS.replace("TABLE", f"partitions-{name}").replace("KEY", "partition")
+        shown = screenshot_page(overview_url, cookie, ARTIFACTS / "plugin-overview.png", read=rows)
+        # The browser's DOM shows each partition's head, offsets, lag and margin as `status --json`.
+        keys = ["partition", "next_offset", "last_stable_offset", "low_watermark", "high_watermark", "lag", "margin"]
+        assert [row["cells"] for row in shown] == [
+            [*(str(p[k]) for k in keys), p["time_to_loss"]] for p in status["partitions"]
+        ], shown
         text = screenshot_page(report_url, cookie, ARTIFACTS / "plugin-quality-report.png")
         assert "business_key_unique_in_batch" in text
         assert (ARTIFACTS / "plugin-overview.png").stat().st_size > 10_000

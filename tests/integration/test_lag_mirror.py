@@ -4,15 +4,18 @@ effort: a group Kafka refuses to commit for leaves the promotion as it is."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import subprocess
+import threading
 import time
 
 from confluent_kafka import Consumer
 
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.jars import resolve_jars
+from kafka2pg.steps import mirror_heads
 
 
 def consumer_groups_describe(bootstrap: str, group: str) -> dict[int, tuple[int, int, int]]:
@@ -85,3 +88,16 @@ def test_a_group_kafka_refuses_to_commit_for_leaves_the_promotion_standing(make_
         assert "heads not mirrored into consumer group" in caplog.text and "the promotion stands" in caplog.text
     finally:
         member.close()
+
+
+def test_an_unreachable_kafka_costs_the_mirror_its_client_timeout_not_the_promotion(make_pipeline, run_batch, caplog):
+    env = make_pipeline(partitions=1, lag_consumer_group=f"kafka2pg-lag-dead-{time.monotonic_ns()}")
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(3, seed=94))
+    assert run_batch(env).promoted == 3
+    dead = dataclasses.replace(env.settings, kafka="127.0.0.1:9", kafka_timeout_s=2)
+    mirror = threading.Thread(target=mirror_heads, args=(dead, env.pipeline), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="kafka2pg.steps"):
+        mirror.start()
+        mirror.join(timeout=30)  # a deadline for a hang, 15 times the 2 s client timeout (a consumer commit: 45 s)
+    assert not mirror.is_alive(), "the mirror waited for Kafka without end"
+    assert "heads not mirrored into consumer group" in caplog.text and "KafkaUnavailableError" in caplog.text
