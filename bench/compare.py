@@ -28,7 +28,6 @@ import csv
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from psycopg import sql  # noqa: E402
 
 from kafka2pg.config import Settings  # noqa: E402
 from kafka2pg.database import connect  # noqa: E402
+from kafka2pg.devtools.processes import free_port  # noqa: E402
 from kafka2pg.devtools.producer import produce, sample_events  # noqa: E402
 from kafka2pg.kafka_offsets import ensure_topic, partition_offsets  # noqa: E402
 from kafka2pg.migrations import migrate  # noqa: E402
@@ -260,7 +260,7 @@ def run_connect(settings: Settings, topic: str, work: Path) -> dict:
     jars = resolve_jars(names=("connect",))["connect"]
     ends = {o.partition: o.high for o in partition_offsets(settings.bootstrap_servers, pipeline.topic)}
     name = f"bench-{pipeline.name}"
-    port = _free_port()
+    port = free_port()
     worker_file, connector_file, log_config = (
         work / f"{name}{ext}" for ext in (".worker", ".connector", ".log4j2.properties")
     )
@@ -402,12 +402,6 @@ def _failed_tasks(port: int, name: str) -> str:
         return ""
     states = [status["connector"], *status.get("tasks", [])]
     return "\n".join(s.get("trace", "FAILED") for s in states if s["state"] == "FAILED")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _write_properties(path: Path, values: dict[str, str]) -> None:
