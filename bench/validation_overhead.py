@@ -39,6 +39,9 @@ def _unvalidate(settings: Settings, staging: str, batch_id: int) -> None:
             )
         )
         conn.execute("UPDATE kafka2pg.batches SET state = %s WHERE batch_id = %s", (BatchState.STAGED, batch_id))
+        # Stored results of a deferred check mean "sent back by a key collision at promotion", which
+        # gets a recheck only: without them the next validation runs the whole gate again.
+        conn.execute("DELETE FROM kafka2pg.batch_checks WHERE batch_id = %s", (batch_id,))
 
 
 def main() -> int:

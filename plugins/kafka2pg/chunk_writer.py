@@ -24,8 +24,9 @@ from kafka2pg.migrations import PROVENANCE, RAW, staging_columns
 
 # What the stage job reads from Spark's Kafka source, in this order. Not the headers: Spark's
 # Kafka source builds them per record at a high price (more than reading and moving the value);
-# the stage step fetches them from Kafka for the records that go to quarantine only.
-KAFKA_COLUMNS = ("topic", "partition", "offset", "timestamp", "key", "value")
+# the stage step fetches them from Kafka for the records that go to quarantine only. Not the
+# topic: a batch reads one, and a string per record would cross from the JVM for nothing.
+KAFKA_COLUMNS = ("partition", "offset", "timestamp", "key", "value")
 STATS_SCHEMA = (
     "kafka_partition int, records long, quarantined long, min_offset long, max_offset long, refused array<long>"
 )
@@ -43,8 +44,8 @@ _ARROW_TYPES = {
 }
 
 
-def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: int):
-    """A mapInArrow function: admit and COPY one Spark partition into staging, yield its read stats.
+def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: int, topic: str):
+    """A mapInArrow function: admit and COPY one Spark partition of `topic` into staging, yield its read stats.
 
     Each chunk is one transaction that checks the run's claim (batch still `planned`, same
     epoch; FOR SHARE so a newer claim or the `staged` transition waits for it) and replaces
@@ -83,12 +84,12 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
                 if not record_batch.num_rows:
                     continue
                 outcomes = [decoder.decode(v) for v in record_batch.column("value").to_pylist()]
-                framed = frame(record_batch, outcomes, decoder, batch_id, chunk)
+                framed = frame(record_batch, outcomes, decoder, batch_id, chunk, topic)
                 refused = copy_isolating(conn, copy_sql, framed, into=f"kafka2pg.{pipeline.staging_table}")
                 if refused:
                     for index, message in refused.items():
                         outcomes[index] = Admitted(None, f"PostgreSQL refused the row in staging: {message}")
-                    framed = frame(record_batch, outcomes, decoder, batch_id, chunk)
+                    framed = frame(record_batch, outcomes, decoder, batch_id, chunk, topic)
                     # Now NULLs, raw bytes as bytea and a reason: nothing left to refuse.
                     _copy(conn, copy_sql, framed.take(sorted(refused)))
                 _accumulate(stats, framed)
@@ -120,9 +121,14 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
 
 
 def frame(
-    record_batch: pa.RecordBatch, outcomes: Sequence[Admitted], decoder: RecordDecoder, batch_id: int, chunk: int
+    record_batch: pa.RecordBatch,
+    outcomes: Sequence[Admitted],
+    decoder: RecordDecoder,
+    batch_id: int,
+    chunk: int,
+    topic: str,
 ) -> pa.Table:
-    """The staging rows of Kafka records and their admission outcomes, as an Arrow table in COPY order.
+    """The staging rows of Kafka records of `topic` and their admission outcomes, as an Arrow table in COPY order.
 
     An admitted record carries its typed values; a refused one NULLs and its raw key and value
     (as bytea), with the reason (its headers are added by the stage step, `stage_batch`).
@@ -132,7 +138,7 @@ def frame(
     columns: list[pa.Array] = [
         pa.repeat(pa.scalar(batch_id, pa.int64()), rows),
         pa.repeat(pa.scalar(chunk, pa.int32()), rows),
-        record_batch.column("topic"),
+        pa.repeat(pa.scalar(topic, pa.string()), rows),
         record_batch.column("partition"),
         record_batch.column("offset"),
         record_batch.column("timestamp"),

@@ -48,9 +48,9 @@ def cmd_stack(args: argparse.Namespace) -> int:
     cache = state_dir()
     if args.action == "install":
         from kafka2pg import class_archive
-        from kafka2pg.jars import resolve_jars
+        from kafka2pg.jars import SET_UP, resolve_jars
 
-        for name, path in resolve_jars(cache).items():
+        for name, path in resolve_jars(cache, SET_UP + (("connect",) if args.bench else ())).items():
             print(f"{name} jars: {path}")
         if not class_archive.class_archive_path(cache).is_file():
             print("making the Spark class-data archive (once; about 30 s)", file=sys.stderr)
@@ -404,6 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("action", choices=["install", "start", "stop", "status", "reset"])
     p.add_argument("--confirm", action="store_true", help="reset: delete; without it, only say what would go")
+    p.add_argument(
+        "--bench",
+        action="store_true",
+        help="install: also the benchmark's Kafka Connect worker and Debezium JDBC sink (about 75 MB)",
+    )
     p.add_argument(
         "--secured",
         action="store_true",

@@ -3,7 +3,8 @@ needs, the Kafka broker, which the local stack (kafka2pg.devtools) runs, and a K
 with the Debezium JDBC sink, the benchmark's Kafka Connect contender (bench/compare.py).
 
 Set-up (`kafka2pg stack install`) resolves the broker's and Spark's once under the state directory's
-`jars/`, the benchmark Connect's the first time it runs; the DAG's spark-submit finds Spark's there
+`jars/`, and Connect's too with `--bench` (`./kafka2pg setup` and `./kafka2pg test` ask for it; the
+benchmark resolves it itself when missing); the DAG's spark-submit finds Spark's there
 (dag_factory.spark_kafka_source). Later calls are offline.
 """
 
@@ -31,7 +32,7 @@ def jar_dir(cache: Path, name: str) -> Path:
     return cache / "jars" / name
 
 
-# What set-up resolves; the benchmark asks for "connect" itself, the first time it runs.
+# What set-up resolves for every command; "connect" only for the benchmark (`stack install --bench`).
 SET_UP = ("kafka", "spark")
 
 

@@ -184,7 +184,7 @@ def _read_and_write(
             "spark.jars.packages; on a cluster, install them or set spark.jars.packages in the pipeline's "
             "spark_conf. Nothing was staged."
         ) from None
-    writer = chunk_writer(settings.database_url, pipeline, batch.batch_id, batch.epoch)
+    writer = chunk_writer(settings.database_url, pipeline, batch.batch_id, batch.epoch, batch.plan.topic)
     try:
         frame = raw.select(*KAFKA_COLUMNS)
         context = spark.sparkContext

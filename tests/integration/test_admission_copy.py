@@ -100,14 +100,13 @@ def _record_batch(values: list[bytes]) -> pa.RecordBatch:
     rows = len(values)
     return pa.RecordBatch.from_arrays(
         [
-            pa.array(["t"] * rows),
             pa.array([0] * rows, pa.int32()),
             pa.array(range(rows), pa.int64()),
             pa.array([datetime(2026, 1, 1, tzinfo=UTC)] * rows, pa.timestamp("us", tz="UTC")),
             pa.array([b"k\x00\xff"] * rows, pa.binary()),
             pa.array(values, pa.binary()),
         ],
-        names=["topic", "partition", "offset", "timestamp", "key", "value"],
+        names=["partition", "offset", "timestamp", "key", "value"],
     )
 
 
@@ -137,7 +136,7 @@ def staged(base_settings, tmp_path_factory):
         with psycopg.connect(base_settings.database_url) as conn:
             conn.execute(sql.SQL("TRUNCATE {}").format(table))
             refused = copy_isolating(
-                conn, copy_sql, frame(_record_batch(values), outcomes, decoder, 1, 0), into="staging"
+                conn, copy_sql, frame(_record_batch(values), outcomes, decoder, 1, 0, "t"), into="staging"
             )
             rows = conn.execute(
                 sql.SQL(

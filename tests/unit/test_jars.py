@@ -36,3 +36,24 @@ def test_an_archive_member_outside_the_plugin_path_is_refused(tmp_path):
         _unpack_plugins(tmp_path)
 
     assert not (tmp_path.parent / "escaped.jar").exists()
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], ("kafka", "spark")), (["--bench"], ("kafka", "spark", "connect"))])
+def test_stack_install_resolves_connect_only_for_the_benchmark(argv, expected, tmp_path, monkeypatch, capsys):
+    """`./kafka2pg setup` and `./kafka2pg test` install with --bench: the Connect contender's jars
+    come with set-up there, not with every command (the demo does not need 75 MB more)."""
+    from kafka2pg import class_archive, cli, jars
+
+    asked = []
+
+    def resolve(cache, names=jars.SET_UP):
+        asked.append(tuple(names))
+        return {name: cache / "jars" / name for name in names}
+
+    monkeypatch.setattr(jars, "resolve_jars", resolve)
+    monkeypatch.setattr(class_archive, "ensure", lambda cache: None)
+    monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path))
+
+    assert cli.main(["stack", "install", *argv]) == 0
+    assert asked == [expected]
+    assert f"connect jars: {tmp_path / 'jars' / 'connect'}" in capsys.readouterr().out or "--bench" not in argv
