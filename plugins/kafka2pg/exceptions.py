@@ -126,6 +126,21 @@ class KafkaUnavailableError(ServiceUnavailableError):
         )
 
 
+class ConsumerGroupRefusedError(Kafka2PgError):
+    """Kafka answered, and refused to set a consumer group's offsets."""
+
+    @classmethod
+    def refused(cls, group: str, topic: str, detail: str) -> Self:
+        return cls(
+            f"Kafka refused to set consumer group {group}'s offsets on {topic}: {detail}. Kafka sets a group's "
+            "offsets from outside only while it has no active member (another application consuming with this "
+            "group id), and only for a client allowed to (Read on the group, Describe on the topic).",
+            group=group,
+            topic=topic,
+            detail=detail,
+        )
+
+
 class DatabaseUnavailableError(ServiceUnavailableError):
     """PostgreSQL could not be reached."""
 

@@ -23,7 +23,13 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
-from kafka2pg.exceptions import KafkaAuthenticationError, KafkaUnavailableError, RetentionLossError, TopicNotFoundError
+from kafka2pg.exceptions import (
+    ConsumerGroupRefusedError,
+    KafkaAuthenticationError,
+    KafkaUnavailableError,
+    RetentionLossError,
+    TopicNotFoundError,
+)
 from kafka2pg.kafka_config import KafkaLike, kafka_config
 
 log = logging.getLogger(__name__)
@@ -263,10 +269,13 @@ def commit_group_offsets(
     try:
         result = _answer(future, f"setting consumer group {group}'s offsets", kafka, timeout_s, admin, topic)
     except KafkaException as exc:
+        error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        if error is not None and error.code() > 0:  # a broker's answer (librdkafka's own codes are negative)
+            raise ConsumerGroupRefusedError.refused(group, topic, error.str()) from exc
         raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
     refused = [f"{topic}[{tp.partition}]: {tp.error}" for tp in result.topic_partitions if tp.error]
     if refused:
-        raise _unavailable(kafka, timeout_s, f"setting consumer group {group}'s offsets: {'; '.join(refused)}")
+        raise ConsumerGroupRefusedError.refused(group, topic, "; ".join(refused))
 
 
 def _read_messages(

@@ -21,7 +21,7 @@ from urllib.parse import quote, urlencode
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse
 
-from kafka2pg.exceptions import Kafka2PgError
+from kafka2pg.exceptions import ConfigError, Kafka2PgError
 
 if TYPE_CHECKING:
     from kafka2pg.config import Pipeline, Settings
@@ -70,7 +70,8 @@ app = FastAPI(
 @app.middleware("http")
 async def _service_errors(request: Request, call_next):
     """A page whose PostgreSQL (or Kafka) fails answers 503 with the cause, not a bare 500; a ledger
-    older than this version (a migration not applied) says so. psycopg is imported only then:
+    older than this version (a migration not applied) says so; a configuration error answers 500
+    naming it. psycopg is imported only then:
     loading the plugin loads no database client."""
     try:
         return await call_next(request)
@@ -83,8 +84,12 @@ async def _service_errors(request: Request, call_next):
         cause = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn):
             cause += " (the ledger lacks a migration of this version: run `kafka2pg migrate`)"
-        page = _page(request, "kafka2pg: a service failed", f'<p class="error">{html.escape(cause)}</p>')
-        page.status_code = 503
+        # A configuration error (the pipelines file, a connection) is the deployment's to fix, not
+        # a service that may come back: 500, named as such. Its messages name settings, never secrets.
+        configuration = isinstance(exc, ConfigError)
+        title = "kafka2pg: a configuration error" if configuration else "kafka2pg: a service failed"
+        page = _page(request, title, f'<p class="error">{html.escape(cause)}</p>')
+        page.status_code = 500 if configuration else 503
         return page
 
 

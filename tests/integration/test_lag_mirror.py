@@ -86,6 +86,9 @@ def test_a_group_kafka_refuses_to_commit_for_leaves_the_promotion_standing(make_
             assert run_batch(env).promoted == 5
         assert heads(env) == {0: 5}
         assert "heads not mirrored into consumer group" in caplog.text and "the promotion stands" in caplog.text
+        # Kafka answered, and said no: a refusal naming why, not "did not answer".
+        assert "ConsumerGroupRefusedError: Kafka refused to set consumer group" in caplog.text, caplog.text
+        assert "did not answer" not in caplog.text
     finally:
         member.close()
 

@@ -107,3 +107,19 @@ def test_a_page_whose_database_lacks_a_migration_answers_503_naming_it(client, m
     assert page.status_code == 503, page.text
     assert "UndefinedColumn: column b.staged_at does not exist" in page.text and "kafka2pg migrate" in page.text
     assert "kafka2pg overview" in page.text  # the pages' own frame, with the way back
+
+
+def test_a_page_whose_configuration_is_wrong_answers_500_naming_it(client, monkeypatch):
+    """A broken pipelines file or connection is not a service that may come back: not a 503."""
+    from kafka2pg.exceptions import ConfigError
+
+    http, _ = client
+
+    def batches_page(*args):
+        raise ConfigError("connection 'kafka2pg_postgres': no host")
+
+    monkeypatch.setattr("kafka2pg.browse.batches_page", batches_page)
+    page = http.get("/pipelines/alpha/batches")
+    assert page.status_code == 500, page.text
+    assert "a configuration error" in page.text
+    assert "ConfigError: connection &#x27;kafka2pg_postgres&#x27;: no host" in page.text

@@ -1,0 +1,42 @@
+"""Setting a consumer group's offsets (the lag mirror): a broker's refusal is named as one, a
+cluster that did not answer as unavailable. The refusal by a real broker (a group with an active
+member) is tests/integration/test_lag_mirror.py's; these are the error codes it cannot provoke."""
+
+from concurrent.futures import Future
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from kafka2pg import kafka_offsets
+from kafka2pg.exceptions import ConsumerGroupRefusedError, KafkaUnavailableError
+
+
+class FailingAdmin:
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def alter_consumer_group_offsets(self, requests, request_timeout):
+        future: Future = Future()
+        future.set_exception(KafkaException(KafkaError(self.code)))
+        return {requests[0]: future}
+
+    def why(self) -> list:
+        return []
+
+
+@pytest.mark.parametrize(
+    ("code", "expected", "says"),
+    [
+        (KafkaError.GROUP_AUTHORIZATION_FAILED, ConsumerGroupRefusedError, "Kafka refused to set consumer group"),
+        (KafkaError.NON_EMPTY_GROUP, ConsumerGroupRefusedError, "no active member"),
+        (KafkaError._TRANSPORT, KafkaUnavailableError, "did not answer"),
+    ],
+)
+def test_a_refusal_is_named_and_a_transport_failure_is_unavailable(code, expected, says, monkeypatch):
+    monkeypatch.setattr(kafka_offsets, "admin_client", lambda kafka, timeout_s: FailingAdmin(code))
+    monkeypatch.setattr(kafka_offsets, "_Admin", FailingAdmin)
+
+    with pytest.raises(expected) as raised:
+        kafka_offsets.commit_group_offsets("127.0.0.1:9092", "lag", "orders", {0: 5}, timeout_s=1)
+
+    assert says in str(raised.value)
