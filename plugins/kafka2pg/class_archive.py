@@ -81,7 +81,6 @@ def train(archive: Path) -> None:
     )
     spark.sparkContext.setLogLevel("ERROR")
     events = spark.range(0, 20_000, numPartitions=2).select(
-        F.lit("training").alias("topic"),
         (F.col("id") % 2).cast("int").alias("partition"),
         F.col("id").alias("offset"),
         F.current_timestamp().alias("timestamp"),

@@ -9,6 +9,7 @@ Kafka2PgError
  │    ├── KafkaUnavailableError
  │    └── DatabaseUnavailableError
  ├── KafkaAuthenticationError the cluster refuses the client (credentials, TLS): not retried
+ ├── ConsumerGroupRefusedError Kafka refused to set the lag mirror's group offsets (active member, ACL)
  ├── TopicNotFoundError
  ├── SchemaNotReadyError      migrations, tables, columns or grants missing: the owner must act
  ├── RetentionLossError       ledger head below the partition's low watermark
@@ -134,7 +135,7 @@ class ConsumerGroupRefusedError(Kafka2PgError):
         return cls(
             f"Kafka refused to set consumer group {group}'s offsets on {topic}: {detail}. Kafka sets a group's "
             "offsets from outside only while it has no active member (another application consuming with this "
-            "group id), and only for a client allowed to (Read on the group, Describe on the topic).",
+            "group id), and only for a client allowed to (Read on the group and on the topic).",
             group=group,
             topic=topic,
             detail=detail,

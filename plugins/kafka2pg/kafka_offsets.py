@@ -270,12 +270,29 @@ def commit_group_offsets(
         result = _answer(future, f"setting consumer group {group}'s offsets", kafka, timeout_s, admin, topic)
     except KafkaException as exc:
         error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-        if error is not None and error.code() > 0:  # a broker's answer (librdkafka's own codes are negative)
+        if error is not None and error.code() in _GROUP_REFUSALS:
             raise ConsumerGroupRefusedError.refused(group, topic, error.str()) from exc
         raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
-    refused = [f"{topic}[{tp.partition}]: {tp.error}" for tp in result.topic_partitions if tp.error]
-    if refused:
-        raise ConsumerGroupRefusedError.refused(group, topic, "; ".join(refused))
+    failed = [tp for tp in result.topic_partitions if tp.error]
+    if failed:
+        detail = "; ".join(f"{topic}[{tp.partition}]: {tp.error}" for tp in failed)
+        if all(tp.error.code() in _GROUP_REFUSALS for tp in failed):
+            raise ConsumerGroupRefusedError.refused(group, topic, detail)
+        raise _unavailable(kafka, timeout_s, f"setting consumer group {group}'s offsets: {detail}", topic=topic)
+
+
+# The broker's answers to an offset commit that mean "not this group, not this client": retrying
+# cannot help. Others (a coordinator loading or moving, a timeout, a disconnect) may pass.
+_GROUP_REFUSALS = {
+    KafkaError.UNKNOWN_MEMBER_ID,
+    KafkaError.ILLEGAL_GENERATION,
+    KafkaError.NON_EMPTY_GROUP,
+    KafkaError.GROUP_SUBSCRIBED_TO_TOPIC,
+    KafkaError.FENCED_INSTANCE_ID,
+    KafkaError.INVALID_GROUP_ID,
+    KafkaError.GROUP_AUTHORIZATION_FAILED,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+}
 
 
 def _read_messages(

@@ -85,7 +85,7 @@ async def _service_errors(request: Request, call_next):
         if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn):
             cause += " (the ledger lacks a migration of this version: run `kafka2pg migrate`)"
         # A configuration error (the pipelines file, a connection) is the deployment's to fix, not
-        # a service that may come back: 500, named as such. Its messages name settings, never secrets.
+        # a service that may come back: 500, named as such (its first line, to signed-in users only).
         configuration = isinstance(exc, ConfigError)
         title = "kafka2pg: a configuration error" if configuration else "kafka2pg: a service failed"
         page = _page(request, title, f'<p class="error">{html.escape(cause)}</p>')

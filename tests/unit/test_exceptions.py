@@ -8,6 +8,7 @@ import pytest
 from kafka2pg import exceptions
 from kafka2pg.exceptions import (
     BatchStateError,
+    ConsumerGroupRefusedError,
     DatabaseUnavailableError,
     Kafka2PgError,
     KafkaAuthenticationError,
@@ -24,6 +25,15 @@ from kafka2pg.exceptions import (
 
 # (error, its evidence exactly, what its message must say)
 BUILT = {
+    "group refused": (
+        ConsumerGroupRefusedError.refused("lag", "orders", "orders[0]: UNKNOWN_MEMBER_ID"),
+        {"group": "lag", "topic": "orders", "detail": "orders[0]: UNKNOWN_MEMBER_ID"},
+        [
+            "Kafka refused to set consumer group lag's offsets on orders: orders[0]: UNKNOWN_MEMBER_ID",
+            "no active member",
+            "Read on the group and on the topic",
+        ],
+    ),
     "no_answer": (
         KafkaUnavailableError.no_answer("broker1:9092", 3, "while listing offsets", topic="orders", partition=2),
         {

@@ -30,6 +30,8 @@ class FailingAdmin:
         (KafkaError.GROUP_AUTHORIZATION_FAILED, ConsumerGroupRefusedError, "Kafka refused to set consumer group"),
         (KafkaError.NON_EMPTY_GROUP, ConsumerGroupRefusedError, "no active member"),
         (KafkaError._TRANSPORT, KafkaUnavailableError, "did not answer"),
+        (KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaUnavailableError, "did not answer"),
+        (KafkaError.REBALANCE_IN_PROGRESS, KafkaUnavailableError, "did not answer"),
     ],
 )
 def test_a_refusal_is_named_and_a_transport_failure_is_unavailable(code, expected, says, monkeypatch):
