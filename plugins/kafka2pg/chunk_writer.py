@@ -185,9 +185,25 @@ def copy_isolating(conn: psycopg.Connection, copy_sql: sql.Composed, table: pa.T
 
 def _copy(conn: psycopg.Connection, copy_sql: sql.Composed, table: pa.Table) -> None:
     buffer = io.BytesIO()
-    csv.write_csv(table, buffer, csv.WriteOptions(include_header=False))
-    with conn.cursor() as cur, cur.copy(copy_sql) as copy:
-        copy.write(buffer.getbuffer())
+    csv.write_csv(_utc_wall_clock(table), buffer, csv.WriteOptions(include_header=False))
+    # The timestamps are written as UTC wall-clock times (see _utc_wall_clock): the COPY reads
+    # them in UTC, whatever the connection's TimeZone; the savepoint keeps that setting to it.
+    with conn.transaction(), conn.cursor() as cur:
+        cur.execute("SET LOCAL TimeZone = 'UTC'")
+        with cur.copy(copy_sql) as copy:
+            copy.write(buffer.getbuffer())
+
+
+def _utc_wall_clock(table: pa.Table) -> pa.Table:
+    """`table` with its zoned timestamps as naive ones of the same UTC instant: Arrow's CSV writer
+    formats a zoned timestamp about 20 times slower (2 us a value, most of the writer's time)."""
+    schema = pa.schema(
+        [
+            f.with_type(pa.timestamp(f.type.unit)) if pa.types.is_timestamp(f.type) and f.type.tz else f
+            for f in table.schema
+        ]
+    )
+    return table if schema == table.schema else table.cast(schema)
 
 
 def _accumulate(stats: dict[int, list], framed: pa.Table) -> None:
