@@ -4,6 +4,8 @@ Contenders load the same Kafka backlog into identical empty target tables (same 
 provenance primary key, business-key unique index):
   ours    the pipeline end to end (plan -> stage -> validate -> promote per batch), the stage
           job's own loop (kafka2pg.runner) in one Spark session, as a DAG run with batches_per_run
+  ours-spark-source  the same with `kafka_reader: spark` (Spark's Kafka source instead of
+          librdkafka in the tasks); only when named in --contenders
   peer    Spark Structured Streaming, Trigger.AvailableNow, foreachBatch -> JDBC
   worker  a hand-written confluent-kafka consumer: COPY each batch + its offsets in one transaction
   floor   PostgreSQL COPY of the same rows from a local file (the cost of landing the data at all)
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import shutil
@@ -100,12 +103,13 @@ def connect_events(count: int, size: int) -> Iterator[dict]:
 # ------------------------------------------------------------------ contenders (child process)
 
 
-def run_ours(settings: Settings, topic: str, master: str) -> dict:
+def run_ours(settings: Settings, topic: str, master: str, reader: str = "librdkafka") -> dict:
     """The stage job's own loop (kafka2pg.runner, batches_per_run unlimited) in one Spark session."""
     from kafka2pg.opening import open_batch
     from kafka2pg.runner import run_batches
 
-    pipeline = bench_pipeline(_fresh(f"ours_{master[6]}"), topic)
+    name = f"ours_{master[6]}" if reader == "librdkafka" else f"ours_{reader}_{master[6]}"
+    pipeline = dataclasses.replace(bench_pipeline(_fresh(name), topic), kafka_reader=reader)
     migrate(settings.database_url, [pipeline])
     started = time.monotonic()
     spark = bench_spark(master, "bench-ours", settings.state_dir, batches=10**9)
@@ -557,6 +561,8 @@ def child(name: str, master: str) -> int:
     topic = os.environ["BENCH_TOPIC"]
     if name == "ours":
         result = run_ours(settings, topic, master)
+    elif name == "ours-spark-source":
+        result = run_ours(settings, topic, master, reader="spark")
     elif name == "peer":
         result = run_peer(settings, topic, work)
     elif name == "worker":
@@ -667,6 +673,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    unknown = sorted(set(args.contenders.split(",")) - {*CONTENDERS, "ours-spark-source"})
+    if unknown and not args.run_one:
+        parser.error(f"--contenders: unknown {', '.join(unknown)} (known: {', '.join(CONTENDERS)}, ours-spark-source)")
     if args.run_one:
         return child(args.run_one, args.master)
     with bench_stack("kafka2pg-compare-") as (settings, stack, work):

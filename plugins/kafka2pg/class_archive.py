@@ -99,6 +99,8 @@ def train(archive: Path) -> None:
         F.col("id").cast("string").cast("binary").alias("key"),
     )
     events.select(*KAFKA_COLUMNS).coalesce(2).mapInArrow(_count_rows, "rows long").collect()
+    # The librdkafka reader's path: Python tasks over a parallelized list, their rows collected.
+    spark.sparkContext.parallelize([[1], [2]], 2).mapPartitions(lambda share: iter(share)).collect()
     gateway = SparkContext._gateway
     spark.stop()
     # The JVM exits (and writes the archive) when its stdin closes; wait for it to finish writing.

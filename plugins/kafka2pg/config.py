@@ -27,12 +27,13 @@ DEFAULT_POSTGRES_CONN_ID = "kafka2pg_postgres"
 DEFAULT_KAFKA_CONN_ID = "kafka2pg_kafka"
 # JVM options of the stage job's driver (in local mode also its executor); a pipeline's
 # spark_conf may override them. A job that stages one batch (batches_per_run 1, the default)
-# lives seconds: C1-only JIT warms up sooner. A job that catches up several batches repays C2's
-# compile time from its second batch on, for the code run per record (JSON decode, Arrow
-# transfer). Raised tier-4 thresholds (invocations 5,000 -> 100,000, about once per record of a
-# batch; minimum 600 -> 20,000; calls + loops 15,000 -> 100,000; loop back-edges 40,000 ->
-# 400,000) leave the driver's per-batch machinery (Spark's closure cleaner, planner, task
-# serialisation) to C1, which halves the compiler threads' CPU. Tuned for batches of ~100k
+# lives seconds: C1-only JIT warms up sooner. A job that catches up several batches through
+# Spark's Kafka source (kafka_reader: spark) repays C2's compile time from its second batch on,
+# for the code run per record (the Kafka client, Arrow transfer); the librdkafka reader runs no
+# per-record code in the JVM. Raised tier-4 thresholds (invocations 5,000 -> 100,000, about once
+# per record of a batch; minimum 600 -> 20,000; calls + loops 15,000 -> 100,000; loop back-edges
+# 40,000 -> 400,000) leave the driver's per-batch machinery (Spark's closure cleaner, planner,
+# task serialisation) to C1, which halves the compiler threads' CPU. Tuned for batches of ~100k
 # records: with much smaller ones, per-record code reaches C2 later. Parallel GC suits a batch
 # job. The measurements behind these choices: bench/README.md.
 STAGE_JVM_OPTIONS_ONE_BATCH = "-XX:TieredStopAtLevel=1 -XX:+UseParallelGC"
@@ -193,6 +194,9 @@ class Pipeline:
     new_partition_start: Literal["earliest", "latest"] = "earliest"
     duplicate_policy: Literal["quarantine", "fail"] = "quarantine"
     data_loss_warning_hours: float = 24.0
+    # How the stage job's Spark tasks read Kafka: librdkafka (confluent-kafka) in the Python task that
+    # also admits and COPYs the records, or Spark's Kafka source (the Java client) feeding it.
+    kafka_reader: Literal["librdkafka", "spark"] = "librdkafka"
     spark_conf: dict[str, str] = field(default_factory=dict)
     spark_log_level: str = SPARK_LOG_LEVELS[0]
     schedule: str | None = None
@@ -415,6 +419,7 @@ _PIPELINE_KEYS = {
     "new_partition_start",
     "duplicate_policy",
     "data_loss_warning_hours",
+    "kafka_reader",
     "spark_conf",
     "spark_log_level",
     "schedule",
@@ -457,6 +462,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         new_partition_start=_choice(raw, "new_partition_start", where, ("earliest", "latest")),
         duplicate_policy=_choice(raw, "duplicate_policy", where, ("quarantine", "fail")),
         data_loss_warning_hours=_positive_number(raw, "data_loss_warning_hours", where, 24.0),
+        kafka_reader=_choice(raw, "kafka_reader", where, ("librdkafka", "spark")),
         spark_conf=_spark_conf(raw.get("spark_conf"), where),
         spark_log_level=_choice(raw, "spark_log_level", where, SPARK_LOG_LEVELS),
         schedule=_schedule(raw, where),

@@ -207,7 +207,8 @@ def _stage_operator(pipeline: Pipeline, pipelines_file: Path, *, several_batches
             "{{ run_id }}",
         ]
 
-    jars, source_conf = spark_kafka_source()
+    # Only Spark's Kafka source needs jars: the librdkafka reader is Python, shipped with the package.
+    jars, source_conf = spark_kafka_source() if pipeline.kafka_reader == "spark" else (None, {})
     return StageOperator(
         pipeline_name=pipeline.name,
         pipelines_file=str(pipelines_file),

@@ -428,6 +428,9 @@ def _unavailable(
         refused = _REFUSALS.get(error.code())
         if refused is None and "bad certificate" in error.str():
             refused = "refused the client's certificate"
+        if refused is None and "certificate verify failed" in error.str():
+            # A failed verification of the broker's certificate can surface as a transport error.
+            refused = "failed the TLS handshake"
         if refused is not None:
             return KafkaAuthenticationError.refused(str(kafka), refused, error.str(), topic=topic)
     return KafkaUnavailableError.no_answer(str(kafka), timeout_s, str(cause), topic=topic, partition=partition)

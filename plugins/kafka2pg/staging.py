@@ -11,13 +11,14 @@ import logging
 import os
 import threading
 import zipfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from psycopg import sql
 from py4j.protocol import Py4JError
 from pyspark.errors import PySparkException
-from pyspark.sql import SparkSession
+from pyspark.sql import Row, SparkSession
 
 from kafka2pg.batch_store import Batch, load_claimed, staging_lost, transition
 from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer, headers_literal
@@ -27,6 +28,7 @@ from kafka2pg.exceptions import (
     BatchStateError,
     ConfigError,
     KafkaAuthenticationError,
+    KafkaUnavailableError,
     RetentionLossError,
     StageInterrupted,
 )
@@ -172,31 +174,11 @@ def _read_and_write(
     batch: Batch,
     stop: threading.Event | None,
 ) -> list:
-    try:
-        raw = spark.read.format("kafka").options(**kafka_read_options(settings, batch.plan)).load()
-    except PySparkException as exc:
-        if "Failed to find data source: kafka" not in str(exc):
-            raise
-        raise ConfigError(
-            "Spark has no Kafka source on its classpath (org.apache.spark:spark-sql-kafka-0-10_2.13 and its "
-            "dependencies). The DAG passes the comma-separated jars in KAFKA2PG_SPARK_JARS, else those resolved "
-            "under $KAFKA2PG_STATE_DIR/jars/spark (`kafka2pg stack install` resolves them), else "
-            "spark.jars.packages; on a cluster, install them or set spark.jars.packages in the pipeline's "
-            "spark_conf. Nothing was staged."
-        ) from None
     writer = chunk_writer(settings.database_url, pipeline, batch.batch_id, batch.epoch, batch.plan.topic)
     try:
-        frame = raw.select(*KAFKA_COLUMNS)
-        context = spark.sparkContext
-        if context.master.startswith("local"):
-            # One chunk (Spark task, COPY, PostgreSQL connection) per task slot, not per Kafka
-            # partition: each task has a fixed cost (a Python worker's run, a connection, a claim
-            # check) that six small tasks on two slots paid three times over. coalesce() merges Kafka
-            # partitions without a shuffle; a chunk's id (its task's partition) stays the same on a
-            # task retry. Only in local mode: on a cluster, defaultParallelism can be 2 before the
-            # executors register.
-            frame = frame.coalesce(max(1, context.defaultParallelism))
-        return frame.mapInArrow(writer, STATS_SCHEMA).collect()
+        if pipeline.kafka_reader == "spark":
+            return _read_with_spark_source(spark, settings, batch, writer)
+        return _read_in_tasks(spark, settings, pipeline, batch, writer)
     except (PySparkException, Py4JError) as exc:
         _raise_if_stopped(stop, pipeline, batch.batch_id)
         # A chunk writer refuses to write once the claim is lost: report that, not a Java trace.
@@ -211,34 +193,124 @@ def _read_and_write(
                 state=current.state,
                 epoch=batch.epoch,
             ) from None
-        refused = next((n for n in _JAVA_REFUSALS if n in str(exc)), None)
-        if refused is not None:
-            cause = _java_message(str(exc), refused)
-            raise KafkaAuthenticationError(
-                f"pipeline {pipeline.name!r} batch {batch.batch_id}: Spark's Kafka client was refused by Kafka at "
-                f"{settings.kafka} ({refused}: {cause}). Check the pipeline's Kafka "
-                "connection (its sasl.* and ssl.* properties, as mapped for Java: README, Connections). Nothing "
-                "was staged; the batch stays planned.",
+        raise _kafka_error(str(exc), settings, pipeline, batch) or exc from None
+
+
+def _read_with_spark_source(spark: SparkSession, settings: Settings, batch: Batch, writer) -> list:
+    """Spark's Kafka source (the Java client) reads the ranges; the chunk writer gets them as Arrow."""
+    try:
+        raw = spark.read.format("kafka").options(**kafka_read_options(settings, batch.plan)).load()
+    except PySparkException as exc:
+        if "Failed to find data source: kafka" not in str(exc):
+            raise
+        raise ConfigError(
+            "Spark has no Kafka source on its classpath (org.apache.spark:spark-sql-kafka-0-10_2.13 and its "
+            "dependencies), and the pipeline's kafka_reader is spark. The DAG passes the comma-separated jars in "
+            "KAFKA2PG_SPARK_JARS, else those resolved under $KAFKA2PG_STATE_DIR/jars/spark (`kafka2pg stack "
+            "install` resolves them), else spark.jars.packages; on a cluster, install them or set "
+            "spark.jars.packages in the pipeline's spark_conf. Nothing was staged."
+        ) from None
+    frame = raw.select(*KAFKA_COLUMNS)
+    context = spark.sparkContext
+    if context.master.startswith("local"):
+        # One chunk (Spark task, COPY, PostgreSQL connection) per task slot, not per Kafka
+        # partition: each task has a fixed cost (a Python worker's run, a connection, a claim
+        # check) that six small tasks on two slots paid three times over. coalesce() merges Kafka
+        # partitions without a shuffle; a chunk's id (its task's partition) stays the same on a
+        # task retry. Only in local mode: on a cluster, defaultParallelism can be 2 before the
+        # executors register.
+        frame = frame.coalesce(max(1, context.defaultParallelism))
+    return frame.mapInArrow(writer, STATS_SCHEMA).collect()
+
+
+def _read_in_tasks(spark: SparkSession, settings: Settings, pipeline: Pipeline, batch: Batch, writer) -> list:
+    """Each Spark task reads its share of the ranges with librdkafka (kafka2pg.kafka_reader) and hands
+    the records to the chunk writer in the same Python process: nothing crosses the JVM.
+
+    A task (a chunk) reads whole ranges; their split over the tasks depends only on the ranges and
+    the number of tasks, so a retried task reads and replaces exactly its own chunk. In local mode
+    one task per slot (as `_read_with_spark_source` coalesces), on a cluster one per range.
+    """
+    from kafka2pg.kafka_reader import read_ranges
+
+    context = spark.sparkContext
+    ranges = batch.plan.ranges
+    local = context.master.startswith("local")
+    shares = chunk_shares(ranges, min(len(ranges), max(1, context.defaultParallelism)) if local else len(ranges))
+    kafka, topic, group = settings.kafka, batch.plan.topic, kafka_group_id(pipeline.name)
+    timeout_s = max(settings.kafka_timeout_s, READ_STALL_S)
+
+    def task(share: Iterator[list[OffsetRange]]) -> Iterator[Row]:
+        (mine,) = share  # one share per task
+        for stats in writer(read_ranges(kafka, topic, mine, group, timeout_s)):
+            yield from (Row(**row) for row in stats.to_pylist())
+
+    return context.parallelize(shares, len(shares)).mapPartitions(task).collect()
+
+
+def chunk_shares(ranges: Sequence[OffsetRange], chunks: int) -> list[list[OffsetRange]]:
+    """`ranges` split into `chunks` non-empty shares of about equal records (each in partition
+    order): the largest range first, each to the share with the fewest records so far."""
+    shares: list[list[OffsetRange]] = [[] for _ in range(min(chunks, len(ranges)))]
+    for r in sorted(ranges, key=lambda r: (-r.size, r.partition)):
+        min(shares, key=lambda share: sum(x.size for x in share)).append(r)
+    return [sorted(share, key=lambda r: r.partition) for share in shares]
+
+
+# How long a Spark task's Kafka read may go without any record or end of partition before it
+# fails as "Kafka did not answer" (at least; KAFKA2PG_KAFKA_TIMEOUT_S if longer): a busy broker or
+# a task slot starved for CPU can pause a read for seconds without anything being wrong.
+READ_STALL_S = 60.0
+
+
+def _kafka_error(text: str, settings: Settings, pipeline: Pipeline, batch: Batch) -> Exception | None:
+    """The kafka2pg error for a Spark job that failed on Kafka (from either reader), or None."""
+    where = f"pipeline {pipeline.name!r} batch {batch.batch_id}"
+    refused = next((n for n in _JAVA_REFUSALS if n in text), None)
+    if refused is not None:
+        cause = _java_message(text, refused)
+        return KafkaAuthenticationError(
+            f"{where}: Spark's Kafka client was refused by Kafka at {settings.kafka} ({refused}: {cause}). Check "
+            "the pipeline's Kafka connection (its sasl.* and ssl.* properties, as mapped for Java: README, "
+            "Connections). Nothing was staged; the batch stays planned.",
+            pipeline=pipeline.name,
+            batch_id=batch.batch_id,
+            topic=pipeline.topic,
+            cluster=str(settings.kafka),
+            refusal=refused,
+            cause=cause,
+        )
+    if "Some data may have been lost" in text or "kafka2pg.exceptions.RetentionLossError" in text:
+        return RetentionLossError(
+            f"{where}: Kafka no longer holds some of its planned offsets ({describe_ranges(batch.plan.ranges)}): "
+            "they were deleted (retention, delete-records or a recreated topic) after the batch was planned. "
+            "Nothing was promoted. The next run abandons this batch and plans from the ledger's heads, which "
+            "reports the lost offsets (or records them as a gap under on_retention_loss: skip).",
+            pipeline=pipeline.name,
+            batch_id=batch.batch_id,
+            topic=pipeline.topic,
+            offsets=batch.plan.ranges,
+        )
+    # A Spark task's own kafka2pg error (the librdkafka reader), by its name in the Python traceback.
+    for error in (KafkaAuthenticationError, KafkaUnavailableError):
+        message = _python_message(text, error.__name__)
+        if message is not None:
+            return error(
+                f"{where}: {message} Nothing was staged; the batch stays planned.",
                 pipeline=pipeline.name,
                 batch_id=batch.batch_id,
                 topic=pipeline.topic,
                 cluster=str(settings.kafka),
-                refusal=refused,
-                cause=cause,
-            ) from None
-        if "Some data may have been lost" in str(exc):
-            raise RetentionLossError(
-                f"pipeline {pipeline.name!r} batch {batch.batch_id}: Kafka no longer holds some of its planned "
-                f"offsets ({describe_ranges(batch.plan.ranges)}): they were "
-                "deleted (retention, delete-records or a recreated topic) after the batch was planned. Nothing was "
-                "promoted. The next run abandons this batch and plans from the ledger's heads, which reports the "
-                "lost offsets (or records them as a gap under on_retention_loss: skip).",
-                pipeline=pipeline.name,
-                batch_id=batch.batch_id,
-                topic=pipeline.topic,
-                offsets=batch.plan.ranges,
-            ) from None
-        raise
+            )
+    return None
+
+
+def _python_message(text: str, name: str) -> str | None:
+    """The message of kafka2pg error `name` raised in a Spark task (its line in the traceback)."""
+    marker = f"kafka2pg.exceptions.{name}: "
+    if marker not in text:
+        return None
+    return text[text.index(marker) + len(marker) :].split("\n", 1)[0].strip()
 
 
 # The Java client's exceptions for a cluster that refuses it (credentials, TLS).

@@ -20,6 +20,7 @@ from kafka2pg.ledger import reset_head
 from kafka2pg.opening import open_batch
 from kafka2pg.planner import OffsetRange
 from kafka2pg.report import ledger_report
+from kafka2pg.rows import staged_counts
 from kafka2pg.staging import stage_batch
 
 
@@ -187,10 +188,11 @@ def test_retention_loss_fails_naming_the_offsets_then_skip_records_the_gap(make_
     assert_audit_clean(skipping)
 
 
+@pytest.mark.parametrize("reader", ["librdkafka", "spark"])
 def test_offsets_deleted_between_plan_and_read_fail_clearly_and_the_next_run_reports_the_loss(
-    make_pipeline, run_batch, spark, db
+    reader, make_pipeline, run_batch, spark, db
 ):
-    env = make_pipeline(partitions=1)
+    env = make_pipeline(partitions=1, kafka_reader=reader)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(100, seed=36)))
     run_batch(env)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(100, seed=37)))
@@ -252,20 +254,41 @@ def test_new_partitions_start_at_low_watermark_or_are_skipped_as_a_recorded_gap(
     assert_audit_clean(latest)
 
 
-def test_recreated_topic_is_an_offset_regression_until_an_explicit_recorded_reset(make_pipeline, run_batch, db):
-    env = make_pipeline(partitions=1)
-    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(50, seed=38)))
-    run_batch(env)
-    client = admin(env)
+def recreate_topic(env) -> None:
+    client = admin(env)  # kept referenced until the deletion's future is resolved
     client.delete_topics([env.topic])[env.topic].result(timeout=10)
     deadline = time.monotonic() + 30
     while True:  # topic deletion completes asynchronously
         try:
             create_topic(env)
-            break
+            return
         except KafkaException:  # TOPIC_ALREADY_EXISTS while the deletion is in flight
             assert time.monotonic() < deadline
             time.sleep(0.5)
+
+
+@pytest.mark.parametrize("reader", ["librdkafka", "spark"])
+def test_a_topic_recreated_shorter_between_plan_and_read_stages_nothing(reader, make_pipeline, spark, db):
+    """The planned offsets [0, 100) now hold 60 other records: the batch must not stage them as its own."""
+    env = make_pipeline(partitions=1, kafka_reader=reader)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(100, seed=40)))
+    planned = open_batch(env.settings, env.pipeline).batch
+    assert planned.plan.ranges == (OffsetRange(0, 0, 100),)
+    recreate_topic(env)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(60, seed=41)))
+    with pytest.raises(RetentionLossError) as lost:
+        stage_batch(spark, env.settings, env.pipeline, planned.batch_id, planned.epoch)
+    assert lost.value.batch_id == planned.batch_id
+    assert staged_counts(db, env.pipeline, planned.batch_id) == {}
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (planned.batch_id,)).fetchone()[0]
+    assert state == "planned"
+
+
+def test_recreated_topic_is_an_offset_regression_until_an_explicit_recorded_reset(make_pipeline, run_batch, db):
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(50, seed=38)))
+    run_batch(env)
+    recreate_topic(env)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(10, seed=39)))
     with pytest.raises(OffsetRegressionError) as regressed:
         open_batch(env.settings, env.pipeline)

@@ -21,8 +21,12 @@ from confluent_kafka import Consumer, KafkaError, Producer
 
 from kafka2pg.devtools import local_stack
 from kafka2pg.devtools.secured_listeners import SecuredListener
+from kafka2pg.exceptions import KafkaAuthenticationError
 from kafka2pg.jars import resolve_jars
+from kafka2pg.kafka_config import KafkaConfig
 from kafka2pg.kafka_offsets import ensure_topic
+from kafka2pg.kafka_reader import read_ranges
+from kafka2pg.planner import OffsetRange
 
 MODES = ("scram", "plain", "mtls")
 EVENTS = 20
@@ -211,3 +215,33 @@ def test_a_restarted_broker_keeps_its_ports_certificates_and_users(secured):
     for mode in MODES:
         round_trip(secured.listener.client_config(mode), new_topic(secured))
     assert_no_password(secured)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_stage_reader_reads_a_range_through_each_secured_way_in(secured, mode):
+    """What a Spark task of the stage job runs (kafka2pg.kafka_reader), with the connection's properties as given."""
+    config = secured.listener.client_config(mode)
+    topic = new_topic(secured)
+    producer = Producer(config)
+    for n in range(EVENTS):
+        producer.produce(topic, key=str(n).encode(), value=f"event-{n}".encode())
+    assert producer.flush(30) == 0
+    batches = list(read_ranges(KafkaConfig.of(config), topic, [OffsetRange(0, 5, EVENTS)], "stage-reader", 10))
+    read = [(row["offset"], row["value"]) for batch in batches for row in batch.to_pylist()]
+    assert read == [(n, f"event-{n}".encode()) for n in range(5, EVENTS)]
+
+
+@pytest.mark.parametrize("mode", ["scram", "mtls"])
+def test_a_refused_stage_reader_fails_within_seconds_naming_the_refusal(secured, mode, tmp_path):
+    """A wrong password, a CA that did not sign the broker's certificate: the cluster refuses the
+    client, which a Spark task must report as that at once, not as a broker that did not answer."""
+    if mode == "scram":
+        config = {**secured.listener.client_config(mode), "sasl.password": "not-the-password"}
+    else:
+        config = {**secured.listener.client_config(mode), "ssl.ca.location": str(other_ca(tmp_path))}
+    started = time.monotonic()
+    with pytest.raises(KafkaAuthenticationError) as refused:
+        list(read_ranges(KafkaConfig.of(config), new_topic(secured), [OffsetRange(0, 0, 1)], "stage-reader", 120))
+    assert time.monotonic() - started < FAIL_WITHIN_S
+    assert "Retrying will not help" in str(refused.value)
+    assert "not-the-password" not in str(refused.value)

@@ -42,6 +42,8 @@ def test_good_file_parses_with_defaults(tmp_path):
     assert pipeline.columns[1].spark_type == "decimal(10,2)"
     assert pipeline.spark_log_level == "WARN"
     assert get_pipeline("orders", write(tmp_path, spark_log_level="INFO")).spark_log_level == "INFO"
+    assert pipeline.kafka_reader == "librdkafka"
+    assert get_pipeline("orders", write(tmp_path, kafka_reader="spark")).kafka_reader == "spark"
 
 
 @pytest.mark.parametrize(
@@ -53,6 +55,7 @@ def test_good_file_parses_with_defaults(tmp_path):
         ),
         ({"batches_per_run": -2}, r"\(orders\)\.batches_per_run: expected a positive integer"),
         ({"on_retention_loss": "ignore"}, r"on_retention_loss: expected one of fail, skip"),
+        ({"kafka_reader": "java"}, r"\(orders\)\.kafka_reader: expected one of librdkafka, spark, got 'java'"),
         ({"columns": [{"name": "x", "type": "money"}]}, r"columns\[0\]\.type: unsupported type 'money'"),
         ({"business_key": ["nope"]}, r"business_key: 'nope' is not one of the columns"),
         ({"business_key": ["event_id", "event_id"]}, r"business_key: 'event_id' is listed twice"),

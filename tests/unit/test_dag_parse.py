@@ -135,7 +135,8 @@ print(json.dumps({
 def test_the_dag_file_copied_alone_reads_the_pipelines_file_beside_it_and_submits_the_packaged_job(tmp_path):
     """A DAGs folder holding only the DAG file and a pipelines.yaml: its DAGs come from that file, the
     tasks read that same file, spark-submit runs the job module inside the package, and without
-    resolved jars Spark gets its Kafka source as spark.jars.packages for the installed pyspark."""
+    resolved jars Spark gets its Kafka source as spark.jars.packages for the installed pyspark (a
+    pipeline with kafka_reader: spark; the default reader needs no jars)."""
     from importlib import metadata
 
     import kafka2pg.stage_job
@@ -145,7 +146,7 @@ def test_the_dag_file_copied_alone_reads_the_pipelines_file_beside_it_and_submit
     dag_file = dags / "kafka2pg_pipelines.py"
     dag_file.write_text((ROOT / "dags" / "kafka2pg_pipelines.py").read_text())
     spec = {"name": "copied", "topic": "copied", "target_table": "copied", "columns": [{"name": "a", "type": "text"}]}
-    (dags / "pipelines.yaml").write_text(json.dumps({"pipelines": [spec]}))
+    (dags / "pipelines.yaml").write_text(json.dumps({"pipelines": [{**spec, "kafka_reader": "spark"}]}))
 
     def parse(**env: str) -> dict:
         out = subprocess.run(
@@ -168,3 +169,7 @@ def test_the_dag_file_copied_alone_reads_the_pipelines_file_beside_it_and_submit
 
     given = parse(KAFKA2PG_STATE_DIR=str(empty_state), KAFKA2PG_SPARK_JARS="/opt/jars/*.jar")
     assert (given["jars"], given["packages"]) == ("/opt/jars/*.jar", None)
+
+    (dags / "pipelines.yaml").write_text(json.dumps({"pipelines": [spec]}))  # the default reader: librdkafka
+    default = parse(KAFKA2PG_STATE_DIR=str(empty_state), KAFKA2PG_SPARK_JARS="/opt/jars/*.jar")
+    assert (default["jars"], default["packages"]) == (None, None)
