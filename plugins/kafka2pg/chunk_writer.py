@@ -22,10 +22,10 @@ from kafka2pg.exceptions import BatchStateError
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import PROVENANCE, RAW, staging_columns
 
-# What the stage job reads from Spark's Kafka source, in this order. Not the headers: Spark's
-# Kafka source builds them per record at a high price (more than reading and moving the value);
-# the stage step fetches them from Kafka for the records that go to quarantine only. Not the
-# topic: a batch reads one, and a string per record would cross from the JVM for nothing.
+# What the chunk writer gets from the Kafka reader (kafka2pg.kafka_reader, or Spark's Kafka source
+# for kafka_reader: spark), in this order. Not the headers: Spark's Kafka source builds them per
+# record at a high price (more than reading and moving the value); the stage step fetches them
+# from Kafka for the records that go to quarantine only. Not the topic: a batch reads one.
 KAFKA_COLUMNS = ("partition", "offset", "timestamp", "key", "value")
 STATS_SCHEMA = (
     "kafka_partition int, records long, quarantined long, min_offset long, max_offset long, refused array<long>"
@@ -187,7 +187,8 @@ def _copy(conn: psycopg.Connection, copy_sql: sql.Composed, table: pa.Table) -> 
     buffer = io.BytesIO()
     csv.write_csv(_utc_wall_clock(table), buffer, csv.WriteOptions(include_header=False))
     # The timestamps are written as UTC wall-clock times (see _utc_wall_clock): the COPY reads
-    # them in UTC, whatever the connection's TimeZone; the savepoint keeps that setting to it.
+    # them in UTC, whatever the connection's TimeZone. SET LOCAL lasts until the transaction
+    # ends, unless a rollback to an earlier savepoint (isolate_refused's) undoes it: every COPY sets it.
     with conn.transaction(), conn.cursor() as cur:
         cur.execute("SET LOCAL TimeZone = 'UTC'")
         with cur.copy(copy_sql) as copy:

@@ -208,8 +208,9 @@ def count_range(
 ) -> RangeCount:
     """Count committed records and all data records (aborted included) in [start, end).
 
-    Two passes (read_committed, read_uncommitted) with a consumer outside Spark: the
-    independent witness the gap accounting compares Spark's read with.
+    Two passes (read_committed, read_uncommitted) with a consumer of its own, outside Spark: the
+    witness the gap accounting compares the stage's read with. It is independent of Spark's
+    Kafka source; for the default librdkafka reader it is another read by the same library.
     """
     counts = [
         sum(1 for _ in read_offsets(kafka, topic, partition, [(start, end)], isolation, timeout_s))

@@ -15,7 +15,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from kafka2pg.exceptions import KafkaAuthenticationError, KafkaUnavailableError, RetentionLossError
 from kafka2pg.kafka_config import KafkaConfig
-from kafka2pg.kafka_offsets import _unavailable, client_config
+from kafka2pg.kafka_offsets import _unavailable, client_config, partition_offsets
 from kafka2pg.planner import OffsetRange, describe_ranges
 
 # The Arrow types of the columns Spark's Kafka source gives (KAFKA_COLUMNS), in its order.
@@ -37,15 +37,20 @@ def read_ranges(
     group_id: str,
     timeout_s: float,
     rows_per_batch: int = 20_000,
+    bytes_per_batch: int = 64 << 20,
 ) -> Iterator[pa.RecordBatch]:
     """The committed records of `ranges` (read_committed), in offset order per partition, as
-    record batches of at most `rows_per_batch` rows.
+    record batches of at most `rows_per_batch` rows, closed as soon as their keys and values
+    reach `bytes_per_batch` bytes.
 
     A partition is done at its first record at or beyond its range's end, or at its end of
     partition (the last stable offset, which the plan put at or beyond the end): offsets inside a
     range without a record (transaction markers, aborted records, compaction) are skipped, as
-    Spark's source skips them. An offset below the low watermark fails (RetentionLossError), as
-    does `timeout_s` without any progress (KafkaUnavailableError).
+    Spark's source skips them. An end of partition before the range's end, which a lagging
+    replica or a new leader can report for a moment, is checked with the partition's leader: if it
+    confirms (the partition was truncated or recreated since the plan) or an offset is below the
+    low watermark, RetentionLossError; `timeout_s` without any progress, KafkaUnavailableError; a
+    refusal (credentials, TLS), KafkaAuthenticationError at once.
     """
     ranges = [r for r in ranges if r.size]
     if not ranges:
@@ -68,6 +73,7 @@ def read_ranges(
     ends = {r.partition: r.end for r in ranges}
     columns: tuple[list, ...] = ([], [], [], [], [])
     partitions, offsets, timestamps, keys, values = columns
+    size = 0
     try:
         consumer.assign([TopicPartition(topic, r.partition, r.start) for r in ranges])
         idle_since = time.monotonic()
@@ -88,10 +94,13 @@ def read_ranges(
                     continue  # already done: records fetched beyond its range
                 error = message.error()
                 if error is not None:
-                    if error.code() == KafkaError._PARTITION_EOF and message.offset() >= end:
+                    if error.code() != KafkaError._PARTITION_EOF:
+                        raise _read_error(kafka, topic, partition, ranges, error)
+                    if message.offset() >= end:
                         _finish(consumer, topic, ends, partition)
-                        continue
-                    raise _read_error(kafka, topic, partition, ranges, error, message.offset())
+                    else:  # a new end of partition follows when the reported end moves on
+                        _check_still_there(kafka, topic, partition, ranges, message.offset(), timeout_s)
+                    continue
                 offset = message.offset()
                 if offset >= end:
                     _finish(consumer, topic, ends, partition)
@@ -99,10 +108,13 @@ def read_ranges(
                 partitions.append(partition)
                 offsets.append(offset)
                 timestamps.append(message.timestamp()[1] * 1000)
-                keys.append(message.key())
-                values.append(message.value())
-            if len(offsets) >= rows_per_batch:
-                yield _record_batch(columns)
+                key, value = message.key(), message.value()
+                keys.append(key)
+                values.append(value)
+                size += (len(key) if key else 0) + (len(value) if value else 0)
+                if size >= bytes_per_batch or len(offsets) >= rows_per_batch:
+                    yield _record_batch(columns)
+                    size = 0
         if offsets:
             yield _record_batch(columns)
     finally:
@@ -124,19 +136,35 @@ def _record_batch(columns: tuple[list, ...]) -> pa.RecordBatch:
     return batch
 
 
+def _check_still_there(
+    kafka: KafkaConfig, topic: str, partition: int, ranges: Sequence[OffsetRange], reported: int, timeout_s: float
+) -> None:
+    """An end of partition at `reported`, before the range's end: the leader's last stable offset
+    (as the plan read it) tells a replica or leader lagging for a moment from a partition that
+    was truncated or recreated since the plan (RetentionLossError)."""
+    (planned,) = [r for r in ranges if r.partition == partition]
+    offsets = next(o for o in partition_offsets(kafka, topic, timeout_s) if o.partition == partition)
+    if offsets.last_stable < planned.end or offsets.low > reported:
+        raise RetentionLossError(
+            f"reading {topic}[{partition}] on Kafka at {kafka}: the partition now holds offsets [{offsets.low}, "
+            f"{offsets.last_stable}) (read_committed), not all of the planned {describe_ranges([planned])}: it was "
+            "truncated, recreated or its records deleted since the batch was planned",
+            cluster=str(kafka),
+            topic=topic,
+            partition=partition,
+            offsets=[planned],
+        )
+
+
 def _read_error(
-    kafka: KafkaConfig, topic: str, partition: int, ranges: Sequence[OffsetRange], error: KafkaError, error_offset: int
+    kafka: KafkaConfig, topic: str, partition: int, ranges: Sequence[OffsetRange], error: KafkaError
 ) -> Exception:
     planned = [r for r in ranges if r.partition == partition]
     evidence = {"cluster": str(kafka), "topic": topic, "partition": partition, "offsets": planned}
     where = f"{topic}[{partition}]"
-    if error.code() == KafkaError._PARTITION_EOF:
-        # The last stable offset was at or beyond the planned end when the batch was planned and
-        # never moves back: the partition was truncated or recreated since.
-        return RetentionLossError(
-            f"reading {where} on Kafka at {kafka}: the partition now ends at offset {error_offset}, before the "
-            f"end of the planned offsets {describe_ranges(planned)}",
-            **evidence,
+    if error.code() in (KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED):
+        return KafkaAuthenticationError.refused(
+            str(kafka), f"refused to let the client read {where} (an ACL: READ on the topic)", error.str(), topic=topic
         )
     if error.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
         return RetentionLossError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import zipfile
 from collections.abc import Iterator, Sequence
@@ -280,16 +281,26 @@ def _kafka_error(text: str, settings: Settings, pipeline: Pipeline, batch: Batch
             refusal=refused,
             cause=cause,
         )
-    if "Some data may have been lost" in text or "kafka2pg.exceptions.RetentionLossError" in text:
+    lost = _python_message(text, RetentionLossError.__name__)
+    if "Some data may have been lost" in text or lost is not None:
         return RetentionLossError(
             f"{where}: Kafka no longer holds some of its planned offsets ({describe_ranges(batch.plan.ranges)}): "
-            "they were deleted (retention, delete-records or a recreated topic) after the batch was planned. "
-            "Nothing was promoted. The next run abandons this batch and plans from the ledger's heads, which "
-            "reports the lost offsets (or records them as a gap under on_retention_loss: skip).",
+            "they were deleted (retention, delete-records or a recreated topic) after the batch was planned"
+            f"{f' ({lost})' if lost else ''}. Nothing was promoted. The next run abandons this batch and plans from "
+            "the ledger's heads, which reports the lost offsets (or records them as a gap under on_retention_loss: "
+            "skip).",
             pipeline=pipeline.name,
             batch_id=batch.batch_id,
             topic=pipeline.topic,
             offsets=batch.plan.ranges,
+        )
+    missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", text)
+    if missing is not None:
+        return ConfigError(
+            f"{where}: the Spark executors' Python has no module {missing.group(1)!r}. The stage job's tasks import "
+            "pyspark, pyarrow, psycopg, msgspec, PyYAML and confluent-kafka (for kafka_reader: librdkafka, the "
+            "default): install them where spark.pyspark.python points on every worker (README, Deployment). "
+            "Nothing was staged; the batch stays planned."
         )
     # A Spark task's own kafka2pg error (the librdkafka reader), by its name in the Python traceback.
     for error in (KafkaAuthenticationError, KafkaUnavailableError):

@@ -245,3 +245,17 @@ def test_a_refused_stage_reader_fails_within_seconds_naming_the_refusal(secured,
     assert time.monotonic() - started < FAIL_WITHIN_S
     assert "Retrying will not help" in str(refused.value)
     assert "not-the-password" not in str(refused.value)
+
+
+def test_the_stage_reader_closes_a_batch_at_its_byte_bound(secured):
+    """Large records: a batch holds as many as fit the bound (Arrow's binary column holds 2 GiB at most)."""
+    config = secured.listener.client_config("scram")
+    topic = new_topic(secured)
+    producer = Producer(config)
+    for n in range(EVENTS):
+        producer.produce(topic, value=bytes([n]) * 1000)
+    assert producer.flush(30) == 0
+    kafka = KafkaConfig.of(config)
+    batches = list(read_ranges(kafka, topic, [OffsetRange(0, 0, EVENTS)], "stage-reader", 10, bytes_per_batch=3000))
+    assert [b.num_rows for b in batches] == [3] * (EVENTS // 3) + [EVENTS % 3]
+    assert [v for b in batches for v in b.column("value").to_pylist()] == [bytes([n]) * 1000 for n in range(EVENTS)]

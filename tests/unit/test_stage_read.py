@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from kafka2pg.config import Settings
-from kafka2pg.exceptions import KafkaAuthenticationError, KafkaUnavailableError, RetentionLossError
+from kafka2pg.exceptions import ConfigError, KafkaAuthenticationError, KafkaUnavailableError, RetentionLossError
 from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan
 from kafka2pg.staging import _kafka_error, chunk_shares
 
@@ -76,6 +76,21 @@ def test_a_kafka_error_in_a_spark_task_is_raised_as_itself_naming_the_batch(erro
     assert "SQLSTATE" not in str(raised) and "org.apache" not in str(raised)
     if expected is not RetentionLossError:
         assert "Kafka at broker:9092 said no. Nothing was staged" in str(raised)
+
+
+def test_a_task_retention_loss_keeps_the_tasks_own_words():
+    text = task_failure("RetentionLossError", "reading orders[0]: the partition now holds offsets [0, 60)")
+    raised = _kafka_error(text, SETTINGS, _Pipeline, _Batch)
+    assert "after the batch was planned (reading orders[0]: the partition now holds offsets [0, 60))." in str(raised)
+
+
+def test_a_module_missing_on_the_executors_is_a_configuration_error_naming_it():
+    text = task_failure("X", "y").replace(
+        "kafka2pg.exceptions.X: y", "ModuleNotFoundError: No module named 'confluent_kafka'"
+    )
+    raised = _kafka_error(text, SETTINGS, _Pipeline, _Batch)
+    assert isinstance(raised, ConfigError)
+    assert "no module 'confluent_kafka'" in str(raised) and "spark.pyspark.python" in str(raised)
 
 
 def test_another_task_failure_is_not_called_a_kafka_error():
