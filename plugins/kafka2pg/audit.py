@@ -14,7 +14,8 @@ from psycopg import sql
 
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect
-from kafka2pg.kafka_offsets import partition_offsets, read_offsets, topic_retention
+from kafka2pg.kafka_offsets import partition_offsets, topic_retention
+from kafka2pg.kafka_reader import read_offsets
 from kafka2pg.ledger import last_resets, ranges_since_reset, read_heads
 from kafka2pg.planner import ledger_breaks
 from kafka2pg.stuck import StuckBatch
@@ -64,7 +65,7 @@ def _db_offsets(url: str, pipeline: Pipeline, partition: int, after_batch: int) 
 
 def _kafka_offsets(settings: Settings, topic: str, partition: int, ranges: list[tuple[int, int]]) -> Iterator[int]:
     """Offsets of committed records inside `ranges`, ascending (read_committed)."""
-    records = read_offsets(settings.kafka, topic, partition, ranges, "read_committed", settings.kafka_timeout_s)
+    records = read_offsets(settings.kafka, topic, partition, ranges, settings.kafka_timeout_s)
     return (offset for offset, _ in records)
 
 

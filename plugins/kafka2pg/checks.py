@@ -16,7 +16,8 @@ from kafka2pg.batch_store import Batch, key_probe_deferred, load_batch
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import WitnessMismatchError
-from kafka2pg.kafka_offsets import count_range, topic_retention
+from kafka2pg.kafka_offsets import topic_retention
+from kafka2pg.kafka_reader import count_range
 from kafka2pg.ledger import reset_floors
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import has_index, table_indexes

@@ -173,6 +173,13 @@ class KafkaConfig:
                 options.setdefault("kafka.ssl.key.password", props["ssl.key.password"])
         return options
 
+    def ignored_by(self, reader: str) -> list[str]:
+        """The property names a stage `reader` does not pass to its client: the Java-only ones for
+        `librdkafka`, the ones without a known Java equivalent for `spark` (Spark's source)."""
+        if reader == "spark":
+            return self.unmapped_for_spark()
+        return sorted(k for k, _ in self.properties if k.startswith(JAVA_ONLY_PREFIX))
+
     def unmapped_for_spark(self) -> list[str]:
         """librdkafka properties Spark's source does not get (no Java equivalent known here)."""
         known = _SAME_IN_JAVA | _MAPPED

@@ -6,19 +6,15 @@ Thin confluent-kafka AdminClient calls; client errors are translated into kafka2
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
 from confluent_kafka import (
-    Consumer,
     ConsumerGroupTopicPartitions,
     IsolationLevel,
     KafkaError,
     KafkaException,
-    Message,
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
@@ -27,7 +23,6 @@ from kafka2pg.exceptions import (
     ConsumerGroupRefusedError,
     KafkaAuthenticationError,
     KafkaUnavailableError,
-    RetentionLossError,
     TopicNotFoundError,
 )
 from kafka2pg.kafka_config import KafkaLike, kafka_config
@@ -126,6 +121,18 @@ def partition_offsets(kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> 
     return [PartitionOffsets(p, low[p], stable[p], high[p]) for p in partitions]
 
 
+def partition_bounds(
+    kafka: KafkaLike, topic: str, partition: int, isolation: str, timeout_s: float = 10.0
+) -> tuple[int, int]:
+    """One partition's low watermark and its end for `isolation`: the last stable offset for
+    read_committed, the high watermark for read_uncommitted."""
+    admin = admin_client(kafka, timeout_s)
+    low = _list(admin, topic, [partition], OffsetSpec.earliest(), IsolationLevel.READ_UNCOMMITTED, kafka, timeout_s)
+    level = IsolationLevel.READ_COMMITTED if isolation == "read_committed" else IsolationLevel.READ_UNCOMMITTED
+    end = _list(admin, topic, [partition], OffsetSpec.latest(), level, kafka, timeout_s)
+    return low[partition], end[partition]
+
+
 def ensure_topic(kafka: KafkaLike, topic: str, partitions: int, timeout_s: float = 10.0) -> bool:
     """Create `topic` with `partitions` partitions if missing; True when it was created."""
     admin = admin_client(kafka, timeout_s)
@@ -195,69 +202,6 @@ def offsets_for_times(kafka: KafkaLike, topic: str, timestamp_ms: int, timeout_s
     return found
 
 
-@dataclass(frozen=True)
-class RangeCount:
-    """What a plain consumer finds in [start, end) of one partition."""
-
-    committed: int
-    data_records: int
-
-
-def count_range(
-    kafka: KafkaLike, topic: str, partition: int, start: int, end: int, timeout_s: float = 10.0
-) -> RangeCount:
-    """Count committed records and all data records (aborted included) in [start, end).
-
-    Two passes (read_committed, read_uncommitted) with a consumer of its own, outside Spark: the
-    witness the gap accounting compares the stage's read with. It is independent of Spark's
-    Kafka source; for the default librdkafka reader it is another read by the same library.
-    """
-    counts = [
-        sum(1 for _ in read_offsets(kafka, topic, partition, [(start, end)], isolation, timeout_s))
-        for isolation in ("read_committed", "read_uncommitted")
-    ]
-    return RangeCount(*counts)
-
-
-def record_timestamp(
-    kafka: KafkaLike, topic: str, partition: int, offset: int, end: int, timeout_s: float = 10.0
-) -> int | None:
-    """Timestamp (ms) of the first committed record in [offset, end), or None if there is none."""
-    records = read_offsets(kafka, topic, partition, [(offset, end)], "read_committed", timeout_s)
-    first = next(records, None)
-    records.close()
-    return None if first is None else first[1]
-
-
-def read_offsets(
-    kafka: KafkaLike,
-    topic: str,
-    partition: int,
-    ranges: list[tuple[int, int]],
-    isolation: str,
-    timeout_s: float,
-) -> Iterator[tuple[int, int]]:
-    """(offset, timestamp ms) of every record in the half-open `ranges`, ascending; streams."""
-    for message in _read_messages(kafka, topic, partition, ranges, isolation, timeout_s):
-        yield message.offset(), message.timestamp()[1]
-
-
-def record_headers(
-    kafka: KafkaLike, topic: str, partition: int, offsets: list[int], timeout_s: float
-) -> dict[int, list[tuple[bytes, bytes | None]]]:
-    """The headers (key as UTF-8 bytes, value) of the committed records at `offsets`, by offset;
-    records without headers, or gone since, are left out."""
-    wanted = set(offsets)
-    found: dict[int, list[tuple[bytes, bytes | None]]] = {}
-    ranges = [(min(wanted), max(wanted) + 1)] if wanted else []
-    for message in _read_messages(kafka, topic, partition, ranges, "read_committed", timeout_s):
-        if message.offset() in wanted and message.headers():
-            found[message.offset()] = [
-                (key.encode("utf-8", "surrogateescape"), value) for key, value in message.headers()
-            ]
-    return found
-
-
 def commit_group_offsets(
     kafka: KafkaLike, group: str, topic: str, offsets: dict[int, int], timeout_s: float = 10.0
 ) -> None:
@@ -294,75 +238,6 @@ _GROUP_REFUSALS = {
     KafkaError.GROUP_AUTHORIZATION_FAILED,
     KafkaError.TOPIC_AUTHORIZATION_FAILED,
 }
-
-
-def _read_messages(
-    kafka: KafkaLike,
-    topic: str,
-    partition: int,
-    ranges: list[tuple[int, int]],
-    isolation: str,
-    timeout_s: float,
-) -> Iterator[Message]:
-    errors: list[KafkaError] = []
-    consumer = Consumer(
-        {
-            **client_config(kafka, timeout_s),
-            "error_cb": errors.append,
-            "group.id": "kafka2pg-reader",
-            "enable.auto.commit": False,
-            "isolation.level": isolation,
-            "enable.partition.eof": True,
-            "fetch.message.max.bytes": 1_048_576,
-            # An offset below the low watermark must fail, not silently jump to the end.
-            "auto.offset.reset": "error",
-        }
-    )
-    try:
-        for start, end in ranges:
-            consumer.assign([TopicPartition(topic, partition, start)])
-            yield from _consume_until(consumer, kafka, topic, partition, (start, end), timeout_s, errors)
-    finally:
-        consumer.close()
-
-
-def _consume_until(
-    consumer: Consumer,
-    kafka: KafkaLike,
-    topic: str,
-    partition: int,
-    offsets: tuple[int, int],
-    timeout_s: float,
-    errors: list[KafkaError],
-) -> Iterator[Message]:
-    # consume() waits its whole timeout unless num_messages arrive: poll in short slices and
-    # give up only after timeout_s without any message or end-of-partition event.
-    where, end = f"{topic}[{partition}]", offsets[1]
-    evidence = {"cluster": str(kafka), "topic": topic, "partition": partition, "offsets": offsets}
-    idle_since = time.monotonic()
-    while True:
-        messages = consumer.consume(num_messages=5000, timeout=0.2)
-        if not messages:
-            if time.monotonic() - idle_since > timeout_s:
-                raise _unavailable(kafka, timeout_s, f"while reading {where}", errors, topic=topic, partition=partition)
-            continue
-        idle_since = time.monotonic()
-        for message in messages:
-            error = message.error()
-            if error is not None and error.code() == KafkaError._PARTITION_EOF:
-                return
-            if error is not None and error.code() == KafkaError._AUTO_OFFSET_RESET:
-                raise RetentionLossError(
-                    f"reading {where} on Kafka at {kafka}: the requested offsets are below the low "
-                    f"watermark now ({error.str()}); records expired while kafka2pg was reading them. Run again: "
-                    "the plan step reports exactly which offsets were lost.",
-                    **evidence,
-                )
-            if error is not None:
-                raise KafkaUnavailableError(f"Kafka at {kafka}: reading {where}: {error}", cause=str(error), **evidence)
-            if message.offset() >= end:
-                return
-            yield message
 
 
 def _list(
@@ -414,6 +289,20 @@ _REFUSALS = {
 }
 
 
+def refusal(errors: list[KafkaError]) -> str | None:
+    """What a client's reported connection errors say about a refusal (credentials, TLS), if any."""
+    for error in errors:
+        refused = _REFUSALS.get(error.code())
+        if refused is None and "bad certificate" in error.str():
+            refused = "refused the client's certificate"
+        if refused is None and "certificate verify failed" in error.str():
+            # A failed verification of the broker's certificate can surface as a transport error.
+            refused = "failed the TLS handshake"
+        if refused is not None:
+            return refused
+    return None
+
+
 def _unavailable(
     kafka: KafkaLike,
     timeout_s: float,
@@ -426,12 +315,7 @@ def _unavailable(
     """The error for a cluster that did not answer: a refusal (credentials, TLS) when librdkafka
     reported one (`errors`, from the client's error callback), else unavailable (retryable)."""
     for error in errors or []:
-        refused = _REFUSALS.get(error.code())
-        if refused is None and "bad certificate" in error.str():
-            refused = "refused the client's certificate"
-        if refused is None and "certificate verify failed" in error.str():
-            # A failed verification of the broker's certificate can surface as a transport error.
-            refused = "failed the TLS handshake"
+        refused = refusal([error])
         if refused is not None:
             return KafkaAuthenticationError.refused(str(kafka), refused, error.str(), topic=topic)
     return KafkaUnavailableError.no_answer(str(kafka), timeout_s, str(cause), topic=topic, partition=partition)

@@ -1,22 +1,27 @@
-"""The Kafka read of the stage job inside a Spark task: a batch's planned ranges, read with
-librdkafka (confluent-kafka) as Arrow record batches of KAFKA_COLUMNS.
+"""Reading the records of bounded offset ranges with librdkafka (confluent-kafka).
 
-Runs inside Spark's Python workers, beside the chunk writer that admits and COPYs the records:
-the records go from the broker to the writer in one process, without a trip through the JVM.
+One rule for every read of planned offsets: the stage job's read inside a Spark task
+(`read_ranges`, Arrow record batches for the chunk writer, without a trip through the JVM), the
+gate's witness count (`count_range`), the audit (`read_offsets`), the headers of quarantined
+records (`record_headers`) and the time-to-data-loss probe (`record_timestamp`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import pyarrow as pa
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from kafka2pg.exceptions import KafkaAuthenticationError, KafkaUnavailableError, RetentionLossError
-from kafka2pg.kafka_config import KafkaConfig
-from kafka2pg.kafka_offsets import _unavailable, client_config, partition_offsets
+from kafka2pg.kafka_config import KafkaLike
+from kafka2pg.kafka_offsets import _unavailable, client_config, partition_bounds, refusal
 from kafka2pg.planner import OffsetRange, describe_ranges
+
+Isolation = Literal["read_committed", "read_uncommitted"]
 
 # The Arrow types of the columns Spark's Kafka source gives (KAFKA_COLUMNS), in its order.
 RECORD_SCHEMA = pa.schema(
@@ -30,8 +35,146 @@ RECORD_SCHEMA = pa.schema(
 )
 
 
+class RangeReader:
+    """A consumer of one topic that reads half-open offset ranges, at most one per partition at
+    a time, by assignment (no group membership, nothing committed).
+
+    A partition's range is done at its first record at or beyond the range's end, or at an end of
+    partition at or beyond it: offsets inside a range without a record (transaction markers,
+    aborted records under read_committed, compaction) are skipped, as Spark's Kafka source skips
+    them. An end of partition before the range's end, which a lagging replica or a new leader can
+    report for a moment, is checked with the partition's leader: if the leader has the offsets,
+    the read goes on; if it has not (the partition was truncated or recreated, or the range was
+    asked beyond its end), `short="raise"` raises RetentionLossError and `short="stop"` ends the
+    range where the leader's partition ends. An offset below the low watermark is a
+    RetentionLossError; a refusal (credentials, TLS, an ACL), KafkaAuthenticationError at once;
+    `timeout_s` without any record or end of partition, KafkaUnavailableError.
+    """
+
+    def __init__(
+        self,
+        kafka: KafkaLike,
+        topic: str,
+        timeout_s: float,
+        *,
+        isolation: Isolation = "read_committed",
+        group_id: str = "kafka2pg-reader",
+        fetch: dict | None = None,
+    ) -> None:
+        self.kafka, self.topic, self.timeout_s, self.isolation = kafka, topic, timeout_s, isolation
+        self.errors: list[KafkaError] = []
+        self.consumer = Consumer(
+            {
+                **client_config(kafka, timeout_s),
+                "error_cb": self.errors.append,
+                "group.id": group_id,
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "isolation.level": isolation,
+                "enable.partition.eof": True,
+                # An offset below the low watermark must fail, not silently jump to the end.
+                "auto.offset.reset": "error",
+                **(fetch or {}),
+            }
+        )
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.consumer.close()
+
+    def messages(
+        self, ranges: Sequence[OffsetRange], short: Literal["raise", "stop"] = "raise", chunk: int = 10_000
+    ) -> Iterator[list[Message]]:
+        """The records inside `ranges` (one range per partition), in offset order per partition,
+        in lists of at most `chunk`."""
+        ranges = [r for r in ranges if r.size]
+        ends = {r.partition: r.end for r in ranges}
+        if len(ends) != len(ranges):
+            raise ValueError(f"one range per partition at a time: {describe_ranges(ranges)}")
+        consumer = self.consumer
+        # assign() replaces whatever a read left early had assigned, and drops what it prefetched.
+        consumer.assign([TopicPartition(self.topic, r.partition, r.start) for r in ranges])
+        idle_since = time.monotonic()
+        while ends:
+            batch = consumer.consume(num_messages=chunk, timeout=0.2)
+            if not batch:
+                self._idle([r for r in ranges if r.partition in ends], idle_since)
+                continue
+            idle_since = time.monotonic()
+            kept = []
+            for message in batch:
+                partition = message.partition()
+                end = ends.get(partition)
+                if end is None:
+                    continue  # already done: records fetched beyond its range
+                error = message.error()
+                if error is None and message.offset() < end:
+                    kept.append(message)
+                    continue
+                if error is not None and error.code() != KafkaError._PARTITION_EOF:
+                    raise self._error(partition, ranges, error)
+                if error is None or message.offset() >= end or self._ends_short(partition, ranges, message, short):
+                    del ends[partition]
+                    consumer.incremental_unassign([TopicPartition(self.topic, partition)])
+            if kept:
+                yield kept
+
+    def _idle(self, unread: list[OffsetRange], idle_since: float) -> None:
+        """Nothing arrived: a refusal fails at once, silence only after timeout_s."""
+        refused = refusal(self.errors)
+        if refused is None and time.monotonic() - idle_since <= self.timeout_s:
+            return
+        cause = f"while reading {self.topic} {describe_ranges(unread)}"
+        partition = unread[0].partition if len(unread) == 1 else None
+        raise _unavailable(self.kafka, self.timeout_s, cause, self.errors, topic=self.topic, partition=partition)
+
+    def _ends_short(
+        self, partition: int, ranges: Sequence[OffsetRange], eof: Message, short: Literal["raise", "stop"]
+    ) -> bool:
+        """An end of partition (`eof`) at an offset before the range's end. False when the leader holds
+        the offsets (a replica or leader lagging for a moment: a new end of partition follows when
+        the reported end moves on); True (stop) or RetentionLossError (raise) when it does not."""
+        (planned,), reported = [r for r in ranges if r.partition == partition], eof.offset()
+        low, end = partition_bounds(self.kafka, self.topic, partition, self.isolation, self.timeout_s)
+        if end >= planned.end and low <= reported:
+            return False
+        if short == "stop":
+            return reported >= end
+        raise RetentionLossError(
+            f"reading {self.topic}[{partition}] on Kafka at {self.kafka}: the partition now holds offsets [{low}, "
+            f"{end}) ({self.isolation}), not all of the planned {describe_ranges([planned])}: it was truncated, "
+            "recreated or its records deleted since the batch was planned",
+            cluster=str(self.kafka),
+            topic=self.topic,
+            partition=partition,
+            offsets=[planned],
+        )
+
+    def _error(self, partition: int, ranges: Sequence[OffsetRange], error: KafkaError) -> Exception:
+        planned = [r for r in ranges if r.partition == partition]
+        evidence = {"cluster": str(self.kafka), "topic": self.topic, "partition": partition, "offsets": planned}
+        where = f"{self.topic}[{partition}]"
+        if error.code() in (KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED):
+            return KafkaAuthenticationError.refused(
+                str(self.kafka),
+                f"refused to let the client read {where} (an ACL: READ on the topic)",
+                error.str(),
+                topic=self.topic,
+            )
+        if error.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+            return RetentionLossError(
+                f"reading {where} on Kafka at {self.kafka}: the offsets {describe_ranges(planned)} are below the "
+                f"low watermark now ({error.str()}): records expired while kafka2pg was reading them. Run again: "
+                "the plan step reports exactly which offsets were lost.",
+                **evidence,
+            )
+        return KafkaUnavailableError(f"Kafka at {self.kafka}: reading {where}: {error}", cause=str(error), **evidence)
+
+
 def read_ranges(
-    kafka: KafkaConfig,
+    kafka: KafkaLike,
     topic: str,
     ranges: Sequence[OffsetRange],
     group_id: str,
@@ -39,74 +182,18 @@ def read_ranges(
     rows_per_batch: int = 20_000,
     bytes_per_batch: int = 64 << 20,
 ) -> Iterator[pa.RecordBatch]:
-    """The committed records of `ranges` (read_committed), in offset order per partition, as
-    record batches of at most `rows_per_batch` rows, closed as soon as their keys and values
-    reach `bytes_per_batch` bytes.
-
-    A partition is done at its first record at or beyond its range's end, or at its end of
-    partition (the last stable offset, which the plan put at or beyond the end): offsets inside a
-    range without a record (transaction markers, aborted records, compaction) are skipped, as
-    Spark's source skips them. An end of partition before the range's end, which a lagging
-    replica or a new leader can report for a moment, is checked with the partition's leader: if it
-    confirms (the partition was truncated or recreated since the plan) or an offset is below the
-    low watermark, RetentionLossError; `timeout_s` without any progress, KafkaUnavailableError; a
-    refusal (credentials, TLS), KafkaAuthenticationError at once.
-    """
-    ranges = [r for r in ranges if r.size]
-    if not ranges:
-        return
-    errors: list[KafkaError] = []
-    consumer = Consumer(
-        {
-            **client_config(kafka, timeout_s),
-            "error_cb": errors.append,
-            "group.id": group_id,
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "isolation.level": "read_committed",
-            "enable.partition.eof": True,
-            "auto.offset.reset": "error",
-            "fetch.wait.max.ms": 10,
-            "fetch.message.max.bytes": 4 << 20,
-        }
-    )
-    ends = {r.partition: r.end for r in ranges}
+    """The committed records of a batch's planned `ranges` (read_committed, RangeReader's rule
+    with `short="raise"`), in offset order per partition, as record batches of RECORD_SCHEMA of
+    at most `rows_per_batch` rows, closed as soon as their keys and values reach
+    `bytes_per_batch` bytes."""
     columns: tuple[list, ...] = ([], [], [], [], [])
     partitions, offsets, timestamps, keys, values = columns
     size = 0
-    try:
-        consumer.assign([TopicPartition(topic, r.partition, r.start) for r in ranges])
-        idle_since = time.monotonic()
-        while ends:
-            messages = consumer.consume(num_messages=10_000, timeout=0.2)
-            if not messages:
-                where = describe_ranges([r for r in ranges if r.partition in ends])
-                error = _unavailable(kafka, timeout_s, f"while reading {topic} {where}", errors, topic=topic)
-                # A refusal (credentials, TLS) is final at once; silence, only after timeout_s.
-                if isinstance(error, KafkaAuthenticationError) or time.monotonic() - idle_since > timeout_s:
-                    raise error
-                continue
-            idle_since = time.monotonic()
+    with RangeReader(kafka, topic, timeout_s, group_id=group_id, fetch=READER_FETCH) as reader:
+        for messages in reader.messages(ranges):
             for message in messages:
-                partition = message.partition()
-                end = ends.get(partition)
-                if end is None:
-                    continue  # already done: records fetched beyond its range
-                error = message.error()
-                if error is not None:
-                    if error.code() != KafkaError._PARTITION_EOF:
-                        raise _read_error(kafka, topic, partition, ranges, error)
-                    if message.offset() >= end:
-                        _finish(consumer, topic, ends, partition)
-                    else:  # a new end of partition follows when the reported end moves on
-                        _check_still_there(kafka, topic, partition, ranges, message.offset(), timeout_s)
-                    continue
-                offset = message.offset()
-                if offset >= end:
-                    _finish(consumer, topic, ends, partition)
-                    continue
-                partitions.append(partition)
-                offsets.append(offset)
+                partitions.append(message.partition())
+                offsets.append(message.offset())
                 timestamps.append(message.timestamp()[1] * 1000)
                 key, value = message.key(), message.value()
                 keys.append(key)
@@ -115,15 +202,13 @@ def read_ranges(
                 if size >= bytes_per_batch or len(offsets) >= rows_per_batch:
                     yield _record_batch(columns)
                     size = 0
-        if offsets:
-            yield _record_batch(columns)
-    finally:
-        consumer.close()
+    if offsets:
+        yield _record_batch(columns)
 
 
-def _finish(consumer: Consumer, topic: str, ends: dict[int, int], partition: int) -> None:
-    del ends[partition]
-    consumer.incremental_unassign([TopicPartition(topic, partition)])
+# The stage reader's fetching: answers within 10 ms once records are there (the broker's default
+# wait is 500 ms), up to 4 MB a partition per fetch.
+READER_FETCH = {"fetch.wait.max.ms": 10, "fetch.message.max.bytes": 4 << 20}
 
 
 def _record_batch(columns: tuple[list, ...]) -> pa.RecordBatch:
@@ -136,40 +221,66 @@ def _record_batch(columns: tuple[list, ...]) -> pa.RecordBatch:
     return batch
 
 
-def _check_still_there(
-    kafka: KafkaConfig, topic: str, partition: int, ranges: Sequence[OffsetRange], reported: int, timeout_s: float
-) -> None:
-    """An end of partition at `reported`, before the range's end: the leader's last stable offset
-    (as the plan read it) tells a replica or leader lagging for a moment from a partition that
-    was truncated or recreated since the plan (RetentionLossError)."""
-    (planned,) = [r for r in ranges if r.partition == partition]
-    offsets = next(o for o in partition_offsets(kafka, topic, timeout_s) if o.partition == partition)
-    if offsets.last_stable < planned.end or offsets.low > reported:
-        raise RetentionLossError(
-            f"reading {topic}[{partition}] on Kafka at {kafka}: the partition now holds offsets [{offsets.low}, "
-            f"{offsets.last_stable}) (read_committed), not all of the planned {describe_ranges([planned])}: it was "
-            "truncated, recreated or its records deleted since the batch was planned",
-            cluster=str(kafka),
-            topic=topic,
-            partition=partition,
-            offsets=[planned],
-        )
+@dataclass(frozen=True)
+class RangeCount:
+    """What a plain consumer finds in [start, end) of one partition."""
+
+    committed: int
+    data_records: int
 
 
-def _read_error(
-    kafka: KafkaConfig, topic: str, partition: int, ranges: Sequence[OffsetRange], error: KafkaError
-) -> Exception:
-    planned = [r for r in ranges if r.partition == partition]
-    evidence = {"cluster": str(kafka), "topic": topic, "partition": partition, "offsets": planned}
-    where = f"{topic}[{partition}]"
-    if error.code() in (KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED):
-        return KafkaAuthenticationError.refused(
-            str(kafka), f"refused to let the client read {where} (an ACL: READ on the topic)", error.str(), topic=topic
-        )
-    if error.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
-        return RetentionLossError(
-            f"reading {where} on Kafka at {kafka}: the planned offsets "
-            f"{describe_ranges(planned)} are below the low watermark now ({error.str()})",
-            **evidence,
-        )
-    return KafkaUnavailableError(f"Kafka at {kafka}: reading {where}: {error}", cause=str(error), **evidence)
+def count_range(
+    kafka: KafkaLike, topic: str, partition: int, start: int, end: int, timeout_s: float = 10.0
+) -> RangeCount:
+    """Count committed records and all data records (aborted included) in [start, end).
+
+    Two passes (read_committed, read_uncommitted) with a consumer of its own, outside Spark: the
+    witness the gap accounting compares the stage's read with. It is independent of Spark's
+    Kafka source; for the default librdkafka reader it is another read by the same library.
+    """
+    counts = []
+    for isolation in ("read_committed", "read_uncommitted"):
+        with RangeReader(kafka, topic, timeout_s, isolation=isolation) as reader:
+            messages = reader.messages([OffsetRange(partition, start, end)], short="stop")
+            counts.append(sum(len(chunk) for chunk in messages))
+    return RangeCount(*counts)
+
+
+def read_offsets(
+    kafka: KafkaLike, topic: str, partition: int, ranges: list[tuple[int, int]], timeout_s: float
+) -> Iterator[tuple[int, int]]:
+    """(offset, timestamp ms) of every committed record in the half-open `ranges` of one
+    partition, ascending; streams. A range beyond the partition's end stops at its end."""
+    with RangeReader(kafka, topic, timeout_s) as reader:
+        for start, end in ranges:
+            for chunk in reader.messages([OffsetRange(partition, start, end)], short="stop"):
+                yield from ((message.offset(), message.timestamp()[1]) for message in chunk)
+
+
+def record_timestamp(
+    kafka: KafkaLike, topic: str, partition: int, offset: int, end: int, timeout_s: float = 10.0
+) -> int | None:
+    """Timestamp (ms) of the first committed record in [offset, end), or None if there is none."""
+    records = read_offsets(kafka, topic, partition, [(offset, end)], timeout_s)
+    first = next(records, None)
+    records.close()
+    return None if first is None else first[1]
+
+
+def record_headers(
+    kafka: KafkaLike, topic: str, partition: int, offsets: list[int], timeout_s: float
+) -> dict[int, list[tuple[bytes, bytes | None]]]:
+    """The headers (key as UTF-8 bytes, value) of the committed records at `offsets`, by offset;
+    records without headers, or gone since, are left out."""
+    wanted = set(offsets)
+    found: dict[int, list[tuple[bytes, bytes | None]]] = {}
+    if not wanted:
+        return found
+    with RangeReader(kafka, topic, timeout_s) as reader:
+        for chunk in reader.messages([OffsetRange(partition, min(wanted), max(wanted) + 1)], short="stop"):
+            for message in chunk:
+                if message.offset() in wanted and message.headers():
+                    found[message.offset()] = [
+                        (key.encode("utf-8", "surrogateescape"), value) for key, value in message.headers()
+                    ]
+    return found

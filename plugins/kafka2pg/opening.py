@@ -24,7 +24,8 @@ from kafka2pg.batch_store import (
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError
-from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, record_timestamp, topic_retention
+from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_retention
+from kafka2pg.kafka_reader import record_timestamp
 from kafka2pg.ledger import lock_plan, read_head_batches, read_heads
 from kafka2pg.lifecycle import OPEN, BatchState, resume_or_abandon
 from kafka2pg.planner import BatchPlan, LossHorizon, PartitionState, loss_horizon, plan_batch

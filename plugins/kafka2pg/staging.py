@@ -33,7 +33,8 @@ from kafka2pg.exceptions import (
     RetentionLossError,
     StageInterrupted,
 )
-from kafka2pg.kafka_offsets import record_headers
+from kafka2pg.kafka_config import kafka_config
+from kafka2pg.kafka_reader import read_ranges, record_headers
 from kafka2pg.lifecycle import Action, BatchState, stage_action
 from kafka2pg.locations import PACKAGE_DIR
 from kafka2pg.planner import BatchPlan, OffsetRange, describe_ranges
@@ -176,6 +177,18 @@ def _read_and_write(
     stop: threading.Event | None,
 ) -> list:
     writer = chunk_writer(settings.database_url, pipeline, batch.batch_id, batch.epoch, batch.plan.topic)
+    ignored = kafka_config(settings.kafka).ignored_by(pipeline.kafka_reader)
+    if ignored:
+        log.warning(
+            "pipeline=%s batch=%s kafka_reader=%s reads without the connection's Kafka properties %s (%s)",
+            pipeline.name,
+            batch.batch_id,
+            pipeline.kafka_reader,
+            ", ".join(ignored),
+            "Java-only: set kafka_reader: spark to use them"
+            if pipeline.kafka_reader == "librdkafka"
+            else "no Java equivalent known: give it prefixed `kafka.` under its Java name",
+        )
     try:
         if pipeline.kafka_reader == "spark":
             return _read_with_spark_source(spark, settings, batch, writer)
@@ -232,12 +245,10 @@ def _read_in_tasks(spark: SparkSession, settings: Settings, pipeline: Pipeline, 
     the number of tasks, so a retried task reads and replaces exactly its own chunk. In local mode
     one task per slot (as `_read_with_spark_source` coalesces), on a cluster one per range.
     """
-    from kafka2pg.kafka_reader import read_ranges
-
     context = spark.sparkContext
     ranges = batch.plan.ranges
     local = context.master.startswith("local")
-    shares = chunk_shares(ranges, min(len(ranges), max(1, context.defaultParallelism)) if local else len(ranges))
+    shares = chunk_shares(ranges, max(1, context.defaultParallelism) if local else len(ranges))
     kafka, topic, group = settings.kafka, batch.plan.topic, kafka_group_id(pipeline.name)
     timeout_s = max(settings.kafka_timeout_s, READ_STALL_S)
 

@@ -12,10 +12,12 @@ from confluent_kafka import KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 from psycopg import sql
 
+from kafka2pg import kafka_reader
 from kafka2pg.audit import audit_pipeline
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import OffsetRegressionError, QualityGateFailed, RetentionLossError
-from kafka2pg.kafka_offsets import client_config, count_range, offsets_for_times, partition_offsets
+from kafka2pg.kafka_offsets import client_config, offsets_for_times, partition_offsets
+from kafka2pg.kafka_reader import count_range, read_ranges, record_headers
 from kafka2pg.ledger import reset_head
 from kafka2pg.opening import open_batch
 from kafka2pg.planner import OffsetRange
@@ -282,6 +284,43 @@ def test_a_topic_recreated_shorter_between_plan_and_read_stages_nothing(reader, 
     assert staged_counts(db, env.pipeline, planned.batch_id) == {}
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (planned.batch_id,)).fetchone()[0]
     assert state == "planned"
+
+
+def test_an_end_of_partition_below_the_range_end_goes_on_reading_when_the_leader_holds_the_offsets(
+    make_pipeline, monkeypatch
+):
+    """A replica or a new leader can report an end of partition below offsets the plan saw: the
+    read asks the leader and goes on instead of ending the range short. Played here by writing
+    the range's last 40 records while the read asks (the one broker is its own leader)."""
+    env = make_pipeline(partitions=1)
+    servers = env.settings.bootstrap_servers
+    produce(servers, env.topic, list(sample_events(60, seed=42)))
+    real_bounds = kafka_reader.partition_bounds
+    asked = []
+
+    def records_arrive_while_asked(*args):
+        if not asked:
+            producer = Producer(client_config(servers, 10))
+            for n in range(40):
+                producer.produce(env.topic, value=b"late %d" % n, partition=0, headers=[("n", b"%d" % n)])
+            assert producer.flush(30) == 0
+        asked.append(args)
+        return real_bounds(*args)
+
+    monkeypatch.setattr(kafka_reader, "partition_bounds", records_arrive_while_asked)
+    batches = list(read_ranges(servers, env.topic, [OffsetRange(0, 0, 100)], "kafka2pg-test", 30))
+    assert [o for b in batches for o in b.column("offset").to_pylist()] == list(range(100))
+    assert len(asked) == 1  # the one end of partition at 60
+
+    asked.clear()
+    monkeypatch.setattr(kafka_reader, "partition_bounds", real_bounds)
+    produce(servers, env.topic, list(sample_events(40, seed=43)))  # offsets 100-139, without headers
+    monkeypatch.setattr(kafka_reader, "partition_bounds", records_arrive_while_asked)
+    # 140-179 arrive while the witness asks about its end at 140.
+    found = count_range(servers, env.topic, 0, 100, 180)
+    assert (found.committed, found.data_records) == (80, 80)
+    asked.clear()  # 180-219 arrive while the headers reader asks about its end at 180
+    assert record_headers(servers, env.topic, 0, [139, 219], 30) == {219: [(b"n", b"39")]}
 
 
 def test_recreated_topic_is_an_offset_regression_until_an_explicit_recorded_reset(make_pipeline, run_batch, db):

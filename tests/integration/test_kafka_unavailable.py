@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kafka2pg import kafka_offsets
+from kafka2pg import kafka_offsets, kafka_reader
 from kafka2pg.exceptions import KafkaUnavailableError, TopicNotFoundError
 
 TIMEOUT_S = 1.0
@@ -50,7 +50,7 @@ CALLS = {
         topic_missing_then_broker_gone,
         lambda servers: kafka_offsets.ensure_topic(servers, "orders", 3, TIMEOUT_S),
     ),
-    "count_range": (None, lambda servers: kafka_offsets.count_range(servers, "orders", 0, 0, 10, TIMEOUT_S)),
+    "count_range": (None, lambda servers: kafka_reader.count_range(servers, "orders", 0, 0, 10, TIMEOUT_S)),
 }
 
 

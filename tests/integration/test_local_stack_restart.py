@@ -19,7 +19,8 @@ from kafka2pg import cli
 from kafka2pg.devtools import local_stack
 from kafka2pg.devtools.producer import produce_sample
 from kafka2pg.jars import resolve_jars
-from kafka2pg.kafka_offsets import count_range, ensure_topic, partition_offsets
+from kafka2pg.kafka_offsets import ensure_topic, partition_offsets
+from kafka2pg.kafka_reader import count_range
 
 TOPIC = "restart-check"
 EVENTS = 500

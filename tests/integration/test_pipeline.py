@@ -22,9 +22,11 @@ from kafka2pg.exceptions import (
     QualityGateFailed,
     TopicNotFoundError,
 )
+from kafka2pg.kafka_config import KafkaConfig
 from kafka2pg.kafka_offsets import partition_offsets
 from kafka2pg.opening import open_batch, plan_lookahead
 from kafka2pg.quality import validate_batch
+from kafka2pg.rows import staged_counts
 from kafka2pg.runner import run_batches
 from kafka2pg.staging import stage_batch
 from kafka2pg.steps import promote_batch
@@ -251,6 +253,33 @@ def test_a_failure_to_plan_the_lookahead_still_promotes_the_staged_batch(make_pi
         run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=5, run_id="run-1")
     assert [state for _, state, _ in batch_states(db, env)] == ["promoted"]
     assert count(db, env) == 100
+
+
+@pytest.mark.parametrize(
+    ("reader", "ignored"), [("librdkafka", "kafka.client.dns.lookup"), ("spark", "enable.ssl.certificate.verification")]
+)
+def test_a_kafka_property_the_stage_reader_does_not_use_is_named_in_a_warning(
+    reader, ignored, make_pipeline, spark, db, caplog
+):
+    """A Java-only property (`kafka.`-prefixed) does not reach librdkafka, a librdkafka one without
+    a known Java name does not reach Spark's source: the stage says which, by name only."""
+    env = make_pipeline(kafka_reader=reader)
+    kafka = KafkaConfig.of(
+        {
+            "bootstrap.servers": env.settings.bootstrap_servers,
+            "kafka.client.dns.lookup": "use_all_dns_ips",
+            "enable.ssl.certificate.verification": "true",
+        }
+    )
+    settings = dataclasses.replace(env.settings, kafka=kafka)
+    produce_sample(env.settings.bootstrap_servers, env.topic, 10, seed=25)
+    batch = open_batch(settings, env.pipeline).batch
+    with caplog.at_level(logging.WARNING, logger="kafka2pg.staging"):
+        stage_batch(spark, settings, env.pipeline, batch.batch_id)
+    (warning,) = [r.getMessage() for r in caplog.records if "reads without" in r.getMessage()]
+    assert f"kafka_reader={reader} reads without the connection's Kafka properties {ignored} (" in warning
+    assert "use_all_dns_ips" not in warning
+    assert sum(staged_counts(db, env.pipeline, batch.batch_id).values()) == 10
 
 
 @pytest.mark.parametrize("reader", ["spark", "librdkafka"])

@@ -92,6 +92,8 @@ def test_java_only_properties_go_to_spark_only_and_unknown_ones_to_librdkafka_on
     assert "kafka.sasl.jaas.config" not in kafka.confluent()
     assert kafka.confluent()["enable.ssl.certificate.verification"] == "true"
     assert kafka.unmapped_for_spark() == ["enable.ssl.certificate.verification"]
+    assert kafka.ignored_by("spark") == ["enable.ssl.certificate.verification"]
+    assert kafka.ignored_by("librdkafka") == ["kafka.sasl.jaas.config"]
 
 
 @pytest.mark.parametrize(
