@@ -179,7 +179,7 @@ def read_ranges(
     ranges: Sequence[OffsetRange],
     group_id: str,
     timeout_s: float,
-    rows_per_batch: int = 20_000,
+    rows_per_batch: int = 10_000,
     bytes_per_batch: int = 64 << 20,
 ) -> Iterator[pa.RecordBatch]:
     """The committed records of a batch's planned `ranges` (read_committed, RangeReader's rule
@@ -207,8 +207,15 @@ def read_ranges(
 
 
 # The stage reader's fetching: answers within 10 ms once records are there (the broker's default
-# wait is 500 ms), up to 4 MB a partition per fetch.
-READER_FETCH = {"fetch.wait.max.ms": 10, "fetch.message.max.bytes": 4 << 20}
+# wait is 500 ms), up to 4 MB a partition per fetch, and a prefetch queue of 16 MB or 10,000
+# records a partition (librdkafka's defaults, 64 MB and 100,000, held about 85 MB more per task
+# in bench/compare.py for the same speed).
+READER_FETCH = {
+    "fetch.wait.max.ms": 10,
+    "fetch.message.max.bytes": 4 << 20,
+    "queued.max.messages.kbytes": 16 << 10,
+    "queued.min.messages": 10_000,
+}
 
 
 def _record_batch(columns: tuple[list, ...]) -> pa.RecordBatch:
