@@ -79,8 +79,10 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
         heads = read_heads(conn, pipeline.name)
     audits = []
     for partition in sorted(set(watermarks) | set(stored) | set(heads)):
-        low = watermarks[partition].low if partition in watermarks else 0
-        ranges = [(max(s, low), e) for s, e in ledger.get(partition, []) if e > low]
+        # Kafka holds [low, last stable) now; ledgered offsets outside it are not there to read.
+        held = watermarks.get(partition)
+        low, stable = (held.low, held.last_stable) if held else (0, 0)
+        ranges = [(max(s, low), min(e, stable)) for s, e in ledger.get(partition, []) if e > low and s < stable]
         result = PartitionAudit(partition, heads.get(partition))
         after, reset_to = resets.get(partition, (0, None))
         result.ledger_breaks = ledger_breaks(stored.get(partition, []), heads.get(partition), reset_to)

@@ -103,6 +103,7 @@ class RangeReader:
                 self._idle([r for r in ranges if r.partition in ends], idle_since)
                 continue
             idle_since = time.monotonic()
+            self.errors.clear()  # the cluster answers: an earlier connection error has passed
             kept = []
             for message in batch:
                 partition = message.partition()
@@ -118,6 +119,8 @@ class RangeReader:
                 if error is None or message.offset() >= end or self._ends_short(partition, ranges, message, short):
                     del ends[partition]
                     consumer.incremental_unassign([TopicPartition(self.topic, partition)])
+                else:  # the leader holds the range: its answer is progress, however long it took
+                    idle_since = time.monotonic()
             if kept:
                 yield kept
 
@@ -179,7 +182,7 @@ def read_ranges(
     ranges: Sequence[OffsetRange],
     group_id: str,
     timeout_s: float,
-    rows_per_batch: int = 10_000,
+    rows_per_batch: int = 20_000,
     bytes_per_batch: int = 64 << 20,
 ) -> Iterator[pa.RecordBatch]:
     """The committed records of a batch's planned `ranges` (read_committed, RangeReader's rule
@@ -207,14 +210,16 @@ def read_ranges(
 
 
 # The stage reader's fetching: answers within 10 ms once records are there (the broker's default
-# wait is 500 ms), up to 4 MB a partition per fetch, and a prefetch queue of 16 MB or 10,000
-# records a partition (librdkafka's defaults, 64 MB and 100,000, held about 85 MB more per task
-# in bench/compare.py for the same speed).
+# wait is 500 ms), up to 4 MB a partition per fetch, and a prefetch queue (the consumer's) of
+# 16 MB or 10,000 records (librdkafka's defaults, 64 MB and 100,000, held about 55 MB more per
+# task for the same speed). A full queue postpones the next fetch by fetch.queue.backoff.ms:
+# 1 s by default, 10 ms here, as one 4 MB fetch of small records can fill it alone.
 READER_FETCH = {
     "fetch.wait.max.ms": 10,
     "fetch.message.max.bytes": 4 << 20,
     "queued.max.messages.kbytes": 16 << 10,
     "queued.min.messages": 10_000,
+    "fetch.queue.backoff.ms": 10,
 }
 
 
