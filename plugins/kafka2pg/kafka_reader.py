@@ -210,15 +210,16 @@ def read_ranges(
 
 
 # The stage reader's fetching: answers within 10 ms once records are there (the broker's default
-# wait is 500 ms), up to 4 MB a partition per fetch, and a prefetch queue (the consumer's) of
-# 16 MB or 10,000 records (librdkafka's defaults, 64 MB and 100,000, held about 55 MB more per
-# task for the same speed). A full queue postpones the next fetch by fetch.queue.backoff.ms:
-# 1 s by default, 10 ms here, as one 4 MB fetch of small records can fill it alone.
+# wait is 500 ms), up to 4 MB a partition per fetch, and a prefetch queue of 4 MB or 5,000
+# records per partition (librdkafka's defaults, 64 MB and 100,000, held about 110 MB more per
+# task reading 3 partitions, for the same speed; librdkafka also caps a fetch response at the
+# queue's size, and a broker still returns one record batch larger than that). A full queue
+# postpones the next fetch by fetch.queue.backoff.ms: 1 s by default, 10 ms here.
 READER_FETCH = {
     "fetch.wait.max.ms": 10,
     "fetch.message.max.bytes": 4 << 20,
-    "queued.max.messages.kbytes": 16 << 10,
-    "queued.min.messages": 10_000,
+    "queued.max.messages.kbytes": 4 << 10,
+    "queued.min.messages": 5_000,
     "fetch.queue.backoff.ms": 10,
 }
 
