@@ -323,6 +323,33 @@ def test_an_end_of_partition_below_the_range_end_goes_on_reading_when_the_leader
     assert record_headers(servers, env.topic, 0, [139, 219], 30) == {219: [(b"n", b"39")]}
 
 
+def test_records_larger_than_the_readers_prefetch_queue_are_read_whole(make_pipeline):
+    """The stage reader's prefetch queue per partition (and with it librdkafka's cap on a fetch
+    response) is smaller than a record a topic may allow: the broker still returns the record's
+    batch, and the reader hands every record on whole, in offset order."""
+    queue = kafka_reader.READER_FETCH["queued.max.messages.kbytes"] * 1024
+    big = queue * 2 + 12_345
+    env = make_pipeline(partitions=2, create_topic=False)
+    create_topic(env, partitions=2, **{"max.message.bytes": str(big * 2)})
+    servers = env.settings.bootstrap_servers
+    producer = Producer({**client_config(servers, 10), "message.max.bytes": big * 2, "compression.type": "none"})
+    sizes = {0: [100, big, 200, big + 1], 1: [big + 2, 300]}
+    for partition, lengths in sizes.items():
+        for n, length in enumerate(lengths):
+            producer.produce(env.topic, value=bytes([65 + n]) * length, partition=partition)
+            assert producer.flush(60) == 0  # one at a time: offsets in this order
+    ranges = [OffsetRange(p, 0, len(lengths)) for p, lengths in sizes.items()]
+    read = {}
+    for batch in read_ranges(servers, env.topic, ranges, "kafka2pg-test", 60):
+        for partition, offset, value in zip(
+            *(batch.column(c).to_pylist() for c in ("partition", "offset", "value")), strict=True
+        ):
+            read.setdefault(partition, []).append((offset, len(value), value[:1]))
+    assert read == {
+        p: [(n, length, bytes([65 + n])) for n, length in enumerate(lengths)] for p, lengths in sizes.items()
+    }
+
+
 def test_the_audit_of_a_topic_recreated_shorter_reports_the_rows_kafka_no_longer_holds(make_pipeline, run_batch):
     """Ledgered ranges that now lie partly or wholly beyond the partition's end: the audit reads
     what Kafka holds and names the rest as rows without a record in Kafka, without failing."""
