@@ -35,12 +35,13 @@ DEFAULT_KAFKA_CONN_ID = "kafka2pg_kafka"
 # 40,000 -> 400,000) leave the driver's per-batch machinery (Spark's closure cleaner, planner,
 # task serialisation) to C1, which halves the compiler threads' CPU. Tuned for batches of ~100k
 # records: with much smaller ones, per-record code reaches C2 later. Parallel GC suits a batch
-# job; its heap starts at 64 MB, not at 1/64 of the machine's memory (384 MB on 24 GB), and
-# grows as the job needs: the librdkafka reader leaves the JVM little to hold. The
-# measurements behind these choices: bench/README.md.
-STAGE_JVM_OPTIONS_ONE_BATCH = "-XX:TieredStopAtLevel=1 -XX:+UseParallelGC -Xms64m"
+# job; its heap starts at 64 MB, not at 1/64 of the machine's memory (378 MB on a 24 GB
+# machine), and grows as the job needs: the librdkafka reader leaves the JVM little to hold.
+# The measurements behind these choices: bench/README.md.
+_STAGE_JVM_GC_AND_HEAP = "-XX:+UseParallelGC -Xms64m"
+STAGE_JVM_OPTIONS_ONE_BATCH = f"-XX:TieredStopAtLevel=1 {_STAGE_JVM_GC_AND_HEAP}"
 STAGE_JVM_OPTIONS_SEVERAL_BATCHES = (
-    "-XX:+UseParallelGC -Xms64m -XX:Tier4InvocationThreshold=100000 -XX:Tier4MinInvocationThreshold=20000"
+    f"{_STAGE_JVM_GC_AND_HEAP} -XX:Tier4InvocationThreshold=100000 -XX:Tier4MinInvocationThreshold=20000"
     " -XX:Tier4CompileThreshold=100000 -XX:Tier4BackEdgeThreshold=400000"
 )
 
