@@ -112,7 +112,7 @@ def run_ours(settings: Settings, topic: str, master: str, reader: str = "librdka
     pipeline = dataclasses.replace(bench_pipeline(_fresh(name), topic), kafka_reader=reader)
     migrate(settings.database_url, [pipeline])
     started = time.monotonic()
-    spark = bench_spark(master, "bench-ours", settings.state_dir, batches=10**9)
+    spark = bench_spark(master, "bench-ours", settings.state_dir, batches=10**9, kafka_reader=reader)
     spark_start = time.monotonic() - started
     started = time.monotonic()
     first = open_batch(settings, pipeline, run_id="bench").batch

@@ -51,12 +51,21 @@ def bench_pipeline(name: str, topic: str | None = None) -> Pipeline:
     return dataclasses.replace(get_pipeline("orders"), name=name, topic=topic or name, target_table=name)
 
 
-def bench_spark(master: str, app_name: str, state_dir: Path, conf: dict[str, str] | None = None, batches: int = 1):
+def bench_spark(
+    master: str,
+    app_name: str,
+    state_dir: Path,
+    conf: dict[str, str] | None = None,
+    batches: int = 1,
+    kafka_reader: str = "librdkafka",
+):
     """A quiet Spark session with the Kafka source jars and the kafka2pg package shipped; `batches`
-    picks the stage JVM's JIT options as the DAG does for a run of that many batches."""
+    and `kafka_reader` pick the stage JVM's JIT options as the DAG does for such a run."""
     from kafka2pg.staging import package_zip, spark_session
 
-    spark = spark_session(master, app_name=app_name, jars=spark_jars(), conf=conf, batches=batches)
+    spark = spark_session(
+        master, app_name=app_name, jars=spark_jars(), conf=conf, batches=batches, kafka_reader=kafka_reader
+    )
     spark.sparkContext.setLogLevel("ERROR")
     spark.sparkContext.addPyFile(str(package_zip(state_dir)))
     return spark

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from kafka2pg.config import STAGE_JVM_OPTIONS_SEVERAL_BATCHES, class_archive_path
+from kafka2pg.config import STAGE_JVM_OPTIONS_TIERED, class_archive_path
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def train(archive: Path) -> None:
     from kafka2pg.jars import spark_jars
     from kafka2pg.staging import spark_session
 
-    options = f"{STAGE_JVM_OPTIONS_SEVERAL_BATCHES} -XX:ArchiveClassesAtExit={archive}"
+    options = f"{STAGE_JVM_OPTIONS_TIERED} -XX:ArchiveClassesAtExit={archive}"
     spark = spark_session(
         "local[2]",
         app_name="kafka2pg-class-archive",

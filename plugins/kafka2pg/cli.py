@@ -176,7 +176,10 @@ def _stage_locally(settings: Settings, pipeline: Pipeline, batch_id: int) -> Non
     from kafka2pg.staging import package_zip, spark_session, stage_batch
 
     spark = spark_session(
-        settings.spark_master, app_name=f"kafka2pg-stage-{pipeline.name}", jars=spark_jars(settings.state_dir)
+        settings.spark_master,
+        app_name=f"kafka2pg-stage-{pipeline.name}",
+        jars=spark_jars(settings.state_dir),
+        kafka_reader=pipeline.kafka_reader,
     )
     archive = package_zip(settings.state_dir / "spark")
     try:

@@ -26,21 +26,22 @@ from kafka2pg.kafka_config import KafkaConfig
 DEFAULT_POSTGRES_CONN_ID = "kafka2pg_postgres"
 DEFAULT_KAFKA_CONN_ID = "kafka2pg_kafka"
 # JVM options of the stage job's driver (in local mode also its executor); a pipeline's
-# spark_conf may override them. A job that stages one batch (batches_per_run 1, the default)
-# lives seconds: C1-only JIT warms up sooner. A job that catches up several batches through
-# Spark's Kafka source (kafka_reader: spark) repays C2's compile time from its second batch on,
-# for the code run per record (the Kafka client, Arrow transfer); the librdkafka reader runs no
-# per-record code in the JVM. Raised tier-4 thresholds (invocations 5,000 -> 100,000, about once
-# per record of a batch; minimum 600 -> 20,000; calls + loops 15,000 -> 100,000; loop back-edges
-# 40,000 -> 400,000) leave the driver's per-batch machinery (Spark's closure cleaner, planner,
-# task serialisation) to C1, which halves the compiler threads' CPU. Tuned for batches of ~100k
-# records: with much smaller ones, per-record code reaches C2 later. Parallel GC suits a batch
-# job; its heap starts at 64 MB, not at 1/64 of the machine's memory (378 MB on a 24 GB
-# machine), and grows as the job needs: the librdkafka reader leaves the JVM little to hold.
-# The measurements behind these choices: bench/README.md.
+# spark_conf may override them. With the librdkafka reader (the default) the JVM runs no
+# per-record code, only Spark's per-batch machinery (planner, closure cleaner, task
+# serialisation): C1-only JIT compiles it sooner and cheaper, however many batches the job
+# stages (C2 cost about 0.8 core-seconds more per 1M records and gained nothing). A job that
+# catches up several batches through Spark's Kafka source (kafka_reader: spark) repays C2's
+# compile time from its second batch on, for the code run per record (the Kafka client, Arrow
+# transfer). Raised tier-4 thresholds (invocations 5,000 -> 100,000, about once per record of a
+# batch; minimum 600 -> 20,000; calls + loops 15,000 -> 100,000; loop back-edges 40,000 ->
+# 400,000) leave its per-batch machinery to C1, which halves the compiler threads' CPU. Tuned
+# for batches of ~100k records: with much smaller ones, per-record code reaches C2 later.
+# Parallel GC suits a batch job; its heap starts at 64 MB, not at 1/64 of the machine's memory
+# (378 MB on a 24 GB machine), and grows as the job needs: the librdkafka reader leaves the JVM
+# little to hold. The measurements behind these choices: bench/README.md.
 _STAGE_JVM_GC_AND_HEAP = "-XX:+UseParallelGC -Xms64m"
-STAGE_JVM_OPTIONS_ONE_BATCH = f"-XX:TieredStopAtLevel=1 {_STAGE_JVM_GC_AND_HEAP}"
-STAGE_JVM_OPTIONS_SEVERAL_BATCHES = (
+STAGE_JVM_OPTIONS_C1 = f"-XX:TieredStopAtLevel=1 {_STAGE_JVM_GC_AND_HEAP}"
+STAGE_JVM_OPTIONS_TIERED = (
     f"{_STAGE_JVM_GC_AND_HEAP} -XX:Tier4InvocationThreshold=100000 -XX:Tier4MinInvocationThreshold=20000"
     " -XX:Tier4CompileThreshold=100000 -XX:Tier4BackEdgeThreshold=400000"
 )
@@ -52,11 +53,17 @@ SPARK_LOG_LEVELS = ("WARN", "ERROR", "INFO", "DEBUG", "TRACE", "FATAL", "OFF")
 SPARK_LOG_CONFIG = locations.PACKAGE_DIR / "log4j2.properties"
 
 
-def stage_jvm_options(batches: int = 1, state_dir: Path | None = None, log_level: str = SPARK_LOG_LEVELS[0]) -> str:
-    """The stage JVM's options for a job that may finish `batches` batches, with the class-data
-    archive `./kafka2pg setup` made for this pyspark and java, when there is one, and Spark's
-    logging at `log_level` (kafka2pg's log4j2.properties)."""
-    options = STAGE_JVM_OPTIONS_ONE_BATCH if batches == 1 else STAGE_JVM_OPTIONS_SEVERAL_BATCHES
+def stage_jvm_options(
+    batches: int = 1,
+    state_dir: Path | None = None,
+    log_level: str = SPARK_LOG_LEVELS[0],
+    kafka_reader: str = "librdkafka",
+) -> str:
+    """The stage JVM's options for a job that may finish `batches` batches with `kafka_reader`,
+    with the class-data archive `./kafka2pg setup` made for this pyspark and java, when there is
+    one, and Spark's logging at `log_level` (kafka2pg's log4j2.properties)."""
+    tiered = kafka_reader == "spark" and batches != 1
+    options = STAGE_JVM_OPTIONS_TIERED if tiered else STAGE_JVM_OPTIONS_C1
     archive = class_archive_path(state_dir)
     if archive.is_file():
         options += f" -XX:SharedArchiveFile={shlex.quote(str(archive))}"
@@ -71,9 +78,9 @@ def spark_log_options(level: str = SPARK_LOG_LEVELS[0]) -> str:
     return f"-Dlog4j2.configurationFile={shlex.quote(str(SPARK_LOG_CONFIG))} -Dkafka2pg.spark.log.level={level}"
 
 
-def stage_jvm_conf(batches: int = 1, state_dir: Path | None = None) -> dict[str, str]:
-    """Spark conf with the stage JVM's options for a job that may finish `batches` batches."""
-    return {"spark.driver.extraJavaOptions": stage_jvm_options(batches, state_dir)}
+def stage_jvm_conf(batches: int = 1, state_dir: Path | None = None, kafka_reader: str = "librdkafka") -> dict[str, str]:
+    """Spark conf with the stage JVM's options for a job that may finish `batches` batches with `kafka_reader`."""
+    return {"spark.driver.extraJavaOptions": stage_jvm_options(batches, state_dir, kafka_reader=kafka_reader)}
 
 
 def class_archive_path(state_dir: Path | None = None) -> Path:

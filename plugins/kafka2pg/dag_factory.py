@@ -193,11 +193,12 @@ def _stage_operator(pipeline: Pipeline, pipelines_file: Path, *, several_batches
     more = []
     # With the class-data archive, if set-up made one (checked when the DAG file is parsed).
     level = pipeline.spark_log_level
-    jvm_options = stage_jvm_options(1, log_level=level)
+    jvm_options = stage_jvm_options(1, log_level=level, kafka_reader=pipeline.kafka_reader)
     if several_batches:
-        # The JIT options follow the run's batches_per_run (config.stage_jvm_options' choice).
-        several = stage_jvm_options(2, log_level=level)
-        jvm_options = f"{{{{ {jvm_options!r} if {planned}['batches'] == 1 else {several!r} }}}}"
+        # The JIT options follow the run's batches_per_run and the reader (config.stage_jvm_options' choice).
+        several = stage_jvm_options(2, log_level=level, kafka_reader=pipeline.kafka_reader)
+        if several != jvm_options:
+            jvm_options = f"{{{{ {jvm_options!r} if {planned}['batches'] == 1 else {several!r} }}}}"
         more = [
             "--batches",
             f"{{{{ {planned}['batches'] }}}}",

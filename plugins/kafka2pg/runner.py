@@ -271,7 +271,11 @@ def run_job(
     settings = Settings.from_env()
     pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
     spark = spark_session(
-        None, app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}", conf=pipeline.spark_conf, batches=batches
+        None,
+        app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}",
+        conf=pipeline.spark_conf,
+        batches=batches,
+        kafka_reader=pipeline.kafka_reader,
     )
     # Where the JVM started without kafka2pg's log4j2 file (cluster deploy mode, spark_conf
     # overriding the driver's JVM options) the level still applies from here on.

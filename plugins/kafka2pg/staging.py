@@ -461,16 +461,18 @@ def spark_session(
     jars: list[Path] | None = None,
     conf: dict[str, str] | None = None,
     batches: int = 1,
+    kafka_reader: str = "librdkafka",
 ) -> SparkSession:
     """A Spark session with kafka2pg's defaults; `master=None` keeps what spark-submit set.
 
-    `batches`: how many batches the session may stage; it picks the JVM's JIT options, which
-    take effect only where this call starts the JVM (tests, CLI, bench), not under spark-submit.
+    `batches` (how many batches the session may stage) and `kafka_reader` pick the JVM's JIT
+    options, which take effect only where this call starts the JVM (tests, CLI, bench), not
+    under spark-submit.
     """
     builder = SparkSession.builder.appName(app_name)
     if master is not None:
         builder = builder.master(master)
-    for key, value in {**SPARK_DEFAULTS, **stage_jvm_conf(batches), **(conf or {})}.items():
+    for key, value in {**SPARK_DEFAULTS, **stage_jvm_conf(batches, kafka_reader=kafka_reader), **(conf or {})}.items():
         builder = builder.config(key, value)
     if jars:
         builder = builder.config("spark.jars", ",".join(str(j) for j in jars))

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from kafka2pg import class_archive
-from kafka2pg.config import STAGE_JVM_OPTIONS_ONE_BATCH, class_archive_path, stage_jvm_options
+from kafka2pg.config import STAGE_JVM_OPTIONS_C1, class_archive_path, stage_jvm_options
 
 START_SPARK = """
 import sys
@@ -49,7 +49,7 @@ def test_a_stage_jvm_maps_sparks_classes_from_the_archive_setup_made(tmp_path):
     assert archive is not None and archive == class_archive_path()
     assert class_archive.ensure() == archive  # idempotent: the same file, not made again
     with_archive = _classes_loaded(stage_jvm_options(1), tmp_path / "with.log")
-    without = _classes_loaded(STAGE_JVM_OPTIONS_ONE_BATCH, tmp_path / "without.log")
+    without = _classes_loaded(STAGE_JVM_OPTIONS_C1, tmp_path / "without.log")
 
     shared = [name for name, source in with_archive.items() if "shared objects file" in source]
     assert with_archive["org.apache.spark.SparkContext"].startswith("shared objects file")

@@ -69,23 +69,27 @@ def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
     assert result["outlets"] == [["AssetAlias", "kafka2pg_orders"]] * 2
 
 
-def test_stage_jvm_options_follow_the_runs_batches_and_name_the_class_archive(tmp_path, monkeypatch):
-    """C1-only JIT for a job of one batch, tiered (C2) once it catches up several, and the class-data
-    archive once set-up has made one: what spark-submit gets once Airflow renders the template
-    with the plan task's XCom."""
+def test_stage_jvm_options_follow_the_runs_batches_and_reader_and_name_the_class_archive(tmp_path, monkeypatch):
+    """C1-only JIT for the librdkafka reader (no per-record code in the JVM) and for a job of one
+    batch; tiered (C2) once Spark's Kafka source catches up several; the class-data archive once
+    set-up has made one: what spark-submit gets once Airflow renders the template with the plan
+    task's XCom."""
     import jinja2
 
     from kafka2pg.config import (
-        STAGE_JVM_OPTIONS_ONE_BATCH,
-        STAGE_JVM_OPTIONS_SEVERAL_BATCHES,
+        STAGE_JVM_OPTIONS_C1,
+        STAGE_JVM_OPTIONS_TIERED,
         class_archive_path,
         spark_log_options,
         stage_jvm_conf,
     )
 
-    assert "TieredStopAtLevel=1" in STAGE_JVM_OPTIONS_ONE_BATCH
-    assert "TieredStopAtLevel" not in STAGE_JVM_OPTIONS_SEVERAL_BATCHES
+    assert "TieredStopAtLevel=1" in STAGE_JVM_OPTIONS_C1
+    assert "TieredStopAtLevel" not in STAGE_JVM_OPTIONS_TIERED
     monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path))
+    spark_reader = tmp_path / "pipelines.yaml"
+    shipped = (ROOT / "dags" / "pipelines.yaml").read_text()
+    spark_reader.write_text(shipped.replace("    topic: orders\n", "    topic: orders\n    kafka_reader: spark\n", 1))
 
     class PlannedBatches:
         def __init__(self, batches: int):
@@ -95,27 +99,35 @@ def test_stage_jvm_options_follow_the_runs_batches_and_name_the_class_archive(tm
             assert task_ids == "plan"
             return {"batches": self.batches}
 
-    def rendered(batches: int) -> tuple[str, str]:
-        result = _parse_dag_file()
+    def rendered(batches: int, env: dict[str, str] | None = None) -> tuple[str, str]:
+        result = _parse_dag_file(env)
         return jinja2.Template(result["jvm_options"]).render(ti=PlannedBatches(batches)), result["replay_jvm_options"]
+
+    def rendered_spark_reader(batches: int) -> tuple[str, str]:
+        return rendered(batches, {"KAFKA2PG_PIPELINES": str(spark_reader)})
 
     # Spark's own logging at WARN (the pipelines' default spark_log_level) from kafka2pg's log4j2 file.
     logging = f" {spark_log_options('WARN')}"
     assert "-Dlog4j2.configurationFile=" in logging and logging.endswith("-Dkafka2pg.spark.log.level=WARN")
-    one, several = STAGE_JVM_OPTIONS_ONE_BATCH, STAGE_JVM_OPTIONS_SEVERAL_BATCHES
-    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": one + logging}
-    assert stage_jvm_conf(2) == {"spark.driver.extraJavaOptions": several + logging}
-    assert rendered(1) == (one + logging, one + logging)
-    assert rendered(7)[0] == several + logging
+    c1, tiered = STAGE_JVM_OPTIONS_C1, STAGE_JVM_OPTIONS_TIERED
+    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": c1 + logging}
+    assert stage_jvm_conf(2) == {"spark.driver.extraJavaOptions": c1 + logging}
+    assert stage_jvm_conf(1, kafka_reader="spark") == {"spark.driver.extraJavaOptions": c1 + logging}
+    assert stage_jvm_conf(2, kafka_reader="spark") == {"spark.driver.extraJavaOptions": tiered + logging}
+    assert rendered(1) == (c1 + logging, c1 + logging)
+    assert rendered(7)[0] == c1 + logging
+    assert rendered_spark_reader(1) == (c1 + logging, c1 + logging)
+    assert rendered_spark_reader(7)[0] == tiered + logging
 
     archive = class_archive_path()
     assert archive.parent.parent == tmp_path and archive.suffix == ".jsa"
     archive.parent.mkdir(parents=True)
     archive.write_bytes(b"made by set-up")
     shared = f" -XX:SharedArchiveFile={archive}"
-    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": one + shared + logging}
-    assert rendered(1) == (one + shared + logging, one + shared + logging)
-    assert rendered(7)[0] == several + shared + logging
+    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": c1 + shared + logging}
+    assert rendered(1) == (c1 + shared + logging, c1 + shared + logging)
+    assert rendered(7)[0] == c1 + shared + logging
+    assert rendered_spark_reader(7)[0] == tiered + shared + logging
 
 
 COPIED = """
