@@ -7,7 +7,9 @@ Runs inside Spark's Python workers (`mapInArrow`), so it imports only what an ex
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Iterator, Sequence
+from importlib.abc import MetaPathFinder
 
 import psycopg
 import pyarrow as pa
@@ -56,6 +58,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
         from pyspark import TaskContext
 
         chunk = TaskContext.get().partitionId()
+        arrow_without_pandas()
         decoder = decoder_for(pipeline)
         table = sql.Identifier("kafka2pg", pipeline.staging_table)
         copy_sql = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
@@ -91,7 +94,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
                         outcomes[index] = Admitted(None, f"PostgreSQL refused the row in staging: {message}")
                     framed = frame(record_batch, outcomes, decoder, batch_id, chunk, topic)
                     # Now NULLs, raw bytes as bytea and a reason: nothing left to refuse.
-                    _copy(conn, copy_sql, framed.take(sorted(refused)))
+                    _copy(conn, copy_sql, framed.take(pa.array(sorted(refused), pa.int64())))
                 _accumulate(stats, framed)
         yield pa.RecordBatch.from_pylist(
             [
@@ -118,6 +121,34 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
         )
 
     return write
+
+
+class _NoPandas(MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "pandas":
+            raise ImportError("pandas is left out of this Spark task process")
+        return None
+
+
+def arrow_without_pandas() -> None:
+    """Let pyarrow settle, once per process, that it has no pandas to look for.
+
+    pyarrow imports pandas on its first conversion of Python values (`pa.array`), to recognise
+    pandas objects, and a Spark task here never hands it one: that import cost each task process
+    about 0.17 s of CPU and 54 MB (bench/README.md). For that one conversion `import pandas`
+    fails, so pyarrow records "no pandas"; `import pandas` works again right after, only
+    pyarrow's pandas conversions (`to_pandas`) do not, and no task code uses them. For Spark
+    task processes only (the chunk writer's), where no other thread imports meanwhile; a process
+    that imported pandas already is left as it is.
+    """
+    if "pandas" in sys.modules:
+        return
+    finder = _NoPandas()
+    sys.meta_path.insert(0, finder)
+    try:
+        pa.array([0], pa.int8())
+    finally:
+        sys.meta_path.remove(finder)
 
 
 def frame(
@@ -148,8 +179,9 @@ def frame(
         columns.append(pa.array(values, _ARROW_TYPES[rule.kind]))
     keys, values, headers = ([None] * rows for _ in RAW)
     if refused:
-        raw_keys = record_batch.column("key").take(refused).to_pylist()
-        raw_values = record_batch.column("value").take(refused).to_pylist()
+        indices = pa.array(refused, pa.int64())  # typed: from a Python list, `take` imports pandas
+        raw_keys = record_batch.column("key").take(indices).to_pylist()
+        raw_values = record_batch.column("value").take(indices).to_pylist()
         for i, key, value in zip(refused, raw_keys, raw_values, strict=True):
             keys[i], values[i] = _bytea(key), _bytea(value)
     columns += [pa.array(keys, pa.string()), pa.array(values, pa.string()), pa.array(headers, pa.string())]
@@ -209,18 +241,21 @@ def _utc_wall_clock(table: pa.Table) -> pa.Table:
 
 def _accumulate(stats: dict[int, list], framed: pa.Table) -> None:
     """Per Kafka partition: records, quarantined (non-null reason), min and max offset, and the
-    offsets quarantined here, summed over the chunk's batches."""
-    grouped = framed.group_by("kafka_partition").aggregate(
-        [("kafka_offset", "count"), ("quarantine_reason", "count"), ("kafka_offset", "min"), ("kafka_offset", "max")]
-    )
-    for row in grouped.to_pylist():
-        acc = stats.setdefault(row["kafka_partition"], [0, 0, row["kafka_offset_min"], row["kafka_offset_max"], []])
-        acc[0] += row["kafka_offset_count"]
-        acc[1] += row["quarantine_reason_count"]
-        acc[2] = min(acc[2], row["kafka_offset_min"])
-        acc[3] = max(acc[3], row["kafka_offset_max"])
-    quarantined = framed.filter(pc.is_valid(framed.column("quarantine_reason")))
+    offsets quarantined here, summed over the chunk's batches. With compute functions, one
+    partition at a time (a task's batch holds a few): Arrow's group-by imports pyarrow's dataset
+    module, and with it pandas."""
+    partitions, offsets = framed.column("kafka_partition"), framed.column("kafka_offset")
+    quarantined = pc.is_valid(framed.column("quarantine_reason"))
+    for partition in pc.unique(partitions).to_pylist():
+        mine = pc.equal(partitions, pa.scalar(partition, pa.int32()))
+        bounds = pc.min_max(pc.filter(offsets, mine)).as_py()
+        acc = stats.setdefault(partition, [0, 0, bounds["min"], bounds["max"], []])
+        acc[0] += pc.sum(mine).as_py()
+        acc[1] += pc.sum(pc.and_(mine, quarantined)).as_py()
+        acc[2] = min(acc[2], bounds["min"])
+        acc[3] = max(acc[3], bounds["max"])
+    refused = framed.filter(quarantined)
     for partition, offset in zip(
-        quarantined.column("kafka_partition").to_pylist(), quarantined.column("kafka_offset").to_pylist(), strict=True
+        refused.column("kafka_partition").to_pylist(), refused.column("kafka_offset").to_pylist(), strict=True
     ):
         stats[partition][4].append(offset)

@@ -95,3 +95,53 @@ def test_a_module_missing_on_the_executors_is_a_configuration_error_naming_it():
 
 def test_another_task_failure_is_not_called_a_kafka_error():
     assert _kafka_error(task_failure("BatchStateError", "batch 7 is staged"), SETTINGS, _Pipeline, _Batch) is None
+
+
+# A Spark task's Arrow work on a few records (the reader's batch, admission, the staging frame,
+# its CSV and per-partition stats), in a fresh interpreter; prints whether pandas got imported.
+TASK_ARROW = """
+import io, sys
+from pathlib import Path
+from pyarrow import csv
+from kafka2pg.chunk_writer import _accumulate, _utc_wall_clock, arrow_without_pandas, frame
+from kafka2pg.config import get_pipeline
+from kafka2pg.admission import decoder_for
+from kafka2pg.kafka_reader import _record_batch
+
+if sys.argv[2] == "without":
+    arrow_without_pandas()
+pipeline = get_pipeline("orders", Path(sys.argv[1]))
+good = b'{"event_id": "e1", "customer_id": 7, "amount": 1.50, "ts": "2026-01-01T00:00:00Z", "payload": {}}'
+values = [good, good, b"not json", good]
+batch = _record_batch(([0, 3, 0, 3], [5, 40, 6, 41], [1_700_000_000_000_000] * 4, [b"k", None, b"k", b"k"], values))
+decoder = decoder_for(pipeline)
+outcomes = [decoder.decode(v) for v in batch.column("value").to_pylist()]
+framed = frame(batch, outcomes, decoder, 1, 0, "orders")
+csv.write_csv(_utc_wall_clock(framed), io.BytesIO(), csv.WriteOptions(include_header=False))
+stats = {}
+_accumulate(stats, framed)
+assert stats == {0: [2, 1, 5, 6, [6]], 3: [2, 0, 40, 41, []]}, stats
+imported = "pandas" in sys.modules
+import pandas  # still importable afterwards
+print(imported)
+"""
+
+
+@pytest.mark.parametrize(("mode", "imports_pandas"), [("with", True), ("without", False)])
+def test_a_spark_tasks_arrow_work_leaves_pandas_unimported(mode, imports_pandas):
+    """pyarrow imports pandas on its first conversion of Python values unless told there is none
+    (`arrow_without_pandas`, as the chunk writer does first in each task): the task's whole Arrow
+    path then runs without it, and pandas stays importable."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", TASK_ARROW, str(root / "dags" / "pipelines.yaml"), mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(root / "plugins"), "PATH": "/usr/bin:/bin"},
+    )
+    assert out.stdout.strip().splitlines()[-1] == str(imports_pandas)
