@@ -131,15 +131,16 @@ class _NoPandas(MetaPathFinder):
 
 
 def arrow_without_pandas() -> None:
-    """Let pyarrow settle, once per process, that it has no pandas to look for.
+    """Let pyarrow settle, for this process, that it has no pandas to look for.
 
     pyarrow imports pandas on its first conversion of Python values (`pa.array`), to recognise
     pandas objects, and a Spark task here never hands it one: that import cost each task process
     about 0.17 s of CPU and 54 MB (bench/README.md). For that one conversion `import pandas`
     fails, so pyarrow records "no pandas"; `import pandas` works again right after, only
     pyarrow's pandas conversions (`to_pandas`) do not, and no task code uses them. For Spark
-    task processes only (the chunk writer's), where no other thread imports meanwhile; a process
-    that imported pandas already is left as it is.
+    task processes only (the chunk writer's, at each task's start: after the first, pyarrow does
+    not look again and this is a one-value conversion), where no other thread imports meanwhile;
+    a process that imported pandas already is left as it is.
     """
     if "pandas" in sys.modules:
         return
