@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
 
 from kafka2pg import class_archive  # noqa: E402
-from kafka2pg.config import Pipeline, Settings, class_archive_path, get_pipeline  # noqa: E402
+from kafka2pg.config import KAFKA_READERS, Pipeline, Settings, class_archive_path, get_pipeline  # noqa: E402
 from kafka2pg.devtools import local_stack  # noqa: E402
 from kafka2pg.devtools.local_stack import Stack  # noqa: E402
 from kafka2pg.jars import spark_jars  # noqa: E402
@@ -57,7 +57,7 @@ def bench_spark(
     state_dir: Path,
     conf: dict[str, str] | None = None,
     batches: int = 1,
-    kafka_reader: str = "librdkafka",
+    kafka_reader: str = KAFKA_READERS[0],
 ):
     """A quiet Spark session with the Kafka source jars and the kafka2pg package shipped; `batches`
     and `kafka_reader` pick the stage JVM's JIT options as the DAG does for such a run."""

@@ -49,6 +49,8 @@ STAGE_JVM_OPTIONS_TIERED = (
 
 # Log levels of Spark's own logging (log4j2) a pipeline's spark_log_level may name; the first is the default.
 SPARK_LOG_LEVELS = ("WARN", "ERROR", "INFO", "DEBUG", "TRACE", "FATAL", "OFF")
+# How a pipeline's Spark tasks may read Kafka (`kafka_reader`); the first is the default.
+KAFKA_READERS = ("librdkafka", "spark")
 # kafka2pg's log4j2 configuration of the stage driver: the level comes from a system property.
 SPARK_LOG_CONFIG = locations.PACKAGE_DIR / "log4j2.properties"
 
@@ -57,7 +59,7 @@ def stage_jvm_options(
     batches: int = 1,
     state_dir: Path | None = None,
     log_level: str = SPARK_LOG_LEVELS[0],
-    kafka_reader: str = "librdkafka",
+    kafka_reader: str = KAFKA_READERS[0],
 ) -> str:
     """The stage JVM's options for a job that may finish `batches` batches with `kafka_reader`,
     with the class-data archive `./kafka2pg setup` made for this pyspark and java, when there is
@@ -78,7 +80,9 @@ def spark_log_options(level: str = SPARK_LOG_LEVELS[0]) -> str:
     return f"-Dlog4j2.configurationFile={shlex.quote(str(SPARK_LOG_CONFIG))} -Dkafka2pg.spark.log.level={level}"
 
 
-def stage_jvm_conf(batches: int = 1, state_dir: Path | None = None, kafka_reader: str = "librdkafka") -> dict[str, str]:
+def stage_jvm_conf(
+    batches: int = 1, state_dir: Path | None = None, kafka_reader: str = KAFKA_READERS[0]
+) -> dict[str, str]:
     """Spark conf with the stage JVM's options for a job that may finish `batches` batches with `kafka_reader`."""
     return {"spark.driver.extraJavaOptions": stage_jvm_options(batches, state_dir, kafka_reader=kafka_reader)}
 
@@ -206,7 +210,7 @@ class Pipeline:
     data_loss_warning_hours: float = 24.0
     # How the stage job's Spark tasks read Kafka: librdkafka (confluent-kafka) in the Python task that
     # also admits and COPYs the records, or Spark's Kafka source (the Java client) feeding it.
-    kafka_reader: Literal["librdkafka", "spark"] = "librdkafka"
+    kafka_reader: Literal["librdkafka", "spark"] = KAFKA_READERS[0]
     spark_conf: dict[str, str] = field(default_factory=dict)
     spark_log_level: str = SPARK_LOG_LEVELS[0]
     schedule: str | None = None
@@ -472,7 +476,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         new_partition_start=_choice(raw, "new_partition_start", where, ("earliest", "latest")),
         duplicate_policy=_choice(raw, "duplicate_policy", where, ("quarantine", "fail")),
         data_loss_warning_hours=_positive_number(raw, "data_loss_warning_hours", where, 24.0),
-        kafka_reader=_choice(raw, "kafka_reader", where, ("librdkafka", "spark")),
+        kafka_reader=_choice(raw, "kafka_reader", where, KAFKA_READERS),
         spark_conf=_spark_conf(raw.get("spark_conf"), where),
         spark_log_level=_choice(raw, "spark_log_level", where, SPARK_LOG_LEVELS),
         schedule=_schedule(raw, where),

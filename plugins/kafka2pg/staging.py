@@ -23,7 +23,7 @@ from pyspark.sql import Row, SparkSession
 
 from kafka2pg.batch_store import Batch, load_claimed, staging_lost, transition
 from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer, headers_literal
-from kafka2pg.config import Pipeline, Settings, stage_jvm_conf
+from kafka2pg.config import KAFKA_READERS, Pipeline, Settings, stage_jvm_conf
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import (
     BatchStateError,
@@ -461,7 +461,7 @@ def spark_session(
     jars: list[Path] | None = None,
     conf: dict[str, str] | None = None,
     batches: int = 1,
-    kafka_reader: str = "librdkafka",
+    kafka_reader: str = KAFKA_READERS[0],
 ) -> SparkSession:
     """A Spark session with kafka2pg's defaults; `master=None` keeps what spark-submit set.
 
