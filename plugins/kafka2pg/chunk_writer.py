@@ -6,19 +6,19 @@ Runs inside Spark's Python workers (`mapInArrow`), so it imports only what an ex
 
 from __future__ import annotations
 
-import io
 import sys
 from collections.abc import Iterator, Sequence
 from importlib.abc import MetaPathFinder
+from typing import NamedTuple
 
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 from psycopg import sql
-from pyarrow import csv
 
 from kafka2pg.admission import Admitted, RecordDecoder, decoder_for
 from kafka2pg.config import Pipeline
+from kafka2pg.copy_binary import HEADER, TRAILER, copy_rows
 from kafka2pg.database import isolate_refused
 from kafka2pg.exceptions import BatchStateError
 from kafka2pg.lifecycle import BatchState
@@ -42,8 +42,26 @@ _ARROW_TYPES = {
     "timestamptz": pa.timestamp("us", tz="UTC"),
     "date": pa.date32(),
     "jsonb": pa.string(),
-    "numeric": pa.string(),  # the decimal's exact text: PostgreSQL parses it
+    "numeric": pa.string(),  # the decimal's exact text (kafka2pg.copy_binary encodes it)
 }
+# The PostgreSQL types of the columns a chunk writes around the pipeline's own (staging_table.sql).
+_HEAD_TYPES = ("bigint", "integer", "text", "integer", "bigint", "timestamptz")  # batch_id, chunk, PROVENANCE
+_TAIL_TYPES = ("bytea", "bytea", "bytea[]", "text")  # RAW, quarantine_reason
+
+
+class StagingCopy(NamedTuple):
+    """The COPY of a pipeline's staging rows (binary format) and the PostgreSQL type of each
+    of its columns, in `frame`'s order."""
+
+    statement: sql.Composed
+    types: tuple[str, ...]
+
+
+def staging_copy(pipeline: Pipeline) -> StagingCopy:
+    table = sql.Identifier("kafka2pg", pipeline.staging_table)
+    columns = sql.SQL(", ").join(map(sql.Identifier, ["batch_id", "chunk", *staging_columns(pipeline)]))
+    statement = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT binary)").format(table, columns)
+    return StagingCopy(statement, (*_HEAD_TYPES, *(c.type for c in pipeline.columns), *_TAIL_TYPES))
 
 
 def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: int, topic: str):
@@ -61,9 +79,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
         arrow_without_pandas()
         decoder = decoder_for(pipeline)
         table = sql.Identifier("kafka2pg", pipeline.staging_table)
-        copy_sql = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
-            table, sql.SQL(", ").join(map(sql.Identifier, ["batch_id", "chunk", *staging_columns(pipeline)]))
-        )
+        copy = staging_copy(pipeline)
         stats: dict[int, list] = {}
         with psycopg.connect(database_url, client_encoding="UTF8") as conn:
             claim = conn.execute(
@@ -88,13 +104,13 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
                     continue
                 outcomes = [decoder.decode(v) for v in record_batch.column("value").to_pylist()]
                 framed = frame(record_batch, outcomes, decoder, batch_id, chunk, topic)
-                refused = copy_isolating(conn, copy_sql, framed, into=f"kafka2pg.{pipeline.staging_table}")
+                refused = copy_isolating(conn, copy, framed, into=f"kafka2pg.{pipeline.staging_table}")
                 if refused:
                     for index, message in refused.items():
                         outcomes[index] = Admitted(None, f"PostgreSQL refused the row in staging: {message}")
                     framed = frame(record_batch, outcomes, decoder, batch_id, chunk, topic)
                     # Now NULLs, raw bytes as bytea and a reason: nothing left to refuse.
-                    _copy(conn, copy_sql, framed.take(pa.array(sorted(refused), pa.int64())))
+                    _copy(conn, copy, framed.take(pa.array(sorted(refused), pa.int64())))
                 _accumulate(stats, framed)
         yield pa.RecordBatch.from_pylist(
             [
@@ -162,8 +178,8 @@ def frame(
 ) -> pa.Table:
     """The staging rows of Kafka records of `topic` and their admission outcomes, as an Arrow table in COPY order.
 
-    An admitted record carries its typed values; a refused one NULLs and its raw key and value
-    (as bytea), with the reason (its headers are added by the stage step, `stage_batch`).
+    An admitted record carries its typed values; a refused one NULLs and its raw key and value,
+    with the reason (its headers are added by the stage step, `stage_batch`).
     """
     rows = record_batch.num_rows
     refused = [i for i, o in enumerate(outcomes) if o.reason is not None]
@@ -184,15 +200,11 @@ def frame(
         raw_keys = record_batch.column("key").take(indices).to_pylist()
         raw_values = record_batch.column("value").take(indices).to_pylist()
         for i, key, value in zip(refused, raw_keys, raw_values, strict=True):
-            keys[i], values[i] = _bytea(key), _bytea(value)
-    columns += [pa.array(keys, pa.string()), pa.array(values, pa.string()), pa.array(headers, pa.string())]
+            keys[i], values[i] = key, value
+    columns += [pa.array(keys, pa.binary()), pa.array(values, pa.binary()), pa.array(headers, pa.string())]
     columns.append(pa.array([o.reason for o in outcomes], pa.string()))
     names = ["batch_id", "chunk", *PROVENANCE, *(r.name for r in decoder.rules), *RAW, "quarantine_reason"]
     return pa.Table.from_arrays(columns, names=names)
-
-
-def _bytea(data: bytes | None) -> str | None:
-    return None if data is None else "\\x" + data.hex()
 
 
 def headers_literal(headers: list[tuple[bytes, bytes | None]]) -> str | None:
@@ -206,38 +218,22 @@ def headers_literal(headers: list[tuple[bytes, bytes | None]]) -> str | None:
     return "{" + ",".join(pairs) + "}"
 
 
-def copy_isolating(conn: psycopg.Connection, copy_sql: sql.Composed, table: pa.Table, *, into: str) -> dict[int, str]:
+def copy_isolating(conn: psycopg.Connection, copy: StagingCopy, table: pa.Table, *, into: str) -> dict[int, str]:
     """COPY `table` (into the table named `into`); the rows PostgreSQL refuses on data are left
     out (see `isolate_refused`)."""
 
     def write(start: int, stop: int) -> None:
-        _copy(conn, copy_sql, table.slice(start, stop - start))
+        _copy(conn, copy, table.slice(start, stop - start))
 
     return isolate_refused(conn, write, table.num_rows, table=into)
 
 
-def _copy(conn: psycopg.Connection, copy_sql: sql.Composed, table: pa.Table) -> None:
-    buffer = io.BytesIO()
-    csv.write_csv(_utc_wall_clock(table), buffer, csv.WriteOptions(include_header=False))
-    # The timestamps are written as UTC wall-clock times (see _utc_wall_clock): the COPY reads
-    # them in UTC, whatever the connection's TimeZone. SET LOCAL lasts until the transaction
-    # ends, unless a rollback to an earlier savepoint (isolate_refused's) undoes it: every COPY sets it.
-    with conn.transaction(), conn.cursor() as cur:
-        cur.execute("SET LOCAL TimeZone = 'UTC'")
-        with cur.copy(copy_sql) as copy:
-            copy.write(buffer.getbuffer())
-
-
-def _utc_wall_clock(table: pa.Table) -> pa.Table:
-    """`table` with its zoned timestamps as naive ones of the same UTC instant: Arrow's CSV writer
-    formats a zoned timestamp about 20 times slower (2 us a value, most of the writer's time)."""
-    schema = pa.schema(
-        [
-            f.with_type(pa.timestamp(f.type.unit)) if pa.types.is_timestamp(f.type) and f.type.tz else f
-            for f in table.schema
-        ]
-    )
-    return table if schema == table.schema else table.cast(schema)
+def _copy(conn: psycopg.Connection, copy: StagingCopy, table: pa.Table) -> None:
+    rows = copy_rows(table, copy.types)  # binary: no text for PostgreSQL to parse, no time zone to mind
+    with conn.transaction(), conn.cursor() as cur, cur.copy(copy.statement) as stream:
+        stream.write(HEADER)
+        stream.write(memoryview(rows))
+        stream.write(TRAILER)
 
 
 def _accumulate(stats: dict[int, list], framed: pa.Table) -> None:
@@ -249,9 +245,10 @@ def _accumulate(stats: dict[int, list], framed: pa.Table) -> None:
     quarantined = pc.is_valid(framed.column("quarantine_reason"))
     for partition in pc.unique(partitions).to_pylist():
         mine = pc.equal(partitions, pa.scalar(partition, pa.int32()))
-        bounds = pc.min_max(pc.filter(offsets, mine)).as_py()
+        own_offsets = pc.filter(offsets, mine)
+        bounds = pc.min_max(own_offsets).as_py()
         acc = stats.setdefault(partition, [0, 0, bounds["min"], bounds["max"], []])
-        acc[0] += pc.sum(mine).as_py()
+        acc[0] += len(own_offsets)
         acc[1] += pc.sum(pc.and_(mine, quarantined)).as_py()
         acc[2] = min(acc[2], bounds["min"])
         acc[3] = max(acc[3], bounds["max"])

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from kafka2pg.admission import decoder_for
-from kafka2pg.chunk_writer import copy_isolating, frame
-from kafka2pg.migrations import staging_columns
+from kafka2pg.chunk_writer import copy_isolating, frame, staging_copy
 
 COLUMNS = [
     {"name": "event_id", "type": "text", "required": True},
@@ -125,9 +124,7 @@ def staged(base_settings, tmp_path_factory):
     migrate(base_settings.database_url, [pipeline])
     decoder = decoder_for(pipeline)
     table = sql.Identifier("kafka2pg", pipeline.staging_table)
-    copy_sql = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
-        table, sql.SQL(", ").join(map(sql.Identifier, ["batch_id", "chunk", *staging_columns(pipeline)]))
-    )
+    statement = staging_copy(pipeline)
     names = [c["name"] for c in COLUMNS]
     selected = [sql.SQL("{}::text").format(sql.Identifier(n)) if n == "payload" else sql.Identifier(n) for n in names]
 
@@ -136,7 +133,7 @@ def staged(base_settings, tmp_path_factory):
         with psycopg.connect(base_settings.database_url) as conn:
             conn.execute(sql.SQL("TRUNCATE {}").format(table))
             refused = copy_isolating(
-                conn, copy_sql, frame(_record_batch(values), outcomes, decoder, 1, 0, "t"), into="staging"
+                conn, statement, frame(_record_batch(values), outcomes, decoder, 1, 0, "t"), into="staging"
             )
             rows = conn.execute(
                 sql.SQL(

@@ -98,12 +98,12 @@ def test_another_task_failure_is_not_called_a_kafka_error():
 
 
 # A Spark task's Arrow work on a few records (the reader's batch, admission, the staging frame,
-# its CSV and per-partition stats), in a fresh interpreter; prints whether pandas got imported.
+# its binary COPY rows and per-partition stats), in a fresh interpreter; prints whether pandas got imported.
 TASK_ARROW = """
-import io, sys
+import sys
 from pathlib import Path
-from pyarrow import csv
-from kafka2pg.chunk_writer import _accumulate, _utc_wall_clock, arrow_without_pandas, frame
+from kafka2pg.chunk_writer import _accumulate, arrow_without_pandas, frame, staging_copy
+from kafka2pg.copy_binary import copy_rows
 from kafka2pg.config import get_pipeline
 from kafka2pg.admission import decoder_for
 from kafka2pg.kafka_reader import _record_batch
@@ -117,7 +117,7 @@ batch = _record_batch(([0, 3, 0, 3], [5, 40, 6, 41], [1_700_000_000_000_000] * 4
 decoder = decoder_for(pipeline)
 outcomes = [decoder.decode(v) for v in batch.column("value").to_pylist()]
 framed = frame(batch, outcomes, decoder, 1, 0, "orders")
-csv.write_csv(_utc_wall_clock(framed), io.BytesIO(), csv.WriteOptions(include_header=False))
+copy_rows(framed, staging_copy(pipeline).types)
 stats = {}
 _accumulate(stats, framed)
 assert stats == {0: [2, 1, 5, 6, [6]], 3: [2, 0, 40, 41, []]}, stats

@@ -1,0 +1,169 @@
+"""PostgreSQL's binary COPY format, built from Arrow columns in bulk (no Python call per value).
+
+The staging COPY sends its rows this way: PostgreSQL then reads integers, timestamps and
+numerics as they are stored instead of parsing their text (about half its CPU for that COPY,
+bench/README.md). Each column is encoded by the PostgreSQL type it goes to, as that type's
+binary input function reads it (the `*_recv` functions): big-endian fixed-width integers and
+floats, timestamps as microseconds and dates as days since 2000-01-01, text and bytea as their
+bytes, jsonb as a version byte and its text, numeric as base-10000 digits. PostgreSQL still
+checks everything it checks for text: encoding, NUL bytes, typmods, constraints.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from decimal import Decimal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)  # signature, flags, header extension length
+TRAILER = b"\xff\xff"
+
+_NULL = b"\xff\xff\xff\xff"  # a field of length -1
+_US_2000 = 946_684_800_000_000  # 2000-01-01 (PostgreSQL's epoch) in microseconds since 1970
+_DAYS_2000 = 10_957
+# A numeric(p,s) column is encoded in bulk while its values, scaled to a whole number of base-10000
+# digits, fit 18 decimal digits (an int64); wider ones value by value.
+_BULK_NUMERIC_DIGITS = 18
+# Fixed-width types: the Arrow type a column is cast to first (a safe cast: a value that does not
+# fit raises), its NumPy type, and the value's big-endian layout.
+_FIXED = {
+    "bigint": (pa.int64(), "<i8", ">i8", 8),
+    "integer": (pa.int32(), "<i4", ">i4", 4),
+    "double precision": (pa.float64(), "<f8", ">f8", 8),
+    "boolean": (pa.uint8(), "u1", "u1", 1),
+}
+
+
+def copy_rows(table: pa.Table, types: Sequence[str]) -> pa.Buffer:
+    """The binary COPY rows of `table` (HEADER and TRAILER not included), each column encoded
+    as the PostgreSQL type named in `types` (one per column, in order)."""
+    if len(types) != table.num_columns:
+        raise ValueError(f"{table.num_columns} columns but {len(types)} types")
+    rows = table.num_rows
+    if not rows:
+        return pa.py_buffer(b"")
+    fields = [_fields(table.column(i).combine_chunks(), kind) for i, kind in enumerate(types)]
+    count = pa.repeat(_bytes(struct.pack(">h", len(fields))), rows)
+    joined = pc.binary_join_element_wise(count, *fields, _bytes(b""))
+    offsets = np.frombuffer(joined.buffers()[1], np.int64, rows + 1, joined.offset * 8)
+    return joined.buffers()[2][int(offsets[0]) : int(offsets[-1])]
+
+
+def _fields(array: pa.Array, kind: str) -> pa.Array:
+    """One column's COPY fields (length word and bytes, or -1 for NULL), a large_binary array."""
+    rows = len(array)
+    if array.null_count == rows:
+        return pa.repeat(_bytes(_NULL), rows)
+    if kind in _FIXED:
+        arrow_type, dtype, wire, width = _FIXED[kind]
+        fields = _fixed_width(_values(array.cast(arrow_type), dtype), wire, width)
+    elif kind == "timestamptz":
+        micros = _values(array.cast(pa.timestamp("us", array.type.tz)).cast(pa.int64()), "<i8")
+        fields = _fixed_width(micros - _US_2000, ">i8", 8)
+    elif kind == "date":
+        fields = _fixed_width(_values(array.cast(pa.int32()), "<i4") - _DAYS_2000, ">i4", 4)
+    elif kind.startswith("numeric"):
+        fields = _numeric(array, kind)
+    elif kind in ("text", "jsonb", "bytea"):
+        data = array.cast(pa.large_binary())
+        if kind == "jsonb":  # jsonb's binary input: format version 1, then the JSON text
+            data = pc.binary_join_element_wise(pa.repeat(_bytes(b"\x01"), rows), data, _bytes(b""))
+        lengths = _values(pc.binary_length(data), "<i8").astype(">i4")
+        fields = pc.binary_join_element_wise(_fixed_width_array(lengths.tobytes(), rows, 4), data, _bytes(b""))
+    else:
+        raise ValueError(f"no binary COPY encoding for {kind!r} values (only NULLs)")
+    return fields if array.null_count == 0 else pc.if_else(pc.is_valid(array), fields, _bytes(_NULL))
+
+
+def _values(array: pa.Array, dtype: str) -> np.ndarray:
+    """A fixed-width array's values as NumPy sees its buffer (a NULL's slot holds any value: its
+    field is replaced). Not `to_numpy`, which imports pandas."""
+    return np.frombuffer(array.buffers()[1], dtype, len(array), array.offset * np.dtype(dtype).itemsize)
+
+
+def _bytes(value: bytes) -> pa.Scalar:
+    # Made when used, not at import: pyarrow's first conversion of a Python value imports pandas
+    # unless the Spark task said first that it has none (chunk_writer.arrow_without_pandas).
+    return pa.scalar(value, pa.large_binary())
+
+
+def _fixed_width(values: np.ndarray, dtype: str, width: int) -> pa.Array:
+    """Fields of one fixed width: the length word, then each value big-endian."""
+    packed = np.empty(len(values), dtype=[("length", ">i4"), ("value", dtype)])
+    packed["length"] = width
+    packed["value"] = values
+    return _fixed_width_array(packed.tobytes(), len(values), 4 + width)
+
+
+def _fixed_width_array(data: bytes, rows: int, width: int) -> pa.Array:
+    offsets = np.arange(0, width * (rows + 1), width, dtype=np.int64)
+    return pa.Array.from_buffers(pa.large_binary(), rows, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+def _numeric(array: pa.Array, kind: str) -> pa.Array:
+    """numeric(p,s) fields from decimal texts: in bulk through Arrow's decimal type when the
+    values fit an int64 once aligned to base-10000 digits, else value by value."""
+    precision, scale = (int(n) for n in kind[len("numeric(") : -1].split(","))
+    pad = -scale % 4  # base-10000 digits are aligned on the decimal point
+    if precision + pad <= _BULK_NUMERIC_DIGITS:
+        try:
+            decimals = array.cast(pa.decimal128(precision, scale))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            pass  # a text Arrow does not read as numeric(p,s) exactly: PostgreSQL judges it below
+        else:
+            return _numeric_bulk(decimals, precision, scale, pad)
+    fields = [None if text is None else _numeric_field(text) for text in array.to_pylist()]
+    return pa.array(fields, pa.large_binary())
+
+
+def _numeric_bulk(decimals: pa.Array, precision: int, scale: int, pad: int) -> pa.Array:
+    rows = len(decimals)
+    # A decimal128 is a 16-byte little-endian integer: for |value| < 10**18 its low half is the int64.
+    unscaled = np.frombuffer(decimals.buffers()[1], "<i8", 2 * rows, decimals.offset * 16)[0::2]
+    aligned = unscaled * 10**pad
+    magnitude = np.abs(aligned)
+    digits = (precision + pad + 3) // 4
+    groups = np.empty((rows, digits), ">i2")
+    for position in range(digits - 1, -1, -1):
+        magnitude, groups[:, position] = np.divmod(magnitude, 10_000)
+    packed = np.empty(
+        rows,
+        dtype=[
+            ("length", ">i4"),
+            ("ndigits", ">i2"),
+            ("weight", ">i2"),
+            ("sign", ">u2"),
+            ("dscale", ">i2"),
+            ("digits", ">i2", (digits,)),
+        ],
+    )
+    packed["length"] = 8 + 2 * digits
+    packed["ndigits"] = digits
+    packed["weight"] = digits - 1 - (scale + pad) // 4
+    packed["sign"] = np.where(aligned < 0, 0x4000, 0)
+    packed["dscale"] = scale
+    packed["digits"] = groups  # leading and trailing zero digits are allowed: PostgreSQL strips them
+    return _fixed_width_array(packed.tobytes(), rows, 4 + 8 + 2 * digits)
+
+
+def _numeric_field(text: str) -> bytes:
+    """One numeric field from a finite decimal's text, exactly (the column's typmod then applies,
+    as for text input)."""
+    sign, digits, exponent = Decimal(text).as_tuple()
+    if not isinstance(exponent, int):
+        raise ValueError(f"{text!r} is not a finite decimal")
+    dscale = max(0, -exponent)
+    pad = -dscale % 4
+    number = int("".join(map(str, digits))) * 10 ** (exponent + dscale + pad)  # the value * 10**(dscale+pad)
+    groups = []
+    while number:
+        number, group = divmod(number, 10_000)
+        groups.append(group)
+    groups.reverse()
+    weight = len(groups) - 1 - (dscale + pad) // 4 if groups else 0
+    body = struct.pack(f">hhHh{len(groups)}h", len(groups), weight, 0x4000 if sign and groups else 0, dscale, *groups)
+    return struct.pack(">i", len(body)) + body

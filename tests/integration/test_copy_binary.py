@@ -1,0 +1,144 @@
+"""The binary COPY encoder (kafka2pg.copy_binary) against PostgreSQL itself: every value it
+encodes lands equal to the same value given to PostgreSQL as text, for each type the staging
+table uses, NULLs, slices (the refused-row bisection COPYs slices) and numerics of every width."""
+
+from datetime import UTC, date, datetime, timedelta
+from decimal import Context, Decimal
+
+import psycopg
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from psycopg import sql
+
+from kafka2pg.copy_binary import HEADER, TRAILER, copy_rows
+
+# (PostgreSQL type, Arrow type the stage step hands the encoder, values as Python has them)
+NUMERICS = ["numeric(12,2)", "numeric(4,4)", "numeric(18,0)", "numeric(16,2)", "numeric(17,2)", "numeric(40,10)"]
+
+
+def _decimals(kind: str):
+    precision, scale = (int(n) for n in kind[len("numeric(") : -1].split(","))
+
+    def exact(unscaled: int) -> Decimal:  # unscaled * 10**-scale, without a context's rounding
+        sign, digits, _ = Decimal(unscaled).as_tuple()
+        return Decimal((sign, digits, -scale))
+
+    # The admission's texts: plain, with at most `scale` digits after the point (fewer too).
+    return (
+        st.integers(-(10**precision) + 1, 10**precision - 1)
+        .map(exact)
+        .flatmap(lambda d: st.sampled_from([format(d, "f"), format(d.normalize(Context(prec=1000)), "f")]))
+    )
+
+
+COLUMNS = {
+    "bigint": (pa.int64(), st.integers(-(2**63), 2**63 - 1)),
+    "integer": (pa.int32(), st.integers(-(2**31), 2**31 - 1)),
+    "double precision": (pa.float64(), st.floats(allow_nan=False, allow_infinity=False)),
+    "boolean": (pa.bool_(), st.booleans()),
+    "timestamptz": (
+        pa.timestamp("us", tz="UTC"),
+        st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30), timezones=st.just(UTC)),
+    ),
+    "date": (pa.date32(), st.dates()),
+    "text": (pa.string(), st.text(st.characters(exclude_characters="\x00", exclude_categories=["Cs"]))),
+    "jsonb": (pa.string(), st.sampled_from(['{"a": [1, 2.50, null]}', '"x\\u00e9"', "12345678901234567890.5", "{}"])),
+    "bytea": (pa.binary(), st.binary(max_size=50)),
+    **{kind: (pa.string(), _decimals(kind)) for kind in NUMERICS},
+}
+NAMES = [f"c{i}" for i in range(len(COLUMNS))]
+rows = st.lists(st.tuples(*(st.none() | strategy for _, strategy in COLUMNS.values())), min_size=1, max_size=12)
+
+
+@pytest.fixture(scope="module")
+def tables(base_settings):
+    definition = sql.SQL(", ").join(
+        sql.SQL("{} {}").format(sql.Identifier(name), sql.SQL(kind)) for name, kind in zip(NAMES, COLUMNS, strict=True)
+    )
+    with psycopg.connect(base_settings.database_url, autocommit=True) as conn:
+        for table in ("copy_binary_got", "copy_binary_want"):
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
+            conn.execute(sql.SQL("CREATE TABLE {} ({})").format(sql.Identifier(table), definition))
+    return base_settings.database_url
+
+
+def _arrow(values: list[tuple], skip: int) -> pa.Table:
+    """The rows as Arrow columns, after `skip` rows of noise (the encoder gets a slice)."""
+    noise = [tuple(None for _ in COLUMNS)] * skip
+    table = pa.table(
+        {
+            name: pa.array([row[i] for row in noise + values], arrow_type)
+            for i, (name, (arrow_type, _)) in enumerate(zip(NAMES, COLUMNS.values(), strict=True))
+        }
+    )
+    return table.slice(skip)
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(values=rows, skip=st.integers(0, 3))
+def test_each_value_lands_as_postgresql_reads_its_text(tables, values, skip):
+    _lands_as_its_text(tables, values, skip)
+
+
+def _lands_as_its_text(database_url: str, values: list[tuple], skip: int) -> None:
+    with psycopg.connect(database_url) as conn:
+        conn.execute("TRUNCATE copy_binary_got, copy_binary_want")
+        with conn.cursor() as cur, cur.copy("COPY copy_binary_got FROM STDIN WITH (FORMAT binary)") as copy:
+            copy.write(HEADER + copy_rows(_arrow(values, skip), list(COLUMNS)).to_pybytes() + TRAILER)
+        casts = sql.SQL(", ").join(sql.SQL("%s::{}").format(sql.SQL(kind)) for kind in COLUMNS)
+        texts = [tuple(None if v is None else v if isinstance(v, bytes) else str(v) for v in row) for row in values]
+        conn.cursor().executemany(sql.SQL("INSERT INTO copy_binary_want VALUES ({})").format(casts), texts)
+        differ = conn.execute(
+            "SELECT (SELECT count(*) FROM (TABLE copy_binary_got EXCEPT ALL TABLE copy_binary_want) a),"
+            " (SELECT count(*) FROM (TABLE copy_binary_want EXCEPT ALL TABLE copy_binary_got) b),"
+            " (SELECT count(*) FROM copy_binary_got)"
+        ).fetchone()
+        assert differ == (0, 0, len(values))
+
+
+def test_extremes_and_a_decimal_arrow_cannot_read_exactly(tables):
+    """Both ends of each range; a numeric text with more digits after the point than the column
+    keeps takes the value-by-value path and is rounded by PostgreSQL as its text would be."""
+    row_low = (
+        -(2**63),
+        -(2**31),
+        -1.7976931348623157e308,
+        False,
+        datetime(1, 1, 1, tzinfo=UTC),
+        date(1, 1, 1),
+        "",
+        "[]",
+        b"",
+        "-9999999999.99",
+        "-0.9999",
+        "-999999999999999999",
+        "-99999999999999.99",
+        "-999999999999999.99",
+        "-" + "9" * 30 + "." + "9" * 10,
+    )
+    row_high = (
+        2**63 - 1,
+        2**31 - 1,
+        5e-324,
+        True,
+        datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC) - timedelta(days=1),
+        date(9999, 12, 31),
+        "\u00e9\U0001f600",
+        '{"k": "v"}',
+        b"\x00\xff",
+        "0.005",  # rounds to 0.01
+        "0",
+        "0",
+        "-0.0",
+        "1.234",  # rounds to 1.23
+        "0.00000000005",  # rounds to 0.0000000001
+    )
+    _lands_as_its_text(tables, [row_low, row_high], 1)
+
+
+def test_a_type_without_an_encoding_is_refused_unless_all_null():
+    assert copy_rows(pa.table({"h": pa.nulls(2, pa.string())}), ["bytea[]"]).size == 2 * 6  # count and -1
+    with pytest.raises(ValueError, match="bytea\\[\\]"):
+        copy_rows(pa.table({"h": pa.array(["{}", None])}), ["bytea[]"])
