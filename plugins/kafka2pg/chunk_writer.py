@@ -6,8 +6,10 @@ Runs inside Spark's Python workers (`mapInArrow`), so it imports only what an ex
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from importlib.abc import MetaPathFinder
 from typing import NamedTuple
 
@@ -81,7 +83,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
         table = sql.Identifier("kafka2pg", pipeline.staging_table)
         copy = staging_copy(pipeline)
         stats: dict[int, list] = {}
-        with psycopg.connect(database_url, client_encoding="UTF8") as conn:
+        with collector_paused(), psycopg.connect(database_url, client_encoding="UTF8") as conn:
             claim = conn.execute(
                 "SELECT state, epoch FROM kafka2pg.batches WHERE batch_id = %s FOR SHARE", (batch_id,)
             ).fetchone()
@@ -137,6 +139,23 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
         )
 
     return write
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the duration (a Spark task's write), then back
+    as it was. Reading, admitting and framing records allocate a few objects per record, none of
+    them in a cycle, and each collection they trigger walks every object the worker process
+    holds (PySpark's among them): about a third of admission's CPU (bench/README.md). Objects
+    are still freed as their last reference goes; only cycles wait for the collector's return."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class _NoPandas(MetaPathFinder):

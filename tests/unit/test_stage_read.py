@@ -145,3 +145,24 @@ def test_a_spark_tasks_arrow_work_leaves_pandas_unimported(mode, imports_pandas)
         env={"PYTHONPATH": str(root / "plugins"), "PATH": "/usr/bin:/bin"},
     )
     assert out.stdout.strip().splitlines()[-1] == str(imports_pandas)
+
+
+def test_the_collector_is_paused_for_a_write_and_restored_as_it_was():
+    import gc
+
+    from kafka2pg.chunk_writer import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("a task that fails")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled(), "a collector someone else turned off stays off"
+    finally:
+        gc.enable()
