@@ -44,7 +44,7 @@ import psutil  # noqa: E402
 from harness import JDBC_PROPERTIES, bench_pipeline, bench_spark, bench_stack, spark_sql_decode  # noqa: E402
 from psycopg import sql  # noqa: E402
 
-from kafka2pg.config import Settings  # noqa: E402
+from kafka2pg.config import KAFKA_READERS, Settings  # noqa: E402
 from kafka2pg.database import connect  # noqa: E402
 from kafka2pg.devtools.processes import free_port  # noqa: E402
 from kafka2pg.devtools.producer import produce, sample_events  # noqa: E402
@@ -103,12 +103,12 @@ def connect_events(count: int, size: int) -> Iterator[dict]:
 # ------------------------------------------------------------------ contenders (child process)
 
 
-def run_ours(settings: Settings, topic: str, master: str, reader: str = "librdkafka") -> dict:
+def run_ours(settings: Settings, topic: str, master: str, reader: str = KAFKA_READERS[0]) -> dict:
     """The stage job's own loop (kafka2pg.runner, batches_per_run unlimited) in one Spark session."""
     from kafka2pg.opening import open_batch
     from kafka2pg.runner import run_batches
 
-    name = f"ours_{master[6]}" if reader == "librdkafka" else f"ours_{reader}_{master[6]}"
+    name = f"ours_{master[6]}" if reader == KAFKA_READERS[0] else f"ours_{reader}_{master[6]}"
     pipeline = dataclasses.replace(bench_pipeline(_fresh(name), topic), kafka_reader=reader)
     migrate(settings.database_url, [pipeline])
     started = time.monotonic()

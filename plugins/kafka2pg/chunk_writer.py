@@ -247,12 +247,23 @@ def copy_isolating(conn: psycopg.Connection, copy: StagingCopy, table: pa.Table,
     return isolate_refused(conn, write, table.num_rows, table=into)
 
 
+# PostgreSQL cannot read the binary rows at all: the encoder's defect, never a record's.
+_UNREADABLE = (psycopg.errors.InvalidBinaryRepresentation, psycopg.errors.BadCopyFileFormat)
+
+
 def _copy(conn: psycopg.Connection, copy: StagingCopy, table: pa.Table) -> None:
     rows = copy_rows(table, copy.types)  # binary: no text for PostgreSQL to parse, no time zone to mind
-    with conn.transaction(), conn.cursor() as cur, cur.copy(copy.statement) as stream:
-        stream.write(HEADER)
-        stream.write(memoryview(rows))
-        stream.write(TRAILER)
+    try:
+        with conn.transaction(), conn.cursor() as cur, cur.copy(copy.statement) as stream:
+            stream.write(HEADER)
+            stream.write(memoryview(rows))
+            stream.write(TRAILER)
+    except _UNREADABLE as exc:
+        # Not a data error to isolate: quarantining the rows would hide a defect behind records.
+        raise RuntimeError(
+            f"PostgreSQL could not read the binary COPY rows kafka2pg encoded ({exc.sqlstate}: {exc}); "
+            "this is a defect in kafka2pg, not in the records: the write stops instead of quarantining them"
+        ) from exc
 
 
 def _accumulate(stats: dict[int, list], framed: pa.Table) -> None:

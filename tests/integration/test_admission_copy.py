@@ -177,3 +177,13 @@ def test_random_bytes_never_stop_the_write_and_keep_their_raw_bytes(staged, valu
     for value, row in zip(values, rows, strict=True):
         assert row["reason"] is not None
         assert (row["raw_key"], row["raw_value"]) == (b"k\x00\xff", value)
+
+
+@pytest.mark.parametrize("amount", ["12.5" + "0" * 40, "1." + "0" * 5000, "1.50E+3", "150E-2", "-0.000", "-0"])
+def test_an_amount_in_any_json_form_reads_back_as_its_value(staged, amount):
+    """A JSON number admission accepts for numeric(12,2), whatever its form (runs of zeros after
+    the point, exponents, a negative zero), lands as its exact value."""
+    value = b'{"event_id": "e", "customer_id": 1, "amount": ' + amount.encode() + b"}"
+    outcomes, refused, rows = staged([value])
+    assert outcomes[0].reason is None and refused == {}
+    assert rows[0]["amount"] == Decimal(amount)

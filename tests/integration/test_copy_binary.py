@@ -25,11 +25,15 @@ def _decimals(kind: str):
         sign, digits, _ = Decimal(unscaled).as_tuple()
         return Decimal((sign, digits, -scale))
 
-    # The admission's texts: plain, with at most `scale` digits after the point (fewer too).
-    return (
-        st.integers(-(10**precision) + 1, 10**precision - 1)
-        .map(exact)
-        .flatmap(lambda d: st.sampled_from([format(d, "f"), format(d.normalize(Context(prec=1000)), "f")]))
+    def zeros(text: str, count: int) -> str:  # trailing zeros after the point change nothing
+        return text + ("" if "." in text else ".") + "0" * count
+
+    # The admission's texts: plain, at most `scale` significant digits after the point (fewer too),
+    # and as many zeros after them as the record had.
+    return st.tuples(st.integers(-(10**precision) + 1, 10**precision - 1).map(exact), st.integers(0, 45)).flatmap(
+        lambda dz: st.sampled_from(
+            [format(dz[0], "f"), format(dz[0].normalize(Context(prec=1000)), "f"), zeros(format(dz[0], "f"), dz[1])]
+        )
     )
 
 
@@ -90,12 +94,19 @@ def _lands_as_its_text(database_url: str, values: list[tuple], skip: int) -> Non
         casts = sql.SQL(", ").join(sql.SQL("%s::{}").format(sql.SQL(kind)) for kind in COLUMNS)
         texts = [tuple(None if v is None else v if isinstance(v, bytes) else str(v) for v in row) for row in values]
         conn.cursor().executemany(sql.SQL("INSERT INTO copy_binary_want VALUES ({})").format(casts), texts)
-        differ = conn.execute(
-            "SELECT (SELECT count(*) FROM (TABLE copy_binary_got EXCEPT ALL TABLE copy_binary_want) a),"
-            " (SELECT count(*) FROM (TABLE copy_binary_want EXCEPT ALL TABLE copy_binary_got) b),"
-            " (SELECT count(*) FROM copy_binary_got)"
-        ).fetchone()
-        assert differ == (0, 0, len(values))
+        assert _differ(conn, "copy_binary_got", "copy_binary_want") == (0, 0, len(values))
+
+
+def _differ(conn: psycopg.Connection, got: str, want: str) -> tuple[int, int, int]:
+    """Rows only in `got`, only in `want` (compared as their text too: a numeric's scale, a zero's
+    sign), and rows in `got`."""
+    got_rows = sql.SQL("SELECT g.*, g::text FROM {} g").format(sql.Identifier(got))
+    want_rows = sql.SQL("SELECT w.*, w::text FROM {} w").format(sql.Identifier(want))
+    query = sql.SQL(
+        "SELECT (SELECT count(*) FROM ({got_rows} EXCEPT ALL {want_rows}) a),"
+        " (SELECT count(*) FROM ({want_rows} EXCEPT ALL {got_rows}) b), (SELECT count(*) FROM {got})"
+    ).format(got_rows=got_rows, want_rows=want_rows, got=sql.Identifier(got))
+    return conn.execute(query).fetchone()
 
 
 def test_extremes_and_a_decimal_arrow_cannot_read_exactly(tables):
@@ -142,3 +153,40 @@ def test_a_type_without_an_encoding_is_refused_unless_all_null():
     assert copy_rows(pa.table({"h": pa.nulls(2, pa.string())}), ["bytea[]"]).size == 2 * 6  # count and -1
     with pytest.raises(ValueError, match="bytea\\[\\]"):
         copy_rows(pa.table({"h": pa.array(["{}", None])}), ["bytea[]"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "texts"),
+    [
+        ("numeric(12,2)", ["12.5" + "0" * 40, "1." + "0" * 5000, "1.50E+3", "150E-2", "-0", "-0.000", "0.005"]),
+        ("numeric(18,2)", ["9999999999999999.99", "-0.01", "12.5" + "0" * 40, "1E+15", "0"]),
+        ("numeric(18,8)", ["9999999999.99999999", "-0.00000001", "1." + "0" * 60]),
+        ("numeric(1,0)", ["9", "-9", "0.4", "-0", "9." + "0" * 50]),
+        ("numeric(1000,500)", ["1" * 500 + "." + "1" * 500, "-0." + "0" * 499 + "1", "1." + "0" * 5000]),
+    ],
+)
+def test_numeric_texts_in_any_form_land_as_their_value(base_settings, kind, texts):
+    """Whatever form a numeric's text takes (long runs of zeros after the point, exponents, a
+    negative zero, more digits than Arrow reads exactly), it lands as PostgreSQL reads the text."""
+    with psycopg.connect(base_settings.database_url) as conn:
+        for table in ("numeric_got", "numeric_want"):
+            conn.execute(sql.SQL("CREATE TEMP TABLE {} (n {})").format(sql.Identifier(table), sql.SQL(kind)))
+        with conn.cursor() as cur, cur.copy("COPY numeric_got FROM STDIN WITH (FORMAT binary)") as copy:
+            copy.write(HEADER + copy_rows(pa.table({"n": pa.array(texts, pa.string())}), [kind]).to_pybytes() + TRAILER)
+        with conn.cursor() as cur:
+            cur.executemany(
+                sql.SQL("INSERT INTO numeric_want VALUES (%s::{})").format(sql.SQL(kind)), [(t,) for t in texts]
+            )
+        assert _differ(conn, "numeric_got", "numeric_want") == (0, 0, len(texts))
+
+
+def test_rows_postgresql_cannot_read_stop_the_write_instead_of_going_to_quarantine(base_settings):
+    """Binary rows PostgreSQL cannot read at all are kafka2pg's defect: the staging write stops
+    rather than isolating them as refused records."""
+    from kafka2pg.chunk_writer import StagingCopy, copy_isolating
+
+    with psycopg.connect(base_settings.database_url) as conn:
+        conn.execute("CREATE TEMP TABLE unreadable (n integer)")
+        wrong = StagingCopy(sql.SQL("COPY unreadable (n) FROM STDIN WITH (FORMAT binary)").format(), ("bigint",))
+        with pytest.raises(RuntimeError, match="defect in kafka2pg"):
+            copy_isolating(conn, wrong, pa.table({"n": pa.array([1, 2], pa.int64())}), into="unreadable")

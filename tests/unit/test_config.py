@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from kafka2pg.config import MAX_PIPELINE_NAME, Settings, get_pipeline, load_pipelines
+from kafka2pg.config import KAFKA_READERS, MAX_PIPELINE_NAME, Pipeline, Settings, get_pipeline, load_pipelines
 from kafka2pg.exceptions import ConfigError, UnknownPipelineError
 from kafka2pg.locations import default_pipelines_file
 
@@ -228,3 +228,9 @@ def test_epoch_reads_numbers_in_timestamptz_columns_only(tmp_path):
         with pytest.raises(ConfigError, match=message) as info:
             get_pipeline("orders", path)
         assert str(path) in str(info.value)
+
+
+def test_the_reader_type_names_exactly_the_readers_config_accepts():
+    import typing
+
+    assert typing.get_args(typing.get_type_hints(Pipeline)["kafka_reader"]) == KAFKA_READERS
