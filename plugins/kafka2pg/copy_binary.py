@@ -28,7 +28,8 @@ _DAYS_2000 = 10_957
 # A numeric(p,s) column is encoded in bulk when its unscaled values (p digits) and its fractions
 # aligned to whole base-10000 digits fit 18 decimal digits (an int64), and each text is at most
 # 38 characters: Arrow reads a decimal text of more than 38 digits wrongly without an error
-# (apache/arrow#49817). Other columns and texts are encoded value by value.
+# (apache/arrow#49817), and refuses the shorter ones numeric(p,s) does not hold as they are.
+# Other columns and texts are encoded value by value.
 _BULK_NUMERIC_DIGITS = 18
 _ARROW_EXACT = 38
 # Fixed-width types: the Arrow type a column is cast to first (a safe cast: a value that does not
@@ -170,8 +171,9 @@ def _numeric_field(text: str) -> bytes:
     if not isinstance(exponent, int):
         raise ValueError(f"{text!r} is not a finite decimal")
     number = "".join(map(str, digits)).lstrip("0")
-    while exponent < 0 and number.endswith("0"):
-        number, exponent = number[:-1], exponent + 1
+    if exponent < 0:  # in one cut: a record may carry a million zeros after the point
+        dropped = min(len(number) - len(number.rstrip("0")), -exponent)
+        number, exponent = number[: len(number) - dropped], exponent + dropped
     if not number:
         return struct.pack(">ihhHh", 8, 0, 0, 0, 0)  # zero: no digits
     if exponent >= 0:

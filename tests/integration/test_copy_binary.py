@@ -162,6 +162,9 @@ def test_a_type_without_an_encoding_is_refused_unless_all_null():
         ("numeric(18,2)", ["9999999999999999.99", "-0.01", "12.5" + "0" * 40, "1E+15", "0"]),
         ("numeric(18,8)", ["9999999999.99999999", "-0.00000001", "1." + "0" * 60]),
         ("numeric(1,0)", ["9", "-9", "0.4", "-0", "9." + "0" * 50]),
+        ("numeric(18,16)", ["99.9999999999999999", "-0.0000000000000001", "0"]),  # the last in bulk
+        ("numeric(18,17)", ["9.99999999999999999", "-0.00000000000000001"]),  # value by value
+        ("numeric(18,18)", ["0.999999999999999999", "-0.000000000000000001"]),
         ("numeric(1000,500)", ["1" * 500 + "." + "1" * 500, "-0." + "0" * 499 + "1", "1." + "0" * 5000]),
     ],
 )
@@ -190,3 +193,19 @@ def test_rows_postgresql_cannot_read_stop_the_write_instead_of_going_to_quaranti
         wrong = StagingCopy(sql.SQL("COPY unreadable (n) FROM STDIN WITH (FORMAT binary)").format(), ("bigint",))
         with pytest.raises(RuntimeError, match="defect in kafka2pg"):
             copy_isolating(conn, wrong, pa.table({"n": pa.array([1, 2], pa.int64())}), into="unreadable")
+
+
+def test_a_megabyte_of_zeros_after_the_point_lands_as_the_number(base_settings):
+    """Zeros after the point change nothing: admission accepts any number of them, and the
+    number lands as its value (PostgreSQL's text input would refuse more than 16,383 digits
+    after the point)."""
+    texts = ["1." + "0" * 1_000_000, "-7.25" + "0" * 100_000, None]
+    with psycopg.connect(base_settings.database_url) as conn:
+        conn.execute("CREATE TEMP TABLE zeros (n numeric(12,2))")
+        with conn.cursor() as cur, cur.copy("COPY zeros FROM STDIN WITH (FORMAT binary)") as copy:
+            copy.write(
+                HEADER
+                + copy_rows(pa.table({"n": pa.array(texts, pa.string())}), ["numeric(12,2)"]).to_pybytes()
+                + TRAILER
+            )
+        assert [r[0] for r in conn.execute("SELECT n::text FROM zeros ORDER BY ctid")] == ["1.00", "-7.25", None]
