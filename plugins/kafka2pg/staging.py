@@ -164,6 +164,9 @@ def stage_batch(
             )
         total = sum(r.records for r in reads)
         quarantined = sum(r.quarantined for r in reads)
+        # Again at the last moment: a SIGTERM while the refused records' headers were fetched or
+        # this transaction ran still leaves the batch planned (this transaction rolls back).
+        _raise_if_stopped(stop, pipeline, batch_id)
         transition(conn, batch, BatchState.STAGED, records_read=total, rows_staged=total, rows_quarantined=quarantined)
     message = f"batch {batch_id}: read {total} records, {quarantined} to quarantine"
     return StageResult(batch_id, BatchState.STAGED, reads, message, batch.plan.ranges)
