@@ -38,9 +38,12 @@ DEFAULT_KAFKA_CONN_ID = "kafka2pg_kafka"
 # for batches of ~100k records: with much smaller ones, per-record code reaches C2 later.
 # Parallel GC suits a batch job; its heap starts at 64 MB, not at 1/64 of the machine's memory
 # (378 MB on a 24 GB machine), and grows as the job needs: the librdkafka reader leaves the JVM
-# little to hold. The measurements behind these choices: bench/README.md.
+# little to hold, so with it the young generation stays at 24 MB (Parallel GC grows it to about
+# 70 MB otherwise, for nothing: the JVM allocates little per batch). The measurements behind
+# these choices: bench/README.md.
 _STAGE_JVM_GC_AND_HEAP = "-XX:+UseParallelGC -Xms64m"
 STAGE_JVM_OPTIONS_C1 = f"-XX:TieredStopAtLevel=1 {_STAGE_JVM_GC_AND_HEAP}"
+STAGE_JVM_OPTIONS_LIBRDKAFKA = f"{STAGE_JVM_OPTIONS_C1} -Xmn24m"
 STAGE_JVM_OPTIONS_TIERED = (
     f"{_STAGE_JVM_GC_AND_HEAP} -XX:Tier4InvocationThreshold=100000 -XX:Tier4MinInvocationThreshold=20000"
     " -XX:Tier4CompileThreshold=100000 -XX:Tier4BackEdgeThreshold=400000"
@@ -64,8 +67,10 @@ def stage_jvm_options(
     """The stage JVM's options for a job that may finish `batches` batches with `kafka_reader`,
     with the class-data archive `./kafka2pg setup` made for this pyspark and java, when there is
     one, and Spark's logging at `log_level` (kafka2pg's log4j2.properties)."""
-    tiered = kafka_reader == "spark" and batches != 1
-    options = STAGE_JVM_OPTIONS_TIERED if tiered else STAGE_JVM_OPTIONS_C1
+    if kafka_reader == "librdkafka":
+        options = STAGE_JVM_OPTIONS_LIBRDKAFKA
+    else:
+        options = STAGE_JVM_OPTIONS_C1 if batches == 1 else STAGE_JVM_OPTIONS_TIERED
     archive = class_archive_path(state_dir)
     if archive.is_file():
         options += f" -XX:SharedArchiveFile={shlex.quote(str(archive))}"

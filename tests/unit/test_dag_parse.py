@@ -70,14 +70,16 @@ def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
 
 
 def test_stage_jvm_options_follow_the_runs_batches_and_reader_and_name_the_class_archive(tmp_path, monkeypatch):
-    """C1-only JIT for the librdkafka reader (no per-record code in the JVM) and for a job of one
-    batch; tiered (C2) once Spark's Kafka source catches up several; the class-data archive once
+    """C1-only JIT for the librdkafka reader (no per-record code in the JVM; a small young
+    generation too) and for a job of one batch; tiered (C2) once Spark's Kafka source catches up
+    several; the class-data archive once
     set-up has made one: what spark-submit gets once Airflow renders the template with the plan
     task's XCom."""
     import jinja2
 
     from kafka2pg.config import (
         STAGE_JVM_OPTIONS_C1,
+        STAGE_JVM_OPTIONS_LIBRDKAFKA,
         STAGE_JVM_OPTIONS_TIERED,
         class_archive_path,
         spark_log_options,
@@ -86,6 +88,8 @@ def test_stage_jvm_options_follow_the_runs_batches_and_reader_and_name_the_class
 
     assert "TieredStopAtLevel=1" in STAGE_JVM_OPTIONS_C1
     assert "TieredStopAtLevel" not in STAGE_JVM_OPTIONS_TIERED
+    assert "TieredStopAtLevel=1" in STAGE_JVM_OPTIONS_LIBRDKAFKA and "-Xmn" in STAGE_JVM_OPTIONS_LIBRDKAFKA
+    assert "-Xmn" not in STAGE_JVM_OPTIONS_C1 + STAGE_JVM_OPTIONS_TIERED  # Spark's source allocates per record
     monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path))
     spark_reader = tmp_path / "pipelines.yaml"
     shipped = (ROOT / "dags" / "pipelines.yaml").read_text()
@@ -109,13 +113,13 @@ def test_stage_jvm_options_follow_the_runs_batches_and_reader_and_name_the_class
     # Spark's own logging at WARN (the pipelines' default spark_log_level) from kafka2pg's log4j2 file.
     logging = f" {spark_log_options('WARN')}"
     assert "-Dlog4j2.configurationFile=" in logging and logging.endswith("-Dkafka2pg.spark.log.level=WARN")
-    c1, tiered = STAGE_JVM_OPTIONS_C1, STAGE_JVM_OPTIONS_TIERED
-    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": c1 + logging}
-    assert stage_jvm_conf(2) == {"spark.driver.extraJavaOptions": c1 + logging}
+    c1, tiered, librdkafka = STAGE_JVM_OPTIONS_C1, STAGE_JVM_OPTIONS_TIERED, STAGE_JVM_OPTIONS_LIBRDKAFKA
+    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": librdkafka + logging}
+    assert stage_jvm_conf(2) == {"spark.driver.extraJavaOptions": librdkafka + logging}
     assert stage_jvm_conf(1, kafka_reader="spark") == {"spark.driver.extraJavaOptions": c1 + logging}
     assert stage_jvm_conf(2, kafka_reader="spark") == {"spark.driver.extraJavaOptions": tiered + logging}
-    assert rendered(1) == (c1 + logging, c1 + logging)
-    assert rendered(7)[0] == c1 + logging
+    assert rendered(1) == (librdkafka + logging, librdkafka + logging)
+    assert rendered(7)[0] == librdkafka + logging
     assert rendered_spark_reader(1) == (c1 + logging, c1 + logging)
     assert rendered_spark_reader(7)[0] == tiered + logging
 
@@ -124,9 +128,9 @@ def test_stage_jvm_options_follow_the_runs_batches_and_reader_and_name_the_class
     archive.parent.mkdir(parents=True)
     archive.write_bytes(b"made by set-up")
     shared = f" -XX:SharedArchiveFile={archive}"
-    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": c1 + shared + logging}
-    assert rendered(1) == (c1 + shared + logging, c1 + shared + logging)
-    assert rendered(7)[0] == c1 + shared + logging
+    assert stage_jvm_conf(1) == {"spark.driver.extraJavaOptions": librdkafka + shared + logging}
+    assert rendered(1) == (librdkafka + shared + logging, librdkafka + shared + logging)
+    assert rendered(7)[0] == librdkafka + shared + logging
     assert rendered_spark_reader(7)[0] == tiered + shared + logging
 
 
