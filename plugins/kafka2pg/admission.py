@@ -47,6 +47,17 @@ _DATE = re.compile(r"(?P<year>[+-]?\d+)-(?P<month>\d{2})-(?P<day>\d{2})", re.ASC
 _INTEGER_TOKEN = re.compile(rb"-?(?:0|[1-9][0-9]*)")
 
 
+_NUMERIC_TYPE = re.compile(r"numeric\(\s*([0-9]+)\s*,\s*([0-9]+)\s*\)", re.ASCII)
+
+
+def numeric_precision_scale(pg_type: str) -> tuple[int, int]:
+    """Precision and scale of a `numeric(p,s)` column type (as `kafka2pg.config` writes it)."""
+    match = _NUMERIC_TYPE.fullmatch(pg_type)
+    if match is None:
+        raise ValueError(f"not a numeric(p,s) column type: {pg_type!r}")
+    return int(match[1]), int(match[2])
+
+
 class Refused(ValueError):
     """A record (or one field of it) that must go to quarantine; the message is the reason."""
 
@@ -67,8 +78,7 @@ class FieldRule:
 
     @property
     def precision_scale(self) -> tuple[int, int]:
-        precision, scale = re.findall(r"\d+", self.type, re.ASCII)
-        return int(precision), int(scale)
+        return numeric_precision_scale(self.type)
 
 
 class Admitted(NamedTuple):

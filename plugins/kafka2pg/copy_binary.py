@@ -19,6 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kafka2pg.admission import numeric_precision_scale
+
 HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)  # signature, flags, header extension length
 TRAILER = b"\xff\xff"
 
@@ -112,7 +114,7 @@ def _numeric(array: pa.Array, kind: str) -> pa.Array:
     """numeric(p,s) fields from decimal texts: in bulk through Arrow's decimal type when every
     unscaled value and its aligned fraction fit an int64 and Arrow reads every text exactly,
     else value by value."""
-    precision, scale = (int(n) for n in kind[len("numeric(") : -1].split(","))
+    precision, scale = numeric_precision_scale(kind)
     pad = -scale % 4  # base-10000 digits are aligned on the decimal point
     if precision <= _BULK_NUMERIC_DIGITS and scale + pad <= _BULK_NUMERIC_DIGITS and _longest(array) <= _ARROW_EXACT:
         try:
