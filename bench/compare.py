@@ -105,6 +105,7 @@ def connect_events(count: int, size: int) -> Iterator[dict]:
 
 def run_ours(settings: Settings, topic: str, master: str, reader: str = KAFKA_READERS[0]) -> dict:
     """The stage job's own loop (kafka2pg.runner, batches_per_run unlimited) in one Spark session."""
+    from kafka2pg.expectations import warm_up_in_background
     from kafka2pg.opening import open_batch
     from kafka2pg.runner import run_batches
 
@@ -112,6 +113,7 @@ def run_ours(settings: Settings, topic: str, master: str, reader: str = KAFKA_RE
     pipeline = dataclasses.replace(bench_pipeline(_fresh(name), topic), kafka_reader=reader)
     migrate(settings.database_url, [pipeline])
     started = time.monotonic()
+    warm_up_in_background()  # as kafka2pg.runner.run_job does for a job of several batches
     spark = bench_spark(master, "bench-ours", settings.state_dir, batches=10**9, kafka_reader=reader)
     spark_start = time.monotonic() - started
     started = time.monotonic()

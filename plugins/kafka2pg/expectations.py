@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +149,22 @@ def warm_up() -> None:
     # What exists now (Spark's, GX's and pandas' modules, mostly) lives as long as the process:
     # freezing it keeps the full collection after each batch's validation short (0.2 s -> 0.015 s).
     gc.freeze()
+
+
+_warming: threading.Thread | None = None
+_warming_started = threading.Lock()
+
+
+def warm_up_in_background() -> threading.Thread:
+    """`warm_up` in a daemon thread, started once per process (later calls return the same
+    thread). A caller that will validate starts it as early as it can and joins it before its
+    first validation, so GX is never imported by two threads at once."""
+    global _warming
+    with _warming_started:
+        if _warming is None:
+            _warming = threading.Thread(target=warm_up, name="kafka2pg-gx-warm-up", daemon=True)
+            _warming.start()
+        return _warming
 
 
 def run_suite(frame, suite: list[Expectation]) -> GxOutcome:

@@ -26,7 +26,7 @@ from kafka2pg.batch_store import Batch, abandon_unpromoted, load_claimed
 from kafka2pg.config import Pipeline, Settings, get_pipeline
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import LedgerConflictError, StageInterrupted
-from kafka2pg.expectations import warm_up
+from kafka2pg.expectations import warm_up_in_background
 from kafka2pg.ledger import lock_plan
 from kafka2pg.lifecycle import BatchState, is_open
 from kafka2pg.opening import open_batch, plan_lookahead
@@ -86,10 +86,10 @@ def run_batches(
         current = _stage(result, spark, settings, pipeline, batch_id, epoch, stop)
         result.message = current.message
         return result
-    # The first quality gate's GX import, paid beside the first stage instead of after it; joined
-    # before any validation (and before an error leaves), so GX is never imported by two threads.
-    warming = threading.Thread(target=warm_up, name="kafka2pg-gx-warm-up", daemon=True)
-    warming.start()
+    # The first quality gate's GX import, paid beside Spark's start (run_job starts it before the
+    # session) and the first stage instead of after them; joined before any validation (and
+    # before an error leaves), so GX is never imported by two threads.
+    warming = warm_up_in_background()
     try:
         current = _stage(result, spark, settings, pipeline, batch_id, epoch, stop)
     finally:
@@ -270,6 +270,8 @@ def run_job(
     """What the Spark job (`kafka2pg.stage_job`) runs; spark-submit supplies master and jars."""
     settings = Settings.from_env()
     pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
+    if batches > 1:  # this job validates: GX's import (seconds of CPU) runs while the driver waits on the JVM
+        warm_up_in_background()
     spark = spark_session(
         None,
         app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}",

@@ -1,8 +1,10 @@
 """The Great Expectations half of the gate, on DataFrames (no services): what a run keeps alive."""
 
+import threading
 import weakref
 
 import pandas as pd
+import pytest
 
 from kafka2pg.config import get_pipeline
 from kafka2pg.expectations import run_suite, suite_for
@@ -52,3 +54,38 @@ def test_validation_does_not_fingerprint_the_frame(monkeypatch):
     assert not by_type["ExpectColumnValuesToBeUnique"].success
     assert by_type["ExpectColumnValuesToBeUnique"].unexpected == 2
     assert by_type["ExpectCompoundColumnsToBeUnique"].success
+
+
+def test_a_job_of_several_batches_starts_the_gx_import_before_spark(monkeypatch, tmp_path):
+    """GX's import (seconds of CPU) runs beside Spark's start, while the driver waits on the JVM,
+    in one thread per process; a job of one batch, which does not validate, does not import GX."""
+    from types import SimpleNamespace
+
+    from kafka2pg import expectations, runner
+
+    class SparkStarted(Exception):
+        pass
+
+    warmed = threading.Event()
+    seen = []
+
+    def spark_session(*args, **kwargs):
+        seen.append(expectations._warming)
+        raise SparkStarted
+
+    monkeypatch.setattr(expectations, "warm_up", warmed.set)
+    monkeypatch.setattr(expectations, "_warming", None)
+    settings = SimpleNamespace(pipelines_file=None, state_dir=tmp_path)
+    monkeypatch.setattr(runner, "Settings", SimpleNamespace(from_env=lambda: settings))
+    monkeypatch.setattr(runner, "get_pipeline", lambda name, path: get_pipeline("orders"))
+    monkeypatch.setattr(runner, "spark_session", spark_session)
+
+    with pytest.raises(SparkStarted):
+        runner.run_job("orders", 1, batches=1)
+    assert seen == [None] and not warmed.is_set()
+    for _ in range(2):
+        with pytest.raises(SparkStarted):
+            runner.run_job("orders", 1, batches=3)
+    first, again = seen[1:]
+    assert first is not None and again is first  # started before the session, once
+    assert warmed.wait(30)
