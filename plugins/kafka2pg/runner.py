@@ -270,8 +270,26 @@ def run_job(
     """What the Spark job (`kafka2pg.stage_job`) runs; spark-submit supplies master and jars."""
     settings = Settings.from_env()
     pipeline = get_pipeline(pipeline_name, settings.pipelines_file)
-    if batches > 1:  # this job validates: GX's import (seconds of CPU) runs while the driver waits on the JVM
-        warm_up_in_background()
+    # A job of several batches validates: GX's import (seconds of CPU) runs while the driver waits
+    # on the JVM. Joined before the job leaves on any path: a daemon thread stopped inside an
+    # import at exit can leave the interpreter holding a lock (see the cancelling threads below).
+    warming = warm_up_in_background() if batches > 1 else None
+    try:
+        return _run_in_session(settings, pipeline, batch_id, epoch, batches, run_id, max_records_per_batch)
+    finally:
+        if warming is not None:
+            warming.join(timeout=30)
+
+
+def _run_in_session(
+    settings: Settings,
+    pipeline: Pipeline,
+    batch_id: int,
+    epoch: int | None,
+    batches: int,
+    run_id: str | None,
+    max_records_per_batch: int | None,
+) -> RunResult:
     spark = spark_session(
         None,
         app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}",

@@ -1,6 +1,7 @@
 """The Great Expectations half of the gate, on DataFrames (no services): what a run keeps alive."""
 
 import threading
+import time
 import weakref
 
 import pandas as pd
@@ -58,7 +59,8 @@ def test_validation_does_not_fingerprint_the_frame(monkeypatch):
 
 def test_a_job_of_several_batches_starts_the_gx_import_before_spark(monkeypatch, tmp_path):
     """GX's import (seconds of CPU) runs beside Spark's start, while the driver waits on the JVM,
-    in one thread per process; a job of one batch, which does not validate, does not import GX."""
+    in one thread per process, joined before the job leaves, also when Spark fails to start; a
+    job of one batch, which does not validate, does not import GX."""
     from types import SimpleNamespace
 
     from kafka2pg import expectations, runner
@@ -73,7 +75,11 @@ def test_a_job_of_several_batches_starts_the_gx_import_before_spark(monkeypatch,
         seen.append(expectations._warming)
         raise SparkStarted
 
-    monkeypatch.setattr(expectations, "warm_up", warmed.set)
+    def warm_up():
+        time.sleep(0.3)  # the import takes a while: the job must wait for it to end
+        warmed.set()
+
+    monkeypatch.setattr(expectations, "warm_up", warm_up)
     monkeypatch.setattr(expectations, "_warming", None)
     settings = SimpleNamespace(pipelines_file=None, state_dir=tmp_path)
     monkeypatch.setattr(runner, "Settings", SimpleNamespace(from_env=lambda: settings))
@@ -83,9 +89,10 @@ def test_a_job_of_several_batches_starts_the_gx_import_before_spark(monkeypatch,
     with pytest.raises(SparkStarted):
         runner.run_job("orders", 1, batches=1)
     assert seen == [None] and not warmed.is_set()
-    for _ in range(2):
-        with pytest.raises(SparkStarted):
-            runner.run_job("orders", 1, batches=3)
+    with pytest.raises(SparkStarted):
+        runner.run_job("orders", 1, batches=3)
+    assert warmed.is_set()  # joined as the job left
+    with pytest.raises(SparkStarted):
+        runner.run_job("orders", 1, batches=3)
     first, again = seen[1:]
     assert first is not None and again is first  # started before the session, once
-    assert warmed.wait(30)
