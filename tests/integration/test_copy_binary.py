@@ -89,12 +89,18 @@ def test_each_value_lands_as_postgresql_reads_its_text(tables, values, skip):
 def _lands_as_its_text(database_url: str, values: list[tuple], skip: int) -> None:
     with psycopg.connect(database_url) as conn:
         conn.execute("TRUNCATE copy_binary_got, copy_binary_want")
-        with conn.cursor() as cur, cur.copy("COPY copy_binary_got FROM STDIN WITH (FORMAT binary)") as copy:
-            copy.write(HEADER + copy_rows(_arrow(values, skip), list(COLUMNS)).to_pybytes() + TRAILER)
+        _copy_in(conn, "copy_binary_got", _arrow(values, skip), list(COLUMNS))
         casts = sql.SQL(", ").join(sql.SQL("%s::{}").format(sql.SQL(kind)) for kind in COLUMNS)
         texts = [tuple(None if v is None else v if isinstance(v, bytes) else str(v) for v in row) for row in values]
         conn.cursor().executemany(sql.SQL("INSERT INTO copy_binary_want VALUES ({})").format(casts), texts)
         assert _differ(conn, "copy_binary_got", "copy_binary_want") == (0, 0, len(values))
+
+
+def _copy_in(conn: psycopg.Connection, table: str, rows: pa.Table, types: list[str]) -> None:
+    """`rows` encoded by copy_rows for `types`, written by one binary COPY into `table`."""
+    statement = sql.SQL("COPY {} FROM STDIN WITH (FORMAT binary)").format(sql.Identifier(table))
+    with conn.cursor() as cur, cur.copy(statement) as copy:
+        copy.write(HEADER + copy_rows(rows, types).to_pybytes() + TRAILER)
 
 
 def _differ(conn: psycopg.Connection, got: str, want: str) -> tuple[int, int, int]:
@@ -174,8 +180,7 @@ def test_numeric_texts_in_any_form_land_as_their_value(base_settings, kind, text
     with psycopg.connect(base_settings.database_url) as conn:
         for table in ("numeric_got", "numeric_want"):
             conn.execute(sql.SQL("CREATE TEMP TABLE {} (n {})").format(sql.Identifier(table), sql.SQL(kind)))
-        with conn.cursor() as cur, cur.copy("COPY numeric_got FROM STDIN WITH (FORMAT binary)") as copy:
-            copy.write(HEADER + copy_rows(pa.table({"n": pa.array(texts, pa.string())}), [kind]).to_pybytes() + TRAILER)
+        _copy_in(conn, "numeric_got", pa.table({"n": pa.array(texts, pa.string())}), [kind])
         with conn.cursor() as cur:
             cur.executemany(
                 sql.SQL("INSERT INTO numeric_want VALUES (%s::{})").format(sql.SQL(kind)), [(t,) for t in texts]
@@ -202,10 +207,5 @@ def test_a_megabyte_of_zeros_after_the_point_lands_as_the_number(base_settings):
     texts = ["1." + "0" * 1_000_000, "-7.25" + "0" * 100_000, None]
     with psycopg.connect(base_settings.database_url) as conn:
         conn.execute("CREATE TEMP TABLE zeros (n numeric(12,2))")
-        with conn.cursor() as cur, cur.copy("COPY zeros FROM STDIN WITH (FORMAT binary)") as copy:
-            copy.write(
-                HEADER
-                + copy_rows(pa.table({"n": pa.array(texts, pa.string())}), ["numeric(12,2)"]).to_pybytes()
-                + TRAILER
-            )
+        _copy_in(conn, "zeros", pa.table({"n": pa.array(texts, pa.string())}), ["numeric(12,2)"])
         assert [r[0] for r in conn.execute("SELECT n::text FROM zeros ORDER BY ctid")] == ["1.00", "-7.25", None]

@@ -72,9 +72,8 @@ def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
 def test_stage_jvm_options_follow_the_runs_batches_and_reader_and_name_the_class_archive(tmp_path, monkeypatch):
     """C1-only JIT for the librdkafka reader (no per-record code in the JVM; a small young
     generation too) and for a job of one batch; tiered (C2) once Spark's Kafka source catches up
-    several; the class-data archive once
-    set-up has made one: what spark-submit gets once Airflow renders the template with the plan
-    task's XCom."""
+    several; the class-data archive once set-up has made one: what spark-submit gets once Airflow
+    renders the template with the plan task's XCom."""
     import jinja2
 
     from kafka2pg.config import (
