@@ -41,7 +41,9 @@ def load_batch(conn: Connection, batch_id: int, *, for_update: bool = False) -> 
         "SELECT batch_id, pipeline, topic, state, plan, epoch, run_id, records_read, rows_staged,"
         " rows_quarantined, rows_promoted, kind FROM kafka2pg.batches WHERE batch_id = %s"
     )
-    row = conn.execute(query + (" FOR UPDATE" if for_update else ""), (batch_id,)).fetchone()
+    # NO KEY UPDATE: steps on one batch exclude each other as with FOR UPDATE (a batch's id never
+    # changes), but a lookahead planned after it may insert its reference (a foreign-key check).
+    row = conn.execute(query + (" FOR NO KEY UPDATE" if for_update else ""), (batch_id,)).fetchone()
     if row is None:
         raise BatchStateError(f"batch {batch_id} does not exist in kafka2pg.batches", batch_id=batch_id)
     return Batch(row[0], row[1], row[2], BatchState(row[3]), BatchPlan.from_json(row[4]), *row[5:])
@@ -58,13 +60,14 @@ def promoted_in_run(conn: Connection, pipeline: Pipeline, batch_id: int, run_id:
     return [load_batch(conn, r[0]) for r in rows]
 
 
-def load_claimed(conn: Connection, pipeline: Pipeline, batch_id: int, epoch: int | None) -> Batch:
+def load_claimed(conn: Connection, pipeline: Pipeline, batch_id: int, epoch: int | None, *, lock: bool = True) -> Batch:
     """Lock a batch for one step of a run; the run's claim (`epoch`) must still be the newest.
 
     `epoch=None` (manual CLI use) accepts the current claim. A zombie run holding an older
-    epoch gets `LedgerConflictError` before it writes anything.
+    epoch gets `LedgerConflictError` before it writes anything. `lock=False` only reads it (a
+    planner under the plan lock, which every claim takes too, reading the batch it follows).
     """
-    batch = load_batch(conn, batch_id, for_update=True)
+    batch = load_batch(conn, batch_id, for_update=lock)
     if batch.pipeline != pipeline.name:
         raise BatchStateError.other_pipeline(pipeline.name, batch_id, batch.pipeline)
     if epoch is not None and batch.epoch != epoch:
@@ -139,11 +142,12 @@ def open_batch_id(conn: Connection, pipeline: Pipeline) -> int | None:
     return ids[0] if ids else None
 
 
-def open_live_ids(conn: Connection, pipeline: Pipeline) -> list[int]:
+def open_live_ids(conn: Connection, pipeline: Pipeline, after: int = 0) -> list[int]:
+    """The pipeline's open live batches (with ids above `after`), locked, in id order."""
     rows = conn.execute(
         "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live' AND state = ANY(%s)"
-        " ORDER BY batch_id FOR UPDATE",
-        (pipeline.name, [str(s) for s in OPEN]),
+        " AND batch_id > %s ORDER BY batch_id FOR UPDATE",
+        (pipeline.name, [str(s) for s in OPEN], after),
     ).fetchall()
     return [r[0] for r in rows]
 

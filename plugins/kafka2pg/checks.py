@@ -62,6 +62,12 @@ def quarantined_rows(conn: Connection, pipeline: Pipeline, batch_id: int) -> int
     return conn.execute(query.format(_staging(pipeline)), (batch_id,)).fetchone()[0]
 
 
+class ProbeAwaitsPrevious(Exception):
+    """The gate of a batch validated while the batch before it is still being promoted would
+    have to probe the target for promoted business keys, which must see that batch's rows: the
+    caller rolls back and validates again once it is promoted."""
+
+
 def run_checks(
     conn: Connection,
     pipeline: Pipeline,
@@ -69,6 +75,7 @@ def run_checks(
     probe_promoted_keys: bool,
     staged: dict[int, int],
     witnesses: GapWitnesses | None,
+    previous_pending: bool = False,
 ) -> list[Check]:
     checks = [
         _completeness(conn, batch, staged),
@@ -84,6 +91,8 @@ def run_checks(
         checks.append(_business_key_unique_in_batch(conn, pipeline, batch))
         if not probe_promoted_keys and _may_defer_key_probe(conn, pipeline, batch):
             checks.append(Check(KEY_PROMOTED_CHECK, True, 0, DEFERRED_KEY_PROBE, deferred=True))
+        elif previous_pending:
+            raise ProbeAwaitsPrevious(batch.batch_id)
         else:
             checks.append(_business_key_not_promoted(conn, pipeline, batch))
     return checks

@@ -167,6 +167,11 @@ def _nothing_new(pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dic
     return f"nothing new on topic {pipeline.topic!r} ({parts}): no batch planned, Spark not launched"
 
 
+# A lookahead follows a staged batch; its quality gate and promotion may have run meanwhile
+# (a multi-batch run finishes a batch beside planning the next one).
+_LOOKAHEAD_AFTER = (BatchState.STAGED, BatchState.VALIDATED, BatchState.PROMOTED)
+
+
 def plan_lookahead(
     settings: Settings,
     pipeline: Pipeline,
@@ -176,9 +181,9 @@ def plan_lookahead(
     max_records_per_batch: int | None = None,
     run_id: str | None = None,
 ) -> Batch | None:
-    """Plan the batch that follows batch `after_id` (still open, claimed by this run at
-    `after_epoch`) from its planned ends; if one is already planned after it (by a killed
-    attempt holding the same claim), claim that one instead.
+    """Plan the batch that follows batch `after_id` (claimed by this run at `after_epoch`: still
+    open, or promoted by this run since) from its planned ends; if one is already planned after
+    it (by a killed attempt holding the same claim), claim that one instead.
 
     For every partition `after_id` reads, its compare-and-set expects that batch's new head,
     so there it promotes only once that one has; other partitions are planned from the ledger's
@@ -188,8 +193,10 @@ def plan_lookahead(
     offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     with transaction(settings.database_url) as conn:
         lock_plan(conn, pipeline.name)
-        current = load_claimed(conn, pipeline, after_id, after_epoch)
-        if current.kind != "live" or current.state not in (BatchState.STAGED, BatchState.VALIDATED):
+        # Read, not locked: this run may be validating or promoting it meanwhile; the claim and
+        # the plan (all a lookahead depends on) change only under the plan lock held here.
+        current = load_claimed(conn, pipeline, after_id, after_epoch, lock=False)
+        if current.kind != "live" or current.state not in _LOOKAHEAD_AFTER:
             raise BatchStateError(
                 f"batch {after_id} of pipeline {pipeline.name!r} is a {current.kind} batch in state "
                 f"{current.state}: no batch can be planned after it",
@@ -198,7 +205,7 @@ def plan_lookahead(
                 state=current.state,
                 kind=current.kind,
             )
-        later = [i for i in open_live_ids(conn, pipeline) if i > after_id]
+        later = open_live_ids(conn, pipeline, after=after_id)
         mine = conn.execute(
             "SELECT batch_id FROM kafka2pg.batches WHERE after_batch_id = %s AND state = ANY(%s)",
             (after_id, [str(s) for s in OPEN]),

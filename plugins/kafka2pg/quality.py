@@ -26,6 +26,7 @@ from kafka2pg.batch_store import (
 )
 from kafka2pg.checks import (
     Check,
+    ProbeAwaitsPrevious,
     gap_witnesses,
     quarantined_rows,
     recheck_after_collision,
@@ -63,6 +64,7 @@ def validate_batch(
     epoch: int | None = None,
     *,
     probe_promoted_keys: bool = False,
+    previous_pending: bool = False,
 ) -> ValidationResult:
     """Run every check on the staged batch; mark it `validated` or `rejected` (and raise).
 
@@ -70,6 +72,9 @@ def validate_batch(
     index at promotion when `_may_defer_key_probe` allows it; `probe_promoted_keys` runs it
     here whatever the history. A batch sent back by a collision at promotion gets only that
     check (whoever validates it: the promotion itself, a retry, the next run).
+    `previous_pending`: the batch before this one may not be promoted yet (a multi-batch run
+    validates a batch while promoting the one before); where the gate would have to probe the
+    target for promoted keys it raises `ProbeAwaitsPrevious` instead, having changed nothing.
     """
     checks: list[Check] = []
     # Kafka is asked before any lock is taken; None for a batch only rechecked after a key collision.
@@ -91,9 +96,11 @@ def validate_batch(
         lost = staging_lost(conn, pipeline, batch, staged)
         if not lost:
             if key_probe_deferred(conn, batch_id):  # sent back by a key collision at promotion
+                if previous_pending:
+                    raise ProbeAwaitsPrevious(batch_id)  # rolls back; nothing was changed yet
                 sql_checks = recheck_after_collision(conn, pipeline, batch)
             else:
-                sql_checks = run_checks(conn, pipeline, batch, probe_promoted_keys, staged, witnesses)
+                sql_checks = run_checks(conn, pipeline, batch, probe_promoted_keys, staged, witnesses, previous_pending)
             quarantined = quarantined_rows(conn, pipeline, batch_id)
             gx_checks, gx_rows = _great_expectations(conn, pipeline, batch, quarantined)
             checks = sql_checks + gx_checks

@@ -23,6 +23,7 @@ from py4j.protocol import Py4JError
 from pyspark.sql import SparkSession
 
 from kafka2pg.batch_store import Batch, abandon_unpromoted, load_claimed
+from kafka2pg.checks import ProbeAwaitsPrevious
 from kafka2pg.config import Pipeline, Settings, get_pipeline
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import LedgerConflictError, StageInterrupted
@@ -75,9 +76,12 @@ def run_batches(
 
     With more than one batch, batch N+1 is planned (a lookahead, from N's planned ends) and
     staged by Spark while a second thread runs N's quality gate and promotion in PostgreSQL:
-    the two use different resources. N+1 is validated only after N is promoted, so its
-    duplicate checks see N's rows; on N's partitions its compare-and-set cannot succeed
-    before N's. A planning error or SIGTERM still lets N finish before the run stops.
+    the two use different resources. Once N+1 is staged, its quality gate runs beside N's
+    promotion, with the check that needs N's rows in the target (a probe of the target for
+    promoted business keys, when the target's unique index cannot stand in for it) left until
+    N is promoted; N+1 is promoted only after N, and on N's partitions its compare-and-set
+    cannot succeed before N's. N+2 is planned once N is promoted. A planning error or SIGTERM
+    still lets N finish before the run stops.
     """
     if batches < 1:
         raise ValueError(f"batches must be at least 1, got {batches}")
@@ -87,13 +91,11 @@ def run_batches(
         result.message = current.message
         return result
     # The first quality gate's GX import, paid beside Spark's start (run_job starts it before the
-    # session) and the first stage instead of after them; joined before any validation (and
-    # before an error leaves), so GX is never imported by two threads.
+    # session) and the first stages; every finishing thread joins it before it validates, so GX
+    # is never imported by two threads.
     warming = warm_up_in_background()
-    try:
-        current = _stage(result, spark, settings, pipeline, batch_id, epoch, stop)
-    finally:
-        warming.join()
+    current = _stage(result, spark, settings, pipeline, batch_id, epoch, stop)
+    finishing = None  # the thread finishing `current`, when it was started early
     while current is not None:
         following = planning_error = None
         if len(result.promoted) + 1 < batches and not _stopped(stop):
@@ -103,17 +105,22 @@ def run_batches(
                 )
             except Exception as exc:  # noqa: BLE001 - the staged batch is still finished first, then this raises
                 planning_error = exc
-        finishing = _Finish(result, settings, pipeline, current.batch_id, current.epoch)
-        finishing.start()
+        if finishing is None:
+            finishing = _Finish(result, settings, pipeline, current.batch_id, current.epoch, warming)
+            finishing.start()
         stage_error = None
-        staged = None
+        staged = early = None
         if following is not None and not _stopped(stop):  # SIGTERM during planning: stage nothing more
             try:
                 staged = _stage(result, spark, settings, pipeline, following.batch_id, following.epoch, stop)
             except BaseException as exc:  # noqa: BLE001 - re-raised below, once the finishing thread is done
                 stage_error = exc
+            if staged is not None and not _stopped(stop):
+                early = _Finish(result, settings, pipeline, staged.batch_id, staged.epoch, warming, after=finishing)
+                early.start()
         finishing.join()
         if finishing.error is not None:
+            _stop_early(early)
             if following is not None:
                 _abandon_lookahead(settings, pipeline, following, current.batch_id)
             raise finishing.error
@@ -132,8 +139,10 @@ def run_batches(
         for error in (stage_error, planning_error):
             if error is not None:
                 raise error
+        if _stopped(stop):
+            _stop_early(early)
         _raise_if_stopped(stop, pipeline, result)
-        current = staged
+        current, finishing = staged, early
     result.message = (
         f"{len(result.promoted)} batch(es) promoted in this run ({result.records} records read): "
         f"{', '.join(map(str, result.promoted))}; {result.rows_promoted} rows to "
@@ -141,6 +150,14 @@ def run_batches(
     )
     log.info("pipeline=%s %s", pipeline.name, result.message)
     return result
+
+
+def _stop_early(early: _Finish | None) -> None:
+    """The run stops before the batch `early` finishes: no promotion; its quality gate, if under
+    way, ends its transaction (the batch stays open, for the next run to resume)."""
+    if early is not None:
+        early.cancel()
+        early.join()
 
 
 @dataclass(frozen=True)
@@ -194,31 +211,88 @@ def _next_batch(settings, pipeline, current: _Staged, run_id, max_records_per_ba
 
 
 class _Finish(threading.Thread):
-    """Quality gate + promotion of one batch, beside the Spark stage of the next one."""
+    """Quality gate + promotion of one batch, beside the Spark stage of the next one.
 
-    def __init__(self, result: RunResult, settings, pipeline, batch_id: int, epoch: int | None) -> None:
+    `after`: the thread finishing the batch before this one, when this one starts before that
+    batch is promoted. This one's gate then waits for that gate's verdict (so the previous
+    batch's checks are stored), runs beside that promotion (`previous_pending`), and this
+    promotion waits for that one; it does not promote when that one failed or when cancelled.
+    """
+
+    def __init__(
+        self,
+        result: RunResult,
+        settings,
+        pipeline,
+        batch_id: int,
+        epoch: int | None,
+        warming: threading.Thread,
+        after: _Finish | None = None,
+    ) -> None:
         super().__init__(name=f"kafka2pg-finish-{batch_id}", daemon=True)
         self.args_ = (result, settings, pipeline, batch_id, epoch)
+        self.warming = warming
+        self.after = after
+        self.gated = threading.Event()  # this batch's gate has ended (whatever its verdict)
+        self.cancelled = threading.Event()
         self.error: BaseException | None = None
         self.message = ""
 
+    def cancel(self) -> None:
+        self.cancelled.set()
+
     def run(self) -> None:
-        result, settings, pipeline, batch_id, epoch = self.args_
         try:
-            started = time.monotonic()
-            with recording_failures(settings, pipeline.name, batch_id, epoch, "validate"):
-                validated = _timed(result, "validate", validate_batch, settings, pipeline, batch_id, epoch)
-            log.info("%s", validation_summary(pipeline.name, validated, time.monotonic() - started))
-            started = time.monotonic()
-            with recording_failures(settings, pipeline.name, batch_id, epoch, "promote"):
-                promoted = _timed(result, "promote", promote_batch, settings, pipeline, batch_id, epoch)
-            log.info("%s", promotion_summary(pipeline.name, promoted, time.monotonic() - started))
-            self.message = promoted.message
-            if not promoted.already_promoted:  # an earlier attempt landed those rows
-                result.rows_promoted += promoted.promoted
-                result.rows_quarantined += promoted.quarantined
+            self._finish()
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
             self.error = exc
+        finally:
+            self.gated.set()
+
+    def _finish(self) -> None:
+        result, settings, pipeline, batch_id, epoch = self.args_
+        after = self.after
+        self.warming.join()
+        if after is not None:
+            after.gated.wait()
+        started = time.monotonic()
+        with recording_failures(settings, pipeline.name, batch_id, epoch, "validate"):
+            try:
+                validated = _timed(
+                    result,
+                    "validate",
+                    validate_batch,
+                    settings,
+                    pipeline,
+                    batch_id,
+                    epoch,
+                    previous_pending=after is not None and after.is_alive(),
+                )
+            except ProbeAwaitsPrevious:
+                if not self._after_promoted():
+                    return
+                validated = _timed(result, "validate", validate_batch, settings, pipeline, batch_id, epoch)
+        log.info("%s", validation_summary(pipeline.name, validated, time.monotonic() - started))
+        self.gated.set()
+        if not self._after_promoted():
+            return
+        started = time.monotonic()
+        with recording_failures(settings, pipeline.name, batch_id, epoch, "promote"):
+            promoted = _timed(result, "promote", promote_batch, settings, pipeline, batch_id, epoch)
+        log.info("%s", promotion_summary(pipeline.name, promoted, time.monotonic() - started))
+        self.message = promoted.message
+        if not promoted.already_promoted:  # an earlier attempt landed those rows
+            with _RESULT_LOCK:
+                result.rows_promoted += promoted.promoted
+                result.rows_quarantined += promoted.quarantined
+
+    def _after_promoted(self) -> bool:
+        """Wait for the batch before this one to be finished: whether this one may go on."""
+        if self.after is not None:
+            self.after.join()
+            if self.after.error is not None:
+                return False
+        return not self.cancelled.is_set()
 
 
 def _abandon_lookahead(settings: Settings, pipeline: Pipeline, lookahead: Batch, after_batch_id: int) -> None:
@@ -236,12 +310,16 @@ def _abandon_lookahead(settings: Settings, pipeline: Pipeline, lookahead: Batch,
     log.warning("pipeline=%s lookahead batch %s abandoned", pipeline.name, lookahead.batch_id)
 
 
+_RESULT_LOCK = threading.Lock()  # two finishing threads add to one RunResult
+
+
 def _timed(result: RunResult, phase: str, step, *args, **kwargs):
     started = time.monotonic()
     try:
         return step(*args, **kwargs)
     finally:
-        result.phases[phase] += time.monotonic() - started
+        with _RESULT_LOCK:
+            result.phases[phase] += time.monotonic() - started
 
 
 def _stopped(stop: threading.Event | None) -> bool:

@@ -239,6 +239,145 @@ def test_a_new_run_resumes_the_open_batch_and_voids_a_dead_runs_lookahead(make_p
     assert len(result.promoted) == 3 and count(db, env) == 120
 
 
+def holding_the_first_promotion(monkeypatch, env, first_id: int, until) -> list:
+    """The run's promotion of batch `first_id` waits (deadline: 120 s) until `until(conn)` holds,
+    read on a connection of its own; returns the list it appends whether it did."""
+    import psycopg
+
+    import kafka2pg.runner
+
+    real = kafka2pg.runner.promote_batch
+    held = []
+
+    def promote(settings, pipeline, batch_id, epoch=None):
+        if batch_id == first_id:
+            deadline = time.monotonic() + 120
+            with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
+                while not (reached := until(conn)) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            held.append(reached)
+        return real(settings, pipeline, batch_id, epoch)
+
+    monkeypatch.setattr(kafka2pg.runner, "promote_batch", promote)
+    return held
+
+
+def test_the_next_batch_is_validated_while_the_one_before_it_is_promoted(make_pipeline, spark, db, monkeypatch):
+    """A run of several batches runs batch N+1's quality gate beside N's promotion (the target's
+    unique business-key index stands in for the promoted-key probe); N+1 is promoted after N."""
+    env = make_pipeline(partitions=1, max_records_per_batch=100)
+    produce_sample(env.settings.bootstrap_servers, env.topic, 200, seed=27)
+    first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
+
+    def next_validated(conn):
+        return conn.execute(
+            "SELECT state FROM kafka2pg.batches WHERE pipeline = %s AND batch_id > %s",
+            (env.pipeline.name, first.batch_id),
+        ).fetchall() == [("validated",)]
+
+    held = holding_the_first_promotion(monkeypatch, env, first.batch_id, next_validated)
+    result = run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=5, run_id="run-1")
+    assert held == [True], "batch 2 was not validated while batch 1 waited to be promoted"
+    assert len(result.promoted) == 2 and count(db, env) == 200
+    promoted_at = db.execute(
+        "SELECT promoted_at FROM kafka2pg.batches WHERE pipeline = %s ORDER BY batch_id", (env.pipeline.name,)
+    ).fetchall()
+    assert promoted_at[0] < promoted_at[1]
+
+
+def test_without_a_unique_key_index_the_next_gate_probes_the_target_only_after_the_promotion_before(
+    make_pipeline, spark, db, monkeypatch
+):
+    """Without the unique index the gate probes the target for promoted business keys itself:
+    batch N+1's probe must see N's rows, so its gate, started beside N's promotion, waits for it."""
+    import kafka2pg.runner
+
+    env = make_pipeline(partitions=1, max_records_per_batch=3)
+    index = sql.Identifier(env.pipeline.target_schema, env.pipeline.business_key_index)
+    db.execute(sql.SQL("DROP INDEX {}").format(index))
+    db.execute(  # not unique
+        sql.SQL("CREATE INDEX {} ON {} (event_id)").format(sql.Identifier(env.pipeline.business_key_index), target(env))
+    )
+    events = list(sample_events(6, seed=28))
+    produce(  # offset 3, in the second batch, repeats the first event's key
+        env.settings.bootstrap_servers,
+        env.topic,
+        [*events[:3], {**events[3], "event_id": events[0]["event_id"]}, *events[4:]],
+        key_field=None,
+    )
+    first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
+    real_validate = kafka2pg.runner.validate_batch
+    gates = []
+
+    def validate(settings, pipeline, batch_id, epoch=None, **kwargs):
+        try:
+            validated = real_validate(settings, pipeline, batch_id, epoch, **kwargs)
+        except Exception as exc:
+            gates.append((batch_id, kwargs.get("previous_pending", False), type(exc).__name__))
+            raise
+        gates.append((batch_id, kwargs.get("previous_pending", False), "validated"))
+        return validated
+
+    monkeypatch.setattr(kafka2pg.runner, "validate_batch", validate)
+    held = holding_the_first_promotion(monkeypatch, env, first.batch_id, lambda conn: len(gates) >= 2)
+    result = run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=5, run_id="run-1")
+    assert held == [True]
+    second = first.batch_id + 1
+    assert gates == [
+        (first.batch_id, False, "validated"),
+        (second, True, "ProbeAwaitsPrevious"),  # beside batch 1's promotion: nothing probed, nothing changed
+        (second, False, "validated"),  # once batch 1 was promoted
+    ]
+    assert (result.rows_promoted, result.rows_quarantined) == (5, 1)
+    keys = db.execute(sql.SQL("SELECT count(*), count(DISTINCT event_id) FROM {}").format(target(env))).fetchone()
+    assert keys == (5, 5)
+    reasons = db.execute(
+        "SELECT kafka_offset, reason FROM kafka2pg.quarantine WHERE pipeline = %s", (env.pipeline.name,)
+    ).fetchall()
+    assert len(reasons) == 1 and reasons[0][0] == 3
+    assert reasons[0][1].startswith(f"business key already promoted by batch {first.batch_id}")
+
+
+def test_a_lookahead_is_planned_beside_a_step_holding_the_batch_before_and_after_its_promotion(
+    make_pipeline, spark, db
+):
+    """The planner reads the batch it follows without waiting for the step that holds it (its
+    gate or its promotion, in a run of several batches), and plans after it once it is promoted."""
+    import threading
+
+    import psycopg
+
+    from kafka2pg.batch_store import load_claimed
+
+    env = make_pipeline(partitions=1, max_records_per_batch=50)
+    produce_sample(env.settings.bootstrap_servers, env.topic, 150, seed=29)
+    first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
+    stage_batch(spark, env.settings, env.pipeline, first.batch_id, first.epoch)
+    planned = []
+
+    def plan() -> None:
+        planned.append(plan_lookahead(env.settings, env.pipeline, first.batch_id, first.epoch, run_id="run-1"))
+
+    with psycopg.connect(env.settings.database_url) as step:  # holds the first batch until it leaves
+        load_claimed(step, env.pipeline, first.batch_id, first.epoch)
+        planner = threading.Thread(target=plan, daemon=True)
+        planner.start()
+        planner.join(timeout=120)
+        assert not planner.is_alive(), "planning the lookahead waited for the step holding the batch before it"
+    second = planned[0]
+    assert [(r.start, r.end) for r in second.plan.ranges] == [(50, 100)]
+    stage_batch(spark, env.settings, env.pipeline, second.batch_id, second.epoch)
+    for batch in (first, second):
+        validate_batch(env.settings, env.pipeline, batch.batch_id, batch.epoch)
+        promote_batch(env.settings, env.pipeline, batch.batch_id, batch.epoch)
+    third = plan_lookahead(env.settings, env.pipeline, second.batch_id, second.epoch, run_id="run-1")
+    assert [(r.start, r.end) for r in third.plan.ranges] == [(100, 150)]
+    stage_batch(spark, env.settings, env.pipeline, third.batch_id, third.epoch)
+    validate_batch(env.settings, env.pipeline, third.batch_id, third.epoch)
+    promote_batch(env.settings, env.pipeline, third.batch_id, third.epoch)
+    assert count(db, env) == 150
+
+
 def test_a_failure_to_plan_the_lookahead_still_promotes_the_staged_batch(make_pipeline, spark, db, monkeypatch):
     import kafka2pg.runner
 
