@@ -108,6 +108,7 @@ def run_ours(settings: Settings, topic: str, master: str, reader: str = KAFKA_RE
     from kafka2pg.expectations import warm_up_in_background
     from kafka2pg.opening import open_batch
     from kafka2pg.runner import run_batches
+    from kafka2pg.staging import stop_session
 
     name = f"ours_{master[6]}" if reader == KAFKA_READERS[0] else f"ours_{reader}_{master[6]}"
     pipeline = dataclasses.replace(bench_pipeline(_fresh(name), topic), kafka_reader=reader)
@@ -120,7 +121,7 @@ def run_ours(settings: Settings, topic: str, master: str, reader: str = KAFKA_RE
     first = open_batch(settings, pipeline, run_id="bench").batch
     first_plan = time.monotonic() - started
     result = run_batches(spark, settings, pipeline, first.batch_id, first.epoch, batches=10**9, run_id="bench")
-    spark.stop()
+    stop_session(spark)  # as kafka2pg.runner.run_job stops it
     phases = {"spark start": spark_start, **result.phases}
     phases["plan"] += first_plan
     return {"rows": _count(settings, pipeline), "batches": len(result.promoted), "phases": phases}

@@ -173,7 +173,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _stage_locally(settings: Settings, pipeline: Pipeline, batch_id: int) -> None:
     """Stage one batch with a Spark session of this process (KAFKA2PG_SPARK_MASTER), then stop it."""
     from kafka2pg.jars import spark_jars
-    from kafka2pg.staging import package_zip, spark_session, stage_batch
+    from kafka2pg.staging import package_zip, spark_session, stage_batch, stop_session
 
     spark = spark_session(
         settings.spark_master,
@@ -186,7 +186,7 @@ def _stage_locally(settings: Settings, pipeline: Pipeline, batch_id: int) -> Non
         spark.sparkContext.addPyFile(str(archive))
         print(stage_batch(spark, settings, pipeline, batch_id).message)
     finally:
-        spark.stop()
+        stop_session(spark)
         archive.unlink(missing_ok=True)
 
 

@@ -32,7 +32,7 @@ from kafka2pg.ledger import lock_plan
 from kafka2pg.lifecycle import BatchState, is_open
 from kafka2pg.opening import open_batch, plan_lookahead
 from kafka2pg.quality import validate_batch
-from kafka2pg.staging import kafka_group_id, package_zip, spark_session, stage_batch
+from kafka2pg.staging import kafka_group_id, package_zip, spark_session, stage_batch, stop_session
 from kafka2pg.steps import promote_batch
 from kafka2pg.stuck import recording_failures
 from kafka2pg.task_log import promotion_summary, step_summary, validation_summary
@@ -408,7 +408,7 @@ def _run_in_session(
         # hangs for good (seen in the fault suite: SIGTERM to the process group). Let it finish.
         for thread in cancelling:
             thread.join(timeout=30)
-        spark.stop()
+        stop_session(spark)
         archive.unlink(missing_ok=True)
 
 

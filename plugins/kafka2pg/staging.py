@@ -482,6 +482,21 @@ def spark_session(
     return builder.getOrCreate()
 
 
+def stop_session(spark: SparkSession) -> None:
+    """`spark.stop()` without waiting on PySpark's accumulator server: its request handler
+    checks for a shutdown once a second, so stopping it idles for up to a second. The server
+    is stopped in a daemon thread after Spark (or ends with the process)."""
+    context = spark.sparkContext
+    server = getattr(context, "_accumulatorServer", None)
+    if server is not None:
+        context._accumulatorServer = None  # spark.stop() skips it
+    try:
+        spark.stop()
+    finally:
+        if server is not None:
+            threading.Thread(target=server.shutdown, name="kafka2pg-accumulator-stop", daemon=True).start()
+
+
 SPARK_DEFAULTS = {
     "spark.sql.session.timeZone": "UTC",
     "spark.ui.enabled": "false",

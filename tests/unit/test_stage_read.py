@@ -1,4 +1,4 @@
-"""How the stage job splits a batch over its Spark tasks, and names a Spark task's Kafka failure."""
+"""How the stage job splits a batch over its Spark tasks, names a Spark task's Kafka failure, and stops its session."""
 
 from __future__ import annotations
 
@@ -166,3 +166,43 @@ def test_the_collector_is_paused_for_a_write_and_restored_as_it_was():
         assert not gc.isenabled(), "a collector someone else turned off stays off"
     finally:
         gc.enable()
+
+
+def test_stopping_the_session_does_not_wait_for_the_accumulator_server():
+    """PySpark stops its accumulator server inside `spark.stop()`, and the server's handler
+    notices only at its next one-second poll: `stop_session` stops Spark first and leaves the
+    server's shutdown to a thread."""
+    import threading
+    from types import SimpleNamespace
+
+    from kafka2pg.staging import stop_session
+
+    released = threading.Event()
+    shut = threading.Event()
+    events = []
+
+    class Server:
+        def shutdown(self):
+            events.append("server shutdown")
+            released.wait(timeout=60)  # a handler between two polls
+            shut.set()
+
+    context = SimpleNamespace(_accumulatorServer=Server())
+
+    class Spark:
+        sparkContext = context
+
+        def stop(self):  # what SparkContext.stop does: the JVM, then the accumulator server
+            events.append("spark stopped")
+            if context._accumulatorServer is not None:
+                context._accumulatorServer.shutdown()
+
+    stopping = threading.Thread(target=stop_session, args=(Spark(),), daemon=True)
+    stopping.start()
+    stopping.join(timeout=60)
+    try:
+        assert not stopping.is_alive(), "stop_session waited for the accumulator server"
+    finally:
+        released.set()
+    assert shut.wait(timeout=60), "the accumulator server was never shut down"
+    assert events == ["spark stopped", "server shutdown"]
