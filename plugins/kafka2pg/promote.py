@@ -47,17 +47,30 @@ def promote_live(conn: Connection, pipeline: Pipeline, batch: Batch) -> PromoteR
             "only a validated batch can be promoted",
             "The quality gate fails closed.",
         )
-    if staging_lost(conn, pipeline, batch):
-        return None
-    promoted, quarantined = _promote_rows(conn, pipeline, batch)
+    try:
+        with conn.transaction():  # a savepoint: rows missing from staging roll the promotion back
+            promoted, quarantined = _promote_rows(conn, pipeline, batch)
+    except _StagingShort:
+        if staging_lost(conn, pipeline, batch):
+            return None
+        raise
     table = f"{pipeline.target_schema}.{pipeline.target_table}"
     message = f"batch {batch.batch_id} promoted: {promoted} rows to {table}, {quarantined} to quarantine"
     log.info("pipeline=%s %s", pipeline.name, message)
     return PromoteResult(batch.batch_id, promoted, quarantined, False, message)
 
 
+class _StagingShort(BatchStateError):
+    """The rows promoted and quarantined are not the records the batch read: its staging rows
+    changed since the gate (crash recovery empties UNLOGGED tables). `staging_lost` counts
+    them and sends the batch back."""
+
+
 def _promote_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> tuple[int, int]:
-    """Heads (compare-and-set), ledger ranges, target, quarantine, staging cleanup, state."""
+    """Heads (compare-and-set), ledger ranges, target, quarantine, staging cleanup, state.
+    Every staged row lands in the target or the quarantine, so the two inserts together must
+    move as many rows as the batch read; a shortfall raises `_StagingShort` before the batch's
+    state changes (no count of the staging rows beforehand)."""
     partitions = [p.partition for p in batch.plan.partitions]
     lock_partitions(conn, pipeline.name, partitions, f"promotion of batch {batch.batch_id}")
     reads = _records_read(conn, batch.batch_id)
@@ -66,6 +79,13 @@ def _promote_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> tuple[i
         _record_ranges(conn, pipeline, batch, part, reads)
     promoted = insert_target(conn, pipeline, batch.batch_id)
     quarantined = insert_quarantine(conn, pipeline, batch.batch_id)
+    if promoted + quarantined != sum(reads.values()):
+        raise _StagingShort(
+            f"pipeline {pipeline.name!r} batch {batch.batch_id}: promotion moved {promoted + quarantined} staged rows "
+            f"but the batch read {sum(reads.values())} records",
+            pipeline=pipeline.name,
+            batch_id=batch.batch_id,
+        )
     clear_staging(conn, pipeline, batch.batch_id)
     transition(conn, batch, BatchState.PROMOTED, rows_promoted=promoted, rows_quarantined=quarantined)
     return promoted, quarantined
