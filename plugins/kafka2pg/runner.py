@@ -255,6 +255,8 @@ class _Finish(threading.Thread):
         self.warming.join()
         if after is not None:
             after.gated.wait()
+        if self.cancelled.is_set():  # the run stops before this batch: it stays open, unvalidated
+            return
         started = time.monotonic()
         with recording_failures(settings, pipeline.name, batch_id, epoch, "validate"):
             try:
