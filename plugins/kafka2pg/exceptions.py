@@ -262,6 +262,18 @@ class LedgerConflictError(Kafka2PgError):
         )
 
     @classmethod
+    def moved_on(cls, pipeline: str, batch_id: int, partition: int, moved_by: int | None):
+        by = "a ledger reset" if moved_by is None else f"batch {moved_by}"
+        return cls(
+            f"pipeline {pipeline!r}: no batch can be planned after batch {batch_id}: partition {partition}'s head "
+            f"was moved since by {by}. Another run carries the pipeline on; this run stops without planning.",
+            pipeline=pipeline,
+            batch_id=batch_id,
+            partition=partition,
+            moved_by=moved_by,
+        )
+
+    @classmethod
     def changed_since_loaded(cls, pipeline: str, batch_id: int, state: str, epoch: int, to_state: str):
         return cls(
             f"pipeline {pipeline!r} batch {batch_id}: expected it {state} at claim epoch {epoch} to move it to "

@@ -23,7 +23,7 @@ from kafka2pg.batch_store import (
 )
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError
+from kafka2pg.exceptions import BatchStateError, LedgerConflictError
 from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_retention
 from kafka2pg.kafka_reader import record_timestamp
 from kafka2pg.ledger import lock_plan, read_head_batches, read_heads
@@ -222,8 +222,14 @@ def plan_lookahead(
                 lookahead_id=later[0],
             )
         heads = read_heads(conn, pipeline.name)
-        heads.update({p.partition: p.new_head for p in current.plan.partitions})
         moved = read_head_batches(conn, pipeline.name)
+        if current.state is BatchState.PROMOTED:  # a claim no longer fences it: the heads must still be its own
+            for part in current.plan.partitions:
+                if moved.get(part.partition) != after_id:
+                    raise LedgerConflictError.moved_on(
+                        pipeline.name, after_id, part.partition, moved.get(part.partition)
+                    )
+        heads.update({p.partition: p.new_head for p in current.plan.partitions})
         moved.update({p.partition: after_id for p in current.plan.partitions})
         plan = _plan_from(pipeline, offsets, heads, moved, max_records_per_batch)
         if plan.is_empty:

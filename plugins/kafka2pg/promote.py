@@ -82,7 +82,9 @@ def _promote_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> tuple[i
     if promoted + quarantined != sum(reads.values()):
         raise _StagingShort(
             f"pipeline {pipeline.name!r} batch {batch.batch_id}: promotion moved {promoted + quarantined} staged rows "
-            f"but the batch read {sum(reads.values())} records",
+            f"but the batch read {sum(reads.values())} records; nothing was promoted. Either its staging rows "
+            f"changed since the quality gate, or {pipeline.target_schema}.{pipeline.target_table} does not keep "
+            "every row inserted into it (a trigger or rule that skips rows)",
             pipeline=pipeline.name,
             batch_id=batch.batch_id,
         )

@@ -80,8 +80,9 @@ def run_batches(
     promotion, with the check that needs N's rows in the target (a probe of the target for
     promoted business keys, when the target's unique index cannot stand in for it) left until
     N is promoted; N+1 is promoted only after N, and on N's partitions its compare-and-set
-    cannot succeed before N's. N+2 is planned once N is promoted. A planning error or SIGTERM
-    still lets N finish before the run stops.
+    cannot succeed before N's. N+2 is planned once N is promoted. A planning error still lets N
+    finish before the run stops; after SIGTERM a gate or promotion under way finishes its
+    transaction and none starts.
     """
     if batches < 1:
         raise ValueError(f"batches must be at least 1, got {batches}")
@@ -106,7 +107,7 @@ def run_batches(
             except Exception as exc:  # noqa: BLE001 - the staged batch is still finished first, then this raises
                 planning_error = exc
         if finishing is None:
-            finishing = _Finish(result, settings, pipeline, current.batch_id, current.epoch, warming)
+            finishing = _Finish(result, settings, pipeline, current.batch_id, current.epoch, warming, stop=stop)
             finishing.start()
         stage_error = None
         staged = early = None
@@ -116,7 +117,9 @@ def run_batches(
             except BaseException as exc:  # noqa: BLE001 - re-raised below, once the finishing thread is done
                 stage_error = exc
             if staged is not None and not _stopped(stop):
-                early = _Finish(result, settings, pipeline, staged.batch_id, staged.epoch, warming, after=finishing)
+                early = _Finish(
+                    result, settings, pipeline, staged.batch_id, staged.epoch, warming, after=finishing, stop=stop
+                )
                 early.start()
         finishing.join()
         if finishing.error is not None:
@@ -124,6 +127,9 @@ def run_batches(
             if following is not None:
                 _abandon_lookahead(settings, pipeline, following, current.batch_id)
             raise finishing.error
+        if not finishing.finished:  # SIGTERM before its gate or promotion began: the batch stays open
+            _stop_early(early)
+            raise _interrupted(pipeline, result)
         result.promoted.append(current.batch_id)
         log.info(
             "pipeline=%s run %s: batch %s/%s done (%s); so far %s records read, %s rows promoted; seconds: %s",
@@ -216,7 +222,9 @@ class _Finish(threading.Thread):
     `after`: the thread finishing the batch before this one, when this one starts before that
     batch is promoted. This one's gate then waits for that gate's verdict (so the previous
     batch's checks are stored), runs beside that promotion (`previous_pending`), and this
-    promotion waits for that one; it does not promote when that one failed or when cancelled.
+    promotion waits for that one. Neither the gate nor the promotion starts once that one
+    failed, the run cancelled this one or `stop` (SIGTERM) is set; `finished` tells whether the
+    batch was promoted.
     """
 
     def __init__(
@@ -228,14 +236,17 @@ class _Finish(threading.Thread):
         epoch: int | None,
         warming: threading.Thread,
         after: _Finish | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         super().__init__(name=f"kafka2pg-finish-{batch_id}", daemon=True)
         self.args_ = (result, settings, pipeline, batch_id, epoch)
         self.warming = warming
         self.after = after
+        self.stop = stop
         self.gated = threading.Event()  # this batch's gate has ended (whatever its verdict)
         self.cancelled = threading.Event()
         self.error: BaseException | None = None
+        self.finished = False  # promoted (by this thread or an earlier attempt)
         self.message = ""
 
     def cancel(self) -> None:
@@ -255,7 +266,7 @@ class _Finish(threading.Thread):
         self.warming.join()
         if after is not None:
             after.gated.wait()
-        if self.cancelled.is_set():  # the run stops before this batch: it stays open, unvalidated
+        if not self._may_go_on():  # the run stops before this batch: it stays open, unvalidated
             return
         started = time.monotonic()
         with recording_failures(settings, pipeline.name, batch_id, epoch, "validate"):
@@ -273,6 +284,7 @@ class _Finish(threading.Thread):
             except ProbeAwaitsPrevious:
                 if not self._after_promoted():
                     return
+                started = time.monotonic()
                 validated = _timed(result, "validate", validate_batch, settings, pipeline, batch_id, epoch)
         log.info("%s", validation_summary(pipeline.name, validated, time.monotonic() - started))
         self.gated.set()
@@ -287,14 +299,19 @@ class _Finish(threading.Thread):
             with _RESULT_LOCK:
                 result.rows_promoted += promoted.promoted
                 result.rows_quarantined += promoted.quarantined
+        self.finished = True
 
     def _after_promoted(self) -> bool:
         """Wait for the batch before this one to be finished: whether this one may go on."""
         if self.after is not None:
             self.after.join()
-            if self.after.error is not None:
-                return False
-        return not self.cancelled.is_set()
+        return self._may_go_on()
+
+    def _may_go_on(self) -> bool:
+        """Not when the batch before failed (this one is abandoned), the run was cancelled or
+        SIGTERM stops it (this one stays open for the next run)."""
+        failed_before = self.after is not None and self.after.error is not None
+        return not (failed_before or self.cancelled.is_set() or _stopped(self.stop))
 
 
 def _abandon_lookahead(settings: Settings, pipeline: Pipeline, lookahead: Batch, after_batch_id: int) -> None:
@@ -330,12 +347,16 @@ def _stopped(stop: threading.Event | None) -> bool:
 
 def _raise_if_stopped(stop: threading.Event | None, pipeline: Pipeline, result: RunResult) -> None:
     if _stopped(stop):
-        raise StageInterrupted(
-            f"pipeline {pipeline.name!r}: stopped by SIGTERM after promoting batches {result.promoted}; "
-            "a batch planned or staged after them stays open and the next run (or a retry) resumes it.",
-            pipeline=pipeline.name,
-            promoted=list(result.promoted),
-        )
+        raise _interrupted(pipeline, result)
+
+
+def _interrupted(pipeline: Pipeline, result: RunResult) -> StageInterrupted:
+    return StageInterrupted(
+        f"pipeline {pipeline.name!r}: stopped by SIGTERM after promoting batches {result.promoted}; "
+        "a batch planned, staged or validated after them stays open and the next run (or a retry) resumes it.",
+        pipeline=pipeline.name,
+        promoted=list(result.promoted),
+    )
 
 
 def run_job(

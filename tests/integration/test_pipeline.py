@@ -20,6 +20,7 @@ from kafka2pg.exceptions import (
     LedgerConflictError,
     OffsetRegressionError,
     QualityGateFailed,
+    StageInterrupted,
     TopicNotFoundError,
 )
 from kafka2pg.kafka_config import KafkaConfig
@@ -191,8 +192,13 @@ def test_a_rejected_batch_stops_the_run_and_voids_the_lookahead_staged_meanwhile
     env = make_pipeline(partitions=1, max_records_per_batch=100, duplicate_policy="fail")
     events = list(sample_events(300, seed=23))
     # A producer retry of event 0 at offset 150: batch 2 ([100, 200)) is rejected while the run
-    # has already planned and staged batch 3 ([200, 300)) after it.
-    produce(env.settings.bootstrap_servers, env.topic, [*events[:150], events[0], *events[150:299]])
+    # has already planned and staged batch 3 ([200, 300)) after it. Batch 3 repeats event 1 at
+    # offset 250: had its gate run, it would be rejected too instead of abandoned.
+    produce(
+        env.settings.bootstrap_servers,
+        env.topic,
+        [*events[:150], events[0], *events[150:249], events[1], *events[249:298]],
+    )
     first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
     with pytest.raises(QualityGateFailed) as rejected:
         run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=10, run_id="run-1")
@@ -338,6 +344,50 @@ def test_without_a_unique_key_index_the_next_gate_probes_the_target_only_after_t
     assert reasons[0][1].startswith(f"business key already promoted by batch {first.batch_id}")
 
 
+def test_after_sigterm_the_gate_under_way_finishes_and_no_promotion_or_gate_starts(
+    make_pipeline, spark, db, monkeypatch
+):
+    """SIGTERM (the run's stop flag) while batch 1's quality gate runs and batch 2 is staged:
+    the gate ends its transaction, then neither batch 1's promotion nor batch 2's gate starts;
+    both stay open for the next run, which finishes them."""
+    import threading
+
+    import psycopg
+
+    import kafka2pg.runner
+
+    env = make_pipeline(partitions=1, max_records_per_batch=100)
+    produce_sample(env.settings.bootstrap_servers, env.topic, 200, seed=31)
+    first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
+    stop = threading.Event()
+    real_validate = kafka2pg.runner.validate_batch
+
+    def validate(settings, pipeline, batch_id, epoch=None, **kwargs):
+        if batch_id == first.batch_id:  # SIGTERM arrives once batch 2 is staged
+            deadline = time.monotonic() + 120
+            with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
+                while time.monotonic() < deadline and conn.execute(
+                    "SELECT state FROM kafka2pg.batches WHERE pipeline = %s AND batch_id > %s",
+                    (env.pipeline.name, first.batch_id),
+                ).fetchall() != [("staged",)]:
+                    time.sleep(0.05)
+            stop.set()
+        return real_validate(settings, pipeline, batch_id, epoch, **kwargs)
+
+    monkeypatch.setattr(kafka2pg.runner, "validate_batch", validate)
+    with pytest.raises(StageInterrupted, match=r"after promoting batches \[\]"):
+        run_batches(
+            spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=5, run_id="run-1", stop=stop
+        )
+    assert [state for _, state, _ in batch_states(db, env)] == ["validated", "staged"]
+    assert count(db, env) == 0
+    monkeypatch.undo()
+    opened = open_batch(env.settings, env.pipeline, run_id="run-2")
+    assert opened.resumed and opened.batch.batch_id == first.batch_id
+    result = run_batches(spark, env.settings, env.pipeline, first.batch_id, opened.batch.epoch, batches=5)
+    assert len(result.promoted) == 2 and count(db, env) == 200
+
+
 def test_a_lookahead_is_planned_beside_a_step_holding_the_batch_before_and_after_its_promotion(
     make_pipeline, spark, db
 ):
@@ -376,6 +426,16 @@ def test_a_lookahead_is_planned_beside_a_step_holding_the_batch_before_and_after
     validate_batch(env.settings, env.pipeline, third.batch_id, third.epoch)
     promote_batch(env.settings, env.pipeline, third.batch_id, third.epoch)
     assert count(db, env) == 150
+    # Another run moves the heads on meanwhile: a batch promoted is no longer fenced by its
+    # claim, so the planner checks that the heads are still the ones it set.
+    produce_sample(env.settings.bootstrap_servers, env.topic, 50, seed=30)
+    other = open_batch(env.settings, env.pipeline, run_id="run-2").batch
+    stage_batch(spark, env.settings, env.pipeline, other.batch_id, other.epoch)
+    validate_batch(env.settings, env.pipeline, other.batch_id, other.epoch)
+    promote_batch(env.settings, env.pipeline, other.batch_id, other.epoch)
+    with pytest.raises(LedgerConflictError, match=f"moved since by batch {other.batch_id}"):
+        plan_lookahead(env.settings, env.pipeline, third.batch_id, third.epoch, run_id="run-1")
+    assert count(db, env) == 200 and [s for _, s, _ in batch_states(db, env)] == ["promoted"] * 4
 
 
 def test_a_failure_to_plan_the_lookahead_still_promotes_the_staged_batch(make_pipeline, spark, db, monkeypatch):
