@@ -147,7 +147,7 @@ def run_batches(
                 raise error
         if _stopped(stop):
             _stop_early(early)
-        _raise_if_stopped(stop, pipeline, result)
+            raise _interrupted(pipeline, result)
         current, finishing = staged, early
     result.message = (
         f"{len(result.promoted)} batch(es) promoted in this run ({result.records} records read): "
@@ -343,11 +343,6 @@ def _timed(result: RunResult, phase: str, step, *args, **kwargs):
 
 def _stopped(stop: threading.Event | None) -> bool:
     return stop is not None and stop.is_set()
-
-
-def _raise_if_stopped(stop: threading.Event | None, pipeline: Pipeline, result: RunResult) -> None:
-    if _stopped(stop):
-        raise _interrupted(pipeline, result)
 
 
 def _interrupted(pipeline: Pipeline, result: RunResult) -> StageInterrupted:

@@ -245,11 +245,20 @@ def test_a_new_run_resumes_the_open_batch_and_voids_a_dead_runs_lookahead(make_p
     assert len(result.promoted) == 3 and count(db, env) == 120
 
 
-def holding_the_first_promotion(monkeypatch, env, first_id: int, until) -> list:
-    """The run's promotion of batch `first_id` waits (deadline: 120 s) until `until(conn)` holds,
-    read on a connection of its own; returns the list it appends whether it did."""
+def waited_for(env, until) -> bool:
+    """Poll `until(conn)` on a connection of its own until it holds (deadline: 120 s): whether it did."""
     import psycopg
 
+    deadline = time.monotonic() + 120
+    with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
+        while not (reached := until(conn)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return reached
+
+
+def holding_the_first_promotion(monkeypatch, env, first_id: int, until) -> list:
+    """The run's promotion of batch `first_id` waits until `until(conn)` holds (`waited_for`);
+    returns the list it appends whether it did."""
     import kafka2pg.runner
 
     real = kafka2pg.runner.promote_batch
@@ -257,11 +266,7 @@ def holding_the_first_promotion(monkeypatch, env, first_id: int, until) -> list:
 
     def promote(settings, pipeline, batch_id, epoch=None):
         if batch_id == first_id:
-            deadline = time.monotonic() + 120
-            with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
-                while not (reached := until(conn)) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            held.append(reached)
+            held.append(waited_for(env, until))
         return real(settings, pipeline, batch_id, epoch)
 
     monkeypatch.setattr(kafka2pg.runner, "promote_batch", promote)
@@ -352,8 +357,6 @@ def test_after_sigterm_the_gate_under_way_finishes_and_no_promotion_or_gate_star
     both stay open for the next run, which finishes them."""
     import threading
 
-    import psycopg
-
     import kafka2pg.runner
 
     env = make_pipeline(partitions=1, max_records_per_batch=100)
@@ -362,15 +365,15 @@ def test_after_sigterm_the_gate_under_way_finishes_and_no_promotion_or_gate_star
     stop = threading.Event()
     real_validate = kafka2pg.runner.validate_batch
 
+    def next_staged(conn):
+        return conn.execute(
+            "SELECT state FROM kafka2pg.batches WHERE pipeline = %s AND batch_id > %s",
+            (env.pipeline.name, first.batch_id),
+        ).fetchall() == [("staged",)]
+
     def validate(settings, pipeline, batch_id, epoch=None, **kwargs):
         if batch_id == first.batch_id:  # SIGTERM arrives once batch 2 is staged
-            deadline = time.monotonic() + 120
-            with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
-                while time.monotonic() < deadline and conn.execute(
-                    "SELECT state FROM kafka2pg.batches WHERE pipeline = %s AND batch_id > %s",
-                    (env.pipeline.name, first.batch_id),
-                ).fetchall() != [("staged",)]:
-                    time.sleep(0.05)
+            waited_for(env, next_staged)
             stop.set()
         return real_validate(settings, pipeline, batch_id, epoch, **kwargs)
 
