@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, NamedTuple
 
 import msgspec
+import pyarrow as pa
+import pyarrow.compute as pc
 
 # A btree index entry holds at most 2704 bytes (a third of an 8 kB page); a business key over
 # that makes promotion fail ("index row requires N bytes").
@@ -88,14 +90,53 @@ class Admitted(NamedTuple):
     reason: str | None = None
 
 
+# The Arrow type of each kind of rule's values.
+ARROW_TYPES = {
+    "text": pa.string(),
+    "bigint": pa.int64(),
+    "integer": pa.int32(),
+    "double precision": pa.float64(),
+    "boolean": pa.bool_(),
+    "timestamptz": pa.timestamp("us", tz="UTC"),
+    "date": pa.date32(),
+    "jsonb": pa.string(),
+    "numeric": pa.string(),  # the decimal's exact text (kafka2pg.copy_binary encodes it)
+}
+
+
+class AdmittedBatch(NamedTuple):
+    """The outcomes of a list of records, by column: each rule's values as an Arrow array of its
+    ARROW_TYPES type (NULL for a refused record, and for a field null or missing), and each
+    record's quarantine reason (None for an admitted record)."""
+
+    columns: tuple[pa.Array, ...]
+    reasons: list[str | None]
+
+    def outcome(self, index: int) -> Admitted:
+        reason = self.reasons[index]
+        if reason is not None:
+            return Admitted(None, reason)
+        return Admitted(tuple(column[index].as_py() for column in self.columns))
+
+    def refusing(self, refused: dict[int, str]) -> AdmittedBatch:
+        """These outcomes with the records at `refused`'s indices refused, for its reasons."""
+        reasons = list(self.reasons)
+        for index, reason in refused.items():
+            reasons[index] = reason
+        mask = _mask(refused, len(reasons))
+        columns = tuple(pc.if_else(mask, pa.scalar(None, column.type), column) for column in self.columns)
+        return AdmittedBatch(columns, reasons)
+
+
 class RecordDecoder:
-    """Decodes record values for one pipeline's columns; build once, call per record.
+    """Decodes record values for one pipeline's columns; build once, call per list of records.
 
     Two paths, one rule set: `decode_strictly` is the definition (every rule in plain Python,
-    field by field, naming the first field that breaks one); `decode` first tries a fast path
-    (one typed msgspec parse in C, then the checks C does not make) and falls back to the strict
-    path whenever the fast one has any doubt, so both always give the same outcome (a property
-    test holds them to it).
+    field by field, naming the first field that breaks one); `admit` first takes a fast path
+    (one typed msgspec parse in C per record, then the checks C does not make, column by column
+    over the whole list, in Arrow where they can be) and hands every record the fast path has
+    any doubt about to the strict path, so both always give the same outcome (property tests
+    hold them to it).
     """
 
     def __init__(self, rules: Sequence[FieldRule], business_key: Sequence[str] = ()) -> None:
@@ -105,19 +146,83 @@ class RecordDecoder:
         self._key_positions = tuple(names.index(k) for k in business_key)
         self._decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
         self._fast_decoder = _fast_decoder(self.rules)
-        # Only the fields the fast path still has to look at: checks, required, raw tokens.
-        self._fast_plan = tuple(
-            (position, rule.required, _fast_check(rule))
-            for position, rule in enumerate(self.rules)
-            if rule.required or _fast_check(rule) is not None
-        )
+        self._fields = tuple(f"f{index}" for index in range(len(self.rules)))  # the struct's attributes
+        self._unparsed = self._fast_decoder and self._fast_decoder.type()  # a record with every field absent
+        self._columns = tuple(_fast_column(rule) for rule in self.rules)
 
     def decode(self, value: bytes | None) -> Admitted:
         """The row's values, or the reason the record is quarantined. Never raises on data."""
-        values = self._fast(value)
-        if values is not None:
-            return Admitted(values)
-        return self.decode_strictly(value)
+        return self.admit([value]).outcome(0)
+
+    def admit(self, values: Sequence[bytes | None]) -> AdmittedBatch:
+        """`decode` of every record in `values`, by column. Never raises on data."""
+        if self._fast_decoder is None:  # every record takes the strict path
+            columns = [pa.nulls(len(values), ARROW_TYPES[rule.kind]) for rule in self.rules]
+            doubts = set(range(len(values)))
+        else:
+            records, doubts = self._parse(values)
+            columns = [
+                column([getattr(record, name) for record in records], doubts)
+                for name, column in zip(self._fields, self._columns, strict=True)
+            ]
+            for rule, column in zip(self.rules, columns, strict=True):
+                if rule.required and column.null_count:
+                    doubts.update(_indices(pc.is_null(column)))
+            self._check_key_sizes(columns, doubts)
+        reasons: list[str | None] = [None] * len(values)
+        if doubts:
+            columns = self._decide_strictly(values, sorted(doubts), columns, reasons)
+        return AdmittedBatch(tuple(columns), reasons)
+
+    def _parse(self, values: Sequence[bytes | None]) -> tuple[list, set[int]]:
+        """Each record as the fast path's parse reads it (a `_fast_struct`), and the records it
+        cannot parse (in `records` with every field at its default)."""
+        parse, unparsed = self._fast_decoder.decode, self._unparsed
+        records: list = []
+        doubts: set[int] = set()
+        for index, value in enumerate(values):
+            # A NUL can hide in a string only as an escape; msgspec leaves strings it skips or keeps raw unchecked.
+            if value and b"\\u0000" not in value:
+                try:
+                    if not value.isascii():
+                        value.decode("utf-8")
+                    records.append(parse(value))
+                    continue
+                except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                    pass
+            records.append(unparsed)
+            doubts.add(index)
+        return records, doubts
+
+    def _check_key_sizes(self, columns: list[pa.Array], doubts: set[int]) -> None:
+        """Records whose business key may be over the index limit: to the strict path."""
+        if not self._key_positions:
+            return
+        fixed, sizes = _KEY_TUPLE_OVERHEAD, None
+        for position in self._key_positions:
+            column = columns[position]
+            fixed += _KEY_COLUMN_OVERHEAD
+            if pa.types.is_string(column.type):  # text, numeric and jsonb values: their UTF-8 bytes
+                length = pc.binary_length(column)
+                sizes = length if sizes is None else pc.add(sizes, length)
+            else:
+                fixed += 8
+        if sizes is not None:
+            doubts.update(_indices(pc.greater(sizes, pa.scalar(KEY_INDEX_LIMIT - fixed, sizes.type))))
+
+    def _decide_strictly(
+        self, values: Sequence[bytes | None], doubts: list[int], columns: list[pa.Array], reasons: list
+    ) -> list[pa.Array]:
+        decided = [self.decode_strictly(values[index]) for index in doubts]
+        for index, admitted in zip(doubts, decided, strict=True):
+            reasons[index] = admitted.reason
+        mask = _mask(doubts, len(values))
+        return [
+            pc.replace_with_mask(
+                column, mask, pa.array([None if a.values is None else a.values[position] for a in decided], column.type)
+            )
+            for position, column in enumerate(columns)
+        ]
 
     def decode_strictly(self, value: bytes | None) -> Admitted:
         """`decode` without the fast path: the rules, field by field."""
@@ -125,33 +230,6 @@ class RecordDecoder:
             return Admitted(self._values(value))
         except Refused as refused:
             return Admitted(None, str(refused))
-
-    def _fast(self, value: bytes | None) -> tuple | None:
-        """The values when every rule surely holds, else None (the strict path decides)."""
-        if self._fast_decoder is None or not value or b"\\u0000" in value:  # the only way a string holds NUL
-            return None
-        try:
-            value.decode("utf-8")  # msgspec leaves strings it skips or keeps raw unchecked
-            parsed = msgspec.structs.astuple(self._fast_decoder.decode(value))
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-            return None
-        values = list(parsed)
-        try:
-            for position, required, check in self._fast_plan:
-                item = values[position]
-                if item is not None and item is not _ABSENT and check is not None:
-                    item = check(item)
-                    if item is _DOUBT:
-                        return None
-                if item is None or item is _ABSENT:
-                    if required:
-                        return None
-                    item = None
-                values[position] = item
-            self._check_key_size(values)
-        except (Refused, ValueError, OverflowError, msgspec.DecodeError):
-            return None
-        return tuple(values)
 
     def _values(self, value: bytes | None) -> tuple:
         if value is None:
@@ -234,45 +312,146 @@ def _fast_struct(rules: Sequence[FieldRule]) -> type:
     return msgspec.defstruct("FastRecord", fields, rename=rename)
 
 
-def _fast_check(rule: FieldRule):
-    """What the fast path still checks of a value msgspec parsed (or converts, for raw tokens):
-    a function returning the value, None (JSON null) or `_DOUBT`; None when nothing is left."""
-    kind = rule.kind
-    if kind == "timestamptz" and rule.epoch is None:
-        return _fast_timestamp
-    if kind == "jsonb":
-        return _fast_jsonb
-    if kind == "numeric":
-        plain = _plain_decimal(*rule.precision_scale)
+# Kinds msgspec parses and checks in C (`_fast_struct`); the others' tokens stay raw.
+_TYPED_KINDS = ("text", "bigint", "integer", "boolean", "date")
+# Whatever a fast check raises is a doubt, never a reason: the strict path finds the reason.
+_FAST_DOUBTS = (Refused, ArithmeticError, ValueError, RecursionError, msgspec.DecodeError)
+
+
+# Scalars passed to compute functions are Arrow scalars of the column's type: a Python value would
+# be converted by pyarrow, which then imports pandas (kafka2pg.chunk_writer.arrow_without_pandas).
+
+
+def _indices(mask: pa.Array) -> list[int]:
+    return pc.indices_nonzero(mask).to_pylist()
+
+
+def _mask(indices: Iterable[int], length: int) -> pa.Array:
+    chosen = [False] * length
+    for index in indices:
+        chosen[index] = True
+    return pa.array(chosen, pa.bool_())
+
+
+def _fast_column(rule: FieldRule):
+    """The fast path for one rule's column: a function of the fields the parse gave (msgspec's
+    values, or raw tokens) and the set of doubted records, returning the column's Arrow array
+    (NULL for a JSON null, a missing field or a doubted value) and adding to the set."""
+    arrow = ARROW_TYPES[rule.kind]
+    if rule.kind in _TYPED_KINDS:
+        return lambda items, doubts: pa.array(items, arrow)
+    if rule.kind == "jsonb":
+        return lambda items, doubts: _fast_jsonb(_tokens(items), doubts)
+    if rule.kind == "numeric":
+        plain = "^(?:" + _plain_decimal(*rule.precision_scale).pattern.decode() + ")$"
         convert = _converter(rule)
+        return lambda items, doubts: _fast_numeric(_tokens(items), plain, convert, doubts)
+    if rule.kind == "timestamptz" and rule.epoch is None:
+        return lambda items, doubts: _fast_timestamps(_tokens(items), doubts)
+    convert = _converter(rule)
+    return lambda items, doubts: pa.array(_each(_tokens(items), convert, doubts), arrow)
 
-        def numeric(raw: msgspec.Raw) -> str | None:
-            token = bytes(raw)
-            if token == b"null":
-                return None
-            return token.decode() if plain.fullmatch(token) else convert(token)
 
-        return numeric
-    if kind in ("double precision", "timestamptz"):
-        convert = _converter(rule)
+def _tokens(items: Sequence[msgspec.Raw]) -> list[bytes | None]:
+    """Raw tokens as bytes, None for a JSON null or a missing field (an empty token)."""
+    return [None if token in _NO_TOKEN else token for token in map(bytes, items)]
 
-        def raw_token(raw: msgspec.Raw) -> Any:
-            token = bytes(raw)
-            return None if token == b"null" else convert(token)
 
-        return raw_token
-    return None
+_NO_TOKEN = (b"", b"null")
+
+
+def _each(tokens: list[bytes | None], check, doubts: set[int]) -> list:
+    """`check` of each token; a token it doubts or raises on is doubted (its value None)."""
+    values = []
+    for index, token in enumerate(tokens):
+        value = None
+        if token is not None:
+            try:
+                value = check(token)
+            except _FAST_DOUBTS:
+                value = _DOUBT
+            if value is _DOUBT:
+                doubts.add(index)
+                value = None
+        values.append(value)
+    return values
+
+
+def _each_of(tokens: list[bytes | None], indices: list[int], check, doubts: set[int]) -> list:
+    """`_each` of the tokens at `indices` only (doubts added by their index in `tokens`)."""
+    doubted: set[int] = set()
+    values = _each([tokens[index] for index in indices], check, doubted)
+    doubts.update(indices[index] for index in doubted)
+    return values
+
+
+def _fast_numeric(tokens: list[bytes | None], plain: str, convert, doubts: set[int]) -> pa.Array:
+    """Plain decimals numeric(p,s) surely holds are kept as written (one regex over the column);
+    the rest go through the rule's converter."""
+    binary = pa.array(tokens, pa.binary())
+    odd = _indices(pc.invert(pc.match_substring_regex(binary, plain)))
+    texts = binary.cast(pa.string())  # the record is valid UTF-8
+    if not odd:
+        return texts
+    converted = _each_of(tokens, odd, convert, doubts)
+    return pc.replace_with_mask(texts, _mask(odd, len(tokens)), pa.array(converted, pa.string()))
+
+
+def _fast_jsonb(tokens: list[bytes | None], doubts: set[int]) -> pa.Array:
+    """`_to_jsonb` by column, for records already searched for NUL escapes: the tokens that may
+    hold a number numeric cannot (a long exponent or digit run) are parsed, one by one."""
+    binary = pa.array(tokens, pa.binary())
+    suspects = pc.or_(
+        pc.match_substring_regex(binary, _BIG_EXPONENT.pattern.decode()),
+        pc.greater_equal(pc.binary_length(binary), pa.scalar(_LONG_DIGITS_RUN, pa.int32())),
+    )
+    for index in _indices(suspects):
+        token = tokens[index]
+        if _BIG_EXPONENT.search(token) or _LONG_DIGITS.search(token):
+            try:
+                _check_json_numbers(token)
+            except _FAST_DOUBTS:
+                doubts.add(index)
+    return binary.cast(pa.string())  # the record is valid UTF-8
+
+
+# RFC 3339 timestamp strings with an offset, as most producers write them, in a form Arrow's
+# cast reads exactly as `parse_timestamp` does (its fields in range, a year 0001-9999, at most six
+# digits after the point). Arrow's cast checks the day of the month, and refuses the whole
+# column for one such day: the column is then read token by token.
+_RFC_3339 = (
+    '^"(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])'
+    'T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"$'
+)
+_TIMESTAMP_ARROW = ARROW_TYPES["timestamptz"]
+
+
+def _fast_timestamps(tokens: list[bytes | None], doubts: set[int]) -> pa.Array:
+    """Timestamp strings by column: those of `_RFC_3339` cast by Arrow (and doubted where the
+    instant in UTC leaves years 1-9999), the others parsed one by one (`_fast_timestamp`)."""
+    binary = pa.array(tokens, pa.binary())
+    rfc = pc.match_substring_regex(binary, _RFC_3339)
+    others = _indices(pc.and_not(pc.is_valid(binary), rfc))
+    try:
+        cast = pc.if_else(rfc, pc.binary_slice(binary, 1, -1).cast(pa.string()), pa.scalar(None, pa.string()))
+        stamps = cast.cast(_TIMESTAMP_ARROW)
+    except pa.ArrowInvalid:  # a day the month does not have
+        return pa.array(_each(tokens, _fast_timestamp, doubts), _TIMESTAMP_ARROW)
+    micros = stamps.cast(pa.int64())
+    low, high = (pa.scalar(bound, pa.int64()) for bound in (_EPOCH_LOW, _EPOCH_HIGH))
+    doubts.update(_indices(pc.or_(pc.less(micros, low), pc.greater(micros, high))))
+    if not others:
+        return stamps
+    parsed = _each_of(tokens, others, _fast_timestamp, doubts)
+    return pc.replace_with_mask(stamps, _mask(others, len(tokens)), pa.array(parsed, _TIMESTAMP_ARROW))
 
 
 _TIMESTAMP_TYPE = msgspec.json.Decoder(datetime)
 
 
-def _fast_timestamp(raw: msgspec.Raw) -> datetime | None | object:
+def _fast_timestamp(token: bytes) -> datetime | object:
     """msgspec's RFC 3339 parser, which rounds sub-microsecond digits: a 7th digit after the
     point is left to the strict path (which refuses it)."""
-    token = bytes(raw)
-    if token == b"null":
-        return None
     dot = token.find(b".")
     if b"\\" in token or dot > 0 and token[dot + 7 : dot + 8].isdigit():  # an escape can hide a digit
         return _DOUBT
@@ -280,16 +459,6 @@ def _fast_timestamp(raw: msgspec.Raw) -> datetime | None | object:
     if value.tzinfo is None:
         return value.replace(tzinfo=UTC)
     return value.astimezone(UTC)  # OverflowError beyond year 1-9999: the strict path refuses it
-
-
-def _fast_jsonb(raw: msgspec.Raw) -> str | None:
-    """`_to_jsonb` for a value the fast path already searched for NUL escapes."""
-    token = bytes(raw)
-    if token == b"null":
-        return None
-    if _BIG_EXPONENT.search(token) or (len(token) >= _LONG_DIGITS_RUN and _LONG_DIGITS.search(token)):
-        _check_json_numbers(token)
-    return token.decode("utf-8")
 
 
 def rules_for(pipeline: Any) -> tuple[FieldRule, ...]:

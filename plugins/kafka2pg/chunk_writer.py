@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.abc import MetaPathFinder
 from typing import NamedTuple
@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from psycopg import sql
 
-from kafka2pg.admission import Admitted, RecordDecoder, decoder_for
+from kafka2pg.admission import AdmittedBatch, RecordDecoder, decoder_for
 from kafka2pg.config import Pipeline
 from kafka2pg.copy_binary import HEADER, TRAILER, copy_rows
 from kafka2pg.database import isolate_refused
@@ -35,17 +35,6 @@ STATS_SCHEMA = (
     "kafka_partition int, records long, quarantined long, min_offset long, max_offset long, refused array<long>"
 )
 
-_ARROW_TYPES = {
-    "text": pa.string(),
-    "bigint": pa.int64(),
-    "integer": pa.int32(),
-    "double precision": pa.float64(),
-    "boolean": pa.bool_(),
-    "timestamptz": pa.timestamp("us", tz="UTC"),
-    "date": pa.date32(),
-    "jsonb": pa.string(),
-    "numeric": pa.string(),  # the decimal's exact text (kafka2pg.copy_binary encodes it)
-}
 # The PostgreSQL types of the columns a chunk writes around the pipeline's own (staging_table.sql).
 _HEAD_TYPES = ("bigint", "integer", "text", "integer", "bigint", "timestamptz")  # batch_id, chunk, PROVENANCE
 _TAIL_TYPES = ("bytea", "bytea", "bytea[]", "text")  # RAW, quarantine_reason
@@ -104,13 +93,13 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
             for record_batch in batches:
                 if not record_batch.num_rows:
                     continue
-                outcomes = [decoder.decode(v) for v in record_batch.column("value").to_pylist()]
-                framed = frame(record_batch, outcomes, decoder, batch_id, chunk, topic)
+                admitted = decoder.admit(record_batch.column("value").to_pylist())
+                framed = frame(record_batch, admitted, decoder, batch_id, chunk, topic)
                 refused = copy_isolating(conn, copy, framed, into=f"kafka2pg.{pipeline.staging_table}")
                 if refused:
-                    for index, message in refused.items():
-                        outcomes[index] = Admitted(None, f"PostgreSQL refused the row in staging: {message}")
-                    framed = frame(record_batch, outcomes, decoder, batch_id, chunk, topic)
+                    reasons = {i: f"PostgreSQL refused the row in staging: {message}" for i, message in refused.items()}
+                    admitted = admitted.refusing(reasons)
+                    framed = frame(record_batch, admitted, decoder, batch_id, chunk, topic)
                     # Now NULLs, raw bytes as bytea and a reason: nothing left to refuse.
                     _copy(conn, copy, framed.take(pa.array(sorted(refused), pa.int64())))
                 _accumulate(stats, framed)
@@ -189,19 +178,20 @@ def arrow_without_pandas() -> None:
 
 def frame(
     record_batch: pa.RecordBatch,
-    outcomes: Sequence[Admitted],
+    admitted: AdmittedBatch,
     decoder: RecordDecoder,
     batch_id: int,
     chunk: int,
     topic: str,
 ) -> pa.Table:
-    """The staging rows of Kafka records of `topic` and their admission outcomes, as an Arrow table in COPY order.
+    """The staging rows of Kafka records of `topic` and their admission outcomes (`RecordDecoder.admit`), as an
+    Arrow table in COPY order.
 
     An admitted record carries its typed values; a refused one NULLs and its raw key and value,
     with the reason (its headers are added by the stage step, `stage_batch`).
     """
     rows = record_batch.num_rows
-    refused = [i for i, o in enumerate(outcomes) if o.reason is not None]
+    refused = [i for i, reason in enumerate(admitted.reasons) if reason is not None]
     columns: list[pa.Array] = [
         pa.repeat(pa.scalar(batch_id, pa.int64()), rows),
         pa.repeat(pa.scalar(chunk, pa.int32()), rows),
@@ -209,10 +199,8 @@ def frame(
         record_batch.column("partition"),
         record_batch.column("offset"),
         record_batch.column("timestamp"),
+        *admitted.columns,
     ]
-    for position, rule in enumerate(decoder.rules):
-        values = [None if o.values is None else o.values[position] for o in outcomes]
-        columns.append(pa.array(values, _ARROW_TYPES[rule.kind]))
     keys, values, headers = ([None] * rows for _ in RAW)
     if refused:
         indices = pa.array(refused, pa.int64())  # typed: from a Python list, `take` imports pandas
@@ -221,7 +209,7 @@ def frame(
         for i, key, value in zip(refused, raw_keys, raw_values, strict=True):
             keys[i], values[i] = key, value
     columns += [pa.array(keys, pa.binary()), pa.array(values, pa.binary()), pa.array(headers, pa.string())]
-    columns.append(pa.array([o.reason for o in outcomes], pa.string()))
+    columns.append(pa.array(admitted.reasons, pa.string()))
     names = ["batch_id", "chunk", *PROVENANCE, *(r.name for r in decoder.rules), *RAW, "quarantine_reason"]
     return pa.Table.from_arrays(columns, names=names)
 

@@ -129,11 +129,12 @@ def staged(base_settings, tmp_path_factory):
     selected = [sql.SQL("{}::text").format(sql.Identifier(n)) if n == "payload" else sql.Identifier(n) for n in names]
 
     def copy(values: list[bytes]):
-        outcomes = [decoder.decode(v) for v in values]
+        admitted = decoder.admit(values)
+        outcomes = [admitted.outcome(i) for i in range(len(values))]
         with psycopg.connect(base_settings.database_url) as conn:
             conn.execute(sql.SQL("TRUNCATE {}").format(table))
             refused = copy_isolating(
-                conn, statement, frame(_record_batch(values), outcomes, decoder, 1, 0, "t"), into="staging"
+                conn, statement, frame(_record_batch(values), admitted, decoder, 1, 0, "t"), into="staging"
             )
             rows = conn.execute(
                 sql.SQL(

@@ -260,3 +260,68 @@ def test_a_numeric_zero_with_any_exponent_lands_as_zero():
     assert field("amount", BASE + b',"amount":0e-99999999999}') == "0"
     assert field("amount", BASE + b',"amount":-0.000}') == "0"
     assert field("amount", BASE + b',"amount":0.00}') == "0.00"
+
+
+# ---------------------------------------------------------------- many records at once (admit)
+
+
+def _ts(text: str) -> bytes:
+    return BASE + b',"ts":' + json.dumps(text).encode() + b"}"
+
+
+records = st.one_of(
+    documents.map(lambda document: _encode(document, True)),
+    timestamps.map(_ts),
+    st.binary(max_size=60).map(lambda b: BASE + b),
+    st.sampled_from(
+        [
+            BASE + b"}",
+            BASE + b',"amount":12.345}',
+            BASE + b',"payload":[1e99999]}',
+            b'{"event_id":"' + b"x" * 700 + b'","customer_id":1}',
+            _ts("2026-02-29T00:00:00Z"),
+            _ts("0000-12-31T23:00:00-01:00"),
+            _ts("9999-12-31T23:00:00-01:00"),
+        ]
+    ),
+)
+
+
+@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.lists(records, max_size=12))
+def test_each_record_of_a_list_gets_its_own_outcome_as_the_strict_path_gives_it(values):
+    admitted = DECODER.admit(values)
+    assert [admitted.outcome(i) for i in range(len(values))] == [DECODER.decode_strictly(v) for v in values]
+
+
+def test_one_impossible_day_among_timestamps_leaves_the_others_as_they_are():
+    values = [_ts("2026-03-01T10:00:00+01:00"), _ts("2026-02-29T10:00:00Z"), _ts("2026-03-02T10:00:00.5Z"), b"{"]
+    admitted = DECODER.admit(values)
+    times = admitted.columns[[r.name for r in RULES].index("event_time")].to_pylist()
+    assert times == [
+        datetime(2026, 3, 1, 9, tzinfo=UTC),
+        None,
+        datetime(2026, 3, 2, 10, 0, 0, 500000, tzinfo=UTC),
+        None,
+    ]
+    assert admitted.reasons[0] is None and admitted.reasons[2] is None
+    assert "2026-02-29T10:00:00Z" in admitted.reasons[1] and "not valid JSON" in admitted.reasons[3]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["0000-12-31T23:00:00-01:00", "0001-01-01T00:30:00+01:00", "9999-12-31T23:00:00-01:00"],
+)
+def test_an_offset_timestamp_whose_year_or_instant_leaves_years_1_to_9999_is_refused_among_others(text):
+    admitted = DECODER.admit([_ts("2026-01-01T00:00:00Z"), _ts(text)])
+    assert admitted.reasons[0] is None
+    assert admitted.outcome(1) == DECODER.decode_strictly(_ts(text))
+    assert admitted.reasons[1].startswith("field 'ts': ") and repr(text) in admitted.reasons[1]
+
+
+def test_a_refused_row_is_nulled_and_keeps_the_reason_given():
+    admitted = DECODER.admit([BASE + b',"amount":1.5}', BASE + b',"amount":2.5}'])
+    refused = admitted.refusing({1: "PostgreSQL refused the row"})
+    assert refused.outcome(0) == admitted.outcome(0)
+    assert refused.outcome(1) == (None, "PostgreSQL refused the row")
+    assert all(column[1].as_py() is None for column in refused.columns)

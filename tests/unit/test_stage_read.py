@@ -115,8 +115,8 @@ good = b'{"event_id": "e1", "customer_id": 7, "amount": 1.50, "ts": "2026-01-01T
 values = [good, good, b"not json", good]
 batch = _record_batch(([0, 3, 0, 3], [5, 40, 6, 41], [1_700_000_000_000_000] * 4, [b"k", None, b"k", b"k"], values))
 decoder = decoder_for(pipeline)
-outcomes = [decoder.decode(v) for v in batch.column("value").to_pylist()]
-framed = frame(batch, outcomes, decoder, 1, 0, "orders")
+admitted = decoder.admit(batch.column("value").to_pylist())
+framed = frame(batch, admitted, decoder, 1, 0, "orders")
 copy_rows(framed, staging_copy(pipeline).types)
 stats = {}
 _accumulate(stats, framed)
