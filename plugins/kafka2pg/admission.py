@@ -415,26 +415,33 @@ def _fast_jsonb(tokens: list[bytes | None], doubts: set[int]) -> pa.Array:
     return binary.cast(pa.string())  # the record is valid UTF-8
 
 
-# RFC 3339 timestamp strings with an offset, as most producers write them, in a form Arrow's
-# cast reads exactly as `parse_timestamp` does (its fields in range, a year 0001-9999, at most six
-# digits after the point). Arrow's cast checks the day of the month, and refuses the whole
-# column for one such day: the column is then read token by token.
-_RFC_3339 = (
-    '^"(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])'
-    'T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"$'
+# ISO 8601 timestamp strings as most producers write them, with an offset (RFC 3339) or without
+# one (UTC), in a form Arrow's cast reads exactly as `parse_timestamp` does: every field in range,
+# a year 0001-9999, at most six digits after the point. Arrow's cast checks the day of the month
+# and refuses the whole column for one day a month does not have: the column is then read token
+# by token.
+_ISO_TIME = (
+    '"(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])'
+    "T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]{1,6})?"
 )
+_WITH_OFFSET = f'^{_ISO_TIME}(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"$'
+_WITHOUT_OFFSET = f'^{_ISO_TIME}"$'
 _TIMESTAMP_ARROW = ARROW_TYPES["timestamptz"]
 
 
 def _fast_timestamps(tokens: list[bytes | None], doubts: set[int]) -> pa.Array:
-    """Timestamp strings by column: those of `_RFC_3339` cast by Arrow (and doubted where the
-    instant in UTC leaves years 1-9999), the others parsed one by one (`_fast_timestamp`)."""
+    """Timestamp strings by column: those of `_WITH_OFFSET` and `_WITHOUT_OFFSET` cast by Arrow
+    (and doubted where the instant in UTC leaves years 1-9999), the others parsed one by one
+    (`_fast_timestamp`)."""
     binary = pa.array(tokens, pa.binary())
-    rfc = pc.match_substring_regex(binary, _RFC_3339)
-    others = _indices(pc.and_not(pc.is_valid(binary), rfc))
+    offset, local = (pc.match_substring_regex(binary, pattern) for pattern in (_WITH_OFFSET, _WITHOUT_OFFSET))
+    others = _indices(pc.and_not(pc.is_valid(binary), pc.or_(offset, local)))
+    texts, none = pc.binary_slice(binary, 1, -1).cast(pa.string()), pa.scalar(None, pa.string())
     try:
-        cast = pc.if_else(rfc, pc.binary_slice(binary, 1, -1).cast(pa.string()), pa.scalar(None, pa.string()))
-        stamps = cast.cast(_TIMESTAMP_ARROW)
+        stamps = pc.coalesce(
+            pc.if_else(offset, texts, none).cast(_TIMESTAMP_ARROW),
+            pc.if_else(local, texts, none).cast(pa.timestamp("us")).cast(_TIMESTAMP_ARROW),  # as UTC
+        )
     except pa.ArrowInvalid:  # a day the month does not have
         return pa.array(_each(tokens, _fast_timestamp, doubts), _TIMESTAMP_ARROW)
     micros = stamps.cast(pa.int64())
