@@ -195,20 +195,21 @@ class RecordDecoder:
         return records, doubts
 
     def _check_key_sizes(self, columns: list[pa.Array], doubts: set[int]) -> None:
-        """Records whose business key may be over the index limit: to the strict path."""
+        """Records whose business key may be over the index limit (`_check_key_size`'s count:
+        a text, numeric or jsonb value its UTF-8 bytes, any other value or a NULL 8): to the
+        strict path."""
         if not self._key_positions:
             return
-        fixed, sizes = _KEY_TUPLE_OVERHEAD, None
+        fixed, sizes = _KEY_TUPLE_OVERHEAD, pa.repeat(pa.scalar(0, pa.int64()), len(columns[0]))
         for position in self._key_positions:
             column = columns[position]
             fixed += _KEY_COLUMN_OVERHEAD
-            if pa.types.is_string(column.type):  # text, numeric and jsonb values: their UTF-8 bytes
-                length = pc.binary_length(column)
-                sizes = length if sizes is None else pc.add(sizes, length)
+            if pa.types.is_string(column.type):
+                length = pc.fill_null(pc.binary_length(column).cast(pa.int64()), pa.scalar(8, pa.int64()))
+                sizes = pc.add(sizes, length)
             else:
                 fixed += 8
-        if sizes is not None:
-            doubts.update(_indices(pc.greater(sizes, pa.scalar(KEY_INDEX_LIMIT - fixed, sizes.type))))
+        doubts.update(_indices(pc.greater(sizes, pa.scalar(KEY_INDEX_LIMIT - fixed, pa.int64()))))
 
     def _decide_strictly(
         self, values: Sequence[bytes | None], doubts: list[int], columns: list[pa.Array], reasons: list

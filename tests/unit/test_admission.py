@@ -325,3 +325,21 @@ def test_a_refused_row_is_nulled_and_keeps_the_reason_given():
     assert refused.outcome(0) == admitted.outcome(0)
     assert refused.outcome(1) == (None, "PostgreSQL refused the row")
     assert all(column[1].as_py() is None for column in refused.columns)
+
+
+def test_the_key_size_of_a_list_counts_a_null_key_column_and_a_key_of_fixed_width_columns():
+    # Only a RecordDecoder built by hand: a pipeline's business-key columns are always required.
+    text_key = RecordDecoder([FieldRule("a", "a", "text"), FieldRule("b", "b", "text")], ["a", "b"])
+    values = [b'{"b":"' + b"x" * 2670 + b'"}', b'{"b":"' + b"x" * 2660 + b'"}']
+    admitted = text_key.admit(values)
+    assert [admitted.outcome(i) for i in range(2)] == [text_key.decode_strictly(v) for v in values]
+    assert admitted.reasons[0].startswith("business key is 2710 bytes") and admitted.reasons[1] is None
+    wide = RecordDecoder(
+        [FieldRule(f"c{i}", f"c{i}", "bigint", required=True) for i in range(169)], [f"c{i}" for i in range(169)]
+    )
+    value = json.dumps({f"c{i}": i for i in range(169)}).encode()
+    assert (
+        wide.admit([value]).outcome(0)
+        == wide.decode_strictly(value)
+        == (None, "business key is 2720 bytes, over the 2704-byte index limit")
+    )
