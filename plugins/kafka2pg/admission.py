@@ -416,14 +416,14 @@ def _fast_jsonb(tokens: list[bytes | None], doubts: set[int]) -> pa.Array:
     return binary.cast(pa.string())  # the record is valid UTF-8
 
 
-# ISO 8601 timestamp strings as most producers write them, with an offset (RFC 3339) or without
-# one (UTC), in a form Arrow's cast reads exactly as `parse_timestamp` does: every field in range,
-# a year 0001-9999, at most six digits after the point. Arrow's cast checks the day of the month
-# and refuses the whole column for one day a month does not have: the column is then read token
-# by token.
+# ISO 8601 timestamp strings as most producers write them (a `T` or a space between date and
+# time), with an offset (RFC 3339) or without one (UTC), in a form Arrow's cast reads exactly as
+# `parse_timestamp` does: every field in range, a year 0001-9999, at most six digits after the
+# point. Arrow's cast checks the day of the month and refuses the whole column for one day a
+# month does not have: the column is then read token by token.
 _ISO_TIME = (
     '"(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])'
-    "T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]{1,6})?"
+    "[T ](?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]{1,6})?"
 )
 _WITH_OFFSET = f'^{_ISO_TIME}(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"$'
 _WITHOUT_OFFSET = f'^{_ISO_TIME}"$'

@@ -295,7 +295,7 @@ def test_each_record_of_a_list_gets_its_own_outcome_as_the_strict_path_gives_it(
 
 
 def test_one_impossible_day_among_timestamps_leaves_the_others_as_they_are():
-    values = [_ts("2026-03-01T10:00:00+01:00"), _ts("2026-02-29T10:00:00Z"), _ts("2026-03-02T10:00:00.5Z"), b"{"]
+    values = [_ts("2026-03-01T10:00:00+01:00"), _ts("2026-02-29T10:00:00Z"), _ts("2026-03-02T10:00:00.5"), b"{"]
     admitted = DECODER.admit(values)
     times = admitted.columns[[r.name for r in RULES].index("event_time")].to_pylist()
     assert times == [
@@ -306,6 +306,12 @@ def test_one_impossible_day_among_timestamps_leaves_the_others_as_they_are():
     ]
     assert admitted.reasons[0] is None and admitted.reasons[2] is None
     assert "2026-02-29T10:00:00Z" in admitted.reasons[1] and "not valid JSON" in admitted.reasons[3]
+
+
+def test_timestamps_with_and_without_an_offset_in_one_column_are_each_read_as_their_instant():
+    values = [_ts("2026-03-01T10:00:00+01:00"), _ts("2026-03-01 10:00:00"), _ts("2026-03-01T10:00:00.000001Z")]
+    times = DECODER.admit(values).columns[[r.name for r in RULES].index("event_time")].to_pylist()
+    assert times == [datetime(2026, 3, 1, h, 0, 0, us, tzinfo=UTC) for h, us in ((9, 0), (10, 0), (10, 1))]
 
 
 @pytest.mark.parametrize(
