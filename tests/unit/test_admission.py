@@ -47,6 +47,11 @@ def reason(value: bytes | None) -> str:
     return admitted.reason
 
 
+def _ts(text: str) -> bytes:
+    """A record whose `ts` field is the JSON string `text`."""
+    return BASE + b',"ts":' + json.dumps(text).encode() + b"}"
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
@@ -140,7 +145,7 @@ def test_faithful_values_of_every_type():
     ],
 )
 def test_timestamp_forms_accepted(text, expected):
-    assert field("event_time", BASE + b',"ts":' + json.dumps(text).encode() + b"}") == expected
+    assert field("event_time", _ts(text)) == expected
 
 
 def test_jsonb_keeps_the_json_value_as_written():
@@ -224,7 +229,7 @@ def test_a_numeric_that_fits_lands_exactly(number):
 @settings(max_examples=400, deadline=None)
 @given(timestamps)
 def test_any_timestamp_text_gets_the_same_outcome_on_both_paths(text):
-    outcome(BASE + b',"ts":' + json.dumps(text).encode() + b"}")
+    outcome(_ts(text))
 
 
 def test_field_names_with_quotes_dots_and_backslashes_are_read():
@@ -263,10 +268,6 @@ def test_a_numeric_zero_with_any_exponent_lands_as_zero():
 
 
 # ---------------------------------------------------------------- many records at once (admit)
-
-
-def _ts(text: str) -> bytes:
-    return BASE + b',"ts":' + json.dumps(text).encode() + b"}"
 
 
 records = st.one_of(
