@@ -7,7 +7,7 @@ import dataclasses
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,6 +18,9 @@ from kafka2pg.config import KAFKA_READERS, Pipeline, Settings, class_archive_pat
 from kafka2pg.devtools import local_stack  # noqa: E402
 from kafka2pg.devtools.local_stack import Stack  # noqa: E402
 from kafka2pg.jars import spark_jars  # noqa: E402
+from kafka2pg.kafka_offsets import ensure_topic  # noqa: E402
+from kafka2pg.migrations import migrate  # noqa: E402
+from kafka2pg.opening import open_batch  # noqa: E402
 
 # Spark JDBC writer options of the contenders that write through JDBC (batched, typed by PG).
 JDBC_PROPERTIES = {
@@ -49,6 +52,18 @@ def bench_stack(prefix: str) -> Iterator[tuple[Settings, Stack, Path]]:
 def bench_pipeline(name: str, topic: str | None = None) -> Pipeline:
     """The shipped `orders` pipeline under another name, topic and target table."""
     return dataclasses.replace(get_pipeline("orders"), name=name, topic=topic or name, target_table=name)
+
+
+def planned_batch(settings: Settings, name: str, events: Iterable[dict], partitions: int, records: int):
+    """The sample pipeline as `name` (its tables made), `events` written to a topic of that name
+    with `partitions`, and one live batch of up to `records` planned over them: (pipeline, batch)."""
+    from kafka2pg.devtools.producer import produce
+
+    pipeline = bench_pipeline(name)
+    migrate(settings.database_url, [pipeline])
+    ensure_topic(settings.bootstrap_servers, name, partitions)
+    produce(settings.bootstrap_servers, name, events)
+    return pipeline, open_batch(settings, pipeline, max_records_per_batch=records).batch
 
 
 def bench_spark(

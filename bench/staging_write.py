@@ -13,16 +13,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import JDBC_PROPERTIES, bench_pipeline, bench_spark, bench_stack, best_of, spark_sql_decode  # noqa: E402
+from harness import JDBC_PROPERTIES, bench_spark, bench_stack, best_of, planned_batch, spark_sql_decode  # noqa: E402
 from psycopg import sql  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
 from kafka2pg.config import Pipeline, Settings  # noqa: E402
 from kafka2pg.database import connect  # noqa: E402
-from kafka2pg.devtools.producer import produce_sample  # noqa: E402
-from kafka2pg.kafka_offsets import ensure_topic  # noqa: E402
-from kafka2pg.migrations import migrate  # noqa: E402
-from kafka2pg.opening import open_batch  # noqa: E402
+from kafka2pg.devtools.producer import sample_events  # noqa: E402
 from kafka2pg.staging import kafka_read_options, stage_batch  # noqa: E402
 
 
@@ -38,11 +35,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     with bench_stack("kafka2pg-bench-") as (settings, stack, work):
-        pipeline = bench_pipeline("bench")
-        migrate(settings.database_url, [pipeline])
-        ensure_topic(settings.bootstrap_servers, "bench", 3)
-        produce_sample(settings.bootstrap_servers, "bench", args.events)
-        batch = open_batch(settings, pipeline, max_records_per_batch=args.events).batch
+        pipeline, batch = planned_batch(settings, "bench", sample_events(args.events), 3, args.events)
         spark = bench_spark("local[2]", "bench", work)
         with connect(settings.database_url, autocommit=True) as conn:
             conn.execute("CREATE UNLOGGED TABLE kafka2pg.stg_bench_jdbc (LIKE kafka2pg.stg_bench)")

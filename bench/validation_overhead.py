@@ -15,18 +15,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import bench_pipeline, bench_spark, bench_stack, best_of  # noqa: E402
+from harness import bench_spark, bench_stack, best_of, planned_batch  # noqa: E402
 from psycopg import sql  # noqa: E402
 
 from kafka2pg import checks, expectations, quality  # noqa: E402
 from kafka2pg.batch_store import load_batch  # noqa: E402
 from kafka2pg.config import Settings  # noqa: E402
 from kafka2pg.database import connect, transaction  # noqa: E402
-from kafka2pg.devtools.producer import produce, sample_events  # noqa: E402
-from kafka2pg.kafka_offsets import ensure_topic  # noqa: E402
+from kafka2pg.devtools.producer import sample_events  # noqa: E402
 from kafka2pg.lifecycle import BatchState  # noqa: E402
-from kafka2pg.migrations import migrate  # noqa: E402
-from kafka2pg.opening import open_batch  # noqa: E402
 from kafka2pg.rows import staged_counts  # noqa: E402
 from kafka2pg.staging import stage_batch  # noqa: E402
 
@@ -50,12 +47,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     with bench_stack("kafka2pg-bench-") as (settings, _, work):
-        pipeline = bench_pipeline("vbench")
-        migrate(settings.database_url, [pipeline])
-        ensure_topic(settings.bootstrap_servers, "vbench", 3)
         events = list(sample_events(args.events))
-        produce(settings.bootstrap_servers, "vbench", events + events[:10])
-        batch = open_batch(settings, pipeline, max_records_per_batch=args.events + 10).batch
+        pipeline, batch = planned_batch(settings, "vbench", events + events[:10], 3, args.events + 10)
         spark = bench_spark("local[2]", "vbench", work)
         started = time.monotonic()
         stage_batch(spark, settings, pipeline, batch.batch_id)

@@ -64,3 +64,16 @@ def test_compare_benchmark_rounds_load_the_backlog_each_time_and_give_the_median
     assert "throughput ours/floor: " in done.stdout and "(median of 2 rounds: " in done.stdout, done.stdout
     table = [ln.split() for ln in done.stdout.splitlines() if ln.split()[:1] in (["ours"], ["floor"])]
     assert {r[0]: int(r[1]) for r in table if r[1].isdigit()} == {"ours": 500, "floor": 500}, done.stdout
+
+
+def test_write_once_benchmark_smoke_measures_every_path_on_rows_that_landed():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "write_once.py"), "--events", "3000", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "PostgreSQL backend CPU, 3000 staged rows, best of 1, per 1M rows:" in done.stdout, done.stdout
+    for label in ("staging write", "gate SQL", "promotion now", "write-once promotion", "write-once: COPY"):
+        assert f"  {label}" in done.stdout, done.stdout
