@@ -323,6 +323,14 @@ _FAST_DOUBTS = (Refused, ArithmeticError, ValueError, RecursionError, msgspec.De
 # be converted by pyarrow, which then imports pandas (kafka2pg.chunk_writer.arrow_without_pandas).
 
 
+def unreadable_instants(stamps: pa.Array) -> list[int]:
+    """The indices of the instants (timestamp[us, UTC]) outside years 1-9999 in UTC: PostgreSQL
+    stores a timestamptz up to year 294276, but client libraries cannot read one past 9999."""
+    micros = stamps.cast(pa.int64())
+    low, high = (pa.scalar(bound, pa.int64()) for bound in (_EPOCH_LOW, _EPOCH_HIGH))
+    return _indices(pc.or_(pc.less(micros, low), pc.greater(micros, high)))
+
+
 def _indices(mask: pa.Array) -> list[int]:
     return pc.indices_nonzero(mask).to_pylist()
 
@@ -445,9 +453,7 @@ def _fast_timestamps(tokens: list[bytes | None], doubts: set[int]) -> pa.Array:
         )
     except pa.ArrowInvalid:  # a day the month does not have
         return pa.array(_each(tokens, _fast_timestamp, doubts), _TIMESTAMP_ARROW)
-    micros = stamps.cast(pa.int64())
-    low, high = (pa.scalar(bound, pa.int64()) for bound in (_EPOCH_LOW, _EPOCH_HIGH))
-    doubts.update(_indices(pc.or_(pc.less(micros, low), pc.greater(micros, high))))
+    doubts.update(unreadable_instants(stamps))
     if not others:
         return stamps
     parsed = _each_of(tokens, others, _fast_timestamp, doubts)

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from psycopg import sql
 
-from kafka2pg.admission import AdmittedBatch, RecordDecoder, decoder_for
+from kafka2pg.admission import MAX_YEAR, MIN_YEAR, AdmittedBatch, RecordDecoder, decoder_for, unreadable_instants
 from kafka2pg.config import Pipeline
 from kafka2pg.copy_binary import HEADER, TRAILER, copy_rows
 from kafka2pg.database import isolate_refused
@@ -94,6 +94,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
                 if not record_batch.num_rows:
                     continue
                 admitted = decoder.admit(record_batch.column("value").to_pylist())
+                record_batch, admitted = refuse_unreadable_timestamps(record_batch, admitted)
                 framed = frame(record_batch, admitted, decoder, batch_id, chunk, topic)
                 refused = copy_isolating(conn, copy, framed, into=f"kafka2pg.{pipeline.staging_table}")
                 if refused:
@@ -128,6 +129,34 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
         )
 
     return write
+
+
+UNREADABLE_TIMESTAMP = (
+    f"kafka_timestamp: the record's Kafka timestamp is outside years {MIN_YEAR}-{MAX_YEAR}: PostgreSQL would "
+    "store it, but client libraries cannot read it back (a producer that sets microseconds or nanoseconds "
+    "where Kafka expects milliseconds writes such timestamps)"
+)
+
+
+def refuse_unreadable_timestamps(
+    record_batch: pa.RecordBatch, admitted: AdmittedBatch
+) -> tuple[pa.RecordBatch, AdmittedBatch]:
+    """Records whose Kafka timestamp (a provenance column) lies outside years 1-9999 go to
+    quarantine, their timestamp NULL; a record admission refused already keeps its reason, the
+    timestamp's added. Brokers before Kafka 4.0 accept any timestamp by default."""
+    stamps = record_batch.column("timestamp")
+    late = unreadable_instants(stamps)
+    if not late:
+        return record_batch, admitted
+    chosen = set(late)
+    mask = pa.array([i in chosen for i in range(len(stamps))], pa.bool_())
+    nulled = pc.if_else(mask, pa.scalar(None, stamps.type), stamps)
+    reasons = {
+        i: UNREADABLE_TIMESTAMP if admitted.reasons[i] is None else f"{admitted.reasons[i]}; and {UNREADABLE_TIMESTAMP}"
+        for i in late
+    }
+    position = record_batch.schema.get_field_index("timestamp")
+    return record_batch.set_column(position, record_batch.schema.field(position), nulled), admitted.refusing(reasons)
 
 
 @contextmanager

@@ -198,7 +198,7 @@ def read_ranges(
             for message in messages:
                 partitions.append(message.partition())
                 offsets.append(message.offset())
-                timestamps.append(message.timestamp()[1] * 1000)
+                timestamps.append(min(message.timestamp()[1], _TIMESTAMP_CEILING_MS) * 1000)
                 key, value = message.key(), message.value()
                 keys.append(key)
                 values.append(value)
@@ -224,6 +224,13 @@ READER_FETCH = {
     "queued.min.messages": 5_000,
     "fetch.queue.backoff.ms": 10,
 }
+
+
+# 10000-01-01T00:00:00Z in ms. A Kafka timestamp is a 64-bit count of ms (brokers before Kafka
+# 4.0 accept any by default), too large for Arrow's microseconds past about year 294,000: later
+# ones are read as this instant, which, like any after year 9999, the chunk writer refuses
+# (kafka2pg.chunk_writer.refuse_unreadable_timestamps).
+_TIMESTAMP_CEILING_MS = 253_402_300_800_000
 
 
 def _record_batch(columns: tuple[list, ...]) -> pa.RecordBatch:

@@ -28,6 +28,7 @@ from kafka2pg.database import transaction
 from kafka2pg.exceptions import (
     BatchStateError,
     ConfigError,
+    Kafka2PgError,
     KafkaAuthenticationError,
     KafkaUnavailableError,
     RetentionLossError,
@@ -308,6 +309,18 @@ def _kafka_error(text: str, settings: Settings, pipeline: Pipeline, batch: Batch
             topic=pipeline.topic,
             offsets=batch.plan.ranges,
         )
+    if _SPARK_RECORD_REFUSAL in text:  # Spark's Kafka source cannot turn a record into a row
+        return Kafka2PgError(
+            f"{where}: Spark's Kafka source cannot read a record of it: {_java_message(text, _SPARK_RECORD_REFUSAL)} "
+            "The default reader, kafka_reader: librdkafka, reads such a record and quarantines it (its Kafka "
+            "timestamp named) while the rest lands: set it for this pipeline if its Kafka connection needs no "
+            "Java-only property, or move the partition's ledger head past it with `kafka2pg reset --pipeline "
+            f"{pipeline.name} --partition <p> --to-offset <offset + 1> --confirm` (recorded in kafka2pg.ledger_resets; "
+            "the records skipped are not loaded). Nothing was staged; the batch stays planned.",
+            pipeline=pipeline.name,
+            batch_id=batch.batch_id,
+            topic=pipeline.topic,
+        )
     missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", text)
     if missing is not None:
         return ConfigError(
@@ -340,6 +353,8 @@ def _python_message(text: str, name: str) -> str | None:
 
 # The Java client's exceptions for a cluster that refuses it (credentials, TLS).
 _JAVA_REFUSALS = ("SaslAuthenticationException", "SslAuthenticationException")
+# Spark's Kafka source's error for a record it cannot convert (a timestamp beyond its microseconds).
+_SPARK_RECORD_REFUSAL = "KafkaIllegalStateException"
 
 
 def _java_message(text: str, exception: str) -> str:

@@ -1,0 +1,103 @@
+"""A record whose Kafka timestamp PostgreSQL would store but no client can read back (after year
+9999, up to the largest 64-bit count of milliseconds: brokers before Kafka 4.0 accept any by
+default) goes to quarantine naming the timestamp, with its bytes; the rest of the batch lands."""
+
+import json
+import time
+from datetime import UTC, datetime
+
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+from psycopg import sql
+
+from kafka2pg.audit import audit_pipeline
+from kafka2pg.chunk_writer import UNREADABLE_TIMESTAMP
+from kafka2pg.exceptions import Kafka2PgError
+from kafka2pg.kafka_offsets import client_config
+
+LONG_MAX = 2**63 - 1
+LAST_READABLE_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z
+
+
+def _topic_accepting_any_timestamp(env) -> None:
+    admin = AdminClient(client_config(env.settings.bootstrap_servers, 10))
+    config = {"message.timestamp.after.max.ms": str(LONG_MAX)}  # Kafka 4's default refuses an hour ahead
+    futures = admin.create_topics([NewTopic(env.topic, num_partitions=1, replication_factor=1, config=config)])
+    futures[env.topic].result(30)
+
+
+def _event(n: int) -> bytes:
+    return json.dumps({"event_id": f"ts-{n}", "customer_id": n, "ts": "2026-01-01T00:00:00Z"}).encode()
+
+
+def test_kafka_timestamps_after_year_9999_are_quarantined_naming_them_and_the_rest_lands(
+    make_pipeline, run_batch, db, heads
+):
+    env = make_pipeline(partitions=1, create_topic=False)
+    _topic_accepting_any_timestamp(env)
+    now_ms = int(time.time() * 1000)
+    records = [  # (value, timestamp in ms, headers)
+        (_event(0), now_ms, None),
+        (_event(1), LONG_MAX, [("h", b"\xfe")]),  # read as milliseconds, too large for microseconds
+        (_event(2), LAST_READABLE_MS + 1, None),  # 10000-01-01
+        (_event(3), LAST_READABLE_MS, None),  # the last instant that lands
+        (_event(4), now_ms * 1000, None),  # microseconds where Kafka expects milliseconds
+        (b"not json", LONG_MAX, None),  # refused by admission as well
+        (_event(6), now_ms, None),
+    ]
+    producer = Producer(client_config(env.settings.bootstrap_servers, 10))
+    for value, timestamp, headers in records:
+        producer.produce(env.topic, value=value, partition=0, timestamp=timestamp, headers=headers)
+    assert producer.flush(30) == 0
+
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (3, 4)
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    landed = db.execute(sql.SQL("SELECT kafka_offset, kafka_timestamp FROM {} ORDER BY 1").format(target)).fetchall()
+    assert [offset for offset, _ in landed] == [0, 3, 6]
+    assert landed[1][1] == datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
+    quarantined = db.execute(
+        "SELECT kafka_offset, kafka_timestamp, reason, raw_value, raw_headers FROM kafka2pg.quarantine"
+        " WHERE pipeline = %s ORDER BY 1",
+        (env.pipeline.name,),
+    ).fetchall()
+    assert [row[0] for row in quarantined] == [1, 2, 4, 5]
+    assert all(stamp is None for _, stamp, *_ in quarantined)
+    assert [reason for _, _, reason, *_ in quarantined[:3]] == [UNREADABLE_TIMESTAMP] * 3
+    assert quarantined[3][2].endswith(f"; and {UNREADABLE_TIMESTAMP}")
+    assert quarantined[3][2] != f"; and {UNREADABLE_TIMESTAMP}" and "value" in quarantined[3][2].split(";")[0]
+    assert [bytes(value) for *_, value, _ in quarantined] == [records[i][0] for i in (1, 2, 4, 5)]
+    assert [[bytes(part) for part in pair] for pair in quarantined[0][4]] == [[b"h", b"\xfe"]]
+    assert heads(env) == {0: 7}
+    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+
+
+def test_with_sparks_kafka_source_too_and_one_it_cannot_convert_fails_the_stage_saying_what_to_do(
+    make_pipeline, run_batch, db, heads
+):
+    env = make_pipeline(partitions=1, create_topic=False, kafka_reader="spark")
+    _topic_accepting_any_timestamp(env)
+    now_ms = int(time.time() * 1000)
+    producer = Producer(client_config(env.settings.bootstrap_servers, 10))
+    for n, timestamp in enumerate((now_ms, LAST_READABLE_MS + 1, now_ms * 1000, LAST_READABLE_MS)):
+        producer.produce(env.topic, value=_event(n), partition=0, timestamp=timestamp)
+    assert producer.flush(30) == 0
+
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (2, 2)
+    reasons = db.execute(
+        "SELECT kafka_offset, reason FROM kafka2pg.quarantine WHERE pipeline = %s ORDER BY 1", (env.pipeline.name,)
+    ).fetchall()
+    assert reasons == [(1, UNREADABLE_TIMESTAMP), (2, UNREADABLE_TIMESTAMP)]
+
+    producer.produce(env.topic, value=_event(4), partition=0, timestamp=LONG_MAX)
+    assert producer.flush(30) == 0
+    with pytest.raises(Kafka2PgError) as failed:
+        run_batch(env)
+    message = str(failed.value)
+    assert "Spark's Kafka source cannot read a record of it" in message and "offset 4" in message, message
+    assert "kafka_reader: librdkafka" in message and "kafka2pg reset" in message, message
+    assert heads(env) == {0: 4}  # nothing of that batch promoted
