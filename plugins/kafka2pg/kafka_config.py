@@ -84,7 +84,8 @@ class KafkaConfig:
 
     @classmethod
     def of(cls, properties: Mapping[str, Any], where: str = "the Kafka configuration") -> KafkaConfig:
-        """Checked: `bootstrap.servers` present, values scalar, known security protocol."""
+        """Checked: `bootstrap.servers` present, values scalar, known security protocol, a user name
+        and password for the SASL mechanisms that log in with them."""
         if not isinstance(properties, Mapping):
             raise ConfigError(
                 f"{where}: expected a mapping of Kafka client properties, got {type(properties).__name__}"
@@ -99,6 +100,14 @@ class KafkaConfig:
         protocol = items.get("security.protocol", "PLAINTEXT").upper()
         if protocol not in _SECURITY_PROTOCOLS:
             raise ConfigError(f"{where}: security.protocol {protocol!r} is not one of {', '.join(_SECURITY_PROTOCOLS)}")
+        mechanism = (items.get("sasl.mechanism") or items.get("sasl.mechanisms") or "GSSAPI").upper()
+        if protocol.startswith("SASL_") and mechanism in _LOGIN_MODULES:
+            missing = [k for k in ("sasl.username", "sasl.password") if not items.get(k)]
+            if missing:
+                raise ConfigError(
+                    f"{where}: security.protocol {protocol} with sasl.mechanism {mechanism} needs "
+                    f"{' and '.join(missing)} (the client authenticates with a user name and password)"
+                )
         return cls(tuple(sorted(items.items())))
 
     @classmethod

@@ -6,7 +6,9 @@ Thin confluent-kafka AdminClient calls; client errors are translated into kafka2
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -20,6 +22,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from kafka2pg.exceptions import (
+    ConfigError,
     ConsumerGroupRefusedError,
     KafkaAuthenticationError,
     KafkaUnavailableError,
@@ -61,11 +64,29 @@ class _Admin(AdminClient):
 
     def __init__(self, kafka: KafkaLike, timeout_s: float) -> None:
         self.connection_errors: list[KafkaError] = []
-        super().__init__({**client_config(kafka, timeout_s), "error_cb": self.connection_errors.append})
+        with configuration_checked(kafka):
+            super().__init__({**client_config(kafka, timeout_s), "error_cb": self.connection_errors.append})
 
     def why(self) -> list[KafkaError]:
         self.poll(0.5)  # the error callbacks are served by poll
         return self.connection_errors
+
+
+@contextmanager
+def configuration_checked(kafka: KafkaLike) -> Iterator[None]:
+    """Creating a librdkafka client: a configuration it refuses (an unknown property, a value of
+    the wrong kind, a SASL login without its password) is a `ConfigError`, not a traceback."""
+    try:
+        yield
+    except KafkaException as exc:
+        error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        if error is None or error.code() != KafkaError._INVALID_ARG:
+            raise
+        raise ConfigError(
+            f"librdkafka refuses the Kafka client configuration for {kafka}: {error.str()}. Fix the pipeline's "
+            "Kafka connection (its extra) or KAFKA2PG_KAFKA_CONFIG (README, Connections)",
+            cluster=str(kafka),
+        ) from None
 
 
 def admin_client(kafka: KafkaLike, timeout_s: float) -> AdminClient:

@@ -18,7 +18,7 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from kafka2pg.exceptions import KafkaAuthenticationError, KafkaUnavailableError, RetentionLossError
 from kafka2pg.kafka_config import KafkaLike
-from kafka2pg.kafka_offsets import _unavailable, client_config, partition_bounds, refusal
+from kafka2pg.kafka_offsets import _unavailable, client_config, configuration_checked, partition_bounds, refusal
 from kafka2pg.planner import OffsetRange, describe_ranges
 
 Isolation = Literal["read_committed", "read_uncommitted"]
@@ -63,20 +63,21 @@ class RangeReader:
     ) -> None:
         self.kafka, self.topic, self.timeout_s, self.isolation = kafka, topic, timeout_s, isolation
         self.errors: list[KafkaError] = []
-        self.consumer = Consumer(
-            {
-                **client_config(kafka, timeout_s),
-                "error_cb": self.errors.append,
-                "group.id": group_id,
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "isolation.level": isolation,
-                "enable.partition.eof": True,
-                # An offset below the low watermark must fail, not silently jump to the end.
-                "auto.offset.reset": "error",
-                **(fetch or {}),
-            }
-        )
+        with configuration_checked(kafka):
+            self.consumer = Consumer(
+                {
+                    **client_config(kafka, timeout_s),
+                    "error_cb": self.errors.append,
+                    "group.id": group_id,
+                    "enable.auto.commit": False,
+                    "enable.auto.offset.store": False,
+                    "isolation.level": isolation,
+                    "enable.partition.eof": True,
+                    # An offset below the low watermark must fail, not silently jump to the end.
+                    "auto.offset.reset": "error",
+                    **(fetch or {}),
+                }
+            )
 
     def __enter__(self) -> RangeReader:
         return self

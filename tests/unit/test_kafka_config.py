@@ -104,6 +104,24 @@ def test_java_only_properties_go_to_spark_only_and_unknown_ones_to_librdkafka_on
         ({"bootstrap.servers": "b:1", "sasl.username": "u", "sasl.mechanism": "GSSAPI"}, "give `kafka.sasl.jaas"),
         ({"bootstrap.servers": "b:1", "ssl.ca.location": "/nope/ca.pem"}, "cannot read the PEM file '/nope/ca.pem'"),
         ({"bootstrap.servers": "b:1", "x": {"nested": 1}}, "property 'x' must be a name with a string"),
+        (
+            {
+                "bootstrap.servers": "b:1",
+                "security.protocol": "SASL_SSL",
+                "sasl.mechanism": "SCRAM-SHA-512",
+                "sasl.username": "u",
+            },
+            "security.protocol SASL_SSL with sasl.mechanism SCRAM-SHA-512 needs sasl.password",
+        ),
+        (
+            {
+                "bootstrap.servers": "b:1",
+                "security.protocol": "sasl_plaintext",
+                "sasl.mechanisms": "plain",
+                "sasl.password": "pw",
+            },
+            "with sasl.mechanism PLAIN needs sasl.username [(]the client",
+        ),
     ],
 )
 def test_bad_kafka_configuration_is_refused_naming_the_property(properties, message):
@@ -120,3 +138,21 @@ def test_settings_round_trip_through_the_environment_the_stage_job_gets():
         settings.database_url,
         settings.pipelines_file,
     )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"nonsense.prop": "1"}, 'No such configuration property: "nonsense.prop"'),
+        ({"socket.timeout.ms": "soon"}, 'Invalid value for configuration property "socket.timeout.ms"'),
+    ],
+)
+def test_a_configuration_librdkafka_refuses_is_a_config_error_naming_it_for_each_client(extra, message):
+    from kafka2pg.kafka_offsets import admin_client
+    from kafka2pg.kafka_reader import RangeReader
+
+    kafka = KafkaConfig.of({"bootstrap.servers": "127.0.0.1:1", **extra})
+    with pytest.raises(ConfigError, match=f"librdkafka refuses the Kafka client configuration .*{message}"):
+        admin_client(kafka, 1.0)
+    with pytest.raises(ConfigError, match=message):
+        RangeReader(kafka, "t", 1.0)
