@@ -11,7 +11,13 @@ from contextlib import contextmanager
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from kafka2pg.exceptions import ConfigError, DatabaseUnavailableError, SchemaNotReadyError, TableRefusesRowsError
+from kafka2pg.exceptions import (
+    ConfigError,
+    DatabaseRefusedError,
+    DatabaseUnavailableError,
+    SchemaNotReadyError,
+    TableRefusesRowsError,
+)
 from kafka2pg.locations import migration_files
 
 
@@ -26,8 +32,10 @@ def describe(url: str) -> str:
 
 
 def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) -> psycopg.Connection:
-    """Open a connection; `DatabaseUnavailableError` if PostgreSQL cannot be reached, `ConfigError`
-    if the connection string is malformed. No message (nor its chained cause) shows the password."""
+    """Open a connection; `DatabaseUnavailableError` if PostgreSQL cannot be reached,
+    `DatabaseRefusedError` if it refuses the connection's credentials, role or database,
+    `ConfigError` if the connection string is malformed. No message (nor its chained cause)
+    shows the password."""
     try:
         return psycopg.connect(url, autocommit=autocommit, connect_timeout=connect_timeout)
     except psycopg.ProgrammingError as exc:
@@ -37,11 +45,38 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
             "(postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL"
         ) from None
     except psycopg.OperationalError as exc:
+        message = _one_line(exc)
+        if any(refusal in message for refusal in _REFUSALS):
+            raise DatabaseRefusedError(
+                f"PostgreSQL at {describe(url)} refuses the connection: {_sentence(message)} Retrying cannot "
+                "help: fix the user, password or database of the postgres connection (postgres_conn_id, default "
+                "kafka2pg_postgres) or KAFKA2PG_DATABASE_URL, or the server's pg_hba.conf.",
+                database=describe(url),
+            ) from None
         raise DatabaseUnavailableError(
-            f"PostgreSQL at {describe(url)} is unreachable: {_one_line(exc)}. Check that it runs and that the "
+            f"PostgreSQL at {describe(url)} is unreachable: {_sentence(message)} Check that it runs and that the "
             "postgres connection (postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL is right.",
             database=describe(url),
         ) from None
+
+
+# What PostgreSQL says when it answers and refuses a connection for good (its English messages:
+# a connection error carries no SQLSTATE). Anything else (refused, timed out, starting up, too
+# many clients) may pass: a retry may succeed.
+_REFUSALS = (
+    "password authentication failed",
+    "no pg_hba.conf entry",
+    "pg_hba.conf rejects connection",
+    "authentication failed for user",
+    "does not exist",  # role "x" / database "x" does not exist
+    "permission denied for database",
+    "server requested a password but no password was supplied",
+    "fe_sendauth: no password supplied",
+)
+
+
+def _sentence(text: str) -> str:
+    return text if text.endswith((".", "?", "!")) else f"{text}."
 
 
 def _malformed(message: str) -> str:

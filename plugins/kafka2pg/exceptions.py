@@ -146,6 +146,11 @@ class DatabaseUnavailableError(ServiceUnavailableError):
     """PostgreSQL could not be reached."""
 
 
+class DatabaseRefusedError(Kafka2PgError):
+    """PostgreSQL answered and refused the connection: a wrong password, an unknown role or
+    database, no pg_hba.conf entry for it. Retrying the same settings cannot succeed."""
+
+
 class KafkaAuthenticationError(Kafka2PgError):
     """The Kafka cluster refuses the client: wrong credentials, an untrusted or missing certificate."""
 

@@ -15,6 +15,7 @@ from psycopg import sql
 
 from kafka2pg.devtools.producer import produce, produce_sample, sample_events
 from kafka2pg.exceptions import (
+    DatabaseRefusedError,
     DatabaseUnavailableError,
     KafkaUnavailableError,
     LedgerConflictError,
@@ -627,6 +628,20 @@ def test_unreachable_postgres_names_the_server_without_password(make_pipeline):
         open_batch(dead, env.pipeline)
     assert info.value.database == "127.0.0.1:9/nowhere"
     assert "secret" not in str(info.value) and "secret" not in repr(info.value.evidence)
+
+
+def test_postgres_refusing_the_role_or_database_is_a_terminal_error_without_password(make_pipeline):
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    env = make_pipeline()
+    real = conninfo_to_dict(env.settings.database_url)
+    for change, refusal in (({"user": "nobody"}, 'role "nobody" does not exist'), ({"dbname": "nowhere"}, "nowhere")):
+        url = make_conninfo(**{**real, "password": "s3cret", **change})
+        with pytest.raises(DatabaseRefusedError) as info:
+            open_batch(dataclasses.replace(env.settings, database_url=url), env.pipeline)
+        assert info.value.terminal and refusal in str(info.value), str(info.value)
+        assert "Retrying cannot help" in str(info.value)
+        assert "s3cret" not in str(info.value) and "s3cret" not in repr(info.value.evidence)
 
 
 def test_zombie_run_with_an_older_claim_is_fenced_at_every_step(make_pipeline, spark, db, heads):
