@@ -130,7 +130,8 @@ def _extra(connection: Any, conn_id: str) -> dict:
 def _airflow_connection(conn_id: str) -> Any | None:
     """Airflow's lookup of a connection: inside a task through the Task SDK (environment, secrets
     backends, the API server); elsewhere (the CLI) environment, secrets backends and the metadata
-    database. None when it is not defined, or when Airflow is not installed here."""
+    database. None when it is not defined, or when Airflow is not installed here; a `ConfigError`
+    when its AIRFLOW_CONN_* variable is set but unreadable."""
     try:
         from airflow.exceptions import AirflowNotFoundException
     except ImportError:
@@ -146,6 +147,14 @@ def _airflow_connection(conn_id: str) -> Any | None:
     try:
         return lookup(conn_id)
     except AirflowNotFoundException:
+        variable = f"AIRFLOW_CONN_{conn_id.upper()}"
+        if os.environ.get(variable, "").strip():
+            # Airflow skips a value it cannot parse as if it were not set: never fall back silently.
+            raise ConfigError(
+                f"the Airflow connection {conn_id!r}: {variable} is set but Airflow cannot read it as a "
+                'connection; write it as a JSON object ({"conn_type": ..., "host": ..., ...}) or a URI '
+                "(postgres://user:password@host:5432/database, with special characters percent-encoded)"
+            ) from None
         return None
 
 

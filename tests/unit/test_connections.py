@@ -102,3 +102,15 @@ def test_a_kafka_connection_without_servers_is_refused_naming_it(pipelines, monk
         ConfigError, match=r"the Airflow connection 'kafka2pg_kafka' \(its extra\): `bootstrap.servers`"
     ):
         settings_for(pipelines["orders"])
+
+
+def test_a_connection_variable_airflow_cannot_read_is_refused_not_skipped_for_the_fallback(pipelines, monkeypatch):
+    unreadable = json.dumps({"conn_type": "postgres", "password": "S3cretPW", "schema": "kafka2pg"})[:-1]
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", unreadable)  # its closing brace missing
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://fallback@h/db")
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "fallback:9092")
+    with pytest.raises(ConfigError) as error:
+        settings_for(pipelines["orders"])
+    message = str(error.value)
+    assert "the Airflow connection 'kafka2pg_postgres': AIRFLOW_CONN_KAFKA2PG_POSTGRES is set but Airflow" in message
+    assert "S3cretPW" not in message
