@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -154,8 +155,9 @@ def cmd_produce(args: argparse.Namespace) -> int:
     settings = services(who="produce")
     if ensure_topic(settings.kafka, args.topic, args.partitions, settings.kafka_timeout_s):
         print(f"created topic {args.topic} with {args.partitions} partitions")
-    count = produce_sample(settings.kafka, args.topic, args.count, seed=args.seed)
-    print(f"produced {count} events to {args.topic}")
+    seed = secrets.randbelow(2**31) if args.seed is None else args.seed
+    count = produce_sample(settings.kafka, args.topic, args.count, seed=seed)
+    print(f"produced {count} events to {args.topic} (--seed {seed} produces the same events again)")
     return 0
 
 
@@ -438,7 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topic", default="orders")
     p.add_argument("--count", type=int, default=1000)
     p.add_argument("--partitions", type=int, default=3, help="partitions if the topic is created")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="the same seed gives the same events (and business keys, which the pipeline flags as duplicates "
+        "once promoted); default: a new one each time",
+    )
     p.set_defaults(func=cmd_produce)
 
     p = sub.add_parser("status", help="ledger heads, watermarks and lag per partition")
