@@ -433,6 +433,16 @@ def _key_columns(pipeline: Pipeline, alias: str) -> sql.Composed:
     return sql.SQL(", ").join(sql.Identifier(alias, k) for k in pipeline.business_key)
 
 
+def _key_shown(pipeline: Pipeline) -> sql.Composed:
+    """SQL text naming the flagged staging row's (`s`) business key columns and values, each
+    value shortened to 40 characters as admission's reasons show them: ` (event_id = 'a-1')`."""
+    pairs = [
+        sql.SQL("{} || quote_nullable(left(s.{}::text, 40))").format(sql.Literal(f"{k} = "), sql.Identifier(k))
+        for k in pipeline.business_key
+    ]
+    return sql.SQL("' (' || concat_ws(', ', {}) || ')'").format(sql.SQL(", ").join(pairs))
+
+
 def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
     """Producer retries: keep the first occurrence (by timestamp, partition, offset), flag the rest."""
     ranked = sql.SQL(
@@ -455,8 +465,10 @@ def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: B
         batch,
         "business_key_unique_in_batch",
         ranked,
-        "'duplicate business key within batch ' || %(batch)s || ': kept partition ' || d.kept_partition"
-        " || ' offset ' || d.kept_offset",
+        sql.SQL(
+            "'duplicate business key within batch ' || %(batch)s || ': kept partition ' || d.kept_partition"
+            " || ' offset ' || d.kept_offset || {key}"
+        ).format(key=_key_shown(pipeline)),
         counted,
     )
 
@@ -485,8 +497,10 @@ def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batc
         batch,
         KEY_PROMOTED_CHECK,
         ranked,
-        "'business key already promoted by batch ' || d.kept_batch || ' at partition ' || d.kept_partition"
-        " || ' offset ' || d.kept_offset",
+        sql.SQL(
+            "'business key already promoted by batch ' || d.kept_batch || ' at partition ' || d.kept_partition"
+            " || ' offset ' || d.kept_offset || {key}"
+        ).format(key=_key_shown(pipeline)),
         counted,
         index_probes=_key_indexed(conn, pipeline),
     )
@@ -505,7 +519,7 @@ def _flag_duplicates(
     batch: Batch,
     name: str,
     ranked: sql.Composed,
-    reason: str,
+    reason: sql.Composed,
     counted: sql.Composed | None = None,
     *,
     index_probes: bool = False,
@@ -525,7 +539,7 @@ def _flag_duplicates(
             "UPDATE {staging} s SET quarantine_reason = {reason} FROM ({ranked}) d"
             " WHERE d.n > 1 AND s.batch_id = %(batch)s"
             " AND s.kafka_partition = d.kafka_partition AND s.kafka_offset = d.kafka_offset"
-        ).format(staging=_staging(pipeline), reason=sql.SQL(reason), ranked=ranked),
+        ).format(staging=_staging(pipeline), reason=reason, ranked=ranked),
         {"batch": batch.batch_id},
     )
     log.warning(

@@ -95,13 +95,17 @@ def test_quarantine_policy_keeps_each_event_once_and_the_report_shows_what_was_c
     assert target_ids(db, env) == sorted(e["event_id"] for e in events[:6])
     reasons = quarantine(db, env)
     assert [o for o, _ in reasons] == [6, 7, 8, 9, 10]
-    assert (
-        reasons[0][1].startswith("duplicate business key within batch") and "kept partition 0 offset 1" in reasons[0][1]
+    assert reasons[0][1] == (
+        f"duplicate business key within batch {first.batch_id}: kept partition 0 offset 1"
+        f" (event_id = '{events[1]['event_id']}')"
     )
     assert reasons[1][1] == "field 'event_id': required but null"
     assert reasons[2][1] == "amount = 9999.00 violates the declared range [0.0, 1000.0]"
     assert reasons[3][1] == "currency = XXX violates the declared allowed values ['EUR', 'USD', 'GBP']"
-    assert reasons[4][1].startswith(f"business key already promoted by batch {first.batch_id} at partition 0 offset 2")
+    assert reasons[4][1] == (
+        f"business key already promoted by batch {first.batch_id} at partition 0 offset 2"
+        f" (event_id = '{events[2]['event_id']}')"
+    )
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
 
     summary = quality_summary(env.settings, env.pipeline, first.batch_id)
@@ -681,3 +685,21 @@ def test_a_report_that_cannot_be_written_leaves_the_verdict_standing(
     assert (result.state, result.report) == ("validated", None) and "report: not written" in result.message
     assert report_path(passed_id) == ("validated", None)
     assert promote_batch(passing.settings, passing.pipeline, passed_id).promoted == 3
+
+
+def test_a_duplicate_of_a_compound_business_key_is_flagged_naming_each_column_and_value(make_pipeline, run_batch, db):
+    env = make_pipeline(partitions=1, business_key=["customer_id", "currency"])
+    events = list(sample_events(3, seed=52))
+    events[2] = {**events[2], "customer_id": events[0]["customer_id"], "currency": events[0]["currency"]}
+    produce(env.settings.bootstrap_servers, env.topic, events, key_field=None)
+
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (2, 1)
+    assert quarantine(db, env) == [
+        (
+            2,
+            f"duplicate business key within batch {result.batch_id}: kept partition 0 offset 0"
+            f" (customer_id = '{events[0]['customer_id']}', currency = '{events[0]['currency']}')",
+        )
+    ]
