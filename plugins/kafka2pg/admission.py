@@ -182,7 +182,7 @@ class RecordDecoder:
         doubts: set[int] = set()
         for index, value in enumerate(values):
             # A NUL can hide in a string only as an escape; msgspec leaves strings it skips or keeps raw unchecked.
-            if value and b"\\u0000" not in value:
+            if value and b"\\u0000" not in value and not _may_nest_too_deeply(value):
                 try:
                     if not value.isascii():
                         value.decode("utf-8")
@@ -238,6 +238,7 @@ class RecordDecoder:
         if not value:
             raise Refused("value is empty (0 bytes)")
         _check_utf8(value, "value")
+        _check_depth(value)
         try:
             fields = self._decoder.decode(value)
         except (msgspec.DecodeError, RecursionError) as exc:
@@ -497,6 +498,46 @@ def _check_utf8(data: bytes, what: str) -> None:
         raise Refused(
             f"{what} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at position {exc.start}: {exc.reason})"
         ) from None
+
+
+# How deep a value may nest, its own object counting as one level: fixed, so that no parser
+# (msgspec, Python's json in a Spark task at whatever stack depth, a client reading the jsonb
+# back) decides it by its recursion limit.
+MAX_JSON_DEPTH = 900
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:]', re.DOTALL)
+
+
+def _may_nest_too_deeply(value: bytes) -> bool:
+    """Whether `value` has enough brackets to nest beyond MAX_JSON_DEPTH (inside strings too)."""
+    return len(value) > 2 * MAX_JSON_DEPTH and value.count(b"{") + value.count(b"[") > MAX_JSON_DEPTH
+
+
+def _check_depth(value: bytes) -> None:
+    """Refuse a value nested deeper than MAX_JSON_DEPTH, naming the field whose value is."""
+    if not _may_nest_too_deeply(value):
+        return
+    depth, key, member = 0, None, None
+    for token in _JSON_TOKENS.finditer(value):
+        text = token.group()
+        if text in (b"{", b"["):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                where = "value" if member is None else f"field {_show(member)}"
+                raise Refused(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels (the record counts as one)")
+        elif text in (b"}", b"]"):
+            depth -= 1
+        elif text == b":":
+            if depth == 1 and key is not None:
+                member = key
+        elif depth == 1:
+            key = _json_string(text)
+
+
+def _json_string(token: bytes) -> str:
+    try:
+        return json.loads(token)
+    except ValueError:  # an escape JSON does not have: the value is refused anyway, shown as written
+        return token[1:-1].decode("utf-8", "replace")
 
 
 def _malformed(value: bytes, error: Exception) -> str:

@@ -157,7 +157,7 @@ KINDS = {
         raw("u16", b',"payload":' + DEEP + b"}"),
         None,
         [],
-        ("quarantine", "value is JSON nested too deeply"),
+        ("quarantine", "field 'payload': JSON nested deeper than 900 levels"),
     ),
     "number as string": (
         doc("u17", qty="5"),

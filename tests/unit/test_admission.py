@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kafka2pg.admission import FieldRule, RecordDecoder
+from kafka2pg.admission import MAX_JSON_DEPTH, FieldRule, RecordDecoder
 
 RULES = [
     FieldRule("event_id", "event_id", "text", required=True),
@@ -98,7 +98,8 @@ def _ts(text: str) -> bytes:
         (BASE + b',"day":"2025-02-30"}', "field 'day': '2025-02-30' is not a valid date"),
         (BASE + b',"day":"2025-11-25T10:00Z"}', "field 'day': '2025-11-25T10:00Z' is not an ISO-8601 date"),
         (BASE + b',"payload":{"n":1e999999}}', "field 'payload': number '1e999999' is out of range for jsonb"),
-        (BASE + b',"payload":' + b"[" * 5000 + b"]" * 5000 + b"}", "value is JSON nested too deeply to store"),
+        (BASE + b',"payload":' + b"[" * 5000 + b"]" * 5000 + b"}", "field 'payload': JSON nested deeper than 900"),
+        (b"[" * 5000 + b"]" * 5000, "value: JSON nested deeper than 900 levels (the record counts as one)"),
         (b'{"customer_id":1}', "field 'event_id': required but missing"),
         (b'{"event_id":null,"customer_id":1}', "field 'event_id': required but null"),
         (b'{"event_id":"e","customer_id":1,"note":"x\x01y"}', "value is not valid JSON (Invalid control character"),
@@ -350,3 +351,19 @@ def test_the_key_size_of_a_list_counts_a_null_key_column_and_a_key_of_fixed_widt
         == wide.decode_strictly(value)
         == (None, "business key is 2720 bytes, over the 2704-byte index limit")
     )
+
+
+def _nested(levels: int, field: bytes = b"payload") -> bytes:
+    """A record whose `field` holds objects nested so that the whole value is `levels` deep."""
+    inner = b'{"a":' * (levels - 1) + b"1" + b"}" * (levels - 1)
+    return BASE + b',"' + field + b'":' + inner + b"}"
+
+
+def test_nesting_is_refused_beyond_a_fixed_depth_naming_the_field_on_both_paths():
+    assert MAX_JSON_DEPTH == 900
+    assert str(field("payload", _nested(900))).count("{") == 899
+    assert reason(_nested(901)) == "field 'payload': JSON nested deeper than 900 levels (the record counts as one)"
+    escaped = _nested(901, b"pay\\u006coad")  # the field's name as JSON may spell it
+    assert reason(escaped).startswith("field 'payload': JSON nested deeper")
+    brackets = BASE + b',"note":"' + b"{[" * 2000 + b'"}'  # brackets inside a string nest nothing
+    assert field("note", brackets) == "{[" * 2000
