@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 import yaml
 
 from kafka2pg import locations
-from kafka2pg.exceptions import ConfigError, UnknownPipelineError
+from kafka2pg.exceptions import ConfigError, UnknownPipelineError, did_you_mean
 from kafka2pg.kafka_config import KafkaConfig
 
 # The Airflow Connections a pipeline's services come from, unless it names its own.
@@ -454,7 +454,10 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         raise ConfigError(f"{where}: expected a mapping")
     unknown = sorted(set(raw) - _PIPELINE_KEYS)
     if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        raise ConfigError(
+            f"{where}: unknown field(s) {', '.join(unknown)}{did_you_mean(unknown, _PIPELINE_KEYS)}. "
+            f"A pipeline's fields: {', '.join(sorted(_PIPELINE_KEYS))}"
+        )
     name = _identifier(raw, "name", where, MAX_PIPELINE_NAME)
     where = f"{where} ({name})"
     topic = _topic(raw.get("topic"), where)
@@ -615,7 +618,10 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
             raise ConfigError(f"{here}: expected a mapping with name and type")
         unknown = sorted(set(raw) - _COLUMN_KEYS)
         if unknown:
-            raise ConfigError(f"{here}: unknown field(s) {', '.join(unknown)}")
+            raise ConfigError(
+                f"{here}: unknown field(s) {', '.join(unknown)}{did_you_mean(unknown, _COLUMN_KEYS)}. "
+                f"A column's fields: {', '.join(sorted(_COLUMN_KEYS))}"
+            )
         name = _identifier(raw, "name", here)
         if name in _RESERVED_COLUMNS:
             raise ConfigError(f"{here}.name: {name!r} is reserved for provenance/bookkeeping")

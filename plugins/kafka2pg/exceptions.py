@@ -70,6 +70,14 @@ class UnknownPipelineError(ConfigError):
     """A pipeline name that is not in the pipelines file."""
 
 
+def did_you_mean(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """` (did you mean 'max_records_per_batch' for 'max_records_per_btach'?)`: the known name
+    closest to each unknown one that has a close one, or "" when none has."""
+    known = sorted(known)
+    hints = [f"{close[0]!r} for {key!r}" for key in unknown if (close := difflib.get_close_matches(key, known, n=1))]
+    return f" (did you mean {'; '.join(hints)}?)" if hints else ""
+
+
 class UnknownRunConfError(ConfigError):
     """A DAG run's conf names keys its DAG has no Param for (a typo would otherwise run with defaults)."""
 
@@ -81,14 +89,9 @@ class UnknownRunConfError(ConfigError):
     def keys(cls, dag_id: str, unknown: Iterable[str], known: Iterable[str]) -> Self:
         """`unknown`: the conf's keys the DAG does not declare; `known`: the Params it declares."""
         unknown, known = tuple(sorted(unknown)), tuple(sorted(known))
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, known, n=1)
-            if close:
-                hints.append(f"{key!r} -> {close[0]!r}?")
         return cls(
             f"DAG {dag_id!r}: the run's conf has unknown key(s) {', '.join(map(repr, unknown))}"
-            + (f" (did you mean {'; '.join(hints)})" if hints else "")
+            + did_you_mean(unknown, known)
             + f". Known keys: {', '.join(known) or 'none'}. Nothing was planned: trigger the run again "
             "with the keys spelled as the DAG's Params are.",
             dag_id=dag_id,

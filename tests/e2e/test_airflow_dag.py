@@ -133,7 +133,7 @@ def test_a_run_triggered_with_an_unknown_conf_key_fails_at_plan_naming_it(airflo
     assert code != 0
     plan_log = "\n".join(task_log(output, "plan"))
     assert "UnknownRunConfError" in plan_log and "unknown key(s) 'max_records_per_btach'" in plan_log, plan_log
-    assert "did you mean 'max_records_per_btach' -> 'max_records_per_batch'?" in plan_log
+    assert "did you mean 'max_records_per_batch' for 'max_records_per_btach'?" in plan_log
     assert "Known keys: batches_per_run, dry_run, max_records_per_batch" in plan_log
     assert "Spark-Submit cmd" not in output
     planned = db.execute("SELECT count(*) FROM kafka2pg.batches WHERE pipeline = %s", (env.pipeline.name,)).fetchone()

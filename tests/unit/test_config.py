@@ -60,7 +60,14 @@ def test_good_file_parses_with_defaults(tmp_path):
         ({"business_key": ["nope"]}, r"business_key: 'nope' is not one of the columns"),
         ({"business_key": ["event_id", "event_id"]}, r"business_key: 'event_id' is listed twice"),
         ({"target_table": "Bad-Name"}, r"target_table: expected 'table' or 'schema.table'"),
-        ({"colums": []}, r"unknown field\(s\) colums"),
+        (
+            {"colums": []},
+            r"unknown field\(s\) colums \(did you mean 'columns' for 'colums'\?\)\. A pipeline's fields: ",
+        ),
+        (
+            {"columns": [{"name": "x", "type": "text", "requird": True}]},
+            r"\[0\]: unknown field\(s\) requird \(did you mean 'required'",
+        ),
         ({"name": "Orders!"}, r"pipelines\[0\]\.name: expected a lower-case identifier"),
         ({"columns": [{"name": "kafka_offset", "type": "bigint"}]}, r"'kafka_offset' is reserved"),
         # A `$` anchor lets a trailing newline through (into `public."orders\n"`): names must match whole.

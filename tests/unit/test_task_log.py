@@ -74,12 +74,12 @@ def test_a_table_too_wide_wraps_its_last_column_a_narrow_one_stays_as_it_was():
         (
             {"max_records_per_btach": 5},
             ("max_records_per_btach",),
-            "'max_records_per_btach' -> 'max_records_per_batch'?",
+            "(did you mean 'max_records_per_batch' for 'max_records_per_btach'?)",
         ),
         (
             {"dry_run": True, "zzz": 1, "batch_per_run": 2},
             ("batch_per_run", "zzz"),
-            "'batch_per_run' -> 'batches_per_run'?",
+            "(did you mean 'batches_per_run' for 'batch_per_run'?)",
         ),
     ],
 )
