@@ -530,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:  # Airflow, imported to look connections up, tells where its config is at INFO
+        logging.getLogger("airflow").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except Kafka2PgError as exc:

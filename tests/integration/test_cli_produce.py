@@ -1,7 +1,10 @@
 """`kafka2pg produce` makes new sample events each time unless a seed repeats a run's."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 import uuid
 
 from confluent_kafka import Consumer
@@ -38,3 +41,22 @@ def test_produce_makes_new_events_each_time_and_the_same_ones_for_a_seed(base_se
     first, second, seeded, again = (ids[i : i + 5] for i in range(0, 20, 5))
     assert len(set(first + second)) == 10  # two runs without a seed: ten different events
     assert seeded == again and not set(seeded) & set(first + second)
+
+
+def test_a_command_prints_no_airflow_info_lines_unless_verbose(base_settings):
+    env = {
+        **os.environ,
+        "KAFKA2PG_BOOTSTRAP_SERVERS": base_settings.bootstrap_servers,
+        "KAFKA2PG_DATABASE_URL": base_settings.database_url,
+    }
+    topic = f"quiet-{uuid.uuid4().hex[:8]}"
+    for verbose in ([], ["-v"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "kafka2pg", *verbose, "produce", "--topic", topic, "--count", "1"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        assert ("INFO airflow." in done.stderr) is bool(verbose), done.stderr
