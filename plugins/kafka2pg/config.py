@@ -326,7 +326,8 @@ class Settings:
 
 
 def kafka_from_env(env: dict[str, str]) -> KafkaConfig | None:
-    """KAFKA2PG_KAFKA_CONFIG (JSON client properties) or KAFKA2PG_BOOTSTRAP_SERVERS; None if neither."""
+    """KAFKA2PG_KAFKA_CONFIG (JSON client properties; `bootstrap.servers` from
+    KAFKA2PG_BOOTSTRAP_SERVERS when it has none) or KAFKA2PG_BOOTSTRAP_SERVERS; None if neither."""
     if env.get("KAFKA2PG_KAFKA_CONFIG"):
         try:
             properties = json.loads(env["KAFKA2PG_KAFKA_CONFIG"])
@@ -334,6 +335,9 @@ def kafka_from_env(env: dict[str, str]) -> KafkaConfig | None:
             raise ConfigError(
                 f"KAFKA2PG_KAFKA_CONFIG is not a JSON object of Kafka client properties ({exc.msg})"
             ) from None
+        servers = env.get("KAFKA2PG_BOOTSTRAP_SERVERS")
+        if isinstance(properties, dict) and "bootstrap.servers" not in properties and servers:
+            properties = {"bootstrap.servers": servers, **properties}
         return KafkaConfig.of(properties, "KAFKA2PG_KAFKA_CONFIG")
     if env.get("KAFKA2PG_BOOTSTRAP_SERVERS"):
         return KafkaConfig.plain(env["KAFKA2PG_BOOTSTRAP_SERVERS"])

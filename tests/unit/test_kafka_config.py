@@ -1,5 +1,7 @@
 """One Kafka client dict -> confluent-kafka's config and Spark's Kafka source options, property by property."""
 
+import json
+
 import pytest
 
 from kafka2pg.config import Settings
@@ -138,6 +140,18 @@ def test_settings_round_trip_through_the_environment_the_stage_job_gets():
         settings.database_url,
         settings.pipelines_file,
     )
+
+
+def test_the_environments_client_properties_take_their_servers_from_bootstrap_servers_when_they_have_none():
+    from kafka2pg.config import kafka_from_env
+
+    properties = {"security.protocol": "SSL", "ssl.ca.location": "/ca.pem"}
+    env = {"KAFKA2PG_KAFKA_CONFIG": json.dumps(properties), "KAFKA2PG_BOOTSTRAP_SERVERS": "b:1"}
+    assert kafka_from_env(env).as_dict == {"bootstrap.servers": "b:1", **properties}
+    own = {**env, "KAFKA2PG_KAFKA_CONFIG": json.dumps({**properties, "bootstrap.servers": "own:2"})}
+    assert kafka_from_env(own).servers == "own:2"
+    with pytest.raises(ConfigError, match="KAFKA2PG_KAFKA_CONFIG: `bootstrap.servers` is missing"):
+        kafka_from_env({"KAFKA2PG_KAFKA_CONFIG": json.dumps(properties)})
 
 
 @pytest.mark.parametrize(
