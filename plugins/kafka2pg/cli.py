@@ -219,24 +219,34 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     if args.json:
         return _status_json(_selected_pipelines(args))
+    failed = False
     for settings, pipeline in _selected_pipelines(args):
-        print(ledger_report(settings, pipeline))
-    return 0
+        try:
+            print(ledger_report(settings, pipeline))
+        except Kafka2PgError as exc:  # one pipeline's trouble hides none of the others
+            print(f"pipeline {pipeline.name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            failed = True
+    return 2 if failed else 0
 
 
 def _status_json(selected: list[tuple[Settings, Pipeline]]) -> int:
-    """`status --json`: what the Airflow overview page shows, one object per pipeline."""
+    """`status --json`: what the Airflow overview page shows, one object per pipeline (for one
+    whose status cannot be read: its name and the error; the exit code is then 2)."""
     import json
 
     from kafka2pg.database import connect
     from kafka2pg.status import pipeline_status
 
-    statuses = []
+    statuses, failed = [], False
     for settings, pipeline in selected:
-        with connect(settings.database_url, autocommit=True) as conn:
-            statuses.append(pipeline_status(settings, pipeline, conn).to_json())
+        try:
+            with connect(settings.database_url, autocommit=True) as conn:
+                statuses.append(pipeline_status(settings, pipeline, conn).to_json())
+        except Kafka2PgError as exc:
+            statuses.append({"pipeline": pipeline.name, "error": f"{type(exc).__name__}: {exc}"})
+            failed = True
     print(json.dumps(statuses, indent=2))
-    return 0
+    return 2 if failed else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""`kafka2pg produce` makes new sample events each time unless a seed repeats a run's."""
+"""The CLI as a user meets it: `produce` makes new sample events each time unless a seed repeats
+a run's; no Airflow chatter; `status` shows every pipeline it can when one is broken."""
 
 import json
 import os
@@ -7,6 +8,7 @@ import subprocess
 import sys
 import uuid
 
+import yaml
 from confluent_kafka import Consumer
 
 from kafka2pg import cli
@@ -60,3 +62,32 @@ def test_a_command_prints_no_airflow_info_lines_unless_verbose(base_settings):
         )
         assert done.returncode == 0, done.stderr
         assert ("INFO airflow." in done.stderr) is bool(verbose), done.stderr
+
+
+def test_status_shows_every_pipeline_it_can_when_one_is_broken_and_exits_2(make_pipeline, monkeypatch, capsys):
+    env = make_pipeline(partitions=1)
+    spec = yaml.safe_load(env.settings.pipelines_file.read_text())
+    suffix = uuid.uuid4().hex[:8]
+    broken = {
+        **spec["pipelines"][0],
+        "name": f"{env.pipeline.name}_b",
+        "topic": f"absent-{suffix}",
+        "target_table": f"public.absent_{suffix}",
+    }
+    spec["pipelines"].append(broken)
+    env.settings.pipelines_file.write_text(yaml.safe_dump(spec))
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    capsys.readouterr()
+
+    assert cli.main(["status", "--json"]) == 2
+    shown = capsys.readouterr()
+    good, bad = json.loads(shown.out)
+    assert good["pipeline"] == env.pipeline.name and "partitions" in good
+    assert bad["pipeline"] == broken["name"] and bad["error"].startswith("TopicNotFoundError: topic 'absent-")
+
+    assert cli.main(["status"]) == 2
+    shown = capsys.readouterr()
+    assert f"pipeline {env.pipeline.name}: topic {env.topic}" in shown.out
+    assert f"pipeline {broken['name']}: error: TopicNotFoundError" in shown.err
