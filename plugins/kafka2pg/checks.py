@@ -17,7 +17,7 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import WitnessMismatchError
 from kafka2pg.kafka_offsets import topic_retention
-from kafka2pg.kafka_reader import count_range
+from kafka2pg.kafka_reader import count_range, raw_records
 from kafka2pg.ledger import reset_floors
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import has_index, table_indexes
@@ -546,6 +546,70 @@ def _flag_duplicates(
         "pipeline=%s batch_id=%s %s: %s duplicates flagged to quarantine", pipeline.name, batch.batch_id, name, count
     )
     return Check(name, True, count, f"{count} duplicate(s) flagged to quarantine", flagged=count)
+
+
+def keep_raw_bytes(settings: Settings, pipeline: Pipeline, batch_id: int) -> int:
+    """Give the batch's staging rows the quality gate flagged to quarantine (they kept only their
+    typed values) their raw key, value and headers, read again from Kafka by offset; returns the
+    rows filled. Best effort, after the gate's transaction: with Kafka or PostgreSQL unreachable
+    or the records gone, the rows keep their typed values (`record`) and provenance, and
+    promotion goes on."""
+    try:
+        return _keep_raw_bytes(settings, pipeline, batch_id)
+    except Exception as exc:  # noqa: BLE001 - best effort: the gate's verdict is committed already
+        log.warning(
+            "pipeline=%s batch_id=%s the raw bytes of the rows flagged to quarantine were not kept (%s: %s); "
+            "they keep their typed values and provenance",
+            pipeline.name,
+            batch_id,
+            type(exc).__name__,
+            exc,
+        )
+        return 0
+
+
+def _keep_raw_bytes(settings: Settings, pipeline: Pipeline, batch_id: int) -> int:
+    from kafka2pg.chunk_writer import headers_literal
+
+    staging = _staging(pipeline)
+    with transaction(settings.database_url) as conn:
+        flagged = conn.execute(
+            sql.SQL(
+                "SELECT kafka_partition, kafka_offset FROM {} WHERE batch_id = %s AND quarantine_reason IS NOT NULL"
+                " AND raw_key IS NULL AND raw_value IS NULL AND raw_headers IS NULL"
+            ).format(staging),
+            (batch_id,),
+        ).fetchall()
+    by_partition: dict[int, list[int]] = {}
+    for partition, offset in flagged:
+        by_partition.setdefault(partition, []).append(offset)
+    found = {
+        (partition, offset): record
+        for partition, offsets in by_partition.items()
+        for offset, record in raw_records(
+            settings.kafka, pipeline.topic, partition, offsets, settings.kafka_timeout_s
+        ).items()
+    }
+    if not found:
+        return 0
+    (partitions, offsets), records = zip(*found, strict=True), list(found.values())
+    with transaction(settings.database_url) as conn:
+        return conn.execute(
+            sql.SQL(
+                "UPDATE {} s SET raw_key = r.k, raw_value = r.v, raw_headers = r.h::bytea[]"
+                " FROM unnest(%s::int[], %s::bigint[], %s::bytea[], %s::bytea[], %s::text[]) r(p, o, k, v, h)"
+                " WHERE s.batch_id = %s AND s.kafka_partition = r.p AND s.kafka_offset = r.o"
+                " AND s.quarantine_reason IS NOT NULL"
+            ).format(staging),
+            (
+                list(partitions),
+                list(offsets),
+                [r.key for r in records],
+                [r.value for r in records],
+                [headers_literal(r.headers) for r in records],
+                batch_id,
+            ),
+        ).rowcount
 
 
 def recheck_after_collision(conn: Connection, pipeline: Pipeline, batch: Batch) -> list[Check]:

@@ -290,20 +290,40 @@ def record_timestamp(
     return None if first is None else first[1]
 
 
-def record_headers(
+Headers = list[tuple[bytes, bytes | None]]
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    key: bytes | None
+    value: bytes | None
+    headers: Headers  # (key as UTF-8 bytes, value), in order
+
+
+def raw_records(
     kafka: KafkaLike, topic: str, partition: int, offsets: list[int], timeout_s: float
-) -> dict[int, list[tuple[bytes, bytes | None]]]:
-    """The headers (key as UTF-8 bytes, value) of the committed records at `offsets`, by offset;
-    records without headers, or gone since, are left out."""
+) -> dict[int, RawRecord]:
+    """The committed records at `offsets` of one partition as Kafka holds them, by offset;
+    records gone since are left out."""
     wanted = set(offsets)
-    found: dict[int, list[tuple[bytes, bytes | None]]] = {}
+    found: dict[int, RawRecord] = {}
     if not wanted:
         return found
     with RangeReader(kafka, topic, timeout_s) as reader:
         for chunk in reader.messages([OffsetRange(partition, min(wanted), max(wanted) + 1)], short="stop"):
             for message in chunk:
-                if message.offset() in wanted and message.headers():
-                    found[message.offset()] = [
-                        (key.encode("utf-8", "surrogateescape"), value) for key, value in message.headers()
+                if message.offset() in wanted:
+                    headers = [
+                        (key.encode("utf-8", "surrogateescape"), value) for key, value in message.headers() or ()
                     ]
+                    found[message.offset()] = RawRecord(message.key(), message.value(), headers)
     return found
+
+
+def record_headers(
+    kafka: KafkaLike, topic: str, partition: int, offsets: list[int], timeout_s: float
+) -> dict[int, Headers]:
+    """The headers of the committed records at `offsets`, by offset; records without headers, or
+    gone since, are left out."""
+    found = raw_records(kafka, topic, partition, offsets, timeout_s)
+    return {offset: record.headers for offset, record in found.items() if record.headers}

@@ -28,6 +28,7 @@ from kafka2pg.checks import (
     Check,
     ProbeAwaitsPrevious,
     gap_witnesses,
+    keep_raw_bytes,
     quarantined_rows,
     recheck_after_collision,
     run_checks,
@@ -117,6 +118,8 @@ def validate_batch(
             transition(conn, batch, verdict, rows_quarantined=quarantined, report_path=None, **error)
     if lost:
         raise_staging_lost(pipeline, batch_id)
+    if any(c.flagged for c in checks):
+        keep_raw_bytes(settings, pipeline, batch_id)
     report = _write_report(settings, pipeline, payload)  # a file: after the batch's lock is released
     if summary:
         raise QualityGateFailed.rejected(pipeline.name, batch_id, failed, report, pipeline.staging_table)

@@ -703,3 +703,64 @@ def test_a_duplicate_of_a_compound_business_key_is_flagged_naming_each_column_an
             f" (customer_id = '{events[0]['customer_id']}', currency = '{events[0]['currency']}')",
         )
     ]
+
+
+def test_rows_the_gate_flags_keep_their_raw_key_value_and_headers_read_again_from_kafka(
+    make_pipeline, run_batch, db, sample_columns
+):
+    env = make_pipeline(partitions=1, columns=with_rules(sample_columns, "quarantine"))
+    events = list(sample_events(3, seed=53))
+    events[2] = {**events[2], "currency": "XXX"}  # violates the declared allowed values
+    values = [json.dumps(e).encode() for e in events]
+    values[0] = values[0].replace(b'"customer_id": ', b'"payload": {"n": 1e30}, "customer_id": ', 1)
+    sent = [  # (key, value, headers): a producer retry writes the first event again, key and headers too
+        (b"k\xfe0", values[0], [("trace", b"\xfe\x00"), ("empty", b"")]),
+        (b"k1", values[1], None),
+        (b"k\xfe0", values[0], [("trace", b"\xfe\x00"), ("empty", b"")]),
+        (None, values[2], [("h", b"v")]),
+    ]
+    producer = Producer(client_config(env.settings.bootstrap_servers, 10))
+    for key, value, headers in sent:
+        producer.produce(env.topic, key=key, value=value, headers=headers, partition=0)
+    assert producer.flush(30) == 0
+
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (2, 2)
+    rows = db.execute(
+        "SELECT kafka_offset, reason, raw_key, raw_value, raw_headers FROM kafka2pg.quarantine"
+        " WHERE pipeline = %s ORDER BY kafka_offset",
+        (env.pipeline.name,),
+    ).fetchall()
+    assert [(offset, reason.split(" ")[0]) for offset, reason, *_ in rows] == [(2, "duplicate"), (3, "currency")]
+    for (offset, _, key, value, headers), (sent_key, sent_value, sent_headers) in zip(
+        rows, (sent[2], sent[3]), strict=True
+    ):
+        assert (key and bytes(key), bytes(value)) == (sent_key, sent_value), offset
+        assert [[bytes(k), bytes(v)] for k, v in headers] == [[k.encode(), v] for k, v in sent_headers], offset
+    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+
+
+def test_with_kafka_gone_after_the_gate_its_flagged_rows_keep_their_typed_values_and_the_batch_promotes(
+    make_pipeline, run_batch, db, monkeypatch, caplog
+):
+    from kafka2pg import checks
+    from kafka2pg.exceptions import KafkaUnavailableError
+
+    def unreachable(*args, **kwargs):
+        raise KafkaUnavailableError("Kafka at test did not answer")
+
+    monkeypatch.setattr(checks, "raw_records", unreachable)
+    env = make_pipeline(partitions=1)
+    events = list(sample_events(2, seed=54))
+    produce(env.settings.bootstrap_servers, env.topic, [*events, events[0]], key_field=None)
+
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (2, 1)
+    ((reason, raw_value, record),) = db.execute(
+        "SELECT reason, raw_value, record FROM kafka2pg.quarantine WHERE pipeline = %s", (env.pipeline.name,)
+    ).fetchall()
+    assert reason.startswith("duplicate business key") and raw_value is None
+    assert record["event_id"] == events[0]["event_id"]
+    assert "the raw bytes of the rows flagged to quarantine were not kept (KafkaUnavailableError" in caplog.text
