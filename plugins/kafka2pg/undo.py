@@ -106,7 +106,12 @@ def undo_batch(
         described = describe_ranges(ranges)
         message = (
             f"{where}: delete {rows[0]} target and {rows[1]} quarantine rows of {described}, rewind heads to "
-            + ", ".join(f"p{p.partition}@{p.expected_head if p.expected_head is not None else 'unread'}" for p in parts)
+            + ", ".join(
+                f"p{p.partition}@{p.expected_head}"
+                if p.expected_head is not None
+                else f"p{p.partition}: no head (the next plan starts it as a new partition, per new_partition_start)"
+                for p in parts
+            )
         )
         if open_id is not None:
             message += f"; unfinished batch {open_id} is abandoned"

@@ -398,3 +398,18 @@ def test_a_key_a_replay_promoted_after_a_live_batch_was_validated_sends_the_batc
     result = run_batch(relaxed)  # resumes the batch: validated again, the duplicate flagged
     assert result.batch_id == live.batch_id and (result.promoted, result.quarantined) == (0, 1)
     assert_clean(relaxed)
+
+
+def test_undoing_a_partitions_first_batch_says_the_partition_is_left_without_a_head(make_pipeline, run_batch, heads):
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(5, seed=91))
+    first = run_batch(env)
+
+    preview = undo_batch(env.settings, env.pipeline, first.batch_id, confirm=False)
+
+    assert not preview.applied
+    assert preview.message.endswith(
+        "rewind heads to p0: no head (the next plan starts it as a new partition, per new_partition_start)"
+    ), preview.message
+    assert undo_batch(env.settings, env.pipeline, first.batch_id, confirm=True).applied
+    assert heads(env) == {}
