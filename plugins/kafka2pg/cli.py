@@ -40,9 +40,14 @@ def _selected_pipelines(args: argparse.Namespace) -> list[tuple[Settings, Pipeli
     """The pipeline named by --pipeline, or every pipeline of the file, each with its services."""
     from kafka2pg.connections import settings_for
 
+    return [(settings_for(p), p) for p in _selected(args)]
+
+
+def _selected(args: argparse.Namespace) -> list[Pipeline]:
+    """The pipeline named by --pipeline, or every pipeline of the file."""
     if args.pipeline:
-        return [_pipeline(args)]
-    return [(settings_for(p), p) for p in load_pipelines(pipelines_file_from_env()).values()]
+        return [get_pipeline(args.pipeline, pipelines_file_from_env())]
+    return list(load_pipelines(pipelines_file_from_env()).values())
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
@@ -215,32 +220,35 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from kafka2pg.connections import settings_for
     from kafka2pg.report import ledger_report
 
     if args.json:
-        return _status_json(_selected_pipelines(args))
+        return _status_json(_selected(args))
     failed = False
-    for settings, pipeline in _selected_pipelines(args):
+    for pipeline in _selected(args):
         try:
-            print(ledger_report(settings, pipeline))
-        except Kafka2PgError as exc:  # one pipeline's trouble hides none of the others
+            print(ledger_report(settings_for(pipeline), pipeline))
+        except Kafka2PgError as exc:  # one pipeline's trouble (its connections too) hides none of the others
             print(f"pipeline {pipeline.name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
             failed = True
     return 2 if failed else 0
 
 
-def _status_json(selected: list[tuple[Settings, Pipeline]]) -> int:
+def _status_json(selected: list[Pipeline]) -> int:
     """`status --json`: what the Airflow overview page shows, one object per pipeline (for one
     whose status cannot be read: its name and the error; the exit code is then 2)."""
     import json
 
-    from kafka2pg.database import connect
+    from kafka2pg.connections import settings_for
+    from kafka2pg.database import session
     from kafka2pg.status import pipeline_status
 
     statuses, failed = [], False
-    for settings, pipeline in selected:
+    for pipeline in selected:
         try:
-            with connect(settings.database_url, autocommit=True) as conn:
+            settings = settings_for(pipeline)
+            with session(settings.database_url) as conn:
                 statuses.append(pipeline_status(settings, pipeline, conn).to_json())
         except Kafka2PgError as exc:
             statuses.append({"pipeline": pipeline.name, "error": f"{type(exc).__name__}: {exc}"})

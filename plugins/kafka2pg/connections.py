@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from contextlib import nullcontext, redirect_stdout
 from typing import Any
 
 from psycopg.conninfo import make_conninfo
@@ -139,13 +141,16 @@ def _airflow_connection(conn_id: str) -> Any | None:
     if _in_task():
         from airflow.sdk import BaseHook
 
-        lookup = BaseHook.get_connection
+        lookup, output = BaseHook.get_connection, nullcontext()
     else:
         from airflow.models.connection import Connection
 
-        lookup = Connection.get_connection_from_secrets
+        # Airflow's log lines (e.g. about masking a short secret) go to stdout, where a CLI command's
+        # own output goes (`status --json`): they go to stderr instead.
+        lookup, output = Connection.get_connection_from_secrets, redirect_stdout(sys.stderr)
     try:
-        return lookup(conn_id)
+        with output:
+            return lookup(conn_id)
     except AirflowNotFoundException:
         variable = f"AIRFLOW_CONN_{conn_id.upper()}"
         if os.environ.get(variable, "").strip():

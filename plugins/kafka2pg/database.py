@@ -104,15 +104,7 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
     except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as exc:
         raise _not_migrated(url, exc) from exc
     except psycopg.errors.InsufficientPrivilege as exc:
-        role = conn.info.user
-        raise SchemaNotReadyError(
-            f"PostgreSQL at {describe(url)} refused role {role!r} ({str(exc).strip()}); its transaction was "
-            f"rolled back. As the role owning kafka2pg's tables, run `./kafka2pg grant --role {role}` with the "
-            "pipelines file (again after adding a pipeline or applying a migration), then retry.",
-            missing=(f"privilege: {exc.diag.message_primary}",),
-            database=describe(url),
-            role=role,
-        ) from exc
+        raise _role_refused(url, conn, exc, "its transaction was rolled back") from exc
     except psycopg.OperationalError as exc:
         if not conn.broken:
             raise
@@ -124,6 +116,33 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
         ) from exc
     finally:
         conn.close()
+
+
+@contextmanager
+def session(url: str) -> Iterator[psycopg.Connection]:
+    """One autocommit connection, for reads that ask Kafka in between (no transaction held open);
+    a missing table or privilege is a `SchemaNotReadyError`, as in `transaction`."""
+    conn = connect(url, autocommit=True)
+    try:
+        yield conn
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as exc:
+        raise _not_migrated(url, exc) from exc
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise _role_refused(url, conn, exc, "nothing was changed") from exc
+    finally:
+        conn.close()
+
+
+def _role_refused(url: str, conn: psycopg.Connection, exc: psycopg.Error, outcome: str) -> SchemaNotReadyError:
+    role = conn.info.user
+    return SchemaNotReadyError(
+        f"PostgreSQL at {describe(url)} refused role {role!r} ({str(exc).strip()}); {outcome}. As the role "
+        f"owning kafka2pg's tables, run `./kafka2pg grant --role {role}` with the pipelines file (again after "
+        "adding a pipeline or applying a migration), then retry.",
+        missing=(f"privilege: {exc.diag.message_primary}",),
+        database=describe(url),
+        role=role,
+    )
 
 
 def _not_migrated(url: str, exc: psycopg.Error) -> SchemaNotReadyError:

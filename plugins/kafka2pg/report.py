@@ -8,13 +8,13 @@ from __future__ import annotations
 from psycopg import sql
 
 from kafka2pg.config import Pipeline, Settings
-from kafka2pg.database import connect
+from kafka2pg.database import session
 from kafka2pg.status import pipeline_status
 from kafka2pg.task_log import fit, table
 
 
 def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
-    with connect(settings.database_url, autocommit=True) as conn:  # Kafka is asked in between: no transaction
+    with session(settings.database_url) as conn:  # Kafka is asked in between: no transaction
         status = pipeline_status(settings, pipeline, conn)
         landed = conn.execute(
             sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(pipeline.target_schema, pipeline.target_table))
@@ -45,7 +45,7 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
 
 
 def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:
-    with connect(settings.database_url) as conn:
+    with session(settings.database_url) as conn:
         batch = conn.execute(
             "SELECT state, records_planned, records_read, rows_promoted, rows_quarantined, report_path"
             " FROM kafka2pg.batches WHERE batch_id = %s",
@@ -85,7 +85,7 @@ def quality_summary(settings: Settings, pipeline: Pipeline, batch_id: int | None
     The report is the result stored with the batch (kafka2pg.quality_results); the file export is
     named when the validate task wrote one.
     """
-    with connect(settings.database_url) as conn:
+    with session(settings.database_url) as conn:
         row = conn.execute(
             "SELECT b.batch_id, b.state, b.report_path FROM kafka2pg.batches b"
             " WHERE b.pipeline = %s AND (%s::bigint IS NULL OR b.batch_id = %s)"

@@ -74,7 +74,18 @@ def test_status_shows_every_pipeline_it_can_when_one_is_broken_and_exits_2(make_
         "topic": f"absent-{suffix}",
         "target_table": f"public.absent_{suffix}",
     }
-    spec["pipelines"].append(broken)
+    unconfigured = {  # its Kafka connection logs in with SASL/SCRAM and no password
+        **spec["pipelines"][0],
+        "name": f"{env.pipeline.name}_c",
+        "target_table": f"public.unconfigured_{suffix}",
+        "kafka_config_id": f"kafka_{suffix}",
+    }
+    login = {"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "u"}
+    monkeypatch.setenv(
+        f"AIRFLOW_CONN_KAFKA_{suffix.upper()}",
+        json.dumps({"conn_type": "kafka", "extra": {"bootstrap.servers": "127.0.0.1:1", **login}}),
+    )
+    spec["pipelines"] += [broken, unconfigured]
     env.settings.pipelines_file.write_text(yaml.safe_dump(spec))
     monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
     monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
@@ -83,11 +94,45 @@ def test_status_shows_every_pipeline_it_can_when_one_is_broken_and_exits_2(make_
 
     assert cli.main(["status", "--json"]) == 2
     shown = capsys.readouterr()
-    good, bad = json.loads(shown.out)
+    good, bad, wrong = json.loads(shown.out)
     assert good["pipeline"] == env.pipeline.name and "partitions" in good
     assert bad["pipeline"] == broken["name"] and bad["error"].startswith("TopicNotFoundError: topic 'absent-")
+    assert wrong["pipeline"] == unconfigured["name"]
+    assert wrong["error"].startswith(f"ConfigError: the Airflow connection 'kafka_{suffix}' (its extra): ")
+    assert "needs sasl.password" in wrong["error"]
 
     assert cli.main(["status"]) == 2
     shown = capsys.readouterr()
     assert f"pipeline {env.pipeline.name}: topic {env.topic}" in shown.out
     assert f"pipeline {broken['name']}: error: TopicNotFoundError" in shown.err
+
+
+def test_status_as_a_role_without_privileges_says_to_grant_them_instead_of_a_traceback(
+    make_pipeline, db, monkeypatch, capsys
+):
+    from urllib.parse import quote, urlsplit
+
+    from psycopg import sql
+
+    env = make_pipeline(partitions=1)
+    role, password = f"k2p_nogrant_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    db.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role), sql.Literal(password)))
+    try:
+        base = urlsplit(env.settings.database_url)
+        url = base._replace(netloc=f"{role}:{quote(password)}@{base.hostname}:{base.port}").geturl()
+        monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+        monkeypatch.setenv("KAFKA2PG_DATABASE_URL", url)
+        monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+        capsys.readouterr()
+
+        assert cli.main(["status", "--json"]) == 2
+        (entry,) = json.loads(capsys.readouterr().out)
+        assert (
+            entry["error"].startswith("SchemaNotReadyError: PostgreSQL at ")
+            and f"refused role '{role}'" in entry["error"]
+        )
+        assert f"./kafka2pg grant --role {role}" in entry["error"] and password not in entry["error"]
+        assert cli.main(["status"]) == 2
+        assert f"pipeline {env.pipeline.name}: error: SchemaNotReadyError" in capsys.readouterr().err
+    finally:
+        db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
