@@ -144,5 +144,7 @@ def test_a_run_triggered_with_an_unknown_conf_key_fails_at_plan_naming_it(airflo
     code, output, _ = dags_test(env.pipeline.replay_dag_id, airflow_env(env), tmp_path / "replay.log", conf=conf)
     assert code != 0
     plan_log = "\n".join(task_log(output, "plan"))
-    assert "unknown key(s) 'offset_range'" in plan_log and "'offset_range' -> 'offset_ranges'?" in plan_log, plan_log
+    assert (
+        "unknown key(s) 'offset_range'" in plan_log and "did you mean 'offset_ranges' for 'offset_range'?" in plan_log
+    ), plan_log
     assert "Known keys: from_time, mode, offset_ranges, reason, to_time" in plan_log
