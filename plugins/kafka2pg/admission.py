@@ -504,7 +504,8 @@ def _check_utf8(data: bytes, what: str) -> None:
 # (msgspec, Python's json in a Spark task at whatever stack depth, a client reading the jsonb
 # back) decides it by its recursion limit.
 MAX_JSON_DEPTH = 900
-_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:]', re.DOTALL)
+# The bytes that matter to nesting: brackets, quotes, backslashes, colons (found in C, handled in Python).
+_JSON_SPECIAL = re.compile(rb'[\[\]{}:"\\]')
 
 
 def _may_nest_too_deeply(value: bytes) -> bool:
@@ -513,24 +514,35 @@ def _may_nest_too_deeply(value: bytes) -> bool:
 
 
 def _check_depth(value: bytes) -> None:
-    """Refuse a value nested deeper than MAX_JSON_DEPTH, naming the field whose value is."""
+    """Refuse a value nested deeper than MAX_JSON_DEPTH, naming the field whose value is. One pass
+    over the value's special bytes, however its strings are escaped or left open (a backtracking
+    tokenizer took quadratic time on an open string of escaped quotes)."""
     if not _may_nest_too_deeply(value):
         return
-    depth, key, member = 0, None, None
-    for token in _JSON_TOKENS.finditer(value):
-        text = token.group()
-        if text in (b"{", b"["):
+    depth, in_string, start, skip, key, member = 0, False, 0, -1, None, None
+    for found in _JSON_SPECIAL.finditer(value):
+        position = found.start()
+        if position == skip:  # the byte a backslash escapes
+            continue
+        byte = value[position]
+        if in_string:
+            if byte == 0x5C:  # backslash
+                skip = position + 1
+            elif byte == 0x22:  # the closing quote
+                in_string = False
+                if depth == 1:
+                    key = _json_string(value[start : position + 1])
+        elif byte == 0x22:
+            in_string, start = True, position
+        elif byte in b"{[":
             depth += 1
             if depth > MAX_JSON_DEPTH:
                 where = "value" if member is None else f"field {_show(member)}"
                 raise Refused(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels (the record counts as one)")
-        elif text in (b"}", b"]"):
+        elif byte in b"}]":
             depth -= 1
-        elif text == b":":
-            if depth == 1 and key is not None:
-                member = key
-        elif depth == 1:
-            key = _json_string(text)
+        elif byte == 0x3A and depth == 1 and key is not None:  # a colon after a member's name
+            member = key
 
 
 def _json_string(token: bytes) -> str:

@@ -367,3 +367,9 @@ def test_nesting_is_refused_beyond_a_fixed_depth_naming_the_field_on_both_paths(
     assert reason(escaped).startswith("field 'payload': JSON nested deeper")
     brackets = BASE + b',"note":"' + b"{[" * 2000 + b'"}'  # brackets inside a string nest nothing
     assert field("note", brackets) == "{[" * 2000
+
+
+def test_an_open_string_of_escaped_quotes_before_many_brackets_is_judged_in_one_pass():
+    # A backtracking tokenizer retried the open string from each escaped quote: quadratic, minutes here.
+    value = BASE + b',"payload":"' + b'\\"' * 200_000 + b"[" * 950
+    assert reason(value).startswith("value is not valid JSON (Unterminated string")
