@@ -41,7 +41,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil  # noqa: E402
-from harness import JDBC_PROPERTIES, bench_pipeline, bench_spark, bench_stack, spark_sql_decode  # noqa: E402
+from harness import (  # noqa: E402
+    JDBC_PROPERTIES,
+    bench_pipeline,
+    bench_spark,
+    bench_stack,
+    padded_events,
+    spark_sql_decode,
+)
 from psycopg import sql  # noqa: E402
 
 from kafka2pg.config import KAFKA_READERS, Settings  # noqa: E402
@@ -70,14 +77,6 @@ CONNECT_JVM = (
 CONNECT_DEADLINE_S = 1800
 
 
-def events(count: int, size: int):
-    """Sample events padded to about `size` bytes of JSON each."""
-    for event in sample_events(count):
-        pad = max(0, size - len(json.dumps(event)) - 12)
-        event["payload"]["note"] = "x" * pad
-        yield event
-
-
 def connect_topic(topic: str) -> str:
     return f"{topic}-connect"
 
@@ -94,7 +93,7 @@ def connect_events(count: int, size: int) -> Iterator[dict]:
             {"field": c.name, "type": CONNECT_TYPES[c.type.split("(")[0]], "optional": not c.required} for c in columns
         ],
     }
-    for event in events(count, size):
+    for event in padded_events(count, size):
         payload = {c.name: event[c.field] for c in columns}
         payload.update({c.name: json.dumps(payload[c.name]) for c in columns if c.type == "jsonb"})
         yield {"schema": schema, "payload": payload}
@@ -685,7 +684,7 @@ def main() -> int:
         topic = "bench"
         ensure_topic(settings.bootstrap_servers, topic, args.partitions)
         started = time.monotonic()
-        produced = produce(settings.bootstrap_servers, topic, events(args.events, args.size))
+        produced = produce(settings.bootstrap_servers, topic, padded_events(args.events, args.size))
         megabytes = sum(o.high for o in partition_offsets(settings.bootstrap_servers, topic)) * args.size / 2**20
         print(
             f"backlog: {produced} events of ~{args.size} B ({megabytes:.0f} MB), {args.partitions} partitions, "

@@ -4,6 +4,7 @@ Spark session shipping kafka2pg, the Spark JDBC settings of the JDBC contenders,
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import tempfile
 import time
@@ -52,6 +53,15 @@ def bench_stack(prefix: str) -> Iterator[tuple[Settings, Stack, Path]]:
 def bench_pipeline(name: str, topic: str | None = None) -> Pipeline:
     """The shipped `orders` pipeline under another name, topic and target table."""
     return dataclasses.replace(get_pipeline("orders"), name=name, topic=topic or name, target_table=name)
+
+
+def padded_events(count: int, size: int) -> Iterator[dict]:
+    """Sample events padded to about `size` bytes of JSON each."""
+    from kafka2pg.devtools.producer import sample_events
+
+    for event in sample_events(count):
+        event["payload"]["note"] = "x" * max(0, size - len(json.dumps(event)) - 12)
+        yield event
 
 
 def planned_batch(settings: Settings, name: str, events: Iterable[dict], partitions: int, records: int):

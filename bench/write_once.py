@@ -14,7 +14,6 @@ session), then measures the CPU time of the PostgreSQL backend running each stat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -22,24 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import bench_spark, bench_stack, planned_batch  # noqa: E402
+from harness import bench_spark, bench_stack, padded_events, planned_batch  # noqa: E402
 from psycopg import Connection, sql  # noqa: E402
 
 from kafka2pg import checks, expectations  # noqa: E402
 from kafka2pg.batch_store import load_batch  # noqa: E402
 from kafka2pg.database import connect  # noqa: E402
-from kafka2pg.devtools.producer import sample_events  # noqa: E402
 from kafka2pg.migrations import target_columns  # noqa: E402
 from kafka2pg.rows import staged_counts  # noqa: E402
 from kafka2pg.staging import stage_batch  # noqa: E402
 
 SIZE = 200  # bytes of JSON per event, as bench/compare.py's default
-
-
-def padded_events(count: int):
-    for event in sample_events(count):
-        event["payload"]["note"] = "x" * max(0, SIZE - len(json.dumps(event)) - 12)
-        yield event
 
 
 def backend_cpu(conn: Connection) -> float:
@@ -79,7 +71,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     with bench_stack("kafka2pg-bench-") as (settings, _, work):
-        pipeline, batch = planned_batch(settings, "wbench", padded_events(args.events), 6, args.events)
+        pipeline, batch = planned_batch(settings, "wbench", padded_events(args.events, SIZE), 6, args.events)
         spark = bench_spark("local[2]", "wbench", work)
         stage_batch(spark, settings, pipeline, batch.batch_id)
         spark.stop()
