@@ -123,7 +123,7 @@ class AdmittedBatch(NamedTuple):
         reasons = list(self.reasons)
         for index, reason in refused.items():
             reasons[index] = reason
-        mask = _mask(refused, len(reasons))
+        mask = index_mask(refused, len(reasons))
         columns = tuple(pc.if_else(mask, pa.scalar(None, column.type), column) for column in self.columns)
         return AdmittedBatch(columns, reasons)
 
@@ -217,7 +217,7 @@ class RecordDecoder:
         decided = [self.decode_strictly(values[index]) for index in doubts]
         for index, admitted in zip(doubts, decided, strict=True):
             reasons[index] = admitted.reason
-        mask = _mask(doubts, len(values))
+        mask = index_mask(doubts, len(values))
         return [
             pc.replace_with_mask(
                 column, mask, pa.array([None if a.values is None else a.values[position] for a in decided], column.type)
@@ -336,7 +336,8 @@ def _indices(mask: pa.Array) -> list[int]:
     return pc.indices_nonzero(mask).to_pylist()
 
 
-def _mask(indices: Iterable[int], length: int) -> pa.Array:
+def index_mask(indices: Iterable[int], length: int) -> pa.Array:
+    """A boolean array of `length`, true at `indices`."""
     chosen = [False] * length
     for index in indices:
         chosen[index] = True
@@ -404,7 +405,7 @@ def _fast_numeric(tokens: list[bytes | None], plain: str, convert, doubts: set[i
     if not odd:
         return texts
     converted = _each_of(tokens, odd, convert, doubts)
-    return pc.replace_with_mask(texts, _mask(odd, len(tokens)), pa.array(converted, pa.string()))
+    return pc.replace_with_mask(texts, index_mask(odd, len(tokens)), pa.array(converted, pa.string()))
 
 
 def _fast_jsonb(tokens: list[bytes | None], doubts: set[int]) -> pa.Array:
@@ -458,7 +459,7 @@ def _fast_timestamps(tokens: list[bytes | None], doubts: set[int]) -> pa.Array:
     if not others:
         return stamps
     parsed = _each_of(tokens, others, _fast_timestamp, doubts)
-    return pc.replace_with_mask(stamps, _mask(others, len(tokens)), pa.array(parsed, _TIMESTAMP_ARROW))
+    return pc.replace_with_mask(stamps, index_mask(others, len(tokens)), pa.array(parsed, _TIMESTAMP_ARROW))
 
 
 _TIMESTAMP_TYPE = msgspec.json.Decoder(datetime)

@@ -18,7 +18,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from psycopg import sql
 
-from kafka2pg.admission import MAX_YEAR, MIN_YEAR, AdmittedBatch, RecordDecoder, decoder_for, unreadable_instants
+from kafka2pg.admission import (
+    MAX_YEAR,
+    MIN_YEAR,
+    AdmittedBatch,
+    RecordDecoder,
+    decoder_for,
+    index_mask,
+    unreadable_instants,
+)
 from kafka2pg.config import Pipeline
 from kafka2pg.copy_binary import HEADER, TRAILER, copy_rows
 from kafka2pg.database import isolate_refused
@@ -148,9 +156,7 @@ def refuse_unreadable_timestamps(
     late = unreadable_instants(stamps)
     if not late:
         return record_batch, admitted
-    chosen = set(late)
-    mask = pa.array([i in chosen for i in range(len(stamps))], pa.bool_())
-    nulled = pc.if_else(mask, pa.scalar(None, stamps.type), stamps)
+    nulled = pc.if_else(index_mask(late, len(stamps)), pa.scalar(None, stamps.type), stamps)
     reasons = {
         i: UNREADABLE_TIMESTAMP if admitted.reasons[i] is None else f"{admitted.reasons[i]}; and {UNREADABLE_TIMESTAMP}"
         for i in late
