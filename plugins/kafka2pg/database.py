@@ -99,12 +99,8 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
     """One connection, one transaction: commit on success, roll back on any exception."""
     conn = connect(url)
     try:
-        with conn.transaction():
+        with _schema_errors(url, conn, "its transaction was rolled back"), conn.transaction():
             yield conn
-    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as exc:
-        raise _not_migrated(url, exc) from exc
-    except psycopg.errors.InsufficientPrivilege as exc:
-        raise _role_refused(url, conn, exc, "its transaction was rolled back") from exc
     except psycopg.OperationalError as exc:
         if not conn.broken:
             raise
@@ -124,25 +120,30 @@ def session(url: str) -> Iterator[psycopg.Connection]:
     a missing table or privilege is a `SchemaNotReadyError`, as in `transaction`."""
     conn = connect(url, autocommit=True)
     try:
-        yield conn
-    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as exc:
-        raise _not_migrated(url, exc) from exc
-    except psycopg.errors.InsufficientPrivilege as exc:
-        raise _role_refused(url, conn, exc, "nothing was changed") from exc
+        with _schema_errors(url, conn, "nothing was changed"):
+            yield conn
     finally:
         conn.close()
 
 
-def _role_refused(url: str, conn: psycopg.Connection, exc: psycopg.Error, outcome: str) -> SchemaNotReadyError:
-    role = conn.info.user
-    return SchemaNotReadyError(
-        f"PostgreSQL at {describe(url)} refused role {role!r} ({str(exc).strip()}); {outcome}. As the role "
-        f"owning kafka2pg's tables, run `./kafka2pg grant --role {role}` with the pipelines file (again after "
-        "adding a pipeline or applying a migration), then retry.",
-        missing=(f"privilege: {exc.diag.message_primary}",),
-        database=describe(url),
-        role=role,
-    )
+@contextmanager
+def _schema_errors(url: str, conn: psycopg.Connection, outcome: str) -> Iterator[None]:
+    """A table, column or privilege the statements need and `conn` lacks, as a `SchemaNotReadyError`
+    saying what to run; `outcome`: what became of the statements' work."""
+    try:
+        yield
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as exc:
+        raise _not_migrated(url, exc) from exc
+    except psycopg.errors.InsufficientPrivilege as exc:
+        role = conn.info.user
+        raise SchemaNotReadyError(
+            f"PostgreSQL at {describe(url)} refused role {role!r} ({str(exc).strip()}); {outcome}. As the role "
+            f"owning kafka2pg's tables, run `./kafka2pg grant --role {role}` with the pipelines file (again after "
+            "adding a pipeline or applying a migration), then retry.",
+            missing=(f"privilege: {exc.diag.message_primary}",),
+            database=describe(url),
+            role=role,
+        ) from exc
 
 
 def _not_migrated(url: str, exc: psycopg.Error) -> SchemaNotReadyError:
