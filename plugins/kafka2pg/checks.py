@@ -17,12 +17,12 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import WitnessMismatchError
 from kafka2pg.kafka_offsets import topic_retention
-from kafka2pg.kafka_reader import count_range, raw_records
+from kafka2pg.kafka_reader import count_range, raw_records_at
 from kafka2pg.ledger import reset_floors
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import has_index, table_indexes
 from kafka2pg.planner import account_gap
-from kafka2pg.rows import range_predicate
+from kafka2pg.rows import fill_raw_bytes, range_predicate
 
 log = logging.getLogger(__name__)
 
@@ -569,47 +569,20 @@ def keep_raw_bytes(settings: Settings, pipeline: Pipeline, batch_id: int) -> int
 
 
 def _keep_raw_bytes(settings: Settings, pipeline: Pipeline, batch_id: int) -> int:
-    from kafka2pg.chunk_writer import headers_literal
-
-    staging = _staging(pipeline)
     with transaction(settings.database_url) as conn:
         flagged = conn.execute(
             sql.SQL(
                 "SELECT kafka_partition, kafka_offset FROM {} WHERE batch_id = %s AND quarantine_reason IS NOT NULL"
                 " AND raw_key IS NULL AND raw_value IS NULL AND raw_headers IS NULL"
-            ).format(staging),
+            ).format(_staging(pipeline)),
             (batch_id,),
         ).fetchall()
     by_partition: dict[int, list[int]] = {}
     for partition, offset in flagged:
         by_partition.setdefault(partition, []).append(offset)
-    found = {
-        (partition, offset): record
-        for partition, offsets in by_partition.items()
-        for offset, record in raw_records(
-            settings.kafka, pipeline.topic, partition, offsets, settings.kafka_timeout_s
-        ).items()
-    }
-    if not found:
-        return 0
-    (partitions, offsets), records = zip(*found, strict=True), list(found.values())
+    found = raw_records_at(settings.kafka, pipeline.topic, by_partition, settings.kafka_timeout_s)
     with transaction(settings.database_url) as conn:
-        return conn.execute(
-            sql.SQL(
-                "UPDATE {} s SET raw_key = r.k, raw_value = r.v, raw_headers = r.h::bytea[]"
-                " FROM unnest(%s::int[], %s::bigint[], %s::bytea[], %s::bytea[], %s::text[]) r(p, o, k, v, h)"
-                " WHERE s.batch_id = %s AND s.kafka_partition = r.p AND s.kafka_offset = r.o"
-                " AND s.quarantine_reason IS NOT NULL"
-            ).format(staging),
-            (
-                list(partitions),
-                list(offsets),
-                [r.key for r in records],
-                [r.value for r in records],
-                [headers_literal(r.headers) for r in records],
-                batch_id,
-            ),
-        ).rowcount
+        return fill_raw_bytes(conn, pipeline, batch_id, found)
 
 
 def recheck_after_collision(conn: Connection, pipeline: Pipeline, batch: Batch) -> list[Check]:

@@ -249,17 +249,6 @@ def frame(
     return pa.Table.from_arrays(columns, names=names)
 
 
-def headers_literal(headers: list[tuple[bytes, bytes | None]]) -> str | None:
-    """Kafka headers as a bytea[][] literal: one {key, value} pair per header, in order."""
-    if not headers:
-        return None
-    pairs = []
-    for key, value in headers:
-        shown = "NULL" if value is None else '"\\\\x' + value.hex() + '"'
-        pairs.append(f'{{"\\\\x{key.hex()}",{shown}}}')
-    return "{" + ",".join(pairs) + "}"
-
-
 def copy_isolating(conn: psycopg.Connection, copy: StagingCopy, table: pa.Table, *, into: str) -> dict[int, str]:
     """COPY `table` (into the table named `into`); the rows PostgreSQL refuses on data are left
     out (see `isolate_refused`)."""

@@ -2,14 +2,14 @@
 
 One rule for every read of planned offsets: the stage job's read inside a Spark task
 (`read_ranges`, Arrow record batches for the chunk writer, without a trip through the JVM), the
-gate's witness count (`count_range`), the audit (`read_offsets`), the headers of quarantined
-records (`record_headers`) and the time-to-data-loss probe (`record_timestamp`).
+gate's witness count (`count_range`), the audit (`read_offsets`), the raw key, value and headers
+of quarantined records (`raw_records_at`) and the time-to-data-loss probe (`record_timestamp`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -320,10 +320,12 @@ def raw_records(
     return found
 
 
-def record_headers(
-    kafka: KafkaLike, topic: str, partition: int, offsets: list[int], timeout_s: float
-) -> dict[int, Headers]:
-    """The headers of the committed records at `offsets`, by offset; records without headers, or
-    gone since, are left out."""
-    found = raw_records(kafka, topic, partition, offsets, timeout_s)
-    return {offset: record.headers for offset, record in found.items() if record.headers}
+def raw_records_at(
+    kafka: KafkaLike, topic: str, offsets: Mapping[int, Iterable[int]], timeout_s: float
+) -> dict[tuple[int, int], RawRecord]:
+    """`raw_records` of several partitions ({partition: offsets}), by (partition, offset)."""
+    return {
+        (partition, offset): record
+        for partition, wanted in offsets.items()
+        for offset, record in raw_records(kafka, topic, partition, list(wanted), timeout_s).items()
+    }

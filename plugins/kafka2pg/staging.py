@@ -22,7 +22,7 @@ from pyspark.errors import PySparkException
 from pyspark.sql import Row, SparkSession
 
 from kafka2pg.batch_store import Batch, load_claimed, staging_lost, transition
-from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer, headers_literal
+from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer
 from kafka2pg.config import KAFKA_READERS, Pipeline, Settings, stage_jvm_conf
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import (
@@ -35,11 +35,11 @@ from kafka2pg.exceptions import (
     StageInterrupted,
 )
 from kafka2pg.kafka_config import kafka_config
-from kafka2pg.kafka_reader import read_ranges, record_headers
+from kafka2pg.kafka_reader import raw_records_at, read_ranges
 from kafka2pg.lifecycle import Action, BatchState, stage_action
 from kafka2pg.locations import PACKAGE_DIR
 from kafka2pg.planner import BatchPlan, OffsetRange, describe_ranges
-from kafka2pg.rows import staged_counts
+from kafka2pg.rows import fill_raw_bytes, staged_counts
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +149,21 @@ def stage_batch(
     rows = _read_and_write(spark, settings, pipeline, batch, stop) if batch.plan.ranges else []
     reads = _merge_stats(rows, batch)
     _raise_if_stopped(stop, pipeline, batch_id)
-    headers = _refused_headers(settings, pipeline, reads)
+    # The headers of the records refused while staging (their key and value are staged), read
+    # again from Kafka by offset before any lock is taken; records without headers are left alone.
+    refused = {r.partition: r.refused for r in reads if r.refused}
+    headers = {
+        k: r
+        for k, r in raw_records_at(settings.kafka, pipeline.topic, refused, settings.kafka_timeout_s).items()
+        if r.headers
+    }
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         _check_stageable(batch, pipeline)
         if stage_action(batch.state) is Action.DONE:  # a concurrent attempt holding the same claim finished first
             return StageResult(batch_id, batch.state, reads, f"batch {batch_id} was {batch.state} by another attempt")
         _check_staged(conn, pipeline, batch, reads)
-        _store_headers(conn, pipeline, batch_id, headers)
+        fill_raw_bytes(conn, pipeline, batch_id, headers)
         with conn.cursor() as cur:
             cur.executemany(
                 "UPDATE kafka2pg.batch_partitions SET records_read = %s, min_offset_read = %s,"
@@ -433,32 +440,6 @@ def _merge_stats(rows: list, batch: Batch) -> tuple[PartitionRead, ...]:
             )
         reads.append(PartitionRead(partition, records, quarantined, low, high, tuple(sorted(refused))))
     return tuple(reads)
-
-
-def _refused_headers(settings: Settings, pipeline: Pipeline, reads: tuple[PartitionRead, ...]) -> dict:
-    """Headers of the records quarantined while staging, read from Kafka by offset (before any
-    lock is taken): {(partition, offset): bytea[][] literal}. Records without headers are left out."""
-    found = {}
-    for read in reads:
-        if read.refused:
-            headers = record_headers(
-                settings.kafka, pipeline.topic, read.partition, list(read.refused), settings.kafka_timeout_s
-            )
-            found.update({(read.partition, offset): headers_literal(h) for offset, h in headers.items()})
-    return found
-
-
-def _store_headers(conn, pipeline: Pipeline, batch_id: int, headers: dict) -> None:
-    if not headers:
-        return
-    partitions, offsets = zip(*headers, strict=True)
-    conn.execute(
-        sql.SQL(
-            "UPDATE {} s SET raw_headers = h.headers::bytea[] FROM unnest(%s::int[], %s::bigint[], %s::text[])"
-            " h(p, o, headers) WHERE s.batch_id = %s AND s.kafka_partition = h.p AND s.kafka_offset = h.o"
-        ).format(sql.Identifier("kafka2pg", pipeline.staging_table)),
-        (list(partitions), list(offsets), list(headers.values()), batch_id),
-    )
 
 
 def package_zip(state_dir: Path) -> Path:

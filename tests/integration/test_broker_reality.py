@@ -17,7 +17,7 @@ from kafka2pg.audit import audit_pipeline
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import OffsetRegressionError, QualityGateFailed, RetentionLossError
 from kafka2pg.kafka_offsets import client_config, offsets_for_times, partition_offsets
-from kafka2pg.kafka_reader import count_range, read_ranges, record_headers
+from kafka2pg.kafka_reader import count_range, raw_records_at, read_ranges
 from kafka2pg.ledger import reset_head
 from kafka2pg.opening import open_batch
 from kafka2pg.planner import OffsetRange
@@ -320,7 +320,9 @@ def test_an_end_of_partition_below_the_range_end_goes_on_reading_when_the_leader
     found = count_range(servers, env.topic, 0, 100, 180)
     assert (found.committed, found.data_records) == (80, 80)
     asked.clear()  # 180-219 arrive while the headers reader asks about its end at 180
-    assert record_headers(servers, env.topic, 0, [139, 219], 30) == {219: [(b"n", b"39")]}
+    found = raw_records_at(servers, env.topic, {0: [139, 219]}, 30)
+    assert {at: r.headers for at, r in found.items()} == {(0, 139): [], (0, 219): [(b"n", b"39")]}
+    assert found[(0, 219)].value == b"late 39"
 
 
 def test_records_larger_than_the_readers_prefetch_queue_are_read_whole(make_pipeline):
