@@ -17,12 +17,12 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import WitnessMismatchError
 from kafka2pg.kafka_offsets import topic_retention
-from kafka2pg.kafka_reader import count_range, raw_records_at
+from kafka2pg.kafka_reader import count_range
 from kafka2pg.ledger import reset_floors
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import has_index, table_indexes
 from kafka2pg.planner import account_gap
-from kafka2pg.rows import fill_raw_bytes, range_predicate
+from kafka2pg.rows import range_predicate
 
 log = logging.getLogger(__name__)
 
@@ -546,43 +546,6 @@ def _flag_duplicates(
         "pipeline=%s batch_id=%s %s: %s duplicates flagged to quarantine", pipeline.name, batch.batch_id, name, count
     )
     return Check(name, True, count, f"{count} duplicate(s) flagged to quarantine", flagged=count)
-
-
-def keep_raw_bytes(settings: Settings, pipeline: Pipeline, batch_id: int) -> int:
-    """Give the batch's staging rows the quality gate flagged to quarantine (they kept only their
-    typed values) their raw key, value and headers, read again from Kafka by offset; returns the
-    rows filled. Best effort, after the gate's transaction: with Kafka or PostgreSQL unreachable
-    or the records gone, the rows keep their typed values (`record`) and provenance, and
-    promotion goes on."""
-    try:
-        return _keep_raw_bytes(settings, pipeline, batch_id)
-    except Exception as exc:  # noqa: BLE001 - best effort: the gate's verdict is committed already
-        log.warning(
-            "pipeline=%s batch_id=%s the raw bytes of the rows flagged to quarantine were not kept (%s: %s); "
-            "they keep their typed values and provenance",
-            pipeline.name,
-            batch_id,
-            type(exc).__name__,
-            exc,
-        )
-        return 0
-
-
-def _keep_raw_bytes(settings: Settings, pipeline: Pipeline, batch_id: int) -> int:
-    with transaction(settings.database_url) as conn:
-        flagged = conn.execute(
-            sql.SQL(
-                "SELECT kafka_partition, kafka_offset FROM {} WHERE batch_id = %s AND quarantine_reason IS NOT NULL"
-                " AND raw_key IS NULL AND raw_value IS NULL AND raw_headers IS NULL"
-            ).format(_staging(pipeline)),
-            (batch_id,),
-        ).fetchall()
-    by_partition: dict[int, list[int]] = {}
-    for partition, offset in flagged:
-        by_partition.setdefault(partition, []).append(offset)
-    found = raw_records_at(settings.kafka, pipeline.topic, by_partition, settings.kafka_timeout_s)
-    with transaction(settings.database_url) as conn:
-        return fill_raw_bytes(conn, pipeline, batch_id, found)
 
 
 def recheck_after_collision(conn: Connection, pipeline: Pipeline, batch: Batch) -> list[Check]:

@@ -28,7 +28,6 @@ from kafka2pg.checks import (
     Check,
     ProbeAwaitsPrevious,
     gap_witnesses,
-    keep_raw_bytes,
     quarantined_rows,
     recheck_after_collision,
     run_checks,
@@ -40,6 +39,7 @@ from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, Kafka2PgError, QualityGateFailed
 from kafka2pg.lifecycle import Action, BatchState, gate_verdict, validate_action
 from kafka2pg.quality_results import store_result
+from kafka2pg.raw_bytes import keep_raw_bytes, staging_place
 from kafka2pg.rows import staged_counts
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def validate_batch(
     if lost:
         raise_staging_lost(pipeline, batch_id)
     if any(c.flagged for c in checks):
-        keep_raw_bytes(settings, pipeline, batch_id)
+        keep_raw_bytes(settings, pipeline, batch_id, staging_place(pipeline))
     report = _write_report(settings, pipeline, payload)  # a file: after the batch's lock is released
     if summary:
         raise QualityGateFailed.rejected(pipeline.name, batch_id, failed, report, pipeline.staging_table)

@@ -5,7 +5,6 @@ transaction, the locks and the batch's state."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg import Connection, sql
@@ -16,10 +15,9 @@ from kafka2pg.exceptions import KeyCollisionError
 from kafka2pg.migrations import target_columns
 from kafka2pg.planner import OffsetRange
 
-if TYPE_CHECKING:
-    from kafka2pg.kafka_reader import RawRecord
-
 log = logging.getLogger(__name__)
+
+PROMOTION_REFUSED = "PostgreSQL refused the row at promotion: "  # the reason's start, then PostgreSQL's
 
 
 def staged_counts(conn: Connection, pipeline: Pipeline, batch_id: int) -> dict[int, int]:
@@ -120,7 +118,7 @@ def _insert_isolating(conn: Connection, pipeline: Pipeline, batch_id: int, colli
         ).format(staging=staging, isolating=_ISOLATING),
         (
             list(refused),
-            [f"PostgreSQL refused the row at promotion: {m}" for m in refused.values()],
+            [PROMOTION_REFUSED + m for m in refused.values()],
             batch_id,
         ),
     )
@@ -149,43 +147,6 @@ def insert_quarantine(conn: Connection, pipeline: Pipeline, batch_id: int) -> in
         " WHERE s.batch_id = %s AND s.quarantine_reason IS NOT NULL"
     ).format(record=record, staging=sql.Identifier("kafka2pg", pipeline.staging_table))
     return conn.execute(query, (pipeline.name, batch_id)).rowcount
-
-
-def headers_literal(headers: list[tuple[bytes, bytes | None]]) -> str | None:
-    """Kafka headers as a bytea[][] literal: one {key, value} pair per header, in order."""
-    if not headers:
-        return None
-    pairs = []
-    for key, value in headers:
-        shown = "NULL" if value is None else '"\\\\x' + value.hex() + '"'
-        pairs.append(f'{{"\\\\x{key.hex()}",{shown}}}')
-    return "{" + ",".join(pairs) + "}"
-
-
-def fill_raw_bytes(conn: Connection, pipeline: Pipeline, batch_id: int, found: dict[tuple[int, int], RawRecord]) -> int:
-    """Give the batch's quarantined staging rows at `found`'s (partition, offset) the raw key,
-    value and headers Kafka holds (`kafka_reader.raw_records_at`) where they have none; returns
-    the rows updated."""
-    if not found:
-        return 0
-    (partitions, offsets), records = zip(*found, strict=True), list(found.values())
-    return conn.execute(
-        sql.SQL(
-            "UPDATE {} s SET raw_key = coalesce(s.raw_key, r.k), raw_value = coalesce(s.raw_value, r.v),"
-            " raw_headers = coalesce(s.raw_headers, r.h::bytea[])"
-            " FROM unnest(%s::int[], %s::bigint[], %s::bytea[], %s::bytea[], %s::text[]) r(p, o, k, v, h)"
-            " WHERE s.batch_id = %s AND s.kafka_partition = r.p AND s.kafka_offset = r.o"
-            " AND s.quarantine_reason IS NOT NULL"
-        ).format(sql.Identifier("kafka2pg", pipeline.staging_table)),
-        (
-            list(partitions),
-            list(offsets),
-            [r.key for r in records],
-            [r.value for r in records],
-            [headers_literal(r.headers) for r in records],
-            batch_id,
-        ),
-    ).rowcount
 
 
 def range_predicate(ranges: tuple[OffsetRange, ...], floors: dict[int, int], alias: str = "") -> sql.Composable:

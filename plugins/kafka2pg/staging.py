@@ -39,7 +39,8 @@ from kafka2pg.kafka_reader import raw_records_at, read_ranges
 from kafka2pg.lifecycle import Action, BatchState, stage_action
 from kafka2pg.locations import PACKAGE_DIR
 from kafka2pg.planner import BatchPlan, OffsetRange, describe_ranges
-from kafka2pg.rows import fill_raw_bytes, staged_counts
+from kafka2pg.raw_bytes import fill_raw_bytes, staging_place
+from kafka2pg.rows import staged_counts
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ def stage_batch(
         if stage_action(batch.state) is Action.DONE:  # a concurrent attempt holding the same claim finished first
             return StageResult(batch_id, batch.state, reads, f"batch {batch_id} was {batch.state} by another attempt")
         _check_staged(conn, pipeline, batch, reads)
-        fill_raw_bytes(conn, pipeline, batch_id, headers)
+        fill_raw_bytes(conn, staging_place(pipeline), batch_id, headers)
         with conn.cursor() as cur:
             cur.executemany(
                 "UPDATE kafka2pg.batch_partitions SET records_read = %s, min_offset_read = %s,"

@@ -18,6 +18,7 @@ from kafka2pg.ledger import read_heads
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.promote import PromoteResult, promote_live
 from kafka2pg.quality import validate_batch
+from kafka2pg.raw_bytes import QUARANTINE, keep_raw_bytes
 from kafka2pg.replay import ReplayResult, finish_replay
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ def promote_batch(
     rest is promoted.
     """
     result = _promote(settings, pipeline, batch_id, epoch)
+    if result.quarantined and not result.already_promoted:
+        keep_raw_bytes(settings, pipeline, batch_id, QUARANTINE)  # the rows PostgreSQL refused at promotion
     if pipeline.lag_consumer_group and isinstance(result, PromoteResult) and not result.already_promoted:
         mirror_heads(settings, pipeline)  # a live promotion moved the heads (a replay moves none)
     return result

@@ -744,13 +744,13 @@ def test_rows_the_gate_flags_keep_their_raw_key_value_and_headers_read_again_fro
 def test_with_kafka_gone_after_the_gate_its_flagged_rows_keep_their_typed_values_and_the_batch_promotes(
     make_pipeline, run_batch, db, monkeypatch, caplog
 ):
-    from kafka2pg import checks
+    from kafka2pg import raw_bytes
     from kafka2pg.exceptions import KafkaUnavailableError
 
     def unreachable(*args, **kwargs):
         raise KafkaUnavailableError("Kafka at test did not answer")
 
-    monkeypatch.setattr(checks, "raw_records", unreachable)
+    monkeypatch.setattr(raw_bytes, "raw_records_at", unreachable)
     env = make_pipeline(partitions=1)
     events = list(sample_events(2, seed=54))
     produce(env.settings.bootstrap_servers, env.topic, [*events, events[0]], key_field=None)
@@ -763,4 +763,4 @@ def test_with_kafka_gone_after_the_gate_its_flagged_rows_keep_their_typed_values
     ).fetchall()
     assert reason.startswith("duplicate business key") and raw_value is None
     assert record["event_id"] == events[0]["event_id"]
-    assert "the raw bytes of the rows flagged to quarantine were not kept (KafkaUnavailableError" in caplog.text
+    assert "the raw bytes of rows quarantined without them were not kept (KafkaUnavailableError" in caplog.text

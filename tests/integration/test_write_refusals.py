@@ -1,6 +1,8 @@
 """A row PostgreSQL still refuses on data at write time (a rule admission does not know) is
 isolated and quarantined with the database's words; the rest of the batch lands."""
 
+import json
+
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline
@@ -25,14 +27,18 @@ def test_a_check_constraint_on_the_target_quarantines_only_its_rows_and_the_batc
     landed = {r[0] for r in db.execute(sql.SQL("SELECT event_id FROM {}").format(target))}
     assert landed == {e["event_id"] for e in events} - refused
     rows = db.execute(
-        "SELECT record->>'event_id', reason FROM kafka2pg.quarantine WHERE pipeline = %s", (env.pipeline.name,)
+        "SELECT record->>'event_id', reason, raw_key, raw_value FROM kafka2pg.quarantine WHERE pipeline = %s",
+        (env.pipeline.name,),
     ).fetchall()
-    assert {event_id for event_id, _ in rows} == refused
+    assert {event_id for event_id, *_ in rows} == refused
     assert all(
         reason.startswith("PostgreSQL refused the row at promotion: 23514 new row for relation")
         and "(constraint small_customer)" in reason
-        for _, reason in rows
+        for _, reason, *_ in rows
     ), rows
+    # Their raw key and value, read again from Kafka after the promotion: the bytes produced.
+    sent = {e["event_id"]: (str(e["customer_id"]).encode(), json.dumps(e).encode()) for e in events[::7]}
+    assert {event_id: (bytes(k), bytes(v)) for event_id, _, k, v in rows} == sent
     assert sum(heads(env).values()) == 60
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
 
