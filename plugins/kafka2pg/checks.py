@@ -22,7 +22,7 @@ from kafka2pg.ledger import reset_floors
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import has_index, table_indexes
 from kafka2pg.planner import account_gap
-from kafka2pg.rows import range_predicate
+from kafka2pg.rows import WITHIN_BATCH_DUPLICATE, range_predicate, rule_violations
 
 log = logging.getLogger(__name__)
 
@@ -171,20 +171,7 @@ def _quarantine_rule_violations(conn: Connection, pipeline: Pipeline, batch: Bat
     """`on_violation: quarantine`: rows outside a column's declared range/values go to quarantine
     with the value and the rule; the GX expectation then checks what is left."""
     col = sql.Identifier(column.name)
-    rules = []
-    if column.minimum is not None or column.maximum is not None:
-        low = sql.SQL("{} < {}").format(col, sql.Literal(column.minimum)) if column.minimum is not None else None
-        high = sql.SQL("{} > {}").format(col, sql.Literal(column.maximum)) if column.maximum is not None else None
-        rules.append(
-            (
-                sql.SQL(" OR ").join([c for c in (low, high) if c is not None]),
-                f"range [{column.minimum}, {column.maximum}]",
-            )
-        )
-    if column.allowed is not None:
-        # Compare typed values (the column's own type), never their text forms.
-        typed = sql.SQL("{} <> ALL({}::{}[])").format(col, sql.Literal(list(column.allowed)), sql.SQL(column.type))
-        rules.append((typed, f"allowed values {list(column.allowed)}"))
+    rules = rule_violations(column)
     flagged = 0
     for violated, rule in rules:
         flagged += conn.execute(
@@ -466,9 +453,9 @@ def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: B
         "business_key_unique_in_batch",
         ranked,
         sql.SQL(
-            "'duplicate business key within batch ' || %(batch)s || ': kept partition ' || d.kept_partition"
+            "{duplicate} || %(batch)s || ': kept partition ' || d.kept_partition"
             " || ' offset ' || d.kept_offset || {key}"
-        ).format(key=_key_shown(pipeline)),
+        ).format(duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE), key=_key_shown(pipeline)),
         counted,
     )
 

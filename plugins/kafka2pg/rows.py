@@ -9,7 +9,7 @@ import logging
 import psycopg
 from psycopg import Connection, sql
 
-from kafka2pg.config import Pipeline
+from kafka2pg.config import Column, Pipeline
 from kafka2pg.database import DATA_ERRORS, isolate_refused
 from kafka2pg.exceptions import KeyCollisionError
 from kafka2pg.migrations import target_columns
@@ -47,7 +47,14 @@ def insert_target(conn: Connection, pipeline: Pipeline, batch_id: int) -> int:
         with conn.transaction():  # a savepoint: a refused row leaves the promotion's transaction usable
             return _insert(conn, pipeline, batch_id, collisions, staging, accepted, (batch_id,))
     except DATA_ERRORS:
-        return _insert_isolating(conn, pipeline, batch_id, collisions)
+        pass
+    inserted = _insert_isolating(conn, pipeline, batch_id, collisions)
+    # A refused row may be the copy of its business key the quality gate kept: the next copy
+    # stands in for it (and the next, if that one is refused too).
+    while stand_ins := _stand_ins(conn, pipeline, batch_id):
+        inserted += _insert_isolating(conn, pipeline, batch_id, collisions, only=stand_ins)
+    _name_stand_ins(conn, pipeline, batch_id)
+    return inserted
 
 
 def _insert(
@@ -86,24 +93,39 @@ def _collision_indexes(conn: Connection, pipeline: Pipeline) -> set[str]:
 
 
 _ISOLATING = sql.Identifier("pg_temp", "kafka2pg_isolating")
+# The rows' numbers in it, beside the staging columns: upper case, so never a pipeline's column.
+_ROW = sql.Identifier("Row")
 
 
-def _insert_isolating(conn: Connection, pipeline: Pipeline, batch_id: int, collisions: set[str]) -> int:
-    """Insert the accepted rows range by range (bisecting them in (partition, offset) order,
-    numbered in a temporary table so each range is an index lookup) and flag each row the
-    target refuses to quarantine with the database's reason; returns the rows inserted."""
+def _insert_isolating(
+    conn: Connection,
+    pipeline: Pipeline,
+    batch_id: int,
+    collisions: set[str],
+    only: list[tuple[int, int]] | None = None,
+) -> int:
+    """Insert the accepted rows (`only` these (partition, offset), if given) range by range
+    (bisecting them in (partition, offset) order, numbered in a temporary table so each range is
+    an index lookup) and flag each row the target refuses to quarantine with the database's
+    reason; returns the rows inserted."""
     staging = sql.Identifier("kafka2pg", pipeline.staging_table)
+    chosen, params = sql.SQL(""), [batch_id]
+    if only is not None:
+        chosen = sql.SQL(
+            " AND (s.kafka_partition, s.kafka_offset) IN (SELECT u.p, u.o FROM unnest(%s::int[], %s::bigint[]) u(p, o))"
+        )
+        params += [[p for p, _ in only], [o for _, o in only]]
     conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(_ISOLATING))
     conn.execute(
         sql.SQL(
             "CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT row_number() OVER (ORDER BY kafka_partition,"
-            " kafka_offset) - 1 AS n, s.* FROM {} s WHERE batch_id = %s AND quarantine_reason IS NULL"
-        ).format(_ISOLATING, staging),
-        (batch_id,),
+            " kafka_offset) - 1 AS {}, s.* FROM {} s WHERE batch_id = %s AND quarantine_reason IS NULL{}"
+        ).format(_ISOLATING, _ROW, staging, chosen),
+        params,
     )
-    conn.execute(sql.SQL("CREATE INDEX ON {} (n)").format(_ISOLATING))
+    conn.execute(sql.SQL("CREATE INDEX ON {} ({})").format(_ISOLATING, _ROW))
     rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(_ISOLATING)).fetchone()[0]
-    in_range = sql.SQL("n >= %s AND n < %s")
+    in_range = sql.SQL("{row} >= %s AND {row} < %s").format(row=_ROW)
 
     def write(start: int, stop: int) -> None:
         _insert(conn, pipeline, batch_id, collisions, _ISOLATING, in_range, (start, stop))
@@ -113,9 +135,9 @@ def _insert_isolating(conn: Connection, pipeline: Pipeline, batch_id: int, colli
     conn.execute(
         sql.SQL(
             "UPDATE {staging} s SET quarantine_reason = r.reason FROM {isolating} i"
-            " JOIN unnest(%s::bigint[], %s::text[]) r(n, reason) USING (n)"
+            " JOIN unnest(%s::bigint[], %s::text[]) r({row}, reason) USING ({row})"
             " WHERE s.batch_id = %s AND s.kafka_partition = i.kafka_partition AND s.kafka_offset = i.kafka_offset"
-        ).format(staging=staging, isolating=_ISOLATING),
+        ).format(staging=staging, isolating=_ISOLATING, row=_ROW),
         (
             list(refused),
             [PROMOTION_REFUSED + m for m in refused.values()],
@@ -131,6 +153,124 @@ def _insert_isolating(conn: Connection, pipeline: Pipeline, batch_id: int, colli
         rows,
     )
     return rows - len(refused)
+
+
+# The start of the quality gate's reason for a business key's later copies in one batch.
+WITHIN_BATCH_DUPLICATE = "duplicate business key within batch "
+
+
+def _refused_keys(pipeline: Pipeline) -> sql.Composed:
+    """The batch's business keys whose copy the gate kept was refused at promotion, with a copy
+    the gate flagged as its duplicate and none promoted (columns: the keys)."""
+    keys = sql.SQL(", ").join(map(sql.Identifier, pipeline.business_key))
+    return sql.SQL(
+        "SELECT {keys} FROM {staging} WHERE batch_id = %(batch)s GROUP BY {keys}"
+        " HAVING bool_or(starts_with(quarantine_reason, {refused})) AND NOT bool_or(quarantine_reason IS NULL)"
+        " AND bool_or(starts_with(quarantine_reason, {duplicate}))"
+    ).format(
+        keys=keys,
+        staging=sql.Identifier("kafka2pg", pipeline.staging_table),
+        refused=sql.Literal(PROMOTION_REFUSED),
+        duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE),
+    )
+
+
+def rule_violations(column: Column, alias: str | None = None) -> list[tuple[sql.Composable, str]]:
+    """A column's declared rules (`min`/`max`, `allowed`) as SQL conditions true for a row whose
+    value violates them (NULL for a NULL value), each with the rule's words."""
+    col = sql.Identifier(*([alias] if alias else []), column.name)
+    rules: list[tuple[sql.Composable, str]] = []
+    if column.minimum is not None or column.maximum is not None:
+        low = sql.SQL("{} < {}").format(col, sql.Literal(column.minimum)) if column.minimum is not None else None
+        high = sql.SQL("{} > {}").format(col, sql.Literal(column.maximum)) if column.maximum is not None else None
+        rules.append(
+            (
+                sql.SQL(" OR ").join([c for c in (low, high) if c is not None]),
+                f"range [{column.minimum}, {column.maximum}]",
+            )
+        )
+    if column.allowed is not None:
+        # Compare typed values (the column's own type), never their text forms.
+        typed = sql.SQL("{} <> ALL({}::{}[])").format(col, sql.Literal(list(column.allowed)), sql.SQL(column.type))
+        rules.append((typed, f"allowed values {list(column.allowed)}"))
+    return rules
+
+
+def _passes_the_gate(pipeline: Pipeline, alias: str) -> sql.Composable:
+    """SQL: the row has every required column and breaks no declared rule (what the gate checked
+    of the rows it accepted, and so of a duplicate standing in for one)."""
+    required = {*pipeline.required_columns, *pipeline.business_key}
+    conditions = [sql.SQL("{} IS NOT NULL").format(sql.Identifier(alias, c)) for c in sorted(required)]
+    conditions += [
+        sql.SQL("({}) IS NOT TRUE").format(violated)
+        for column in pipeline.columns
+        for violated, _ in rule_violations(column, alias)
+    ]
+    return sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("TRUE")
+
+
+def _key_join(pipeline: Pipeline, left: str, right: str) -> sql.Composed:
+    return sql.SQL(" AND ").join(
+        sql.SQL("{}.{} = {}.{}").format(
+            sql.Identifier(left), sql.Identifier(k), sql.Identifier(right), sql.Identifier(k)
+        )
+        for k in pipeline.business_key
+    )
+
+
+def _stand_ins(conn: Connection, pipeline: Pipeline, batch_id: int) -> list[tuple[int, int]]:
+    """Accept again, for each key of `_refused_keys`, its first copy the gate flagged as a
+    duplicate (in the gate's order: timestamp, partition, offset); returns their provenance."""
+    staging = sql.Identifier("kafka2pg", pipeline.staging_table)
+    keys = sql.SQL(", ").join(sql.SQL("d.{}").format(sql.Identifier(k)) for k in pipeline.business_key)
+    return conn.execute(
+        sql.SQL(
+            "UPDATE {staging} s SET quarantine_reason = NULL FROM (SELECT DISTINCT ON ({keys}) d.kafka_partition,"
+            " d.kafka_offset FROM {staging} d JOIN ({refused}) r ON {join} WHERE d.batch_id = %(batch)s"
+            " AND starts_with(d.quarantine_reason, {duplicate}) AND {passes}"
+            " ORDER BY {keys}, d.kafka_timestamp, d.kafka_partition, d.kafka_offset) c"
+            " WHERE s.batch_id = %(batch)s AND s.kafka_partition = c.kafka_partition"
+            " AND s.kafka_offset = c.kafka_offset RETURNING s.kafka_partition, s.kafka_offset"
+        ).format(
+            staging=staging,
+            keys=keys,
+            refused=_refused_keys(pipeline),
+            join=_key_join(pipeline, "d", "r"),
+            duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE),
+            passes=_passes_the_gate(pipeline, "d"),
+        ),
+        {"batch": batch_id},
+    ).fetchall()
+
+
+def _name_stand_ins(conn: Connection, pipeline: Pipeline, batch_id: int) -> None:
+    """Say in the reasons of the duplicates left whose kept copy was refused which copy landed instead."""
+    staging = sql.Identifier("kafka2pg", pipeline.staging_table)
+    named = conn.execute(
+        sql.SQL(
+            "UPDATE {staging} s SET quarantine_reason = s.quarantine_reason || '; that copy was refused at"
+            " promotion, partition ' || a.kafka_partition || ' offset ' || a.kafka_offset || ' landed instead'"
+            " FROM {staging} a WHERE s.batch_id = %(batch)s AND a.batch_id = %(batch)s AND a.quarantine_reason IS NULL"
+            " AND {join} AND starts_with(s.quarantine_reason, {duplicate})"
+            " AND EXISTS (SELECT FROM {staging} r WHERE r.batch_id = %(batch)s AND {refused_join}"
+            " AND starts_with(r.quarantine_reason, {refused}))"
+        ).format(
+            staging=staging,
+            join=_key_join(pipeline, "a", "s"),
+            refused_join=_key_join(pipeline, "r", "s"),
+            duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE),
+            refused=sql.Literal(PROMOTION_REFUSED),
+        ),
+        {"batch": batch_id},
+    ).rowcount
+    if named:
+        log.warning(
+            "pipeline=%s batch_id=%s the copy of a business key the gate kept was refused at promotion: the next "
+            "copy landed instead (%s duplicate(s) left in quarantine say which)",
+            pipeline.name,
+            batch_id,
+            named,
+        )
 
 
 def insert_quarantine(conn: Connection, pipeline: Pipeline, batch_id: int) -> int:

@@ -128,3 +128,74 @@ def test_a_key_collision_behind_a_refused_row_still_goes_to_the_quality_gate(mak
     )
     assert reasons[3].startswith("PostgreSQL refused the row at promotion: 23514")
     assert reasons[12].startswith("business key already promoted by batch 0")
+
+
+def test_columns_named_like_the_words_of_kafka2pgs_own_sql_are_isolated_checked_and_quarantined_alike(
+    make_pipeline, run_batch, db
+):
+    # n, reason, p, o, k, v, h, d, r, s: names kafka2pg's statements give their own columns and aliases.
+    names = ["n", "reason", "p", "o", "k", "v", "h", "d", "r", "s"]
+    columns = [{"name": "event_id", "type": "text", "required": True}] + [
+        {"name": name, "type": "bigint"} for name in names
+    ]
+    env = make_pipeline(partitions=1, columns=columns)
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    db.execute(sql.SQL("ALTER TABLE {} ADD CONSTRAINT small_n CHECK (n < 100)").format(target))
+    events = [{"event_id": f"e-{i}", **{name: i for name in names}} for i in range(6)]
+    events[2]["n"] = 500  # refused by the target's CHECK at promotion
+    events.append(dict(events[4]))  # a duplicate, flagged by the gate
+    produce(env.settings.bootstrap_servers, env.topic, events, key_field=None)
+
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (5, 2)
+    landed = db.execute(sql.SQL("SELECT event_id, n, reason, s FROM {} ORDER BY 1").format(target)).fetchall()
+    assert landed == [(f"e-{i}", i, i, i) for i in (0, 1, 3, 4, 5)]
+    reasons = dict(
+        db.execute(
+            "SELECT kafka_offset, reason FROM kafka2pg.quarantine WHERE pipeline = %s", (env.pipeline.name,)
+        ).fetchall()
+    )
+    assert reasons[2].startswith("PostgreSQL refused the row at promotion: 23514"), reasons
+    assert reasons[6].startswith("duplicate business key within batch"), reasons
+
+
+def test_when_the_copy_of_a_key_the_gate_kept_is_refused_at_promotion_its_next_copy_lands_instead(
+    make_pipeline, run_batch, db, sample_columns
+):
+    rule = {"min": 0, "max": 1000, "on_violation": "fail"}  # checked by GX on the rows the gate accepts
+    env = make_pipeline(
+        partitions=1, columns=[{**c, **(rule if c["name"] == "amount" else {})} for c in sample_columns]
+    )
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    db.execute(sql.SQL("ALTER TABLE {} ADD CONSTRAINT no_xxx CHECK (currency <> 'XXX')").format(target))
+    events = [dict(e, amount=10) for e in sample_events(5, seed=84)]
+    first, second, third = (dict(events[0], currency=c) for c in ("XXX", "XXX", "EUR"))
+    other = dict(events[1], currency="XXX")  # refused, its key has no other copy
+    # offsets 0-2: key A refused, refused again, then a good copy; 3-4: key B good twice;
+    # 5: key C refused; 6-8: key D refused, then good twice; 9-11: key E refused, then without
+    # an amount the rule forbids (the gate would not have accepted it), then good
+    sent = [first, second, third, events[2], dict(events[2]), other]
+    sent += [dict(events[3], currency="XXX"), events[3], events[3]]
+    sent += [dict(events[4], currency="XXX"), dict(events[4], amount=9999), events[4]]
+    produce(env.settings.bootstrap_servers, env.topic, sent, key_field=None)
+
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (4, 8)
+    landed = db.execute(sql.SQL("SELECT event_id, kafka_offset FROM {} ORDER BY 2").format(target)).fetchall()
+    assert landed == [(events[i]["event_id"], o) for i, o in ((0, 2), (2, 3), (3, 7), (4, 11))]
+    reasons = dict(
+        db.execute(
+            "SELECT kafka_offset, reason FROM kafka2pg.quarantine WHERE pipeline = %s", (env.pipeline.name,)
+        ).fetchall()
+    )
+    assert sorted(reasons) == [0, 1, 4, 5, 6, 8, 9, 10]
+    refused = (0, 1, 5, 6, 9)
+    assert all(reasons[o].startswith("PostgreSQL refused the row at promotion: 23514") for o in refused), reasons
+    assert reasons[4].startswith("duplicate business key within batch") and "kept partition 0 offset 3" in reasons[4]
+    assert "landed instead" not in reasons[4]
+    assert "kept partition 0 offset 6" in reasons[8], reasons[8]
+    assert reasons[8].endswith("; that copy was refused at promotion, partition 0 offset 7 landed instead"), reasons[8]
+    assert reasons[10].endswith("partition 0 offset 11 landed instead"), reasons[10]
+    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
