@@ -102,6 +102,8 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
                 if not record_batch.num_rows:
                     continue
                 admitted = decoder.admit(record_batch.column("value").to_pylist())
+                if pipeline.kafka_reader == "spark":
+                    record_batch = undo_julian_rebase(record_batch)
                 record_batch, admitted = refuse_unreadable_timestamps(record_batch, admitted)
                 framed = frame(record_batch, admitted, decoder, batch_id, chunk, topic)
                 refused = copy_isolating(conn, copy, framed, into=f"kafka2pg.{pipeline.staging_table}")
@@ -144,6 +146,51 @@ UNREADABLE_TIMESTAMP = (
     "store it, but client libraries cannot read it back (a producer that sets microseconds or nanoseconds "
     "where Kafka expects milliseconds writes such timestamps)"
 )
+
+
+# 1582-10-15T00:00:00Z in microseconds: the first day of the Gregorian calendar.
+_GREGORIAN_CUTOVER_US = -12_219_292_800 * 1_000_000
+_DAY_US = 86_400 * 1_000_000
+
+
+def undo_julian_rebase(record_batch: pa.RecordBatch) -> pa.RecordBatch:
+    """The Kafka timestamps as Kafka holds them, from Spark's Kafka source. It converts each one
+    through `java.sql.Timestamp`, whose calendar is Julian before 1582-10-15: an instant before
+    then arrives with its Julian date read as a Gregorian one (1582-10-04 as 1582-09-24, 0001-01-01
+    as 0001-01-03). The reverse, exact for a JVM whose default time zone is UTC (the date's days
+    are moved, never its time of day)."""
+    stamps = record_batch.column("timestamp")
+    micros = stamps.cast(pa.int64())
+    early = pc.indices_nonzero(pc.less(micros, pa.scalar(_GREGORIAN_CUTOVER_US, pa.int64()))).to_pylist()
+    if not early:
+        return record_batch
+    values = micros.to_pylist()
+    for i in early:
+        days, time_of_day = divmod(values[i], _DAY_US)
+        values[i] = (days + _julian_minus_gregorian_days(days)) * _DAY_US + time_of_day
+    fixed = pa.array(values, pa.int64()).cast(stamps.type)
+    position = record_batch.schema.get_field_index("timestamp")
+    return record_batch.set_column(position, record_batch.schema.field(position), fixed)
+
+
+def _julian_minus_gregorian_days(days: int) -> int:
+    """For the Gregorian date `days` after 1970-01-01: how many days later the same year, month
+    and day fall in the Julian calendar (Julian day numbers of both)."""
+    year, month = _civil_from_days(days)
+    y = year + 4800 - (month <= 2)
+    return y // 100 - y // 400 - 38
+
+
+def _civil_from_days(days: int) -> tuple[int, int]:
+    """The proleptic Gregorian year and month of a day count from 1970-01-01, any year."""
+    z = days + 719_468
+    era = z // 146_097
+    doe = z - era * 146_097
+    yoe = (doe - doe // 1460 + doe // 36_524 - doe // 146_096) // 365
+    doy = doe - (365 * yoe + yoe // 4 - yoe // 100)
+    mp = (5 * doy + 2) // 153
+    month = mp + 3 if mp < 10 else mp - 9
+    return yoe + era * 400 + (month <= 2), month
 
 
 def refuse_unreadable_timestamps(

@@ -4,7 +4,7 @@ default) goes to quarantine naming the timestamp, with its bytes; the rest of th
 
 import json
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from confluent_kafka import Producer
@@ -101,3 +101,38 @@ def test_with_sparks_kafka_source_too_and_one_it_cannot_convert_fails_the_stage_
     assert "Spark's Kafka source cannot read a record of it" in message and "offset 4" in message, message
     assert "kafka_reader: librdkafka" in message and "kafka2pg reset" in message, message
     assert heads(env) == {0: 4}  # nothing of that batch promoted
+
+
+@pytest.mark.parametrize("reader", ["librdkafka", "spark"])
+def test_kafka_timestamps_before_the_gregorian_calendar_land_exactly_with_either_reader(
+    reader, make_pipeline, run_batch, db
+):
+    # Spark's Kafka source reads them through java.sql.Timestamp's Julian calendar (1582-10-04
+    # arrives as 1582-09-24); kafka2pg turns them back.
+    env = make_pipeline(partitions=1, create_topic=False, kafka_reader=reader)
+    _topic_accepting_any_timestamp(env)
+    instants = [
+        datetime(1, 1, 1, tzinfo=UTC),
+        datetime(1000, 3, 1, 12, 0, 0, 1000, tzinfo=UTC),
+        datetime(1500, 6, 1, tzinfo=UTC),
+        datetime(1582, 10, 4, 23, 59, 59, 999000, tzinfo=UTC),
+        datetime(1582, 10, 15, tzinfo=UTC),
+        datetime(1900, 1, 1, tzinfo=UTC),
+    ]
+    stamps = [(instant - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(milliseconds=1) for instant in instants]
+    stamps.append(stamps[0] - 1)  # 0000-12-31T23:59:59.999Z: before year 1
+    producer = Producer(client_config(env.settings.bootstrap_servers, 10))
+    for n, stamp in enumerate(stamps):
+        producer.produce(env.topic, value=_event(n), partition=0, timestamp=stamp)
+    assert producer.flush(30) == 0
+
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (6, 1)
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    landed = db.execute(sql.SQL("SELECT kafka_timestamp FROM {} ORDER BY kafka_offset").format(target)).fetchall()
+    assert [stamp for (stamp,) in landed] == instants
+    reasons = db.execute(
+        "SELECT kafka_offset, reason FROM kafka2pg.quarantine WHERE pipeline = %s", (env.pipeline.name,)
+    )
+    assert reasons.fetchall() == [(6, UNREADABLE_TIMESTAMP)]
