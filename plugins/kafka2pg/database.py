@@ -5,6 +5,7 @@ Connection errors are translated into `DatabaseUnavailableError` naming host and
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -28,7 +29,22 @@ def describe(url: str) -> str:
     except psycopg.ProgrammingError:
         return "(a malformed connection string)"
     host = params.get("host") or params.get("hostaddr") or "localhost"
-    return f"{host}:{params.get('port') or 5432}/{params.get('dbname') or ''}"
+    return hide_password(f"{host}:{params.get('port') or 5432}/{params.get('dbname') or ''}", url)
+
+
+def hide_password(text: str, url: str) -> str:
+    """`text` with every part of the password typed in `url` replaced by ***. A password in a URL
+    with an unencoded `/`, `@`, `?` or `#` is read by libpq partly as the host, port or database,
+    which its messages and `describe` then show."""
+    scheme, separator, rest = url.partition("://")
+    if not separator or "@" not in rest:
+        return text
+    password = rest[: rest.rfind("@")].partition(":")[2]
+    pieces = {password, *re.split(r"[/@?#:]", password)}
+    for piece in sorted(pieces, key=len, reverse=True):
+        if len(piece) >= 3:
+            text = text.replace(piece, "***")
+    return text
 
 
 def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) -> psycopg.Connection:
@@ -45,7 +61,12 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
             "(postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL"
         ) from None
     except psycopg.OperationalError as exc:
-        message = _one_line(exc)
+        message = hide_password(_one_line(exc), url)
+        if message != _one_line(exc) or "***" in describe(url):
+            message = (
+                f"{_sentence(message)} Part of the URL's password was read as its host, port or database: in a "
+                "URL, percent-encode / @ ? # : in the password (%2F %40 %3F %23 %3A)"
+            )
         if any(refusal in message for refusal in _REFUSALS):
             raise DatabaseRefusedError(
                 f"PostgreSQL at {describe(url)} refuses the connection: {_sentence(message)} Retrying cannot "
@@ -105,7 +126,8 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
         if not conn.broken:
             raise
         raise DatabaseUnavailableError(
-            f"lost the connection to PostgreSQL at {describe(url)} inside a transaction ({str(exc).strip()}). "
+            f"lost the connection to PostgreSQL at {describe(url)} inside a transaction "
+            f"({hide_password(str(exc).strip(), url)}). "
             "It was rolled back (or, if lost during COMMIT, may have committed); every kafka2pg step is "
             "safe to retry and finds out which.",
             database=describe(url),

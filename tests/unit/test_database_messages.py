@@ -1,0 +1,22 @@
+"""Connection errors never show the password, even one libpq reads partly as the host, port or
+database because a character in it is not percent-encoded."""
+
+import re
+
+import pytest
+
+from kafka2pg.database import connect, describe
+from kafka2pg.exceptions import ConfigError, DatabaseRefusedError, DatabaseUnavailableError
+
+PASSWORDS = ["S3cr/etXy", "S3cret@Passw0rd", "Pa55word?x=1", "Pa55#word", "Pa55:w0rd/sl@sh"]
+
+
+@pytest.mark.parametrize("password", PASSWORDS)
+def test_no_part_of_a_password_typed_unencoded_in_a_url_is_in_the_error_or_the_description(password):
+    url = f"postgresql://k2p_owner:{password}@127.0.0.1:9/kafka2pg"
+    with pytest.raises((DatabaseUnavailableError, DatabaseRefusedError, ConfigError)) as failed:
+        connect(url, connect_timeout=2)
+    shown = f"{failed.value} {describe(url)}"
+    parts = [password, *(p for p in re.split(r"[/@?#:]", password) if len(p) >= 3)]
+    assert not [part for part in parts if part in shown], shown
+    assert failed.value.__cause__ is None and failed.value.__context__ is None or failed.value.__suppress_context__
