@@ -116,14 +116,14 @@ def _reset_stack(cache: Path, *, confirm: bool) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from kafka2pg.connections import services
+    from kafka2pg.connections import database_url
     from kafka2pg.migrations import migrate
 
     pipelines = list(load_pipelines(pipelines_file_from_env()).values())
     databases = {p.postgres_conn_id for p in pipelines} or {DEFAULT_POSTGRES_CONN_ID}
     for conn_id in sorted(databases):  # each database its pipelines' tables
-        settings = services(postgres_conn_id=conn_id, who=f"migrate ({conn_id})")
-        applied = migrate(settings.database_url, [p for p in pipelines if p.postgres_conn_id == conn_id])
+        url = database_url(conn_id, who=f"migrate ({conn_id})")
+        applied = migrate(url, [p for p in pipelines if p.postgres_conn_id == conn_id])
         print(f"{conn_id}: migrations applied: {', '.join(applied) or 'none pending'}; pipeline tables ensured")
     print(
         "If the DAGs connect as another role, run `./kafka2pg grant --role THAT_ROLE` now for the tables this created."
@@ -132,18 +132,18 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_grant(args: argparse.Namespace) -> int:
-    from kafka2pg.connections import services
+    from kafka2pg.connections import database_url
     from kafka2pg.grants import apply_grants, print_grants
 
     pipelines = list(load_pipelines(pipelines_file_from_env()).values())
     databases = {p.postgres_conn_id for p in pipelines} or {DEFAULT_POSTGRES_CONN_ID}
     for conn_id in sorted(databases):
-        settings = services(postgres_conn_id=conn_id, who=f"grant ({conn_id})")
+        url = database_url(conn_id, who=f"grant ({conn_id})")
         mine = [p for p in pipelines if p.postgres_conn_id == conn_id]
         if args.print_only:
-            print(print_grants(settings.database_url, mine, args.role))
+            print(print_grants(url, mine, args.role))
             continue
-        apply_grants(settings.database_url, mine, args.role)
+        apply_grants(url, mine, args.role)
         names = ", ".join(p.name for p in mine) or "none"
         print(
             f"{conn_id}: granted role {args.role!r} kafka2pg's run-time privileges on its own tables and those of "
@@ -385,9 +385,12 @@ def cmd_undo(args: argparse.Namespace) -> int:
 def cmd_offsets(args: argparse.Namespace) -> int:
     from kafka2pg.kafka_offsets import offsets_for_times
 
+    low, high = _epoch_ms(args.start), _epoch_ms(args.end)
+    if low >= high:
+        raise ConfigError(f"time window: --from {args.start} must be before --to {args.end}")
     settings, pipeline = _pipeline(args)
-    start = offsets_for_times(settings.kafka, pipeline.topic, _epoch_ms(args.start), settings.kafka_timeout_s)
-    end = offsets_for_times(settings.kafka, pipeline.topic, _epoch_ms(args.end), settings.kafka_timeout_s)
+    start = offsets_for_times(settings.kafka, pipeline.topic, low, settings.kafka_timeout_s)
+    end = offsets_for_times(settings.kafka, pipeline.topic, high, settings.kafka_timeout_s)
     print(f"topic {pipeline.topic}: records with timestamps in [{args.start}, {args.end})")
     for partition in sorted(start):
         print(f"  partition {partition}: offsets [{start[partition]}, {end[partition]})")

@@ -373,6 +373,10 @@ def load_pipelines(path: Path | None = None) -> dict[str, Pipeline]:
         document = yaml.safe_load(path.read_text())
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: pipelines file not found (set KAFKA2PG_PIPELINES)") from exc
+    except IsADirectoryError as exc:
+        raise ConfigError(f"{path}: a directory, not a pipelines file (KAFKA2PG_PIPELINES names the file)") from exc
+    except (PermissionError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: the pipelines file cannot be read ({exc})") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(document, dict) or not isinstance(document.get("pipelines"), list):

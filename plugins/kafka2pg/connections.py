@@ -25,6 +25,7 @@ from kafka2pg.config import (
 )
 from kafka2pg.exceptions import ConfigError
 from kafka2pg.kafka_config import KafkaConfig
+from kafka2pg.locations import state_dir
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +73,40 @@ def services(
     env = dict(os.environ if env is None else env)
     database_url = _postgres_url(postgres_conn_id) or env.get("KAFKA2PG_DATABASE_URL")
     kafka = _kafka_config(kafka_config_id) or kafka_from_env(env)
-    missing = [
-        f"neither the Airflow connection {conn_id!r} nor {variable} is defined"
-        for conn_id, variable, found in (
+    _require(
+        who,
+        [
             (postgres_conn_id, "KAFKA2PG_DATABASE_URL", database_url),
             (kafka_config_id, "KAFKA2PG_BOOTSTRAP_SERVERS (or KAFKA2PG_KAFKA_CONFIG)", kafka),
-        )
-        if not found
+        ],
+        env,
+    )
+    return Settings(kafka=kafka, database_url=database_url, **common_settings(env))
+
+
+def database_url(
+    postgres_conn_id: str = DEFAULT_POSTGRES_CONN_ID, env: dict[str, str] | None = None, who: str = "kafka2pg"
+) -> str:
+    """The PostgreSQL connection alone (for commands that never ask Kafka: migrate, grant)."""
+    env = dict(os.environ if env is None else env)
+    url = _postgres_url(postgres_conn_id) or env.get("KAFKA2PG_DATABASE_URL")
+    _require(who, [(postgres_conn_id, "KAFKA2PG_DATABASE_URL", url)], env)
+    return url
+
+
+def _require(who: str, found: list[tuple[str, str, object]], env: dict[str, str]) -> None:
+    missing = [
+        f"neither the Airflow connection {conn_id!r} nor {variable} is defined"
+        for conn_id, variable, value in found
+        if not value
     ]
     if missing:
+        stack_env = state_dir(env) / "stack" / "stack.env"
         raise ConfigError(
             f"{who}: {'; '.join(missing)}. Define the connections (README, Configuration: "
             "AIRFLOW_CONN_* variables, the Airflow UI or a secrets backend), or start the local stack with "
-            "`./kafka2pg stack start` and `source .cache/stack/stack.env`"
+            f"`./kafka2pg stack start` and `source {stack_env}`"
         )
-    return Settings(kafka=kafka, database_url=database_url, **common_settings(env))
 
 
 def _postgres_url(conn_id: str) -> str | None:

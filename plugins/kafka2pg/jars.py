@@ -18,7 +18,7 @@ import tarfile
 from pathlib import Path
 
 from kafka2pg.exceptions import StackError
-from kafka2pg.locations import PACKAGE_DIR, default_state_dir
+from kafka2pg.locations import PACKAGE_DIR, default_state_dir, state_dir
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,10 @@ def jar_dir(cache: Path, name: str) -> Path:
 SET_UP = ("kafka", "spark")
 
 
-def resolve_jars(cache: Path = DEFAULT_CACHE, names: tuple[str, ...] = SET_UP) -> dict[str, Path]:
-    """Resolve the jars of the named POMs once; later calls are offline."""
+def resolve_jars(cache: Path | None = None, names: tuple[str, ...] = SET_UP) -> dict[str, Path]:
+    """Resolve the jars of the named POMs once (under `cache`, by default the state directory,
+    KAFKA2PG_STATE_DIR); later calls are offline."""
+    cache = state_dir() if cache is None else cache
     result = {}
     for name in names:
         pom = POMS[name]
@@ -87,7 +89,7 @@ def _unpack_plugins(target: Path) -> None:
         archive.unlink()
 
 
-def spark_jars(cache: Path = DEFAULT_CACHE) -> list[Path]:
+def spark_jars(cache: Path | None = None) -> list[Path]:
     """The Kafka source jars Spark lacks (those pyspark already ships are left out)."""
     import pyspark
 

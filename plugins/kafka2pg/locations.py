@@ -46,9 +46,10 @@ def default_state_dir() -> Path:
 
 
 def state_dir(env: dict[str, str] | None = None) -> Path:
-    """KAFKA2PG_STATE_DIR, or the default above."""
+    """KAFKA2PG_STATE_DIR (made absolute: the stack's processes and files refer to it from other
+    directories), or the default above."""
     value = (os.environ if env is None else env).get("KAFKA2PG_STATE_DIR")
-    return Path(value) if value else default_state_dir()
+    return Path(value).expanduser().absolute() if value else default_state_dir()
 
 
 def default_pipelines_file() -> Path:

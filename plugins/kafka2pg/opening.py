@@ -28,7 +28,7 @@ from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_re
 from kafka2pg.kafka_reader import record_timestamp
 from kafka2pg.ledger import lock_plan, read_head_batches, read_heads
 from kafka2pg.lifecycle import OPEN, BatchState, resume_or_abandon
-from kafka2pg.planner import BatchPlan, LossHorizon, PartitionState, loss_horizon, plan_batch
+from kafka2pg.planner import BatchPlan, LossHorizon, PartitionState, describe_ranges, loss_horizon, plan_batch
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ def _open(
         return OpenedBatch(None, False, _nothing_new(pipeline, offsets, heads))
     if dry_run:
         draft = Batch(0, pipeline.name, pipeline.topic, BatchState.PLANNED, plan)  # not recorded
-        return OpenedBatch(draft, False, f"dry run: would read {plan.record_budget} offsets; nothing recorded")
+        message = f"dry run: would read {plan.record_budget} offsets: {describe_ranges(plan.ranges)}; nothing recorded"
+        return OpenedBatch(draft, False, message)
     batch = insert_batch(conn, pipeline, plan, run_id)
     return OpenedBatch(batch, False, f"planned batch {batch.batch_id}: {plan.record_budget} offsets")
 

@@ -219,7 +219,9 @@ def test_time_to_data_loss_is_logged_and_shown_with_a_warning_under_the_threshol
     create_topic(env, partitions=2, **{"retention.ms": str(3600 * 1000)})
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(40, seed=35)))
     with caplog.at_level(logging.INFO, logger="kafka2pg.ledger"):
-        open_batch(env.settings, env.pipeline, dry_run=True)
+        dry = open_batch(env.settings, env.pipeline, dry_run=True)
+    # The dry run names the ranges it would read (the topic's two partitions hold the 40 records).
+    assert dry.message.startswith("dry run: would read 40 offsets: p0[0,") and " p1[0," in dry.message, dry.message
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and all(
         "time to data loss ~1.0 h: UNDER the 2 h warning threshold" in w for w in warnings

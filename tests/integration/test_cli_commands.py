@@ -136,3 +136,17 @@ def test_status_as_a_role_without_privileges_says_to_grant_them_instead_of_a_tra
         assert f"pipeline {env.pipeline.name}: error: SchemaNotReadyError" in capsys.readouterr().err
     finally:
         db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_migrate_and_grant_need_only_the_database_not_kafka(make_pipeline, monkeypatch, capsys):
+    env = make_pipeline(partitions=1)
+    for name in ("KAFKA2PG_BOOTSTRAP_SERVERS", "KAFKA2PG_KAFKA_CONFIG", "AIRFLOW_CONN_KAFKA2PG_KAFKA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    assert cli.main(["migrate"]) == 0
+    assert cli.main(["grant", "--role", "some_runtime_role", "--print"]) == 0
+    printed = capsys.readouterr().out
+    assert "pipeline tables ensured" in printed and "GRANT" in printed, printed
+    assert cli.main(["offsets", "--pipeline", env.pipeline.name, "--from", "2026-01-02", "--to", "2026-01-01"]) == 2
+    assert "--from 2026-01-02 must be before --to 2026-01-01" in capsys.readouterr().err

@@ -143,6 +143,12 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("pipelines: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_pipelines(bad)
+    with pytest.raises(ConfigError, match="a directory, not a pipelines file"):
+        load_pipelines(tmp_path)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"pipelines: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_pipelines(binary)
 
 
 def test_settings_name_missing_environment_variables():
@@ -241,3 +247,21 @@ def test_the_reader_type_names_exactly_the_readers_config_accepts():
     import typing
 
     assert typing.get_args(typing.get_type_hints(Pipeline)["kafka_reader"]) == KAFKA_READERS
+
+
+def test_a_relative_state_directory_is_made_absolute(tmp_path, monkeypatch):
+    from kafka2pg.locations import state_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert state_dir({"KAFKA2PG_STATE_DIR": "relst"}) == tmp_path / "relst"
+
+
+def test_jars_resolve_under_the_state_directory_set_when_called(tmp_path, monkeypatch):
+    from kafka2pg import jars
+
+    monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path))
+    for name in jars.SET_UP:  # as if resolved: nothing to fetch
+        target = jars.jar_dir(tmp_path, name)
+        target.mkdir(parents=True)
+        (target / ".complete").write_text((jars.MAVEN_DIR / jars.POMS[name]).read_text())
+    assert jars.resolve_jars() == {name: jars.jar_dir(tmp_path, name) for name in jars.SET_UP}
