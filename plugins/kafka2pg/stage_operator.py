@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
@@ -63,6 +66,58 @@ class StageOperator(SparkSubmitOperator):
                 )
         with _environment(services):
             return super().execute(context)
+
+    def on_kill(self) -> None:
+        """Airflow stopping the task (marked failed or success by hand, a timeout, a worker shutting
+        down). The provider SIGKILLs spark-submit, so the job's driver, left without its JVM,
+        fails on its next call into Spark and records that as the batch's failure: two such stops
+        in a row and `status` calls the batch STUCK. The job's Python driver gets SIGTERM first
+        (it cancels Spark's jobs and exits 143, the batch left as it was; not a failure); the
+        provider's kill follows if spark-submit is still there after `STOP_GRACE_S`."""
+        process = getattr(self._hook, "_submit_sp", None) if self._hook is not None else None
+        if process is not None and process.poll() is None:
+            stop_job(process, str(self.application), STOP_GRACE_S)
+        super().on_kill()
+
+
+# Within Airflow's own wait between its SIGTERM and its SIGKILL of the task (60 s by default).
+STOP_GRACE_S = 30.0
+
+
+def stop_job(process: subprocess.Popen, application: str, grace_s: float) -> bool:
+    """SIGTERM the processes under `process` that run `application` (the job's Python driver,
+    a child of spark-submit's JVM in client mode) and wait up to `grace_s` for `process` to
+    exit; True if it did. Linux (/proc); elsewhere it only waits."""
+    for pid in _descendants(process.pid):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if application.encode() in command:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = entry.read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])  # after "pid (comm) state"
+        children.setdefault(ppid, []).append(int(entry.parent.name))
+    found, pending = [], [root]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.append(child)
+            pending.append(child)
+    return found
 
 
 def remote_env_master(master: str) -> bool:

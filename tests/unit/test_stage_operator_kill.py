@@ -1,0 +1,61 @@
+"""Airflow stopping the stage task: the job's Python driver under spark-submit gets SIGTERM and
+time to stop cleanly before the provider's SIGKILL."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from kafka2pg.stage_operator import stop_job
+
+DRIVER = """
+import pathlib, signal, sys, time
+def stop(*_):
+    pathlib.Path(sys.argv[1]).write_text("stopped")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+pathlib.Path(sys.argv[1] + ".ready").write_text("")
+time.sleep(120)
+"""
+
+
+def test_the_jobs_driver_under_spark_submit_gets_sigterm_and_spark_submit_exits_with_it(tmp_path):
+    application = tmp_path / "stage_job.py"
+    application.write_text(DRIVER)
+    marker = tmp_path / "driver"
+    # spark-submit's stand-in: a parent that runs the driver and exits with its status; a sibling
+    # that is not the job must be left alone.
+    parent = subprocess.Popen(
+        [
+            "bash",
+            "-c",
+            f'sleep 120 & other=$!; {sys.executable} {application} {marker}; status=$?; kill $other; exit "$status"',
+        ],
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "driver.ready").exists():
+            assert time.monotonic() < deadline and parent.poll() is None, "the driver did not start"
+            time.sleep(0.05)
+
+        assert stop_job(parent, str(application), 60)
+
+        assert marker.read_text() == "stopped"
+        assert parent.returncode == 143
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+
+
+def test_without_the_jobs_driver_it_only_waits_and_says_whether_spark_submit_exited(tmp_path):
+    parent = subprocess.Popen(["sleep", "120"])
+    try:
+        assert not stop_job(parent, str(tmp_path / "stage_job.py"), 0.5)
+        assert parent.poll() is None
+    finally:
+        parent.kill()
+        parent.wait()
