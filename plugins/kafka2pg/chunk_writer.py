@@ -29,7 +29,7 @@ from kafka2pg.admission import (
 )
 from kafka2pg.config import Pipeline
 from kafka2pg.copy_binary import HEADER, TRAILER, copy_rows
-from kafka2pg.database import isolate_refused
+from kafka2pg.database import isolate_refused, limit_idle_transactions
 from kafka2pg.exceptions import BatchStateError
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import PROVENANCE, RAW, staging_columns
@@ -80,7 +80,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
         table = sql.Identifier("kafka2pg", pipeline.staging_table)
         copy = staging_copy(pipeline)
         stats: dict[int, list] = {}
-        with collector_paused(), psycopg.connect(database_url, client_encoding="UTF8") as conn:
+        with collector_paused(), limit_idle_transactions(psycopg.connect(database_url, client_encoding="UTF8")) as conn:
             claim = conn.execute(
                 "SELECT state, epoch FROM kafka2pg.batches WHERE batch_id = %s FOR SHARE", (batch_id,)
             ).fetchone()

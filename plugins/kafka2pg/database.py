@@ -5,7 +5,9 @@ Connection errors are translated into `DatabaseUnavailableError` naming host and
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -20,6 +22,8 @@ from kafka2pg.exceptions import (
     TableRefusesRowsError,
 )
 from kafka2pg.locations import migration_files
+
+log = logging.getLogger(__name__)
 
 
 def describe(url: str) -> str:
@@ -53,7 +57,7 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
     `ConfigError` if the connection string is malformed. No message (nor its chained cause)
     shows the password."""
     try:
-        return psycopg.connect(url, autocommit=autocommit, connect_timeout=connect_timeout)
+        return limit_idle_transactions(psycopg.connect(url, autocommit=autocommit, connect_timeout=connect_timeout))
     except psycopg.ProgrammingError as exc:
         # psycopg quotes the offending part of the string, the password included: not re-raised.
         raise ConfigError(
@@ -79,6 +83,65 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
             "postgres connection (postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL is right.",
             database=describe(url),
         ) from None
+
+
+# A transaction of kafka2pg never waits on its client for long (Kafka is asked outside them; a
+# chunk's COPYs wait at most a Kafka read stall between them): one idle this long belongs to a
+# process that is frozen (SIGSTOP, a hung VM, a network partition that kept the TCP connection)
+# and still holds its locks, the batch's claim among them. PostgreSQL ends its session, so the
+# next run can go on; the frozen process, if it wakes, finds its connection gone.
+IDLE_IN_TRANSACTION_TIMEOUT_S = 600
+
+
+def limit_idle_transactions(conn: psycopg.Connection) -> psycopg.Connection:
+    """Set the session's `idle_in_transaction_session_timeout` (IDLE_IN_TRANSACTION_TIMEOUT_S)."""
+    conn.execute(
+        "SELECT set_config('idle_in_transaction_session_timeout', %s, false)", (f"{IDLE_IN_TRANSACTION_TIMEOUT_S}s",)
+    )
+    if not conn.autocommit:
+        conn.commit()
+    return conn
+
+
+LOCK_WAIT_LOG_S = 15.0
+
+
+@contextmanager
+def waits_logged(url: str, conn: psycopg.Connection, purpose: str) -> Iterator[None]:
+    """While the block runs, every LOCK_WAIT_LOG_S seconds: if `conn`'s statement waits on a lock,
+    log which sessions hold it (pid, application, state and since when), from a connection of its own."""
+    every_s = LOCK_WAIT_LOG_S
+    done = threading.Event()
+    waiting = conn.info.backend_pid
+
+    def watch() -> None:
+        while not done.wait(every_s):
+            try:
+                with psycopg.connect(url, autocommit=True, connect_timeout=10) as watcher:
+                    holders = watcher.execute(
+                        "SELECT pid, coalesce(nullif(application_name, ''), 'no application name'), state,"
+                        " to_char(now() - coalesce(xact_start, state_change), 'HH24:MI:SS')"
+                        " FROM pg_stat_activity WHERE pid = ANY(pg_blocking_pids(%s))",
+                        (waiting,),
+                    ).fetchall()
+            except psycopg.Error:
+                continue
+            if holders:
+                log.warning(
+                    "%s waits for a lock held by %s; a holder frozen while idle in its transaction is ended by "
+                    "PostgreSQL after %s s (idle_in_transaction_session_timeout); one busy in a statement can be "
+                    "ended with SELECT pg_terminate_backend(pid)",
+                    purpose,
+                    ", ".join(f"backend pid {pid} ({app}, {state} for {since})" for pid, app, state, since in holders),
+                    IDLE_IN_TRANSACTION_TIMEOUT_S,
+                )
+
+    thread = threading.Thread(target=watch, name="kafka2pg-lock-wait-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 # What PostgreSQL says when it answers and refuses a connection for good (its English messages:

@@ -22,7 +22,7 @@ from kafka2pg.batch_store import (
     transition,
 )
 from kafka2pg.config import Pipeline, Settings
-from kafka2pg.database import transaction
+from kafka2pg.database import transaction, waits_logged
 from kafka2pg.exceptions import BatchStateError, LedgerConflictError
 from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_retention
 from kafka2pg.kafka_reader import record_timestamp
@@ -58,11 +58,12 @@ def open_batch(
     """
     offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     with transaction(settings.database_url) as conn:
-        # One planner per pipeline at a time; promotion is still fenced by compare-and-set.
-        lock_plan(conn, pipeline.name)
-        # Lock the open batch BEFORE reading heads: a promote of it still in flight commits
-        # first, so the heads read below are never older than the batch states seen.
-        open_id = open_batch_id(conn, pipeline)
+        with waits_logged(settings.database_url, conn, f"pipeline={pipeline.name} the plan"):
+            # One planner per pipeline at a time; promotion is still fenced by compare-and-set.
+            lock_plan(conn, pipeline.name)
+            # Lock the open batch BEFORE reading heads: a promote of it still in flight commits
+            # first, so the heads read below are never older than the batch states seen.
+            open_id = open_batch_id(conn, pipeline)
         if not dry_run:  # this run takes the pipeline over: an earlier run's lookahead is void
             abandon_lookaheads(conn, pipeline, f"run {run_id} took the pipeline over before it was promoted")
         heads = read_heads(conn, pipeline.name)

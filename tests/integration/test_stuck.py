@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import psycopg
 import pytest
 from psycopg import sql
 
@@ -73,3 +74,42 @@ def test_a_batch_failing_promotion_in_two_runs_is_stuck_in_status_verify_and_the
     assert "STUCK" not in ledger_report(env.settings, env.pipeline)
     passed = verify(env)
     assert passed.returncode == 0 and "result: clean" in passed.stdout
+
+
+def test_a_frozen_process_holding_the_open_batch_is_named_while_the_plan_waits_and_ended_by_postgresql(
+    make_pipeline, monkeypatch, caplog
+):
+    import logging
+    import threading
+
+    from kafka2pg import database
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(5, seed=91)))
+    planned = open_batch(env.settings, env.pipeline, run_id="first")
+    monkeypatch.setattr(database, "IDLE_IN_TRANSACTION_TIMEOUT_S", 4)
+    monkeypatch.setattr(database, "LOCK_WAIT_LOG_S", 0.5)
+    # A stage job frozen (SIGSTOP) inside its transaction: the batch's row locked, the session idle.
+    frozen = database.connect(env.settings.database_url)
+    frozen.execute("SELECT 1 FROM kafka2pg.batches WHERE batch_id = %s FOR UPDATE", (planned.batch.batch_id,))
+
+    rescued = []  # without the timeout the plan would wait for good: end the holder at a deadline, and fail
+
+    def rescue() -> None:
+        rescued.append(True)
+        with psycopg.connect(env.settings.database_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (frozen.info.backend_pid,))
+
+    deadline = threading.Timer(120, rescue)
+    deadline.start()
+    with caplog.at_level(logging.WARNING, logger="kafka2pg.database"):
+        resumed = open_batch(env.settings, env.pipeline, run_id="second")
+    deadline.cancel()
+    assert not rescued, "the frozen holder was not ended by PostgreSQL"
+
+    assert resumed.resumed and resumed.batch.batch_id == planned.batch.batch_id
+    waits = [r.getMessage() for r in caplog.records if "waits for a lock held by" in r.getMessage()]
+    assert waits and f"backend pid {frozen.info.backend_pid} (" in waits[0], caplog.text
+    assert "idle in transaction" in waits[0] and "pg_terminate_backend" in waits[0], waits[0]
+    with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):  # PostgreSQL ended its session
+        frozen.execute("SELECT 1")
