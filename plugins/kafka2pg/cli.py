@@ -496,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", type=int, required=True)
     p.add_argument("--to-offset", type=int, help="the new head (next offset to read)")
     p.add_argument("--drop", action="store_true", help="drop the head of a partition the topic no longer has")
-    p.add_argument("--reason", default="topic recreated or restored", help="recorded in kafka2pg.ledger_resets")
+    p.add_argument("--reason", default="no reason given", help="why: recorded in kafka2pg.ledger_resets")
     p.add_argument(
         "--archive-old-rows",
         action="store_true",

@@ -234,6 +234,13 @@ def reset_head(
         message = f"pipeline {pipeline.name} partition {partition}: head {current} -> {target}"
         if open_id is not None:
             message += f"; unfinished batch {open_id} is abandoned"
+        broker = offsets.get(partition)
+        if to_offset is not None and broker is not None and max(current or 0, broker.low) < to_offset:
+            skipped_from = max(current or 0, broker.low)
+            message += (
+                f"; offsets [{skipped_from}, {to_offset}) that Kafka still holds ({to_offset - skipped_from} at most) "
+                "will never be loaded: they are skipped, not lost to Kafka, and no audit reports them"
+            )
         old_rows = _old_rows(conn, pipeline, partition)
         if old_rows:
             message += (

@@ -87,7 +87,8 @@ def quality_summary(settings: Settings, pipeline: Pipeline, batch_id: int | None
     """
     with session(settings.database_url) as conn:
         row = conn.execute(
-            "SELECT b.batch_id, b.state, b.report_path FROM kafka2pg.batches b"
+            "SELECT b.batch_id, b.state, b.report_path, r.verdict, b.records_read, b.rows_quarantined"
+            " FROM kafka2pg.batches b LEFT JOIN kafka2pg.quality_results r USING (batch_id)"
             " WHERE b.pipeline = %s AND (%s::bigint IS NULL OR b.batch_id = %s)"
             " AND (b.report_path IS NOT NULL OR EXISTS (SELECT FROM kafka2pg.quality_results r"
             " WHERE r.batch_id = b.batch_id)) ORDER BY b.batch_id DESC LIMIT 1",
@@ -100,8 +101,12 @@ def quality_summary(settings: Settings, pipeline: Pipeline, batch_id: int | None
             " ORDER BY check_name",
             (row[0],),
         ).fetchall()
+    batch, state, _, verdict, read, quarantined = row
     failed = [f"{name} ({n} unexpected)" for name, ok, n in checks if not ok]
     caught = [f"{name}: {n}" for name, ok, n in checks if ok and n]
+    refused = (quarantined or 0) - sum(n for name, ok, n in checks if ok and n and not name.startswith("gx:"))
+    if refused > 0:  # not flagged by a check: refused by admission or by PostgreSQL (staging, promotion)
+        caught.insert(0, f"refused by admission or PostgreSQL: {refused}")
     where = (
         f"quality report {row[2]}"
         if row[2]
@@ -109,8 +114,9 @@ def quality_summary(settings: Settings, pipeline: Pipeline, batch_id: int | None
     )
     return "\n".join(
         [
-            f"pipeline {pipeline.name} batch {row[0]} ({row[1]}): {where}",
-            f"  {len(checks)} checks, {len(failed)} failed" + (f": {'; '.join(failed)}" if failed else ""),
-            "  caught and quarantined: " + ("; ".join(caught) or "nothing"),
+            f"pipeline {pipeline.name} batch {batch} ({state}): {where}",
+            f"  verdict: {verdict or 'not recorded'}; {len(checks)} checks, {len(failed)} failed"
+            + (f": {'; '.join(failed)}" if failed else ""),
+            f"  caught and quarantined (of {read or 0} records read): " + ("; ".join(caught) or "nothing"),
         ]
     )

@@ -383,6 +383,7 @@ def test_recreated_topic_is_an_offset_regression_until_an_explicit_recorded_rese
     assert (
         not preview.applied and "head 50 -> 0" in preview.message and "50 promoted/quarantined rows" in preview.message
     )
+    assert "will never be loaded" not in preview.message  # nothing Kafka holds is skipped
     with pytest.raises(OffsetRegressionError):
         open_batch(env.settings, env.pipeline)
 
@@ -399,6 +400,16 @@ def test_recreated_topic_is_an_offset_regression_until_an_explicit_recorded_rese
     ).fetchone()[0]
     assert archived == 50
     assert_audit_clean(env)
+
+
+def test_a_reset_forward_says_which_offsets_kafka_holds_that_will_never_be_loaded(make_pipeline, run_batch):
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(20, seed=40)))
+    run_batch(env)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(10, seed=41)))
+    preview = reset_head(env.settings, env.pipeline, 0, 25, reason="skip a bad producer", confirm=False)
+    assert "head 20 -> 25" in preview.message, preview.message
+    assert "offsets [20, 25) that Kafka still holds (5 at most) will never be loaded" in preview.message
 
 
 def test_a_time_window_maps_to_per_partition_offsets(make_pipeline):

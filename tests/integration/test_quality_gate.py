@@ -117,7 +117,8 @@ def test_quarantine_policy_keeps_each_event_once_and_the_report_shows_what_was_c
         'id="expectations"' in dom and "ExpectColumnValuesToBeUnique" in dom and "ExpectColumnValuesToBeBetween" in dom
     )
     assert '<td>business-key duplicates found</td><td class="num">1</td>' in dom
-    assert "PROMOTABLE" in dom and "caught and quarantined: business_key_unique_in_batch: 1" in summary
+    assert "PROMOTABLE" in dom and "verdict: promotable" in summary
+    assert "records read): refused by admission or PostgreSQL: 1; business_key_unique_in_batch: 1" in summary
 
 
 def test_fail_policy_promotes_nothing_and_fails_with_the_report_path(make_pipeline, spark, db, sample_columns):
@@ -423,7 +424,7 @@ def test_a_deferred_promoted_key_check_is_run_when_the_unique_index_refuses_a_ke
     )
     assert heads(env) == {0: 6}
     summary = quality_summary(env.settings, env.pipeline, second)
-    assert "caught and quarantined: business_key_not_already_promoted: 1; business_key_unique_in_batch: 1" in summary
+    assert "records read): business_key_not_already_promoted: 1; business_key_unique_in_batch: 1" in summary
 
     produce(env.settings.bootstrap_servers, env.topic, [events[5]], key_field=None)
     third = run_batch(env)

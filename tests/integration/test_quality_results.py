@@ -97,7 +97,8 @@ def test_the_report_is_stored_with_the_batch_and_rendered_from_the_database(
     assert cli.main(["report", "--pipeline", name]) == 0
     summary = capsys.readouterr().out
     assert f"batch {result.batch_id} (promoted): quality report in the database (kafka2pg report --html" in summary
-    assert "caught and quarantined: business_key_unique_in_batch: 1" in summary
+    assert "caught and quarantined (of 6 records read): refused by admission or PostgreSQL: 1;" in summary
+    assert "business_key_unique_in_batch: 1" in summary
 
     batches = client.get(f"/pipelines/{name}/batches").text
     row = cells(batches, f'data-batch="{result.batch_id}"')
