@@ -81,6 +81,7 @@ class TableFound:
     schema_usage: bool
     columns: frozenset[str]
     privileges: frozenset[str]  # of SELECT, INSERT, UPDATE, DELETE
+    types: tuple[tuple[str, str], ...] = ()  # (column, type as format_type shows it)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Readiness:
     tables: tuple[str, ...] = ()
     columns: tuple[str, ...] = ()
     privileges: tuple[str, ...] = ()
+    retyped: tuple[str, ...] = ()  # staging columns whose type is no longer the declared one
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -99,6 +101,7 @@ class Readiness:
             *(f"table {t}" for t in self.tables),
             *(f"column {c}" for c in self.columns),
             *self.privileges,
+            *(f"staging {r}" for r in self.retyped),
         )
 
 
@@ -133,7 +136,9 @@ def readiness(
         if not table.schema_usage:
             privileges.append(f"USAGE on schema {schema}")
         privileges += [f"{p} on {qualified}" for p in needed_privileges if p not in table.privileges]
-    return Readiness(tuple(pending), tuple(tables), tuple(columns), tuple(dict.fromkeys(privileges)))
+    staging = found.get(("kafka2pg", pipeline.staging_table))
+    retyped = retyped_columns(pipeline, dict(staging.types)) if staging is not None else []
+    return Readiness(tuple(pending), tuple(tables), tuple(columns), tuple(dict.fromkeys(privileges)), tuple(retyped))
 
 
 def require_ready(settings: Settings, pipeline: Pipeline) -> None:
@@ -151,7 +156,9 @@ def require_ready(settings: Settings, pipeline: Pipeline) -> None:
             " array(SELECT a.attname::text FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0"
             "       AND NOT a.attisdropped),"
             " array(SELECT p FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE']) p"
-            "       WHERE has_table_privilege(c.oid, p))"
+            "       WHERE has_table_privilege(c.oid, p)),"
+            " array(SELECT ARRAY[a.attname::text, format_type(a.atttypid, a.atttypmod)] FROM pg_attribute a"
+            "       WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)"
             " FROM unnest(%s::text[], %s::text[]) r(schema, name)"
             " LEFT JOIN pg_namespace n ON n.nspname = r.schema"
             " LEFT JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = r.name",
@@ -159,8 +166,10 @@ def require_ready(settings: Settings, pipeline: Pipeline) -> None:
         ).fetchall()
         role = rows[0][0]
         found = {
-            (schema, name): TableFound(schema, name, kind, usage, frozenset(columns), frozenset(privileges))
-            for _, schema, name, kind, usage, columns, privileges in rows
+            (schema, name): TableFound(
+                schema, name, kind, usage, frozenset(columns), frozenset(privileges), tuple(map(tuple, types))
+            )
+            for _, schema, name, kind, usage, columns, privileges, types in rows
         }
         ledger = found[MIGRATIONS_TABLE]
         applied = None
@@ -186,6 +195,8 @@ def _not_ready_message(settings: Settings, pipeline: Pipeline, role: str, ready:
         found.append(f"missing column(s) {', '.join(ready.columns)}")
     if ready.privileges:
         found.append(f"role {role!r} lacks {', '.join(ready.privileges)}")
+    if ready.retyped:
+        found.append(f"the staging table's {'; '.join(ready.retyped)}")
     todo = []
     pipelines = f"KAFKA2PG_PIPELINES={settings.pipelines_file}"
     if ready.pending or ready.tables:
@@ -197,6 +208,12 @@ def _not_ready_message(settings: Settings, pipeline: Pipeline, role: str, ready:
         todo.append(
             "`kafka2pg migrate` creates missing tables but does not change existing ones: add the columns "
             "(ALTER TABLE ... ADD COLUMN, as the owner) or correct the pipeline's columns in the pipelines file"
+        )
+    if ready.retyped:
+        todo.append(
+            f"the pipelines file changed column types since `kafka2pg migrate`: run it again ({pipelines}) as the "
+            "owning role (it makes the staging table again once no batch is staged, and says which target columns "
+            f"to change), then `kafka2pg grant --role {role}` unless {role!r} is that role"
         )
     if ready.privileges and not (ready.pending or ready.tables):
         todo.append(
@@ -242,6 +259,17 @@ def _create_pipeline_tables(conn: Connection, pipeline: Pipeline) -> None:
     staging = sql.Identifier("kafka2pg", pipeline.staging_table)
     conn.execute(_template("staging_table.sql").format(table=staging, columns=_column_list(pipeline, not_null=False)))
     _require_table(conn, pipeline, ("kafka2pg", pipeline.staging_table), "staging table", "name")
+    _rebuild_staging_if_retyped(conn, pipeline, staging)
+    changed = retyped_columns(pipeline, column_types(conn, pipeline.target_schema, pipeline.target_table))
+    if changed:
+        log.warning(
+            "pipeline=%s %s.%s: %s; migrate changes no existing target column: ALTER TABLE ... ALTER COLUMN ... "
+            "TYPE ... as its owner, or declare the column's type as it is, or the promotion casts or fails",
+            pipeline.name,
+            pipeline.target_schema,
+            pipeline.target_table,
+            "; ".join(changed),
+        )
     _ensure_index(
         conn,
         pipeline,
@@ -249,6 +277,54 @@ def _create_pipeline_tables(conn: Connection, pipeline: Pipeline) -> None:
         pipeline.staging_index,
         "staging_batch_index.sql",
         ("batch_id", "chunk"),
+    )
+
+
+def catalog_type(declared: str) -> str:
+    """A declared column type as PostgreSQL's `format_type` shows it."""
+    return {"timestamptz": "timestamp with time zone"}.get(declared, declared)
+
+
+def column_types(conn: Connection, schema: str, table: str) -> dict[str, str]:
+    """{column: type as `format_type` shows it} of a table (empty if there is none)."""
+    rows = conn.execute(
+        "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a"
+        " WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped",
+        (sql.Identifier(schema, table).as_string(conn),),
+    ).fetchall()
+    return dict(rows)
+
+
+def retyped_columns(pipeline: Pipeline, types: dict[str, str]) -> list[str]:
+    """The pipeline's columns whose type in `types` (a table's) is not the declared one, in words."""
+    return [
+        f"column {c.name} is {types[c.name]}, the pipeline declares {c.type}"
+        for c in pipeline.columns
+        if c.name in types and types[c.name] != catalog_type(c.type)
+    ]
+
+
+def _rebuild_staging_if_retyped(conn: Connection, pipeline: Pipeline, staging: sql.Identifier) -> None:
+    """The staging table is kafka2pg's own: when the pipelines file changed a column's type, it is
+    made again with the declared types, unless it holds a batch's rows (finish or undo it first)."""
+    changed = retyped_columns(pipeline, column_types(conn, "kafka2pg", pipeline.staging_table))
+    if not changed:
+        return
+    held = conn.execute(sql.SQL("SELECT DISTINCT batch_id FROM {} ORDER BY 1 LIMIT 5").format(staging)).fetchall()
+    if held:
+        raise ConfigError(
+            f"pipeline {pipeline.name!r}: the pipelines file changed column types ({'; '.join(changed)}) while "
+            f"kafka2pg.{pipeline.staging_table} holds the rows of batch(es) {', '.join(str(b) for (b,) in held)}: "
+            "finish them with the old types (trigger a run) or undo them, then run `kafka2pg migrate` again. "
+            "Nothing was changed."
+        )
+    conn.execute(sql.SQL("DROP TABLE {}").format(staging))  # its index and grants with it
+    conn.execute(_template("staging_table.sql").format(table=staging, columns=_column_list(pipeline, not_null=False)))
+    log.warning(
+        "pipeline=%s staging table made again with the declared types (%s); a runtime role needs "
+        "`kafka2pg grant` again",
+        pipeline.name,
+        "; ".join(changed),
     )
 
 

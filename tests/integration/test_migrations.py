@@ -82,6 +82,39 @@ def test_a_changed_business_key_keeps_the_old_index_and_says_so(make_pipeline, d
     assert "(event_id)" in indexes(db, "public", env.pipeline.target_table)[env.pipeline.business_key_index]
 
 
+def test_a_changed_column_type_stops_the_run_until_migrate_makes_staging_again_and_names_the_target_column(
+    make_pipeline, db, caplog
+):
+    from kafka2pg.exceptions import ConfigError
+    from kafka2pg.migrations import column_types
+
+    env = make_pipeline(create_topic=False)
+    retyped = tuple(dataclasses.replace(c, type="text") if c.name == "customer_id" else c for c in env.pipeline.columns)
+    changed = dataclasses.replace(env.pipeline, columns=retyped)
+    with pytest.raises(SchemaNotReadyError) as stopped:
+        require_ready(env.settings, changed)
+    message = str(stopped.value)
+    assert "the staging table's column customer_id is bigint, the pipeline declares text" in message, message
+    assert "run it again" in message, message
+
+    staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (batch_id, chunk, kafka_topic, kafka_partition, kafka_offset) VALUES (99, 0, 't', 0, 0)"
+        ).format(staging)
+    )
+    with pytest.raises(ConfigError, match=r"holds the rows of batch\(es\) 99"):
+        migrate(env.settings.database_url, [changed])
+    assert column_types(db, "kafka2pg", env.pipeline.staging_table)["customer_id"] == "bigint"  # nothing changed
+
+    db.execute(sql.SQL("DELETE FROM {}").format(staging))
+    with caplog.at_level(logging.WARNING, logger="kafka2pg.migrations"):
+        migrate(env.settings.database_url, [changed])
+    assert column_types(db, "kafka2pg", env.pipeline.staging_table)["customer_id"] == "text"
+    assert "column customer_id is bigint, the pipeline declares text; migrate changes no existing target" in caplog.text
+    require_ready(env.settings, changed)  # the target's type is the user's to change
+
+
 @pytest.fixture
 def own_database(base_settings, db):
     """A database of its own in the test cluster (migrations change the whole schema), dropped after."""
