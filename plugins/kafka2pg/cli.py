@@ -397,6 +397,17 @@ def cmd_offsets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def _epoch_ms(text: str) -> int:
     try:
         moment = datetime.fromisoformat(text)
@@ -419,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="start the local stack, produce events, run the DAG twice, print the ledger")
-    p.add_argument("--events", type=int, default=10_000, help="sample events to produce (default 10000)")
+    p.add_argument("--events", type=_positive, default=10_000, help="sample events to produce (default 10000)")
     p.add_argument("--keep", action="store_true", help="leave the stack running (stop it with `stack stop`)")
     p.set_defaults(func=cmd_demo)
 
@@ -459,8 +470,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("produce", help="produce sample events with an idempotent producer")
     p.add_argument("--topic", default="orders")
-    p.add_argument("--count", type=int, default=1000)
-    p.add_argument("--partitions", type=int, default=3, help="partitions if the topic is created")
+    p.add_argument("--count", type=_positive, default=1000)
+    p.add_argument(
+        "--partitions",
+        type=_positive,
+        default=3,
+        help="partitions if the topic is created (an existing topic keeps its own)",
+    )
     p.add_argument(
         "--seed",
         type=int,

@@ -28,7 +28,15 @@ from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_re
 from kafka2pg.kafka_reader import record_timestamp
 from kafka2pg.ledger import lock_plan, read_head_batches, read_heads
 from kafka2pg.lifecycle import OPEN, BatchState, resume_or_abandon
-from kafka2pg.planner import BatchPlan, LossHorizon, PartitionState, describe_ranges, loss_horizon, plan_batch
+from kafka2pg.planner import (
+    BatchPlan,
+    LossHorizon,
+    PartitionState,
+    describe_ranges,
+    loss_horizon,
+    plan_batch,
+    time_left,
+)
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +147,7 @@ def _warn_loss_horizons(
     for h in horizons:
         if not h.unread:
             continue
-        left = "no time-based retention" if h.seconds_left is None else f"~{h.seconds_left / 3600:.1f} h"
+        left = "no time-based retention" if h.seconds_left is None else time_left(h.seconds_left)
         message = (
             f"pipeline={pipeline.name} partition={h.partition} unread={h.unread} margin to low watermark="
             f"{h.records_margin} records, time to data loss {left}"

@@ -310,6 +310,12 @@ class LossHorizon:
         return self.seconds_left is not None and self.seconds_left < warning_hours * 3600
 
 
+def time_left(seconds: float) -> str:
+    """Time to data loss in words: hours, or overdue (the oldest unread record's timestamp is past
+    retention.ms already: Kafka deletes it with its segment, at the next roll or check)."""
+    return f"~{seconds / 3600:.1f} h" if seconds > 0 else "overdue (past retention.ms: Kafka may delete it any time)"
+
+
 def loss_horizon(
     state: PartitionState, head_timestamp_ms: int | None, now_ms: int, retention_ms: int | None
 ) -> LossHorizon:

@@ -24,10 +24,11 @@ from pyspark.sql import Row, SparkSession
 from kafka2pg.batch_store import Batch, load_claimed, staging_lost, transition
 from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer
 from kafka2pg.config import KAFKA_READERS, Pipeline, Settings, stage_jvm_conf
-from kafka2pg.database import transaction
+from kafka2pg.database import describe, hide_password, transaction
 from kafka2pg.exceptions import (
     BatchStateError,
     ConfigError,
+    DatabaseUnavailableError,
     Kafka2PgError,
     KafkaAuthenticationError,
     KafkaUnavailableError,
@@ -348,7 +349,24 @@ def _kafka_error(text: str, settings: Settings, pipeline: Pipeline, batch: Batch
                 topic=pipeline.topic,
                 cluster=str(settings.kafka),
             )
+    lost_db = _LOST_DATABASE.search(text)
+    if lost_db is not None:  # a chunk writer's connection ended under it (terminated, a restart)
+        return DatabaseUnavailableError(
+            f"{where}: a Spark task lost its PostgreSQL connection "
+            f"({lost_db.group(1)}: {hide_password(lost_db.group(2).strip(), settings.database_url)}). "
+            "Nothing was staged; the batch stays planned and the retry (or the next run) stages it again.",
+            pipeline=pipeline.name,
+            batch_id=batch.batch_id,
+            database=describe(settings.database_url),
+        )
     return None
+
+
+# A psycopg error that ends a task's connection, in the Python traceback of a failed Spark task.
+_LOST_DATABASE = re.compile(
+    r"psycopg\.(?:errors\.)?(AdminShutdown|CrashShutdown|IdleInTransactionSessionTimeout|CannotConnectNow"
+    r"|OperationalError): ([^\n]*)"
+)
 
 
 def _python_message(text: str, name: str) -> str | None:

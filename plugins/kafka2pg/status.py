@@ -40,6 +40,8 @@ class PartitionStatus:
             return "caught up"
         if self.seconds_to_loss is None:
             return "no time limit"
+        if self.seconds_to_loss <= 0:
+            return "overdue (AT RISK)"
         return f"{self.seconds_to_loss / 3600:.1f}h" + (" (AT RISK)" if self.at_risk else "")
 
 

@@ -191,3 +191,14 @@ def test_records_that_do_not_divide_evenly_go_to_the_partitions_read_longest_ago
     assert [r.partition for r in plan(stamped, budget=1).ranges] == [1]
     never_moved = [*stamped[:2], PartitionState(2, None, 0, 100, 100)]
     assert [r.partition for r in plan(never_moved, budget=1).ranges] == [2]
+
+
+def test_a_time_to_data_loss_already_past_reads_as_overdue_never_as_negative_hours():
+    from kafka2pg.planner import time_left
+    from kafka2pg.status import PartitionStatus
+
+    assert time_left(5400) == "~1.5 h"
+    assert time_left(-3600 * 1e6).startswith("overdue (past retention.ms")
+    overdue = PartitionStatus(0, 10, 0, 20, 20, 10, 10, -3600 * 1e6, True)
+    assert overdue.time_to_loss == "overdue (AT RISK)"
+    assert PartitionStatus(0, 10, 0, 20, 20, 10, 10, 7200, False).time_to_loss == "2.0h"

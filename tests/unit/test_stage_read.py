@@ -7,7 +7,13 @@ import itertools
 import pytest
 
 from kafka2pg.config import Settings
-from kafka2pg.exceptions import ConfigError, KafkaAuthenticationError, KafkaUnavailableError, RetentionLossError
+from kafka2pg.exceptions import (
+    ConfigError,
+    DatabaseUnavailableError,
+    KafkaAuthenticationError,
+    KafkaUnavailableError,
+    RetentionLossError,
+)
 from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan
 from kafka2pg.staging import _kafka_error, chunk_shares
 
@@ -91,6 +97,20 @@ def test_a_module_missing_on_the_executors_is_a_configuration_error_naming_it():
     raised = _kafka_error(text, SETTINGS, _Pipeline, _Batch)
     assert isinstance(raised, ConfigError)
     assert "no module 'confluent_kafka'" in str(raised) and "spark.pyspark.python" in str(raised)
+
+
+def test_a_task_whose_postgresql_connection_was_ended_fails_as_the_database_unavailable_and_retryable():
+    text = task_failure("X", "y").replace(
+        "kafka2pg.exceptions.X: y",
+        "psycopg.errors.AdminShutdown: terminating connection due to administrator command",
+    )
+    raised = _kafka_error(text, SETTINGS, _Pipeline, _Batch)
+    assert isinstance(raised, DatabaseUnavailableError)
+    assert str(raised) == (
+        "pipeline 'orders' batch 7: a Spark task lost its PostgreSQL connection (AdminShutdown: terminating "
+        "connection due to administrator command). Nothing was staged; the batch stays planned and the retry (or "
+        "the next run) stages it again."
+    )
 
 
 def test_another_task_failure_is_not_called_a_kafka_error():
