@@ -277,9 +277,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if args.html:
         return _export_report(args)
+    missing = False
     for settings, pipeline in _selected_pipelines(args):
-        print(quality_summary(settings, pipeline, args.batch_id))
-    return 0
+        summary = quality_summary(settings, pipeline, args.batch_id)
+        print(summary)
+        missing |= args.batch_id is not None and ": no quality report yet" in summary
+    return 1 if missing else 0  # a batch asked for by id that has no report: not found
 
 
 def _export_report(args: argparse.Namespace) -> int:
@@ -425,7 +428,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kafka2pg", description="Exactly-once Kafka -> PostgreSQL micro-batches.")
+    parser = argparse.ArgumentParser(
+        prog="kafka2pg",
+        description="Exactly-once Kafka -> PostgreSQL micro-batches.",
+        epilog="In a checkout, the ./kafka2pg wrapper also takes: setup (only the set-up), test [pytest args] (the "
+        "whole suite), airflow ARGS (Airflow's CLI with this environment), python FILE (the venv's python).",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 

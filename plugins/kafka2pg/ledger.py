@@ -230,6 +230,14 @@ def reset_head(
         lock_plan(conn, pipeline.name)
         open_id = open_batch_id(conn, pipeline)  # before the heads: see open_batch
         current = read_heads(conn, pipeline.name).get(partition)
+        if to_offset is None and current is None:
+            raise BatchStateError(
+                f"pipeline {pipeline.name!r}: partition {partition} has no ledger head to drop (the pipeline never "
+                f"read it, and {pipeline.topic!r} has no such partition); nothing was changed",
+                pipeline=pipeline.name,
+                topic=pipeline.topic,
+                partition=partition,
+            )
         target = "dropped (partition gone)" if to_offset is None else str(to_offset)
         message = f"pipeline {pipeline.name} partition {partition}: head {current} -> {target}"
         if open_id is not None:

@@ -15,7 +15,7 @@ from psycopg import sql
 from kafka2pg import kafka_reader
 from kafka2pg.audit import audit_pipeline
 from kafka2pg.devtools.producer import produce, sample_events
-from kafka2pg.exceptions import OffsetRegressionError, QualityGateFailed, RetentionLossError
+from kafka2pg.exceptions import BatchStateError, OffsetRegressionError, QualityGateFailed, RetentionLossError
 from kafka2pg.kafka_offsets import client_config, offsets_for_times, partition_offsets
 from kafka2pg.kafka_reader import count_range, raw_records_at, read_ranges
 from kafka2pg.ledger import reset_head
@@ -410,6 +410,8 @@ def test_a_reset_forward_says_which_offsets_kafka_holds_that_will_never_be_loade
     preview = reset_head(env.settings, env.pipeline, 0, 25, reason="skip a bad producer", confirm=False)
     assert "head 20 -> 25" in preview.message, preview.message
     assert "offsets [20, 25) that Kafka still holds (5 at most) will never be loaded" in preview.message
+    with pytest.raises(BatchStateError, match="partition 7 has no ledger head to drop"):
+        reset_head(env.settings, env.pipeline, 7, None, reason="typo", confirm=True)
 
 
 def test_a_time_window_maps_to_per_partition_offsets(make_pipeline):

@@ -91,6 +91,7 @@ def test_the_report_is_stored_with_the_batch_and_rendered_from_the_database(
     assert client.get(f"/pipelines/{name}/batches/{result.batch_id + 1000}/report").status_code == 404
     capsys.readouterr()
     assert cli.main(["report", "--pipeline", name, "--batch-id", str(result.batch_id + 1000), "--html"]) == 1
+    assert cli.main(["report", "--pipeline", name, "--batch-id", str(result.batch_id + 1000)]) == 1
     # A batch whose export was never recorded (files not written) still has its summary and report.
     db.execute("UPDATE kafka2pg.batches SET report_path = NULL WHERE batch_id = %s", (result.batch_id,))
     capsys.readouterr()
