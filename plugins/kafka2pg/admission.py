@@ -786,13 +786,12 @@ def parse_timestamp(text: str) -> datetime:
     return value
 
 
-def _year(digits: str, text: str) -> int:
+def _year(digits: str, text: str, what: str = "timestamp out of range for timestamptz") -> int:
     year = int(digits)
-    if len(digits) != 4 or not MIN_YEAR <= year <= MAX_YEAR:
-        raise Refused(
-            f"timestamp out of range for timestamptz (year {year}; kafka2pg accepts {MIN_YEAR}-{MAX_YEAR}): "
-            f"{_show(text)}"
-        )
+    if not MIN_YEAR <= year <= MAX_YEAR:
+        raise Refused(f"{what} (year {year}; kafka2pg accepts {MIN_YEAR}-{MAX_YEAR}): {_show(text)}")
+    if len(digits) != 4:  # ISO-8601's expanded years (a sign, more digits) for a year 1-9999
+        raise Refused(f"year written {digits!r}: kafka2pg reads years as four digits without a sign: {_show(text)}")
     return year
 
 
@@ -836,9 +835,7 @@ def _to_date(raw: bytes) -> date:
     match = _DATE.fullmatch(text)
     if match is None:
         raise Refused(f"{_show(text)} is not an ISO-8601 date (YYYY-MM-DD)")
-    year = int(match["year"])
-    if len(match["year"]) != 4 or not MIN_YEAR <= year <= MAX_YEAR:
-        raise Refused(f"date out of range (year {year}; kafka2pg accepts {MIN_YEAR}-{MAX_YEAR}): {_show(text)}")
+    year = _year(match["year"], text, "date out of range")
     try:
         return date(year, int(match["month"]), int(match["day"]))
     except ValueError as exc:

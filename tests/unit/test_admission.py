@@ -71,6 +71,7 @@ def _ts(text: str) -> bytes:
         (BASE + b',"ts":"-5000-01-01T00:00:00Z"}', "field 'ts': timestamp out of range for timestamptz (year -5000"),
         (BASE + b',"ts":"+40000-01-01T00:00:00Z"}', "field 'ts': timestamp out of range for timestamptz (year 40000"),
         (BASE + b',"ts":"+67561-11-25T10:00:00Z"}', "field 'ts': timestamp out of range for timestamptz (year 67561"),
+        (BASE + b',"ts":"+2016-12-31T23:59:59Z"}', "field 'ts': year written '+2016': kafka2pg reads years as four"),
         (BASE + b',"ts":-3e11}', "field 'ts': a number ('-3e11') for a timestamp: set the column's `epoch`"),
         (BASE + b',"ts":2069880429600}', "field 'ts': a number ('2069880429600') for a timestamp"),
         (BASE + b',"ts":"2025-11-25T10:00:00.1234567Z"}', "field 'ts': '2025-11-25T10:00:00.1234567Z' has sub-micro"),
