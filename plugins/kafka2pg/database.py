@@ -165,6 +165,8 @@ def _sentence(text: str) -> str:
 
 def _malformed(message: str) -> str:
     """What is wrong with a connection string, in words that never quote it."""
+    if "unexpected spaces" in message:
+        return "it holds a space: in a URL, write a space in the password as %20"
     if "percent-encoded" in message:
         return "a % is not followed by two hex digits: in a URL, write a % in the password as %25"
     if 'missing "="' in message:

@@ -169,6 +169,7 @@ def test_column_rules_parse_typed_and_bad_rules_name_the_field(tmp_path):
         ({"type": "bigint", "allowed": [1, "2"]}, r"columns\[1\].allowed: values \['2'\] are not of the column's type"),
         ({"type": "jsonb", "allowed": [1]}, r"columns\[1\].allowed: only text, bigint, integer, boolean columns"),
         ({"type": "bigint", "on_violation": "ignore"}, r"columns\[1\].on_violation: expected one of fail, quarantine"),
+        ({"type": "bigint", "on_violation": "quarantine"}, r"columns\[1\].on_violation: the column declares no rule"),
     ):
         path = write(tmp_path, columns=[GOOD["columns"][0], {"name": "n", **bad}])
         with pytest.raises(ConfigError, match=message):

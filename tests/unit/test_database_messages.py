@@ -20,3 +20,10 @@ def test_no_part_of_a_password_typed_unencoded_in_a_url_is_in_the_error_or_the_d
     parts = [password, *(p for p in re.split(r"[/@?#:]", password) if len(p) >= 3)]
     assert not [part for part in parts if part in shown], shown
     assert failed.value.__cause__ is None and failed.value.__context__ is None or failed.value.__suppress_context__
+
+
+def test_a_space_in_a_url_is_named_as_a_space_without_quoting_the_url():
+    with pytest.raises(ConfigError) as failed:
+        connect("postgresql://k2p_owner:Pa55 w0rd@127.0.0.1:9/kafka2pg")
+    assert "it holds a space: in a URL, write a space in the password as %20" in str(failed.value)
+    assert "w0rd" not in str(failed.value)
