@@ -346,6 +346,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from kafka2pg.replay_request import request_from_params
     from kafka2pg.steps import promote_batch
 
+    if not args.offsets and not (args.start or args.end):
+        raise ConfigError("replay: nothing to replay: give --offsets 0:0-500,1:0-480 or --from T0 --to T1")
     settings, pipeline = _pipeline(args)
     params = {
         "mode": args.mode,
