@@ -80,7 +80,12 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
         table = sql.Identifier("kafka2pg", pipeline.staging_table)
         copy = staging_copy(pipeline)
         stats: dict[int, list] = {}
-        with collector_paused(), limit_idle_transactions(psycopg.connect(database_url, client_encoding="UTF8")) as conn:
+        with (
+            collector_paused(),
+            limit_idle_transactions(
+                psycopg.connect(database_url, client_encoding="UTF8"), f"kafka2pg chunk writer (batch {batch_id})"
+            ) as conn,
+        ):
             claim = conn.execute(
                 "SELECT state, epoch FROM kafka2pg.batches WHERE batch_id = %s FOR SHARE", (batch_id,)
             ).fetchone()

@@ -93,10 +93,14 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
 IDLE_IN_TRANSACTION_TIMEOUT_S = 600
 
 
-def limit_idle_transactions(conn: psycopg.Connection) -> psycopg.Connection:
-    """Set the session's `idle_in_transaction_session_timeout` (IDLE_IN_TRANSACTION_TIMEOUT_S)."""
+def limit_idle_transactions(conn: psycopg.Connection, name: str = "kafka2pg") -> psycopg.Connection:
+    """Set the session's `idle_in_transaction_session_timeout` (IDLE_IN_TRANSACTION_TIMEOUT_S) and,
+    unless the connection string names one, its `application_name` (what pg_stat_activity and
+    kafka2pg's lock-wait messages show)."""
     conn.execute(
-        "SELECT set_config('idle_in_transaction_session_timeout', %s, false)", (f"{IDLE_IN_TRANSACTION_TIMEOUT_S}s",)
+        "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
+        " CASE WHEN current_setting('application_name') = '' THEN set_config('application_name', %s, false) END",
+        (f"{IDLE_IN_TRANSACTION_TIMEOUT_S}s", name),
     )
     if not conn.autocommit:
         conn.commit()

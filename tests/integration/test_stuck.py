@@ -110,6 +110,6 @@ def test_a_frozen_process_holding_the_open_batch_is_named_while_the_plan_waits_a
     assert resumed.resumed and resumed.batch.batch_id == planned.batch.batch_id
     waits = [r.getMessage() for r in caplog.records if "waits for a lock held by" in r.getMessage()]
     assert waits and f"backend pid {frozen.info.backend_pid} (" in waits[0], caplog.text
-    assert "idle in transaction" in waits[0] and "pg_terminate_backend" in waits[0], waits[0]
+    assert "(kafka2pg, idle in transaction for " in waits[0] and "pg_terminate_backend" in waits[0], waits[0]
     with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):  # PostgreSQL ended its session
         frozen.execute("SELECT 1")
