@@ -278,13 +278,14 @@ REFUSALS_BEFORE_BLAMING_THE_TABLE = 100
 
 
 def isolate_refused(
-    conn: psycopg.Connection, write: Callable[[int, int], None], rows: int, *, table: str
+    conn: psycopg.Connection, write: Callable[[int, int], None], rows: int, *, table: str | None
 ) -> dict[int, str]:
     """`write(start, stop)` rows [0, rows) in the caller's transaction, leaving out those PostgreSQL
     refuses on data: a write that fails is rolled back to its savepoint and split in halves down
     to single rows. Returns the refused rows' indexes with the database's reason (`refusal`);
     any other error propagates. k refused rows cost O(k log rows) writes. When most rows are
-    refused, `TableRefusesRowsError` (the table named `table` is at fault)."""
+    refused, `TableRefusesRowsError` (the table named `table` is at fault; None: never)."""
+
     refused: dict[int, str] = {}
     _bisect(conn, write, 0, rows, refused, table)
     return refused
@@ -296,7 +297,7 @@ def _bisect(
     start: int,
     stop: int,
     refused: dict[int, str],
-    table: str,
+    table: str | None,
 ) -> None:
     if start >= stop:
         return
@@ -307,7 +308,7 @@ def _bisect(
     except DATA_ERRORS as exc:
         if stop - start == 1:
             refused[start] = refusal(exc)
-            if len(refused) >= REFUSALS_BEFORE_BLAMING_THE_TABLE and 2 * len(refused) > stop:
+            if table and len(refused) >= REFUSALS_BEFORE_BLAMING_THE_TABLE and 2 * len(refused) > stop:
                 raise TableRefusesRowsError(table, len(refused), stop, refused[start]) from exc
             return
     middle = (start + stop) // 2

@@ -49,12 +49,21 @@ def insert_target(conn: Connection, pipeline: Pipeline, batch_id: int) -> int:
     except DATA_ERRORS:
         pass
     inserted = _insert_isolating(conn, pipeline, batch_id, collisions)
-    # A refused row may be the copy of its business key the quality gate kept: the next copy
-    # stands in for it (and the next, if that one is refused too).
-    while stand_ins := _stand_ins(conn, pipeline, batch_id):
+    if not pipeline.business_key:
+        return inserted
+    # A refused row may be the copy of its business key the quality gate kept: the key's next
+    # copy with other values stands in for it (a producer's retry, the same values, would be
+    # refused the same way), for up to STAND_IN_PASSES copies refused in a row.
+    for _ in range(STAND_IN_PASSES):
+        stand_ins = _stand_ins(conn, pipeline, batch_id)
+        if not stand_ins:
+            break
         inserted += _insert_isolating(conn, pipeline, batch_id, collisions, only=stand_ins)
     _name_stand_ins(conn, pipeline, batch_id)
     return inserted
+
+
+STAND_IN_PASSES = 3
 
 
 def _insert(
@@ -131,7 +140,8 @@ def _insert_isolating(
         _insert(conn, pipeline, batch_id, collisions, _ISOLATING, in_range, (start, stop))
 
     table = f"{pipeline.target_schema}.{pipeline.target_table}"
-    refused = isolate_refused(conn, write, rows, table=table)
+    # Stand-ins: a few rows, most alike the refused ones; their refusals say nothing of the table.
+    refused = isolate_refused(conn, write, rows, table=table if only is None else None)
     conn.execute(
         sql.SQL(
             "UPDATE {staging} s SET quarantine_reason = r.reason FROM {isolating} i"
@@ -209,6 +219,11 @@ def _passes_the_gate(pipeline: Pipeline, alias: str) -> sql.Composable:
     return sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("TRUE")
 
 
+def _values(pipeline: Pipeline, alias: str) -> sql.Composed:
+    """ROW(...) of the pipeline's columns of the row `alias`."""
+    return sql.SQL("ROW({})").format(sql.SQL(", ").join(sql.Identifier(alias, c.name) for c in pipeline.columns))
+
+
 def _key_join(pipeline: Pipeline, left: str, right: str) -> sql.Composed:
     return sql.SQL(" AND ").join(
         sql.SQL("{}.{} = {}.{}").format(
@@ -228,6 +243,8 @@ def _stand_ins(conn: Connection, pipeline: Pipeline, batch_id: int) -> list[tupl
             "UPDATE {staging} s SET quarantine_reason = NULL FROM (SELECT DISTINCT ON ({keys}) d.kafka_partition,"
             " d.kafka_offset FROM {staging} d JOIN ({refused}) r ON {join} WHERE d.batch_id = %(batch)s"
             " AND starts_with(d.quarantine_reason, {duplicate}) AND {passes}"
+            " AND NOT EXISTS (SELECT FROM {staging} k WHERE k.batch_id = d.batch_id AND {same_key}"
+            " AND starts_with(k.quarantine_reason, {refused_reason}) AND ({kept}) IS NOT DISTINCT FROM ({candidate}))"
             " ORDER BY {keys}, d.kafka_timestamp, d.kafka_partition, d.kafka_offset) c"
             " WHERE s.batch_id = %(batch)s AND s.kafka_partition = c.kafka_partition"
             " AND s.kafka_offset = c.kafka_offset RETURNING s.kafka_partition, s.kafka_offset"
@@ -238,6 +255,10 @@ def _stand_ins(conn: Connection, pipeline: Pipeline, batch_id: int) -> list[tupl
             join=_key_join(pipeline, "d", "r"),
             duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE),
             passes=_passes_the_gate(pipeline, "d"),
+            same_key=_key_join(pipeline, "k", "d"),
+            refused_reason=sql.Literal(PROMOTION_REFUSED),
+            kept=_values(pipeline, "k"),
+            candidate=_values(pipeline, "d"),
         ),
         {"batch": batch_id},
     ).fetchall()

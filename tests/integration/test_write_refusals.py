@@ -172,7 +172,7 @@ def test_when_the_copy_of_a_key_the_gate_kept_is_refused_at_promotion_its_next_c
     events = [dict(e, amount=10) for e in sample_events(5, seed=84)]
     first, second, third = (dict(events[0], currency=c) for c in ("XXX", "XXX", "EUR"))
     other = dict(events[1], currency="XXX")  # refused, its key has no other copy
-    # offsets 0-2: key A refused, refused again, then a good copy; 3-4: key B good twice;
+    # offsets 0-2: key A refused, its retry (the same values), then a good copy; 3-4: key B good twice;
     # 5: key C refused; 6-8: key D refused, then good twice; 9-11: key E refused, then without
     # an amount the rule forbids (the gate would not have accepted it), then good
     sent = [first, second, third, events[2], dict(events[2]), other]
@@ -191,11 +191,28 @@ def test_when_the_copy_of_a_key_the_gate_kept_is_refused_at_promotion_its_next_c
         ).fetchall()
     )
     assert sorted(reasons) == [0, 1, 4, 5, 6, 8, 9, 10]
-    refused = (0, 1, 5, 6, 9)
+    refused = (0, 5, 6, 9)  # offset 1, the same values as 0, is not tried: it would be refused the same way
     assert all(reasons[o].startswith("PostgreSQL refused the row at promotion: 23514") for o in refused), reasons
+    assert "kept partition 0 offset 0" in reasons[1] and reasons[1].endswith("partition 0 offset 2 landed instead")
     assert reasons[4].startswith("duplicate business key within batch") and "kept partition 0 offset 3" in reasons[4]
     assert "landed instead" not in reasons[4]
     assert "kept partition 0 offset 6" in reasons[8], reasons[8]
     assert reasons[8].endswith("; that copy was refused at promotion, partition 0 offset 7 landed instead"), reasons[8]
     assert reasons[10].endswith("partition 0 offset 11 landed instead"), reasons[10]
+    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+
+
+def test_a_pipeline_without_a_business_key_quarantines_the_rows_the_target_refuses_and_promotes_the_rest(
+    make_pipeline, run_batch, db
+):
+    env = make_pipeline(partitions=1, business_key=[])
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    db.execute(sql.SQL("ALTER TABLE {} ADD CONSTRAINT no_xxx CHECK (currency <> 'XXX')").format(target))
+    events = list(sample_events(6, seed=85))
+    events[3]["currency"] = "XXX"
+    produce(env.settings.bootstrap_servers, env.topic, [*events, events[0]], key_field=None)
+
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (6, 1)
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
