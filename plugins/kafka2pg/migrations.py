@@ -15,6 +15,7 @@ from psycopg import Connection, sql
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect, describe, transaction
 from kafka2pg.exceptions import ConfigError, ObjectNameTakenError, SchemaNotReadyError
+from kafka2pg.lifecycle import OPEN
 from kafka2pg.locations import SQL_DIR, migration_files
 
 log = logging.getLogger(__name__)
@@ -310,13 +311,20 @@ def _rebuild_staging_if_retyped(conn: Connection, pipeline: Pipeline, staging: s
     changed = retyped_columns(pipeline, column_types(conn, "kafka2pg", pipeline.staging_table))
     if not changed:
         return
-    held = conn.execute(sql.SQL("SELECT DISTINCT batch_id FROM {} ORDER BY 1 LIMIT 5").format(staging)).fetchall()
-    if held:
+    conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(staging))  # no chunk writes meanwhile
+    held = conn.execute(
+        sql.SQL(
+            "SELECT DISTINCT s.batch_id, b.state FROM {} s JOIN kafka2pg.batches b USING (batch_id)"
+            " WHERE b.state = ANY(%s) ORDER BY 1 LIMIT 5"
+        ).format(staging),
+        ([str(state) for state in OPEN],),
+    ).fetchall()
+    if held:  # rows of rejected or abandoned batches are only kept to look at: they go with the table
         raise ConfigError(
             f"pipeline {pipeline.name!r}: the pipelines file changed column types ({'; '.join(changed)}) while "
-            f"kafka2pg.{pipeline.staging_table} holds the rows of batch(es) {', '.join(str(b) for (b,) in held)}: "
-            "finish them with the old types (trigger a run) or undo them, then run `kafka2pg migrate` again. "
-            "Nothing was changed."
+            f"kafka2pg.{pipeline.staging_table} holds the rows of open batch(es) "
+            f"{', '.join(f'{b} ({state})' for b, state in held)}: finish them with the old types first (trigger "
+            "a run with the old pipelines file), then run `kafka2pg migrate` again. Nothing was changed."
         )
     conn.execute(sql.SQL("DROP TABLE {}").format(staging))  # its index and grants with it
     conn.execute(_template("staging_table.sql").format(table=staging, columns=_column_list(pipeline, not_null=False)))
