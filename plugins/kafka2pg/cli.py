@@ -277,12 +277,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if args.html:
         return _export_report(args)
-    missing = False
-    for settings, pipeline in _selected_pipelines(args):
-        summary = quality_summary(settings, pipeline, args.batch_id)
-        print(summary)
-        missing |= args.batch_id is not None and ": no quality report yet" in summary
-    return 1 if missing else 0  # a batch asked for by id that has no report: not found
+    summaries = [quality_summary(settings, pipeline, args.batch_id) for settings, pipeline in _selected_pipelines(args)]
+    if args.batch_id is None:
+        print("\n".join(summaries))
+        return 0
+    found = [s for s in summaries if ": no quality report yet" not in s]  # the pipeline that has the batch
+    print("\n".join(found or summaries))
+    return 0 if found else 1
 
 
 def _export_report(args: argparse.Namespace) -> int:

@@ -743,7 +743,7 @@ def _rules(raw: dict, here: str, pg_type: str) -> tuple:
             raise ConfigError(f"{here}.allowed: values {wrong!r} are not of the column's type {pg_type}")
         allowed = tuple(allowed)
     on_violation = _choice(raw, "on_violation", here, ("fail", "quarantine"))
-    if "on_violation" in raw and bounds == [None, None] and allowed is None:
+    if on_violation == "quarantine" and bounds == [None, None] and allowed is None:
         raise ConfigError(f"{here}.on_violation: the column declares no rule to violate (min, max or allowed)")
     return bounds[0], bounds[1], allowed, on_violation
 

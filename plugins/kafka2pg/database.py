@@ -10,6 +10,7 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from urllib.parse import unquote
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -37,18 +38,32 @@ def describe(url: str) -> str:
 
 
 def hide_password(text: str, url: str) -> str:
-    """`text` with every part of the password typed in `url` replaced by ***. A password in a URL
-    with an unencoded `/`, `@`, `?` or `#` is read by libpq partly as the host, port or database,
-    which its messages and `describe` then show."""
-    scheme, separator, rest = url.partition("://")
-    if not separator or "@" not in rest:
+    """`text` with the parts of the password typed in `url` replaced by ***, when libpq misread
+    the URL: a password with an unencoded `/`, `@`, `?` or `#` is read partly as the host, port
+    or database, which its messages and `describe` then show. A URL libpq reads as written
+    shows no password anywhere: `text` is returned as it is."""
+    if not _password_misread(url):
         return text
+    rest = url.partition("://")[2]
     password = rest[: rest.rfind("@")].partition(":")[2]
-    pieces = {password, *re.split(r"[/@?#:]", password)}
+    pieces = {password, unquote(password)}
+    pieces |= {p for piece in list(pieces) for p in re.split(r"[/@?#:]", piece)}
     for piece in sorted(pieces, key=len, reverse=True):
         if len(piece) >= 3:
             text = text.replace(piece, "***")
     return text
+
+
+def _password_misread(url: str) -> bool:
+    """Whether libpq read part of a URL's user-info as its host, port or database."""
+    if "://" not in url or "@" not in url:
+        return False
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return False  # never quoted: see `_malformed`
+    host, port, dbname = (str(params.get(k) or "") for k in ("host", "port", "dbname"))
+    return "@" in host or "@" in dbname or not all(p.isdigit() for p in port.split(",") if p)
 
 
 def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) -> psycopg.Connection:
@@ -66,7 +81,7 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
         ) from None
     except psycopg.OperationalError as exc:
         message = hide_password(_one_line(exc), url)
-        if message != _one_line(exc) or "***" in describe(url):
+        if _password_misread(url):
             message = (
                 f"{_sentence(message)} Part of the URL's password was read as its host, port or database: in a "
                 "URL, percent-encode / @ ? # : in the password (%2F %40 %3F %23 %3A)"
@@ -97,13 +112,17 @@ def limit_idle_transactions(conn: psycopg.Connection, name: str = "kafka2pg") ->
     """Set the session's `idle_in_transaction_session_timeout` (IDLE_IN_TRANSACTION_TIMEOUT_S) and,
     unless the connection string names one, its `application_name` (what pg_stat_activity and
     kafka2pg's lock-wait messages show)."""
-    conn.execute(
-        "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
-        " CASE WHEN current_setting('application_name') = '' THEN set_config('application_name', %s, false) END",
-        (f"{IDLE_IN_TRANSACTION_TIMEOUT_S}s", name),
-    )
-    if not conn.autocommit:
-        conn.commit()
+    try:
+        conn.execute(
+            "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
+            " CASE WHEN current_setting('application_name') = '' THEN set_config('application_name', %s, false) END",
+            (f"{IDLE_IN_TRANSACTION_TIMEOUT_S}s", name),
+        )
+        if not conn.autocommit:
+            conn.commit()
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 

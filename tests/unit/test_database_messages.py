@@ -27,3 +27,16 @@ def test_a_space_in_a_url_is_named_as_a_space_without_quoting_the_url():
         connect("postgresql://k2p_owner:Pa55 w0rd@127.0.0.1:9/kafka2pg")
     assert "it holds a space: in a URL, write a space in the password as %20" in str(failed.value)
     assert "w0rd" not in str(failed.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "described"),
+    [
+        ("postgresql://postgres:postgres@localhost:5432/postgres", "localhost:5432/postgres"),
+        ("postgresql://kafka2pg:kafka2pg@127.0.0.1:5432/kafka2pg", "127.0.0.1:5432/kafka2pg"),
+        ("postgresql://db.example.com:6543/analytics?user=svc@srv", "db.example.com:6543/analytics"),
+        ("postgresql://k:s3cret@db.example.com:5432/app?user=me@corp", "db.example.com:5432/app"),
+    ],
+)
+def test_a_url_libpq_reads_as_written_is_described_as_it_is(url, described):
+    assert describe(url) == described
