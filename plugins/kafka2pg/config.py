@@ -351,8 +351,10 @@ def common_settings(env: dict[str, str]) -> dict[str, Any]:
         kafka_timeout_s = float(timeout)
     except ValueError as exc:
         raise ConfigError(f"KAFKA2PG_KAFKA_TIMEOUT_S must be a number of seconds, got {timeout!r}") from exc
-    if not 1 <= kafka_timeout_s <= 3600:  # librdkafka refuses socket timeouts under 10 ms; a second is the least useful
-        raise ConfigError(f"KAFKA2PG_KAFKA_TIMEOUT_S must be 1 to 3600 seconds, got {timeout!r}")
+    # At least a second (librdkafka refuses socket timeouts under 10 ms); at most 300: a chunk writer's
+    # transaction waits on Kafka reads, and PostgreSQL ends a session idle in one for 600 s.
+    if not 1 <= kafka_timeout_s <= 300:
+        raise ConfigError(f"KAFKA2PG_KAFKA_TIMEOUT_S must be 1 to 300 seconds, got {timeout!r}")
     return {
         "spark_master": env.get("KAFKA2PG_SPARK_MASTER", "local[*]"),
         "pipelines_file": pipelines_file_from_env(env=env),
