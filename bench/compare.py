@@ -114,7 +114,10 @@ def run_ours(settings: Settings, topic: str, master: str, reader: str = KAFKA_RE
     migrate(settings.database_url, [pipeline])
     started = time.monotonic()
     warm_up_in_background()  # as kafka2pg.runner.run_job does for a job of several batches
-    spark = bench_spark(master, "bench-ours", settings.state_dir, batches=10**9, kafka_reader=reader)
+    # The DAG gives spark-submit the Kafka source's jars only for the reader that uses them.
+    spark = bench_spark(
+        master, "bench-ours", settings.state_dir, batches=10**9, kafka_reader=reader, kafka_source=reader == "spark"
+    )
     spark_start = time.monotonic() - started
     started = time.monotonic()
     first = open_batch(settings, pipeline, run_id="bench").batch
@@ -472,7 +475,7 @@ def run_fixed_costs(settings: Settings, topic: str) -> dict:
     assert empty.batch is None
     produce(settings.bootstrap_servers, pipeline.topic, list(sample_events(1)))
     started = time.monotonic()
-    spark = bench_spark("local[2]", "bench-fixed", settings.state_dir)
+    spark = bench_spark("local[2]", "bench-fixed", settings.state_dir, kafka_source=pipeline.kafka_reader == "spark")
     batch = open_batch(settings, pipeline).batch
     stage_batch(spark, settings, pipeline, batch.batch_id, batch.epoch)
     validate_batch(settings, pipeline, batch.batch_id, batch.epoch)
@@ -721,7 +724,9 @@ def main() -> int:
             for name in names if round_no % 2 == 0 else names[::-1]:
                 runs[name].append(measure(name, {**env, "BENCH_ROUND_SUFFIX": suffix}, servers=servers))
                 label = f" (round {round_no + 1})" if args.rounds > 1 else ""
-                print(f"  {name}: {runs[name][-1]['wall_s']:.1f}s{label}", flush=True)
+                phases = runs[name][-1].get("phases")
+                detail = f": {', '.join(f'{k} {v:.1f}s' for k, v in phases.items())}" if phases else ""
+                print(f"  {name}: {runs[name][-1]['wall_s']:.1f}s{label}{detail}", flush=True)
         results = {name: _median_run(rs) for name, rs in runs.items()}
         if "ours" in results and not args.no_scaling:
             results["ours local[1]"] = measure("ours", env, "local[1]", servers)
