@@ -7,9 +7,11 @@ Imported by the DAG factory when it builds a DAG (the spark provider is an Airfl
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,8 @@ from typing import Any
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
 from kafka2pg.exceptions import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class StageOperator(SparkSubmitOperator):
@@ -87,7 +91,15 @@ STOP_GRACE_S = 30.0
 def stop_job(process: subprocess.Popen, application: str, grace_s: float) -> bool:
     """SIGTERM the processes under `process` that run `application` (the job's Python driver,
     a child of spark-submit's JVM in client mode) and wait up to `grace_s` for `process` to
-    exit; True if it did. Linux (/proc); elsewhere it only waits."""
+    exit; True if it did. Linux (/proc); elsewhere it only waits.
+
+    While it waits, spark-submit's output is read here and logged: the provider's reader is the
+    task's main thread, held by the signal handler that called this, and a job that writes more
+    than a pipe holds while it stops would otherwise block until the SIGKILL."""
+    if process.stdout is not None:
+        threading.Thread(
+            target=_log_output, args=(process.stdout.fileno(),), name="kafka2pg-stop-output", daemon=True
+        ).start()
     for pid in _descendants(process.pid):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -101,6 +113,24 @@ def stop_job(process: subprocess.Popen, application: str, grace_s: float) -> boo
     except subprocess.TimeoutExpired:
         return False
     return True
+
+
+def _log_output(fd: int) -> None:
+    """Log what spark-submit writes to `fd` until it closes it. Reads the descriptor itself: the
+    provider's buffered reader is locked by the main thread's read that the signal interrupted."""
+    pending = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            chunk = b""
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop() if chunk else b""
+        for line in lines:
+            if line.strip():
+                log.info("%s", line.decode(errors="replace").rstrip())
+        if not chunk:
+            return
 
 
 def _descendants(root: int) -> list[int]:

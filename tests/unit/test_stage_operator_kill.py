@@ -59,3 +59,49 @@ def test_without_the_jobs_driver_it_only_waits_and_says_whether_spark_submit_exi
     finally:
         parent.kill()
         parent.wait()
+
+
+LOUD_DRIVER = """
+import pathlib, signal, sys, time
+def stop(*_):
+    for n in range(20000):  # about 1 MB: far more than a pipe holds
+        print(f"stopping line {n} " + "x" * 40, flush=False)
+    sys.stdout.flush()
+    pathlib.Path(sys.argv[1]).write_text("stopped")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+pathlib.Path(sys.argv[1] + ".ready").write_text("")
+time.sleep(120)
+"""
+
+
+def test_what_the_job_writes_while_it_stops_is_read_and_logged_so_it_can_exit(tmp_path, caplog):
+    application = tmp_path / "stage_job.py"
+    application.write_text(LOUD_DRIVER)
+    marker = tmp_path / "driver"
+    # As the provider starts spark-submit: output piped, read by the task's main thread, which
+    # the signal handler calling on_kill holds (nobody else reads it here either).
+    parent = subprocess.Popen(
+        ["bash", "-c", f'{sys.executable} {application} {marker}; exit "$?"'],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        universal_newlines=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "driver.ready").exists():
+            assert time.monotonic() < deadline and parent.poll() is None, "the driver did not start"
+            time.sleep(0.05)
+        caplog.set_level("INFO", logger="kafka2pg.stage_operator")
+
+        assert stop_job(parent, str(application), 60)
+
+        assert marker.read_text() == "stopped"
+        logged = [r.getMessage() for r in caplog.records if r.name == "kafka2pg.stage_operator"]
+        assert len(logged) == 20000
+        assert logged[-1].startswith("stopping line 19999 ")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
