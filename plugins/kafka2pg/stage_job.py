@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     # py4j logs every connection it closes at INFO: noise in the task log.
     logging.getLogger("py4j").setLevel(logging.WARNING)
 
+    # spark-submit put the installed pyspark's zip first on the path: import the package instead.
+    from kafka2pg.worker_daemon.kafka2pg_worker_daemon import skip_bundled_pyspark_zip
+
     skip_bundled_pyspark_zip(sys.path)
     from kafka2pg.exceptions import Kafka2PgError, StageInterrupted
     from kafka2pg.runner import run_job
@@ -56,31 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(result.message)
     return 0
-
-
-def skip_bundled_pyspark_zip(path: list[str]) -> list[str]:
-    """Take the installed pyspark package's own `python/lib/pyspark.zip` off `path` when that package
-    is importable from the rest of it; returns what was taken off.
-
-    spark-submit puts the zip first on the driver's PYTHONPATH. Python keeps no compiled modules
-    for a zip: importing PySpark from it compiles its source again in every job (about 0.4 s of
-    one core, before Spark starts). The zip holds the same files as the package it lies in, whose
-    modules Python has compiled once. A zip of another Spark installation (SPARK_HOME elsewhere)
-    stays, and so does this one if the package would not be the one imported without it.
-    """
-    import importlib.machinery
-
-    skipped = []
-    for entry in [e for e in path if e.endswith("pyspark.zip")]:
-        package = Path(entry).parent.parent.parent  # <pyspark>/python/lib/pyspark.zip
-        if package.name != "pyspark" or not (package / "__init__.py").is_file():
-            continue
-        rest = [e for e in path if e != entry]
-        spec = importlib.machinery.PathFinder.find_spec("pyspark", rest)
-        if spec is not None and spec.origin and Path(spec.origin).resolve() == (package / "__init__.py").resolve():
-            path[:] = rest
-            skipped.append(entry)
-    return skipped
 
 
 if __name__ == "__main__":

@@ -96,10 +96,12 @@ def stop_job(process: subprocess.Popen, application: str, grace_s: float) -> boo
     While it waits, spark-submit's output is read here and logged: the provider's reader is the
     task's main thread, held by the signal handler that called this, and a job that writes more
     than a pipe holds while it stops would otherwise block until the SIGKILL."""
+    reader = None
     if process.stdout is not None:
-        threading.Thread(
+        reader = threading.Thread(
             target=_log_output, args=(process.stdout.fileno(),), name="kafka2pg-stop-output", daemon=True
-        ).start()
+        )
+        reader.start()
     for pid in _descendants(process.pid):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -112,6 +114,8 @@ def stop_job(process: subprocess.Popen, application: str, grace_s: float) -> boo
         process.wait(grace_s)
     except subprocess.TimeoutExpired:
         return False
+    if reader is not None:
+        reader.join(timeout=5)  # the rest of its output, up to the pipe's end
     return True
 
 

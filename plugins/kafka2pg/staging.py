@@ -490,11 +490,40 @@ def spark_session(
     builder = SparkSession.builder.appName(app_name)
     if master is not None:
         builder = builder.master(master)
-    for key, value in {**SPARK_DEFAULTS, **stage_jvm_conf(batches, kafka_reader=kafka_reader), **(conf or {})}.items():
+    settings = {**SPARK_DEFAULTS, **stage_jvm_conf(batches, kafka_reader=kafka_reader), **(conf or {})}
+    for key, value in {**worker_daemon_conf(master, settings), **settings}.items():
         builder = builder.config(key, value)
     if jars:
         builder = builder.config("spark.jars", ",".join(str(j) for j in jars))
     return builder.getOrCreate()
+
+
+# kafka2pg.worker_daemon: PySpark's worker daemon importing PySpark from the installed package.
+WORKER_DAEMON_DIR = PACKAGE_DIR / "worker_daemon"
+_WORKER_DAEMON_KEYS = ("spark.python.daemon.module", "spark.executorEnv.PYTHONPATH")
+
+
+def worker_daemon_conf(master: str | None, conf: dict[str, str]) -> dict[str, str]:
+    """Spark conf that starts the Python workers through kafka2pg's daemon module, for a local
+    master (`master`, or under spark-submit the one its JVM was given) only: executors elsewhere
+    need not have this folder, or this Python. Nothing where `conf`, spark-submit's --conf or
+    spark-defaults.conf set the daemon module or the workers' PYTHONPATH themselves."""
+    if master is None:
+        from pyspark import SparkConf, SparkContext
+
+        if SparkContext._gateway is None and not os.environ.get("PYSPARK_GATEWAY_PORT"):
+            return {}  # no JVM yet to ask, and starting it here would start it without the conf
+        SparkContext._ensure_initialized()  # spark-submit's JVM: connects, starts nothing
+        launched = SparkConf()  # the spark.* system properties spark-submit set
+        if any(launched.contains(key) for key in _WORKER_DAEMON_KEYS):
+            return {}
+        master = launched.get("spark.master", "")
+    if not master.startswith("local") or any(key in conf for key in _WORKER_DAEMON_KEYS):
+        return {}
+    return {
+        "spark.python.daemon.module": "kafka2pg_worker_daemon",
+        "spark.executorEnv.PYTHONPATH": str(WORKER_DAEMON_DIR),
+    }
 
 
 def stop_session(spark: SparkSession) -> None:

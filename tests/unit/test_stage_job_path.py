@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyspark
 
-from kafka2pg.stage_job import skip_bundled_pyspark_zip
+from kafka2pg.worker_daemon.kafka2pg_worker_daemon import skip_bundled_pyspark_zip
 
 
 def _installed(site: Path) -> Path:
