@@ -56,6 +56,7 @@ class StageOperator(SparkSubmitOperator):
             # added its own conf (OpenLineage), with what this method sets.
             probe = self._get_hook()
             master, deploy_mode = probe._connection["master"], probe._connection["deploy_mode"]
+            self._require_connection(probe, master)
             if not remote_env_master(master):
                 self.env_vars = {**(self.env_vars or {}), **services}
                 return super().execute(context)  # builds its hook with these env_vars
@@ -70,6 +71,24 @@ class StageOperator(SparkSubmitOperator):
                 )
         with _environment(services):
             return super().execute(context)
+
+    def _require_connection(self, hook: Any, master: str) -> None:
+        """Without its connection the provider sends the job to YARN, where spark-submit fails
+        unless a Hadoop configuration is there, after its JVM started and on every retry."""
+        if master != "yarn" or os.environ.get("HADOOP_CONF_DIR") or os.environ.get("YARN_CONF_DIR"):
+            return
+        from airflow.providers.common.compat.sdk import AirflowException
+
+        try:
+            hook.get_connection(self._conn_id)
+        except AirflowException:  # as the provider catches it before defaulting to YARN
+            raise ConfigError(
+                f"Airflow connection {self._conn_id!r} (the Spark master of the stage job) is not defined, so "
+                "spark-submit would send the job to YARN, and neither HADOOP_CONF_DIR nor YARN_CONF_DIR is set: "
+                f'define it, e.g. AIRFLOW_CONN_{self._conn_id.upper()}=\'{{"conn_type": "spark", "host": '
+                '"local[2]"}\' or a spark://host:7077 master (README, Connections)',
+                conn_id=self._conn_id,
+            ) from None
 
     def on_kill(self) -> None:
         """Airflow stopping the task (marked failed or success by hand, a timeout, a worker shutting

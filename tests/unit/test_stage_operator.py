@@ -91,3 +91,22 @@ def test_the_conf_the_provider_adds_at_execute_reaches_spark_submit(monkeypatch,
     run_stage(monkeypatch, {"host": master}, openlineage_inject_parent_job_info=True)
     assert "spark.openlineage.parentJobName=kafka2pg_orders.read_and_stage" in submitted["command"]
     assert SECRET not in submitted["command"]
+
+
+def test_a_missing_spark_connection_fails_before_submit_unless_yarn_is_configured(monkeypatch, submitted):
+    for name in ("AIRFLOW_CONN_KAFKA2PG_SPARK", "HADOOP_CONF_DIR", "YARN_CONF_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    operator = StageOperator(
+        pipeline_name="orders",
+        pipelines_file="/nonexistent/pipelines.yaml",
+        task_id="read_and_stage",
+        application="/opt/kafka2pg/jobs/stage_batch.py",
+        conn_id="kafka2pg_spark",
+    )
+    with pytest.raises(AirflowFailException, match="'kafka2pg_spark'.* is not defined.*AIRFLOW_CONN_KAFKA2PG_SPARK"):
+        operator.execute({})
+    assert submitted == {}
+
+    monkeypatch.setenv("HADOOP_CONF_DIR", "/etc/hadoop/conf")  # the provider's default, YARN, can work
+    operator.execute({})
+    assert "--master yarn" in submitted["command"]
