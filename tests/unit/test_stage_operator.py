@@ -41,18 +41,20 @@ def submitted(monkeypatch):
     return seen
 
 
-def run_stage(monkeypatch, spark_connection: dict, **operator_args) -> None:
-    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_SPARK", json.dumps({"conn_type": "spark", **spark_connection}))
-    operator = StageOperator(
+def stage_operator(**operator_args) -> StageOperator:
+    return StageOperator(
         pipeline_name="orders",
         pipelines_file="/nonexistent/pipelines.yaml",
         task_id="read_and_stage",
         application="/opt/kafka2pg/jobs/stage_batch.py",
         conn_id="kafka2pg_spark",
-        env_vars={"TZ": "UTC"},
         **operator_args,
     )
-    operator.execute({})
+
+
+def run_stage(monkeypatch, spark_connection: dict, **operator_args) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_SPARK", json.dumps({"conn_type": "spark", **spark_connection}))
+    stage_operator(env_vars={"TZ": "UTC"}, **operator_args).execute({})
 
 
 @pytest.mark.parametrize(
@@ -96,13 +98,7 @@ def test_the_conf_the_provider_adds_at_execute_reaches_spark_submit(monkeypatch,
 def test_a_missing_spark_connection_fails_before_submit_unless_yarn_is_configured(monkeypatch, submitted):
     for name in ("AIRFLOW_CONN_KAFKA2PG_SPARK", "HADOOP_CONF_DIR", "YARN_CONF_DIR"):
         monkeypatch.delenv(name, raising=False)
-    operator = StageOperator(
-        pipeline_name="orders",
-        pipelines_file="/nonexistent/pipelines.yaml",
-        task_id="read_and_stage",
-        application="/opt/kafka2pg/jobs/stage_batch.py",
-        conn_id="kafka2pg_spark",
-    )
+    operator = stage_operator()
     with pytest.raises(AirflowFailException, match="'kafka2pg_spark'.* is not defined.*AIRFLOW_CONN_KAFKA2PG_SPARK"):
         operator.execute({})
     assert submitted == {}
