@@ -74,8 +74,16 @@ class StageOperator(SparkSubmitOperator):
 
     def _require_connection(self, hook: Any, master: str) -> None:
         """Without its connection the provider sends the job to YARN, where spark-submit fails
-        unless a Hadoop configuration is there, after its JVM started and on every retry."""
+        unless a Hadoop configuration is there, after its JVM started and on every retry. A
+        spark-env.sh (which spark-submit sources, and may set HADOOP_CONF_DIR) is given the benefit
+        of the doubt."""
         if master != "yarn" or os.environ.get("HADOOP_CONF_DIR") or os.environ.get("YARN_CONF_DIR"):
+            return
+        conf_dirs = [
+            os.environ.get("SPARK_CONF_DIR"),
+            os.environ.get("SPARK_HOME") and f"{os.environ['SPARK_HOME']}/conf",
+        ]
+        if any(d and Path(d, "spark-env.sh").is_file() for d in conf_dirs):
             return
         from airflow.providers.common.compat.sdk import AirflowException
 

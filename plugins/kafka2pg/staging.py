@@ -506,8 +506,8 @@ _WORKER_DAEMON_KEYS = ("spark.python.daemon.module", "spark.executorEnv.PYTHONPA
 def worker_daemon_conf(master: str | None, conf: dict[str, str]) -> dict[str, str]:
     """Spark conf that starts the Python workers through kafka2pg's daemon module, for a local
     master (`master`, or under spark-submit the one its JVM was given) only: executors elsewhere
-    need not have this folder, or this Python. Nothing where `conf`, spark-submit's --conf or
-    spark-defaults.conf set the daemon module or the workers' PYTHONPATH themselves."""
+    need not have this folder, or this Python. Nothing where `conf` (or, under spark-submit, its
+    --conf or spark-defaults.conf) sets the daemon module or the workers' PYTHONPATH."""
     if master is None:
         from pyspark import SparkConf, SparkContext
 
@@ -518,7 +518,8 @@ def worker_daemon_conf(master: str | None, conf: dict[str, str]) -> dict[str, st
         if any(launched.contains(key) for key in _WORKER_DAEMON_KEYS):
             return {}
         master = launched.get("spark.master", "")
-    if not master.startswith("local") or any(key in conf for key in _WORKER_DAEMON_KEYS):
+    # Not local-cluster[...]: its executors get spark.executorEnv.PYTHONPATH as their whole PYTHONPATH.
+    if not (master == "local" or master.startswith("local[")) or any(key in conf for key in _WORKER_DAEMON_KEYS):
         return {}
     return {
         "spark.python.daemon.module": "kafka2pg_worker_daemon",

@@ -95,14 +95,21 @@ def test_the_conf_the_provider_adds_at_execute_reaches_spark_submit(monkeypatch,
     assert SECRET not in submitted["command"]
 
 
-def test_a_missing_spark_connection_fails_before_submit_unless_yarn_is_configured(monkeypatch, submitted):
-    for name in ("AIRFLOW_CONN_KAFKA2PG_SPARK", "HADOOP_CONF_DIR", "YARN_CONF_DIR"):
+def test_a_missing_spark_connection_fails_before_submit_unless_yarn_is_configured(monkeypatch, submitted, tmp_path):
+    for name in ("AIRFLOW_CONN_KAFKA2PG_SPARK", "HADOOP_CONF_DIR", "YARN_CONF_DIR", "SPARK_CONF_DIR", "SPARK_HOME"):
         monkeypatch.delenv(name, raising=False)
     operator = stage_operator()
     with pytest.raises(AirflowFailException, match="'kafka2pg_spark'.* is not defined.*AIRFLOW_CONN_KAFKA2PG_SPARK"):
         operator.execute({})
     assert submitted == {}
 
+    (tmp_path / "spark-env.sh").write_text("export HADOOP_CONF_DIR=/etc/hadoop/conf\n")
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))  # spark-submit sources it: YARN may work
+    operator.execute({})
+    assert "--master yarn" in submitted["command"]
+
+    submitted.clear()
+    monkeypatch.delenv("SPARK_CONF_DIR")
     monkeypatch.setenv("HADOOP_CONF_DIR", "/etc/hadoop/conf")  # the provider's default, YARN, can work
     operator.execute({})
     assert "--master yarn" in submitted["command"]

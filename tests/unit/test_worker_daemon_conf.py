@@ -4,7 +4,7 @@ from kafka2pg.staging import WORKER_DAEMON_DIR, worker_daemon_conf
 
 
 def test_local_masters_get_it():
-    for master in ("local", "local[2]", "local[*]", "local-cluster[2,1,1024]"):
+    for master in ("local", "local[2]", "local[*]", "local[4,2]"):
         assert worker_daemon_conf(master, {}) == {
             "spark.python.daemon.module": "kafka2pg_worker_daemon",
             "spark.executorEnv.PYTHONPATH": str(WORKER_DAEMON_DIR),
@@ -13,7 +13,7 @@ def test_local_masters_get_it():
 
 
 def test_cluster_masters_and_a_conf_of_ones_own_do_not():
-    for master in ("spark://host:7077", "yarn", "k8s://https://api:6443"):
+    for master in ("spark://host:7077", "yarn", "k8s://https://api:6443", "local-cluster[2,1,1024]"):
         assert worker_daemon_conf(master, {}) == {}
     assert worker_daemon_conf("local[2]", {"spark.python.daemon.module": "mine"}) == {}
     assert worker_daemon_conf("local[2]", {"spark.executorEnv.PYTHONPATH": "/opt/lib"}) == {}
