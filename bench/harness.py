@@ -48,15 +48,16 @@ def bench_stack(prefix: str) -> Iterator[tuple[Settings, Stack, Path]]:
         class_archive_path(work).parent.mkdir(parents=True)
         class_archive_path(work).symlink_to(archive)
     stack = local_stack.start_stack(work)
+    finished = False
     try:
         yield Settings(stack.kafka.bootstrap_servers, stack.postgres.url, state_dir=work), stack, work
-    except BaseException:
+        finished = True
+    finally:
         local_stack.discard_stack(stack)
-        print(f"the run's logs are kept in {work}", file=sys.stderr)
-        raise
-    local_stack.discard_stack(stack)
-    # the rest of the run's scratch folder: the floor's input file (about 230 MB at 1M), logs
-    shutil.rmtree(work, ignore_errors=True)
+        if finished:  # the rest of the scratch folder: the floor's input file (about 230 MB at 1M), logs
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"the run's logs are kept in {work}", file=sys.stderr)
 
 
 def bench_pipeline(name: str, topic: str | None = None) -> Pipeline:

@@ -1,5 +1,5 @@
 """The stage job's driver imports PySpark from the installed package, not from the zip inside it
-that spark-submit puts first on its path (kafka2pg.stage_job.skip_bundled_pyspark_zip)."""
+that spark-submit puts first on its path (kafka2pg_worker_daemon.skip_bundled_pyspark_zip)."""
 
 from __future__ import annotations
 
