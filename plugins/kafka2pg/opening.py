@@ -25,12 +25,13 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction, waits_logged
 from kafka2pg.exceptions import BatchStateError, LedgerConflictError
 from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_retention
-from kafka2pg.kafka_reader import record_timestamp
+from kafka2pg.kafka_reader import first_timestamps
 from kafka2pg.ledger import lock_plan, read_head_batches, read_heads
 from kafka2pg.lifecycle import OPEN, BatchState, resume_or_abandon
 from kafka2pg.planner import (
     BatchPlan,
     LossHorizon,
+    OffsetRange,
     PartitionState,
     describe_ranges,
     loss_horizon,
@@ -114,22 +115,17 @@ def loss_horizons(
     """Per partition: unread records, margin to the low watermark, estimated time to data loss."""
     retention = topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     now_ms = int(time.time() * 1000)
-    horizons = []
-    for state in _states(offsets, heads):
-        # Below the low watermark nothing can be read: the plan reports that loss itself.
-        first_unread = max(state.low, state.low if state.head is None else state.head)
-        timestamp = None
-        if retention.deletes and retention.retention_ms is not None and first_unread < state.last_stable:
-            timestamp = record_timestamp(
-                settings.kafka,
-                pipeline.topic,
-                state.partition,
-                first_unread,
-                state.last_stable,
-                settings.kafka_timeout_s,
-            )
-        horizons.append(loss_horizon(state, timestamp, now_ms, retention.retention_ms if retention.deletes else None))
-    return horizons
+    states = _states(offsets, heads)
+    unread = []
+    if retention.deletes and retention.retention_ms is not None:
+        for state in states:
+            # Below the low watermark nothing can be read: the plan reports that loss itself.
+            first_unread = max(state.low, state.low if state.head is None else state.head)
+            if first_unread < state.last_stable:
+                unread.append(OffsetRange(state.partition, first_unread, state.last_stable))
+    timestamps = first_timestamps(settings.kafka, pipeline.topic, unread, settings.kafka_timeout_s) if unread else {}
+    retention_ms = retention.retention_ms if retention.deletes else None
+    return [loss_horizon(s, timestamps.get(s.partition), now_ms, retention_ms) for s in states]
 
 
 def _warn_loss_horizons(

@@ -17,7 +17,7 @@ from kafka2pg.audit import audit_pipeline
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import BatchStateError, OffsetRegressionError, QualityGateFailed, RetentionLossError
 from kafka2pg.kafka_offsets import client_config, offsets_for_times, partition_offsets
-from kafka2pg.kafka_reader import count_range, raw_records_at, read_ranges
+from kafka2pg.kafka_reader import count_range, first_timestamps, raw_records_at, read_ranges
 from kafka2pg.ledger import reset_head
 from kafka2pg.opening import open_batch
 from kafka2pg.planner import OffsetRange
@@ -228,6 +228,30 @@ def test_time_to_data_loss_is_logged_and_shown_with_a_warning_under_the_threshol
     )
     report = ledger_report(env.settings, env.pipeline)
     assert "time_to_loss" in report and report.count("(AT RISK)") == 2
+
+
+def test_first_record_timestamps_of_all_partitions_come_from_one_read_past_aborted_records(make_pipeline):
+    """The time-to-data-loss probe reads each partition's first committed record from its head on:
+    past an aborted transaction (p0), straight (p1), none at all where the range holds only
+    aborted records and markers (p2, left out), and not before the head (p1 from offset 2)."""
+    env = make_pipeline(create_topic=False)
+    create_topic(env, partitions=3)
+    producer = Producer({**client_config(env.settings.bootstrap_servers, 10), "transactional.id": f"tx-{env.topic}"})
+    producer.init_transactions(10)
+    base = int(time.time() * 1000) - 60_000
+    for partition, commit, stamps in ((0, False, [1, 2]), (0, True, [3, 4]), (1, True, [5, 6, 7]), (2, False, [8])):
+        producer.begin_transaction()
+        for stamp in stamps:
+            producer.produce(env.topic, value=b"{}", partition=partition, timestamp=base + stamp)
+        producer.flush(10)
+        (producer.commit_transaction if commit else producer.abort_transaction)(10)
+    # p0: 0-1 aborted, 2 marker, 3-4 committed, 5 marker; p1: 0-2 committed, 3 marker; p2: 0 aborted, 1 marker.
+    deadline = time.monotonic() + 60
+    while [o.last_stable for o in partition_offsets(env.settings.bootstrap_servers, env.topic)] != [6, 4, 2]:
+        assert time.monotonic() < deadline, "the transaction markers were not written"
+        time.sleep(0.2)
+    ranges = [OffsetRange(0, 0, 6), OffsetRange(1, 2, 4), OffsetRange(2, 0, 2)]
+    assert first_timestamps(env.settings.kafka, env.topic, ranges) == {0: base + 3, 1: base + 7}
 
 
 def test_new_partitions_start_at_low_watermark_or_are_skipped_as_a_recorded_gap(make_pipeline, run_batch, db):
