@@ -10,7 +10,6 @@ import gc
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib.abc import MetaPathFinder
 from typing import NamedTuple
 
 import psycopg
@@ -33,6 +32,7 @@ from kafka2pg.database import isolate_refused, limit_idle_transactions
 from kafka2pg.exceptions import BatchStateError
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import PROVENANCE, RAW, staging_columns
+from kafka2pg.withheld_imports import withheld
 
 # What the chunk writer gets from the Kafka reader (kafka2pg.kafka_reader, or Spark's Kafka source
 # for kafka_reader: spark), in this order. Not the headers: Spark's Kafka source builds them per
@@ -234,19 +234,12 @@ def collector_paused() -> Iterator[None]:
         gc.enable()
 
 
-class _NoPandas(MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname == "pandas":
-            raise ImportError("pandas is left out of this Spark task process")
-        return None
-
-
 def arrow_without_pandas() -> None:
     """Let pyarrow settle, for this process, that it has no pandas to look for.
 
     pyarrow imports pandas on its first conversion of Python values (`pa.array`), to recognise
     pandas objects, and a Spark task here never hands it one: that import cost each task process
-    about 0.17 s of CPU and 54 MB (bench/README.md). For that one conversion `import pandas`
+    about 0.17 s of CPU and 54 MB (docs/design.md). For that one conversion `import pandas`
     fails, so pyarrow records "no pandas"; `import pandas` works again right after, only
     pyarrow's pandas conversions (`to_pandas`) do not, and no task code uses them. For Spark
     task processes only (the chunk writer's, at each task's start: after the first, pyarrow does
@@ -255,12 +248,8 @@ def arrow_without_pandas() -> None:
     """
     if "pandas" in sys.modules:
         return
-    finder = _NoPandas()
-    sys.meta_path.insert(0, finder)
-    try:
+    with withheld("pandas"):
         pa.array([0], pa.int8())
-    finally:
-        sys.meta_path.remove(finder)
 
 
 def frame(

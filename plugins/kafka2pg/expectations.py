@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import importlib
-import importlib.abc
 import importlib.util
 import logging
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 from psycopg import Connection, sql
 
 from kafka2pg.config import Pipeline
+from kafka2pg.withheld_imports import withheld
 
 log = logging.getLogger(__name__)
 
@@ -246,12 +246,10 @@ def _slim_gx_import() -> Iterator[None]:
         if spec is not None:
             sys.modules[name] = _Deferred(name, spec)
             placed.append(name)
-    finder = _Withheld(GX_EXTRAS_WITHHELD)
-    sys.meta_path.insert(0, finder)
     try:
-        yield
+        with withheld(*GX_EXTRAS_WITHHELD):
+            yield
     finally:
-        sys.meta_path.remove(finder)
         for name in placed:
             if isinstance(sys.modules.get(name), _Deferred):
                 del sys.modules[name]
@@ -275,20 +273,6 @@ class _Deferred(types.ModuleType):
                 log.debug("importing %s, deferred while importing Great Expectations", self.__name__)
                 real = importlib.import_module(self.__name__)
         return getattr(real, attr)
-
-
-class _Withheld(importlib.abc.MetaPathFinder):
-    """Withholds modules from one thread's imports, as if they were not installed."""
-
-    def __init__(self, names: tuple[str, ...]) -> None:
-        self.names = names
-        self.thread = threading.get_ident()
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
-        withheld = any(fullname == n or fullname.startswith(n + ".") for n in self.names)
-        if withheld and threading.get_ident() == self.thread:
-            raise ModuleNotFoundError(f"No module named {fullname!r} (withheld while importing GX)", name=fullname)
-        return None
 
 
 def _skip_frame_fingerprint() -> None:
