@@ -466,7 +466,7 @@ def run_fixed_costs(settings: Settings, topic: str) -> dict:
     from kafka2pg.staging import stage_batch
     from kafka2pg.steps import promote_batch
 
-    pipeline = bench_pipeline("fixed", f"{topic}-fixed")
+    pipeline = bench_pipeline(_fresh("fixed"), f"{topic}-{_fresh('fixed')}")  # the warm-up's is its own
     ensure_topic(settings.bootstrap_servers, pipeline.topic, 1)
     migrate(settings.database_url, [pipeline])
     started = time.monotonic()
@@ -721,7 +721,7 @@ def main() -> int:
         # Python packages into the page cache, as on a machine that has run a job before; on a
         # cold cache the first contender to start Spark (ours in round 1) paid it (seconds).
         started = time.monotonic()
-        measure("fixed", env)
+        measure("fixed", {**env, "BENCH_ROUND_SUFFIX": "_warm_up"})
         print(f"warm-up, untimed (a Spark start and a 1-record batch): {time.monotonic() - started:.1f}s", flush=True)
         runs: dict[str, list[dict]] = {name: [] for name in names}
         for round_no in range(args.rounds):

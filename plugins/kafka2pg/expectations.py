@@ -232,30 +232,31 @@ GX_DEFERRED = ("altair", "scipy.stats")
 def _slim_gx_import() -> Iterator[None]:
     """Import GX (once per process; nothing to do after) without `GX_EXTRAS_WITHHELD`, and with
     `GX_DEFERRED` standing in until first used: GX's import from 2.8 to 1.2-1.5 s of CPU, the
-    driver's memory 128 MB less. Only the calling thread's imports are withheld; the deferred
-    modules leave `sys.modules` when GX is in, so a later import anywhere gets the real ones."""
+    driver's memory 128 MB less. Only the calling thread's imports are withheld. The stand-ins
+    are in `sys.modules` for every thread while GX imports (a thread using one imports the real
+    module) and leave it when GX is in, so a later import anywhere gets the real ones."""
     if "great_expectations" in sys.modules:
         yield
         return
-    placed = []
+    placed = {}
     for name in GX_DEFERRED:
         try:
             spec = None if name in sys.modules else importlib.util.find_spec(name)
         except ImportError:
             spec = None
         if spec is not None:
-            sys.modules[name] = _Deferred(name, spec)
-            placed.append(name)
+            placed[name] = sys.modules[name] = _Deferred(name, spec)
     try:
         with withheld(*GX_EXTRAS_WITHHELD):
             yield
     finally:
-        for name in placed:
-            if isinstance(sys.modules.get(name), _Deferred):
-                del sys.modules[name]
+        with _deferred_loading:  # a stand-in another thread has just replaced by the real module stays
+            for name, stand_in in placed.items():
+                if sys.modules.get(name) is stand_in:
+                    del sys.modules[name]
 
 
-_deferred_loading = threading.Lock()
+_deferred_loading = threading.RLock()
 
 
 class _Deferred(types.ModuleType):

@@ -252,6 +252,9 @@ def test_first_record_timestamps_of_all_partitions_come_from_one_read_past_abort
         time.sleep(0.2)
     ranges = [OffsetRange(0, 0, 6), OffsetRange(1, 2, 4), OffsetRange(2, 0, 2)]
     assert first_timestamps(env.settings.kafka, env.topic, ranges) == {0: base + 3, 1: base + 7}
+    with kafka_reader.RangeReader(env.settings.kafka, env.topic, 10) as reader:  # one record each, no more
+        read = [(m.partition(), m.offset()) for c in reader.messages(ranges, short="stop", first_only=True) for m in c]
+    assert sorted(read) == [(0, 3), (1, 2)]
 
 
 def test_new_partitions_start_at_low_watermark_or_are_skipped_as_a_recorded_gap(make_pipeline, run_batch, db):
