@@ -466,7 +466,8 @@ def run_fixed_costs(settings: Settings, topic: str) -> dict:
     from kafka2pg.staging import stage_batch
     from kafka2pg.steps import promote_batch
 
-    pipeline = bench_pipeline(_fresh("fixed"), f"{topic}-{_fresh('fixed')}")  # the warm-up's is its own
+    name = _fresh("fixed")  # the warm-up's pipeline is its own
+    pipeline = bench_pipeline(name, f"{topic}-{name}")
     ensure_topic(settings.bootstrap_servers, pipeline.topic, 1)
     migrate(settings.database_url, [pipeline])
     started = time.monotonic()

@@ -116,15 +116,15 @@ def loss_horizons(
     retention = topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     now_ms = int(time.time() * 1000)
     states = _states(offsets, heads)
+    retention_ms = retention.retention_ms if retention.deletes else None
     unread = []
-    if retention.deletes and retention.retention_ms is not None:
+    if retention_ms is not None:
         for state in states:
             # Below the low watermark nothing can be read: the plan reports that loss itself.
             first_unread = max(state.low, state.low if state.head is None else state.head)
             if first_unread < state.last_stable:
                 unread.append(OffsetRange(state.partition, first_unread, state.last_stable))
     timestamps = first_timestamps(settings.kafka, pipeline.topic, unread, settings.kafka_timeout_s) if unread else {}
-    retention_ms = retention.retention_ms if retention.deletes else None
     return [loss_horizon(s, timestamps.get(s.partition), now_ms, retention_ms) for s in states]
 
 
