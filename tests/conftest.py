@@ -32,6 +32,27 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture
+def fresh_python():
+    """Run Python code in a new interpreter that sees only kafka2pg's plugins folder (and the
+    venv's packages): what a module imports or changes for the whole process, seen from nothing
+    imported. Returns its stdout's last line; fails the test if the code raised."""
+    import subprocess
+    import sys
+
+    def run(code: str, *args: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONPATH": str(ROOT / "plugins"), "PATH": "/usr/bin:/bin"},
+        )
+        return out.stdout.strip().splitlines()[-1]
+
+    return run
+
+
+@pytest.fixture
 def sample_columns() -> list[dict]:
     """The column mapping of the sample events, a fresh copy a test may change."""
     return [dict(c) for c in COLUMNS]

@@ -227,11 +227,26 @@ def collector_paused() -> Iterator[None]:
     if not gc.isenabled():
         yield
         return
+    _freeze_long_lived()
     gc.disable()
     try:
         yield
     finally:
         gc.enable()
+
+
+_frozen = False
+
+
+def _freeze_long_lived() -> None:
+    """Once per process, at its first write: move every object it holds (the modules of PySpark,
+    pyarrow, psycopg, librdkafka's binding and kafka2pg, not yet a record) out of the collector's
+    reach. PySpark's daemon runs a full collection after every task of a reused worker, which
+    walked them all each time; objects frozen are still freed as their last reference goes."""
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.freeze()
 
 
 def arrow_without_pandas() -> None:

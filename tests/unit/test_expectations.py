@@ -1,12 +1,9 @@
 """The Great Expectations half of the gate, on DataFrames (no services): what a run keeps alive."""
 
 import json
-import subprocess
-import sys
 import threading
 import time
 import weakref
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -122,20 +119,12 @@ print(json.dumps({"loaded": loaded, "left": left, "unique": unique, "chart": kl.
 """
 
 
-def test_gx_is_imported_without_its_extras_and_defers_what_only_other_expectations_use():
+def test_gx_is_imported_without_its_extras_and_defers_what_only_other_expectations_use(fresh_python):
     """GX imports SQLAlchemy and PySpark's ML/Connect when it finds them, and Altair and scipy.stats
     for one expectation our suite lacks: about half its import's CPU and 128 MB of the driver. A
     validation in a fresh interpreter leaves them unimported and still judges the frame; the
     deferred modules work on first use, and the withheld ones import normally afterwards."""
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", SLIM_PROBE],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={"PYTHONPATH": str(root / "plugins"), "PATH": "/usr/bin:/bin"},
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(fresh_python(SLIM_PROBE))
     assert result["loaded"] == [] and result["left"] == []
     assert result["unique"] == [2]
     assert result["chart"] == "Chart" and result["entropy"] == 0.693

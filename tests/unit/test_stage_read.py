@@ -148,23 +148,14 @@ print(imported)
 
 
 @pytest.mark.parametrize(("mode", "imports_pandas"), [("with", True), ("without", False)])
-def test_a_spark_tasks_arrow_work_leaves_pandas_unimported(mode, imports_pandas):
+def test_a_spark_tasks_arrow_work_leaves_pandas_unimported(mode, imports_pandas, fresh_python):
     """pyarrow imports pandas on its first conversion of Python values unless told there is none
     (`arrow_without_pandas`, as the chunk writer does first in each task): the task's whole Arrow
     path then runs without it, and pandas stays importable."""
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", TASK_ARROW, str(root / "dags" / "pipelines.yaml"), mode],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={"PYTHONPATH": str(root / "plugins"), "PATH": "/usr/bin:/bin"},
-    )
-    assert out.stdout.strip().splitlines()[-1] == str(imports_pandas)
+    assert fresh_python(TASK_ARROW, str(root / "dags" / "pipelines.yaml"), mode) == str(imports_pandas)
 
 
 def test_the_collector_is_paused_for_a_write_and_restored_as_it_was():
@@ -186,6 +177,28 @@ def test_the_collector_is_paused_for_a_write_and_restored_as_it_was():
         assert not gc.isenabled(), "a collector someone else turned off stays off"
     finally:
         gc.enable()
+
+
+FREEZE = """
+import gc
+from kafka2pg.chunk_writer import collector_paused
+before = gc.get_freeze_count()
+with collector_paused():
+    first = gc.get_freeze_count()
+kept = [[i] for i in range(1000)]  # objects made after the first write stay collectable
+with collector_paused():
+    pass
+print(before, first, gc.get_freeze_count())
+"""
+
+
+def test_a_workers_modules_are_frozen_out_of_the_collector_at_its_first_write_only(fresh_python):
+    """PySpark's daemon collects after each task of a reused worker: what the process held at its
+    first write (its modules) is not walked each time, and nothing later (a task's records) is frozen."""
+    before, first, after = map(int, fresh_python(FREEZE).split())
+    assert before == 0
+    assert first > 20_000, "pyarrow's, psycopg's and kafka2pg's objects are frozen"
+    assert after <= first, "only the first write freezes (frozen objects are still freed as they go)"
 
 
 def test_stopping_the_session_does_not_wait_for_the_accumulator_server():
