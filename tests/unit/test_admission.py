@@ -317,6 +317,27 @@ def test_timestamps_with_and_without_an_offset_in_one_column_are_each_read_as_th
     assert times == [datetime(2026, 3, 1, h, 0, 0, us, tzinfo=UTC) for h, us in ((9, 0), (10, 0), (10, 1))]
 
 
+def test_every_iso_form_of_a_timestamp_is_read_by_arrow_none_token_by_token(monkeypatch):
+    """The column's fast path: Z, +hh:mm, -hh:mm and no offset, a `T` or a space, 0-6 digits
+    after the point, mixed in one column, are all cast by Arrow (a token read one by one is the
+    slow path: correct, but a record at a time)."""
+    import kafka2pg.admission as admission
+
+    one_by_one = []
+    monkeypatch.setattr(admission, "_fast_timestamp", lambda token: one_by_one.append(token))
+    texts = [
+        "2026-03-01T10:00:00Z",
+        "2026-03-01T10:00:00.123456+05:30",
+        "2026-03-01 10:00:00.5-08:00",
+        "2026-03-01T10:00:00",
+        "2026-03-01 10:00:00.123456",
+        "2026-03-01T10:00:00.12-00:00",
+    ]
+    times = DECODER.admit([_ts(t) for t in texts]).columns[[r.name for r in RULES].index("event_time")]
+    assert one_by_one == []
+    assert times.to_pylist() == [DECODER.decode_strictly(_ts(t)).values[4] for t in texts]
+
+
 @pytest.mark.parametrize(
     "text",
     ["0000-12-31T23:00:00-01:00", "0001-01-01T00:30:00+01:00", "9999-12-31T23:00:00-01:00"],
