@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -217,6 +219,12 @@ def ledgered(db):
 
 def pytest_configure(config):
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # Spark's scratch folders (spark-*, blockmgr-*: the shipped files, about 12 MB a session) go
+    # under one folder of this test run, removed at its end: a Spark JVM a test kills cannot
+    # delete its own, and /tmp would keep them.
+    if "SPARK_LOCAL_DIRS" not in os.environ:
+        config.kafka2pg_spark_scratch = tempfile.mkdtemp(prefix="kafka2pg-tests-spark-")
+        os.environ["SPARK_LOCAL_DIRS"] = config.kafka2pg_spark_scratch
     # Every test names its own services; connections of a sourced stack.env must not win over them.
     for name in [n for n in os.environ if n.startswith("AIRFLOW_CONN_KAFKA2PG")]:
         del os.environ[name]
@@ -227,3 +235,10 @@ def pytest_configure(config):
         ("fault", "fault injection: kills, restarts and races on the real stack (slow)"),
     ):
         config.addinivalue_line("markers", f"{marker}: {text}")
+
+
+def pytest_unconfigure(config):
+    scratch = getattr(config, "kafka2pg_spark_scratch", None)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+        del os.environ["SPARK_LOCAL_DIRS"]
