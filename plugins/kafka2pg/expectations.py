@@ -128,18 +128,37 @@ def load_accepted(conn: Connection, pipeline: Pipeline, batch_id: int):
     checked = {*pipeline.business_key, *pipeline.required_columns}
     checked |= {c.name for c in pipeline.columns if c.minimum is not None or c.maximum is not None or c.allowed}
     columns = [*PROVENANCE, *(c.name for c in pipeline.columns if c.name in checked)]
+    ranged = [c for c in pipeline.columns if c.minimum is not None or c.maximum is not None]
+    as_double = {c.name for c in ranged if _double_holds(c.type)}
+    selected = [
+        sql.SQL("{}::float8").format(sql.Identifier(name)) if name in as_double else sql.Identifier(name)
+        for name in columns
+    ]
     query = sql.SQL("SELECT {} FROM {} WHERE batch_id = %s AND quarantine_reason IS NULL").format(
-        sql.SQL(", ").join(map(sql.Identifier, columns)), sql.Identifier("kafka2pg", pipeline.staging_table)
+        sql.SQL(", ").join(selected), sql.Identifier("kafka2pg", pipeline.staging_table)
     )
     with conn.cursor() as cur:
         cur.execute(query, (batch_id,))
         frame = pd.DataFrame(cur.fetchall(), columns=columns)
     # One topic per pipeline: as a category, GX's uniqueness and null checks on it hash one string.
     frame["kafka_topic"] = frame["kafka_topic"].astype("category")
-    numeric = [c.name for c in pipeline.columns if c.minimum is not None or c.maximum is not None]
-    for name in numeric:  # numeric(p,s) arrives as Decimal; GX compares floats
-        frame[name] = pd.to_numeric(frame[name])
+    for column in ranged:  # GX compares floats; a numeric(p,s) PostgreSQL did not cast is a Decimal
+        if column.name not in as_double:
+            frame[column.name] = pd.to_numeric(frame[column.name])
     return frame
+
+
+def _double_holds(pg_type: str) -> bool:
+    """Whether PostgreSQL casts every value of a `numeric(p,s)` column to float8 without an
+    error: at most 300 digits either side of the point (float8 ends near 1e308 and 1e-308). The
+    cast rounds as Python's float() of the Decimal does (both read the decimal text, correctly
+    rounded), and makes no Decimal of each value (about 0.08 s per 100k rows)."""
+    from kafka2pg.admission import numeric_precision_scale  # pyarrow's and msgspec's import: only here
+
+    if not pg_type.startswith("numeric("):
+        return False
+    precision, scale = numeric_precision_scale(pg_type)
+    return precision <= 300 and scale <= 300
 
 
 def warm_up() -> None:

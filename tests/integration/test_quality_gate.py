@@ -765,3 +765,39 @@ def test_with_kafka_gone_after_the_gate_its_flagged_rows_keep_their_typed_values
     assert reason.startswith("duplicate business key") and raw_value is None
     assert record["event_id"] == events[0]["event_id"]
     assert "the raw bytes of rows quarantined without them were not kept (KafkaUnavailableError" in caplog.text
+
+
+def test_the_gates_frame_holds_a_ranged_numeric_as_the_float_of_its_decimal(make_pipeline, db, sample_columns):
+    """Great Expectations compares floats: a ranged numeric(p,s) column reaches its frame as the
+    float of each exact value, cast by PostgreSQL where float8 holds every value of the type, read
+    as a Decimal and converted where it may not (a cast there would fail the gate on a value)."""
+    from decimal import Decimal
+
+    import pandas as pd
+
+    from kafka2pg.expectations import load_accepted
+
+    tiny = {"name": "tiny", "type": "numeric(400,360)", "min": 0, "max": 1, "on_violation": "quarantine"}
+    env = make_pipeline(partitions=1, columns=[*with_rules(sample_columns, "quarantine"), tiny])
+    amounts = ["0.10", "0.29", "999.99", "1234567890.12", None, "-0.07"]
+    tinies = ["1e-350", "0.3", None, "1", "7e-301", "0"]
+    staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    with db.cursor() as cur:
+        cur.executemany(
+            sql.SQL(
+                "INSERT INTO {} (batch_id, chunk, kafka_topic, kafka_partition, kafka_offset, event_id, customer_id,"
+                " amount, tiny) VALUES (1, 0, %s, 0, %s, %s, 1, %s::numeric, %s::numeric)"
+            ).format(staging),
+            [(env.topic, i, f"e{i}", a, t) for i, (a, t) in enumerate(zip(amounts, tinies))],
+        )
+    frame = load_accepted(db, env.pipeline, 1)
+
+    def floats(texts):
+        return pd.to_numeric(pd.Series([None if t is None else Decimal(t) for t in texts], dtype=object))
+
+    assert frame["amount"].dtype == frame["tiny"].dtype == "float64"
+    for column, texts in (("amount", amounts), ("tiny", tinies)):
+        expected = floats(texts).to_list()
+        got = frame[column].to_list()
+        assert [x if x == x else None for x in got] == [x if x == x else None for x in expected]  # NaN as None
+    assert frame["amount"].to_list()[:2] == [0.1, 0.29]
