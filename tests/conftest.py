@@ -46,9 +46,10 @@ def fresh_python():
             [sys.executable, "-c", code, *args],
             capture_output=True,
             text=True,
-            check=True,
             env={"PYTHONPATH": str(ROOT / "plugins"), "PATH": "/usr/bin:/bin"},
         )
+        if out.returncode:
+            pytest.fail(f"the fresh interpreter exited {out.returncode}:\n{out.stderr[-3000:]}")
         return out.stdout.strip().splitlines()[-1]
 
     return run
@@ -241,4 +242,4 @@ def pytest_unconfigure(config):
     scratch = getattr(config, "kafka2pg_spark_scratch", None)
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)
-        del os.environ["SPARK_LOCAL_DIRS"]
+        os.environ.pop("SPARK_LOCAL_DIRS", None)

@@ -137,28 +137,33 @@ def load_accepted(conn: Connection, pipeline: Pipeline, batch_id: int):
     query = sql.SQL("SELECT {} FROM {} WHERE batch_id = %s AND quarantine_reason IS NULL").format(
         sql.SQL(", ").join(selected), sql.Identifier("kafka2pg", pipeline.staging_table)
     )
-    with conn.cursor() as cur:
+    with conn.transaction(), conn.cursor() as cur:  # a savepoint in the gate's transaction
+        if as_double:  # float8 as text in full, whatever a role or database set
+            cur.execute("SELECT set_config('extra_float_digits', '3', true)")
         cur.execute(query, (batch_id,))
         frame = pd.DataFrame(cur.fetchall(), columns=columns)
     # One topic per pipeline: as a category, GX's uniqueness and null checks on it hash one string.
     frame["kafka_topic"] = frame["kafka_topic"].astype("category")
     for column in ranged:  # GX compares floats; a numeric(p,s) PostgreSQL did not cast is a Decimal
-        if column.name not in as_double:
+        if column.name in as_double:
+            frame[column.name] = frame[column.name].astype("float64")  # all NULL: None objects otherwise
+        else:
             frame[column.name] = pd.to_numeric(frame[column.name])
     return frame
 
 
 def _double_holds(pg_type: str) -> bool:
     """Whether PostgreSQL casts every value of a `numeric(p,s)` column to float8 without an
-    error: at most 300 digits either side of the point (float8 ends near 1e308 and 1e-308). The
-    cast rounds as Python's float() of the Decimal does (both read the decimal text, correctly
-    rounded), and makes no Decimal of each value (about 0.08 s per 100k rows)."""
+    error: a precision of at most 300 digits (kafka2pg's scale is at most the precision; float8
+    ends near 1e308 and 1e-308). The cast rounds as Python's float() of the Decimal does (both
+    read the decimal text, correctly rounded), and makes no Decimal of each value (about 0.08 s
+    per 100k rows)."""
     from kafka2pg.admission import numeric_precision_scale  # pyarrow's and msgspec's import: only here
 
     if not pg_type.startswith("numeric("):
         return False
     precision, scale = numeric_precision_scale(pg_type)
-    return precision <= 300 and scale <= 300
+    return precision <= 300 and 0 <= scale <= precision
 
 
 def warm_up() -> None:

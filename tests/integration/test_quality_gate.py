@@ -777,27 +777,35 @@ def test_the_gates_frame_holds_a_ranged_numeric_as_the_float_of_its_decimal(make
 
     from kafka2pg.expectations import load_accepted
 
-    tiny = {"name": "tiny", "type": "numeric(400,360)", "min": 0, "max": 1, "on_violation": "quarantine"}
-    env = make_pipeline(partitions=1, columns=[*with_rules(sample_columns, "quarantine"), tiny])
-    amounts = ["0.10", "0.29", "999.99", "1234567890.12", None, "-0.07"]
-    tinies = ["1e-350", "0.3", None, "1", "7e-301", "0"]
+    ranged = {"min": 0, "max": 1, "on_violation": "quarantine"}
+    extra = [
+        {"name": "fine", "type": "numeric(40,20)", **ranged},  # more digits than a double keeps
+        {"name": "tiny", "type": "numeric(400,360)", **ranged},  # beyond float8: read as Decimals
+        {"name": "unset", "type": "numeric(12,2)", **ranged},  # NULL in every row
+    ]
+    env = make_pipeline(partitions=1, columns=[*with_rules(sample_columns, "quarantine"), *extra])
+    values = {
+        "amount": ["0.10", "0.29", "999.99", "1234567890.12", None, "-0.07"],
+        "fine": ["0.12345678901234567890", "1.00000000000000011102", "0.3", None, "-98765432109876543210", "0"],
+        "tiny": ["1e-350", "0.3", None, "1", "7e-301", "0"],
+        "unset": [None] * 6,
+    }
     staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
     with db.cursor() as cur:
         cur.executemany(
             sql.SQL(
                 "INSERT INTO {} (batch_id, chunk, kafka_topic, kafka_partition, kafka_offset, event_id, customer_id,"
-                " amount, tiny) VALUES (1, 0, %s, 0, %s, %s, 1, %s::numeric, %s::numeric)"
+                " amount, fine, tiny, unset) VALUES (1, 0, %s, 0, %s, %s, 1, %s::numeric, %s::numeric, %s::numeric,"
+                " %s::numeric)"
             ).format(staging),
-            [(env.topic, i, f"e{i}", a, t) for i, (a, t) in enumerate(zip(amounts, tinies))],
+            [(env.topic, i, f"e{i}", *row) for i, row in enumerate(zip(*values.values(), strict=True))],
         )
+    db.execute("SET extra_float_digits = 0")  # as a role or database may set it: 15 digits as text
     frame = load_accepted(db, env.pipeline, 1)
 
-    def floats(texts):
-        return pd.to_numeric(pd.Series([None if t is None else Decimal(t) for t in texts], dtype=object))
-
-    assert frame["amount"].dtype == frame["tiny"].dtype == "float64"
-    for column, texts in (("amount", amounts), ("tiny", tinies)):
-        expected = floats(texts).to_list()
+    for column, texts in values.items():
+        expected = pd.to_numeric(pd.Series([None if t is None else Decimal(t) for t in texts], dtype=object))
+        assert frame[column].dtype == "float64", column
         got = frame[column].to_list()
-        assert [x if x == x else None for x in got] == [x if x == x else None for x in expected]  # NaN as None
+        assert [x if x == x else None for x in got] == [x if x == x else None for x in expected.to_list()], column
     assert frame["amount"].to_list()[:2] == [0.1, 0.29]

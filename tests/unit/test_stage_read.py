@@ -158,10 +158,13 @@ def test_a_spark_tasks_arrow_work_leaves_pandas_unimported(mode, imports_pandas,
     assert fresh_python(TASK_ARROW, str(root / "dags" / "pipelines.yaml"), mode) == str(imports_pandas)
 
 
-def test_the_collector_is_paused_for_a_write_and_restored_as_it_was():
+def test_the_collector_is_paused_for_a_write_and_restored_as_it_was(monkeypatch):
     import gc
 
+    from kafka2pg import chunk_writer
     from kafka2pg.chunk_writer import collector_paused
+
+    monkeypatch.setattr(chunk_writer, "_frozen", True)  # not pytest's own objects
 
     assert gc.isenabled()
     with collector_paused():
