@@ -125,10 +125,10 @@ def load_accepted(conn: Connection, pipeline: Pipeline, batch_id: int):
     """
     import pandas as pd
 
-    checked = {*pipeline.business_key, *pipeline.required_columns}
-    checked |= {c.name for c in pipeline.columns if c.minimum is not None or c.maximum is not None or c.allowed}
-    columns = [*PROVENANCE, *(c.name for c in pipeline.columns if c.name in checked)]
     ranged = [c for c in pipeline.columns if c.minimum is not None or c.maximum is not None]
+    checked = {*pipeline.business_key, *pipeline.required_columns, *(c.name for c in ranged)}
+    checked |= {c.name for c in pipeline.columns if c.allowed}
+    columns = [*PROVENANCE, *(c.name for c in pipeline.columns if c.name in checked)]
     as_double = {c.name for c in ranged if _double_holds(c.type)}
     selected = [
         sql.SQL("{}::float8").format(sql.Identifier(name)) if name in as_double else sql.Identifier(name)
