@@ -422,6 +422,24 @@ class StageInterrupted(Kafka2PgError):
     terminal = False
 
 
+class SparkSessionLost(Kafka2PgError):
+    """Spark's JVM stopped answering while it staged a batch: killed from outside, or crashed."""
+
+    terminal = False
+
+    @classmethod
+    def staging(cls, pipeline: str, batch_id: int) -> SparkSessionLost:
+        return cls(
+            f"pipeline {pipeline!r} batch {batch_id}: Spark's JVM stopped answering while it staged the batch "
+            "(killed from outside, or it crashed: its log or the kernel's, for an out-of-memory kill, says which). "
+            "Nothing was promoted and the batch stays planned; the chunks it committed are replaced by the next "
+            "attempt: run the stage step again (Airflow retries the task).",
+            pipeline=pipeline,
+            batch_id=batch_id,
+            state="planned",
+        )
+
+
 class QualityGateFailed(Kafka2PgError):
     """The quality gate rejected a batch; nothing was promoted."""
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from psycopg import sql
-from py4j.protocol import Py4JError
+from py4j.protocol import Py4JError, Py4JNetworkError
 from pyspark.errors import PySparkException
 from pyspark.sql import Row, SparkSession
 
@@ -33,6 +33,7 @@ from kafka2pg.exceptions import (
     KafkaAuthenticationError,
     KafkaUnavailableError,
     RetentionLossError,
+    SparkSessionLost,
     StageInterrupted,
 )
 from kafka2pg.kafka_config import kafka_config
@@ -206,7 +207,7 @@ def _read_and_write(
         if pipeline.kafka_reader == "spark":
             return _read_with_spark_source(spark, settings, batch, writer)
         return _read_in_tasks(spark, settings, pipeline, batch, writer)
-    except (PySparkException, Py4JError) as exc:
+    except (PySparkException, Py4JError, ConnectionError) as exc:  # ConnectionError: py4j's, the JVM gone
         _raise_if_stopped(stop, pipeline, batch.batch_id)
         # A chunk writer refuses to write once the claim is lost: report that, not a Java trace.
         with transaction(settings.database_url) as conn:
@@ -220,6 +221,8 @@ def _read_and_write(
                 state=current.state,
                 epoch=batch.epoch,
             ) from None
+        if isinstance(exc, (Py4JNetworkError, ConnectionError)):  # the JVM is gone: no Spark error to read
+            raise SparkSessionLost.staging(pipeline.name, batch.batch_id) from exc
         raise _kafka_error(str(exc), settings, pipeline, batch) or exc from None
 
 
@@ -537,6 +540,8 @@ def stop_session(spark: SparkSession) -> None:
         context._accumulatorServer = None  # spark.stop() skips it
     try:
         spark.stop()
+    except (Py4JError, ConnectionError) as exc:  # its JVM is gone (killed, crashed): nothing left to stop
+        log.warning("Spark's JVM did not answer the session's stop (%s): it is gone already", exc)
     finally:
         if server is not None:
             threading.Thread(target=server.shutdown, name="kafka2pg-accumulator-stop", daemon=True).start()

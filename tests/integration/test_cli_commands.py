@@ -150,3 +150,67 @@ def test_migrate_and_grant_need_only_the_database_not_kafka(make_pipeline, monke
     assert "pipeline tables ensured" in printed and "GRANT" in printed, printed
     assert cli.main(["offsets", "--pipeline", env.pipeline.name, "--from", "2026-01-02", "--to", "2026-01-01"]) == 2
     assert "--from 2026-01-02 must be before --to 2026-01-01" in capsys.readouterr().err
+
+
+def test_a_stage_whose_spark_jvm_is_killed_from_outside_says_so_and_stages_again(make_pipeline, spark, tmp_path):
+    """`kill -9` of the stage's Spark JVM while its tasks write: the command ends with what
+    happened (not a py4j trace, nor the failed stop of the dead session hiding it), the batch stays
+    planned, and staging it again reads every record once."""
+    import time
+
+    import psutil
+    import psycopg
+
+    from kafka2pg.devtools.producer import produce, sample_events
+    from kafka2pg.opening import open_batch
+    from kafka2pg.staging import stage_batch
+
+    env = make_pipeline(partitions=2)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(200, seed=83))
+    batch_id = open_batch(env.settings, env.pipeline, run_id="kill").batch.batch_id
+    # The tasks' chunk locks held here: the job is surely under way, and cannot finish, when its JVM is killed.
+    holder = psycopg.connect(env.settings.database_url, autocommit=True)
+    for chunk in range(4):
+        holder.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (f"kafka2pg.stage:{batch_id}:{chunk}",))
+    stderr = tmp_path / "stage.stderr"
+    with open(stderr, "w") as err:
+        command = subprocess.Popen(
+            [sys.executable, "-m", "kafka2pg", "stage", "--pipeline", env.pipeline.name, "--batch-id", str(batch_id)],
+            env={
+                **os.environ,
+                "KAFKA2PG_PIPELINES": str(env.settings.pipelines_file),
+                "KAFKA2PG_BOOTSTRAP_SERVERS": env.settings.bootstrap_servers,
+                "KAFKA2PG_DATABASE_URL": env.settings.database_url,
+                "KAFKA2PG_STATE_DIR": str(env.settings.state_dir),
+            },
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        waiting = 0
+        while not waiting:
+            assert command.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+            time.sleep(0.2)
+            waiting = holder.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' AND query LIKE %s",
+                ("%pg_advisory_xact_lock(hashtextextended%",),
+            ).fetchone()[0]
+        tree = psutil.Process(command.pid).children(recursive=True)
+        (jvm,) = [p for p in tree if p.name() == "java"]
+        jvm.kill()
+        # PySpark's daemon takes its workers down with it (the JVM stays a zombie until the command reaps it).
+        _, alive = psutil.wait_procs([p for p in tree if p.pid != jvm.pid], timeout=120)
+        assert not alive, alive
+        holder.close()
+        assert command.wait(timeout=300) == 2, stderr.read_text()[-3000:]
+    finally:
+        holder.close()
+        if command.poll() is None:
+            os.killpg(command.pid, 9)
+    last = stderr.read_text().strip().splitlines()[-1]
+    assert last.startswith(f"error: SparkSessionLost: pipeline {env.pipeline.name!r} batch {batch_id}: Spark's JVM")
+    assert "stays planned" in last
+    again = stage_batch(spark, env.settings, env.pipeline, batch_id)
+    assert again.state == "staged" and sum(r.records for r in again.reads) == 200

@@ -19,12 +19,18 @@ from kafka2pg.exceptions import (
     ReplayRefusedError,
     RetentionLossError,
     ServiceUnavailableError,
+    SparkSessionLost,
     StageInterrupted,
     WitnessMismatchError,
 )
 
 # (error, its evidence exactly, what its message must say)
 BUILT = {
+    "spark session lost": (
+        SparkSessionLost.staging("orders", 7),
+        {"pipeline": "orders", "batch_id": 7, "state": "planned"},
+        ["pipeline 'orders' batch 7: Spark's JVM stopped answering", "stays planned", "run the stage step again"],
+    ),
     "group refused": (
         ConsumerGroupRefusedError.refused("lag", "orders", "orders[0]: UNKNOWN_MEMBER_ID"),
         {"group": "lag", "topic": "orders", "detail": "orders[0]: UNKNOWN_MEMBER_ID"},
@@ -193,6 +199,7 @@ RETRYABLE = {
     DatabaseUnavailableError,
     RangeLockedError,
     StageInterrupted,
+    SparkSessionLost,  # a JVM killed or crashed: the next attempt starts its own
     WitnessMismatchError,  # the next attempt asks Kafka again about the batch as staged then
 }
 ERRORS = [c for _, c in inspect.getmembers(exceptions, inspect.isclass) if issubclass(c, Kafka2PgError)]
