@@ -180,21 +180,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _stage_locally(settings: Settings, pipeline: Pipeline, batch_id: int) -> None:
     """Stage one batch with a Spark session of this process (KAFKA2PG_SPARK_MASTER), then stop it."""
     from kafka2pg.jars import spark_jars
+    from kafka2pg.scratch import job_scratch
     from kafka2pg.staging import package_zip, spark_session, stage_batch, stop_session
 
-    spark = spark_session(
-        settings.spark_master,
-        app_name=f"kafka2pg-stage-{pipeline.name}",
-        jars=spark_jars(settings.state_dir),
-        kafka_reader=pipeline.kafka_reader,
-    )
-    archive = package_zip(settings.state_dir / "spark")
-    try:
-        spark.sparkContext.addPyFile(str(archive))
-        print(stage_batch(spark, settings, pipeline, batch_id).message)
-    finally:
-        stop_session(spark)
-        archive.unlink(missing_ok=True)
+    with job_scratch(settings.state_dir / "spark") as scratch:
+        spark = spark_session(
+            settings.spark_master,
+            app_name=f"kafka2pg-stage-{pipeline.name}",
+            jars=spark_jars(settings.state_dir),
+            kafka_reader=pipeline.kafka_reader,
+            scratch=scratch,
+        )
+        try:
+            spark.sparkContext.addPyFile(str(package_zip(scratch)))
+            print(stage_batch(spark, settings, pipeline, batch_id).message)
+        finally:
+            stop_session(spark)
 
 
 def cmd_stage(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ from kafka2pg.ledger import lock_plan
 from kafka2pg.lifecycle import BatchState, is_open
 from kafka2pg.opening import open_batch, plan_lookahead
 from kafka2pg.quality import validate_batch
+from kafka2pg.scratch import job_scratch
 from kafka2pg.staging import kafka_group_id, package_zip, spark_session, stage_batch, stop_session
 from kafka2pg.steps import promote_batch
 from kafka2pg.stuck import recording_failures
@@ -386,48 +387,49 @@ def _run_in_session(
     run_id: str | None,
     max_records_per_batch: int | None,
 ) -> RunResult:
-    spark = spark_session(
-        None,
-        app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}",
-        conf=pipeline.spark_conf,
-        batches=batches,
-        kafka_reader=pipeline.kafka_reader,
-    )
-    # Where the JVM started without kafka2pg's log4j2 file (cluster deploy mode, spark_conf
-    # overriding the driver's JVM options) the level still applies from here on.
-    spark.sparkContext.setLogLevel(pipeline.spark_log_level)
-    log.info(
-        "pipeline=%s Kafka reads use consumer group %s: assign only, nothing committed "
-        "(Spark's per-read warning about kafka.group.id is filtered)",
-        pipeline.name,
-        kafka_group_id(pipeline.name),
-    )
-    archive = package_zip(settings.state_dir / "spark")
-    stop = threading.Event()
-    cancelling: list[threading.Thread] = []
-    previous = signal.signal(signal.SIGTERM, _on_sigterm(spark, stop, pipeline.name, batch_id, cancelling))
-    try:
-        spark.sparkContext.addPyFile(str(archive))
-        return run_batches(
-            spark,
-            settings,
-            pipeline,
-            batch_id,
-            epoch,
+    with job_scratch(settings.state_dir / "spark") as scratch:
+        spark = spark_session(
+            None,
+            app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}",
+            conf=pipeline.spark_conf,
             batches=batches,
-            run_id=run_id,
-            max_records_per_batch=max_records_per_batch,
-            stop=stop,
+            kafka_reader=pipeline.kafka_reader,
+            scratch=scratch,
         )
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        # A daemon thread still inside py4j (which logs when the JVM is gone) as the interpreter
-        # exits is ended holding the logging lock; py4j's finalizers then log and the driver
-        # hangs for good (seen in the fault suite: SIGTERM to the process group). Let it finish.
-        for thread in cancelling:
-            thread.join(timeout=30)
-        stop_session(spark)
-        archive.unlink(missing_ok=True)
+        # Where the JVM started without kafka2pg's log4j2 file (cluster deploy mode, spark_conf
+        # overriding the driver's JVM options) the level still applies from here on.
+        spark.sparkContext.setLogLevel(pipeline.spark_log_level)
+        log.info(
+            "pipeline=%s Kafka reads use consumer group %s: assign only, nothing committed "
+            "(Spark's per-read warning about kafka.group.id is filtered)",
+            pipeline.name,
+            kafka_group_id(pipeline.name),
+        )
+        archive = package_zip(scratch)
+        stop = threading.Event()
+        cancelling: list[threading.Thread] = []
+        previous = signal.signal(signal.SIGTERM, _on_sigterm(spark, stop, pipeline.name, batch_id, cancelling))
+        try:
+            spark.sparkContext.addPyFile(str(archive))
+            return run_batches(
+                spark,
+                settings,
+                pipeline,
+                batch_id,
+                epoch,
+                batches=batches,
+                run_id=run_id,
+                max_records_per_batch=max_records_per_batch,
+                stop=stop,
+            )
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            # A daemon thread still inside py4j (which logs when the JVM is gone) as the interpreter
+            # exits is ended holding the logging lock; py4j's finalizers then log and the driver
+            # hangs for good (seen in the fault suite: SIGTERM to the process group). Let it finish.
+            for thread in cancelling:
+                thread.join(timeout=30)
+            stop_session(spark)
 
 
 def _on_sigterm(

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import threading
 import zipfile
 from collections.abc import Iterator, Sequence
@@ -483,18 +484,24 @@ def spark_session(
     conf: dict[str, str] | None = None,
     batches: int = 1,
     kafka_reader: str = KAFKA_READERS[0],
+    scratch: Path | None = None,
 ) -> SparkSession:
     """A Spark session with kafka2pg's defaults; `master=None` keeps what spark-submit set.
 
     `batches` (how many batches the session may stage) and `kafka_reader` pick the JVM's JIT
     options, which take effect only where this call starts the JVM (tests, CLI, bench), not
-    under spark-submit.
+    under spark-submit. `scratch` (the job's folder, `kafka2pg.scratch`) takes Spark's local
+    directories with a local master, and the JVM's temporary files where this call starts it.
     """
     builder = SparkSession.builder.appName(app_name)
     if master is not None:
         builder = builder.master(master)
     settings = {**SPARK_DEFAULTS, **stage_jvm_conf(batches, kafka_reader=kafka_reader), **(conf or {})}
-    for key, value in {**worker_daemon_conf(master, settings), **settings}.items():
+    starts_jvm = master is not None and _no_jvm_yet()
+    settings = {**worker_daemon_conf(master, settings), **settings}
+    if scratch is not None:
+        settings = _in_scratch(settings, scratch, _launched_master(master), starts_jvm=starts_jvm)
+    for key, value in settings.items():
         builder = builder.config(key, value)
     if jars:
         builder = builder.config("spark.jars", ",".join(str(j) for j in jars))
@@ -506,23 +513,60 @@ WORKER_DAEMON_DIR = PACKAGE_DIR / "worker_daemon"
 _WORKER_DAEMON_KEYS = ("spark.python.daemon.module", "spark.executorEnv.PYTHONPATH")
 
 
+def _no_jvm_yet() -> bool:
+    from pyspark import SparkContext
+
+    return SparkContext._gateway is None and not os.environ.get("PYSPARK_GATEWAY_PORT")
+
+
+def _launched_master(master: str | None) -> _Launched:
+    """`master`, or under spark-submit (`master` None) the master and spark.* settings its JVM
+    was given (--conf, spark-defaults.conf). Unknown (None) when there is no JVM yet to ask:
+    starting it here would start it without the session's conf."""
+    if master is not None:
+        return _Launched(master, frozenset())
+    from pyspark import SparkConf, SparkContext
+
+    if _no_jvm_yet():
+        return _Launched(None, frozenset())
+    SparkContext._ensure_initialized()  # spark-submit's JVM: connects, starts nothing
+    launched = SparkConf()  # the spark.* system properties spark-submit set
+    return _Launched(launched.get("spark.master", ""), frozenset(key for key, _ in launched.getAll()))
+
+
+@dataclass(frozen=True)
+class _Launched:
+    master: str | None
+    keys: frozenset[str]  # the spark.* keys spark-submit set
+
+    @property
+    def local(self) -> bool:
+        # Not local-cluster[...]: its executors are processes of their own, like a cluster's (and
+        # get spark.executorEnv.PYTHONPATH as their whole PYTHONPATH).
+        return self.master is not None and (self.master == "local" or self.master.startswith("local["))
+
+
+def _in_scratch(conf: dict[str, str], scratch: Path, launched: _Launched, *, starts_jvm: bool) -> dict[str, str]:
+    """`conf` with Spark's local directories in the job's scratch folder (a local master only: a
+    cluster's executors have directories of their own) and, where this process starts the JVM,
+    its temporary files there too (lz4's native library, Spark's temporary folders), unless the
+    pipeline's spark_conf or spark-submit set them. SPARK_LOCAL_DIRS, where set, still wins."""
+    conf = dict(conf)
+    if launched.local and "spark.local.dir" not in conf and "spark.local.dir" not in launched.keys:
+        conf["spark.local.dir"] = str(scratch)
+    options = conf.get("spark.driver.extraJavaOptions", "")
+    if starts_jvm and "-Djava.io.tmpdir=" not in options:
+        conf["spark.driver.extraJavaOptions"] = f"{options} -Djava.io.tmpdir={shlex.quote(str(scratch))}".strip()
+    return conf
+
+
 def worker_daemon_conf(master: str | None, conf: dict[str, str]) -> dict[str, str]:
     """Spark conf that starts the Python workers through kafka2pg's daemon module, for a local
     master (`master`, or under spark-submit the one its JVM was given) only: executors elsewhere
     need not have this folder, or this Python. Nothing where `conf` (or, under spark-submit, its
     --conf or spark-defaults.conf) sets the daemon module or the workers' PYTHONPATH."""
-    if master is None:
-        from pyspark import SparkConf, SparkContext
-
-        if SparkContext._gateway is None and not os.environ.get("PYSPARK_GATEWAY_PORT"):
-            return {}  # no JVM yet to ask, and starting it here would start it without the conf
-        SparkContext._ensure_initialized()  # spark-submit's JVM: connects, starts nothing
-        launched = SparkConf()  # the spark.* system properties spark-submit set
-        if any(launched.contains(key) for key in _WORKER_DAEMON_KEYS):
-            return {}
-        master = launched.get("spark.master", "")
-    # Not local-cluster[...]: its executors get spark.executorEnv.PYTHONPATH as their whole PYTHONPATH.
-    if not (master == "local" or master.startswith("local[")) or any(key in conf for key in _WORKER_DAEMON_KEYS):
+    launched = _launched_master(master)
+    if not launched.local or any(key in conf or key in launched.keys for key in _WORKER_DAEMON_KEYS):
         return {}
     return {
         "spark.python.daemon.module": "kafka2pg_worker_daemon",

@@ -1,5 +1,6 @@
 """`airflow dags test` on the real DAG file against the embedded stack: success, no-op, failure."""
 
+import os
 import re
 from pathlib import Path
 
@@ -8,6 +9,7 @@ from psycopg import sql
 from kafka2pg.devtools.airflow_cli import dags_test
 from kafka2pg.devtools.producer import produce_sample
 from kafka2pg.kafka_offsets import partition_offsets
+from kafka2pg.locations import state_dir
 from kafka2pg.task_log import LOG_WIDTH
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +63,11 @@ def test_dag_run_lands_everything_then_second_run_is_a_noop_without_spark(airflo
     stage_log = task_log(output, "read_and_stage")
     assert len(stage_log) < 60, "\n".join(stage_log)
     assert "'kafka.group.id' has been set on this query" not in output
+    # The stage job's scratch folder (kafka2pg.scratch): Spark's note on spark.local.dir filtered,
+    # the folder removed at the job's end.
+    assert "spark.local.dir will be overridden" not in output
+    scratch = state_dir({**os.environ, **airflow_env(env)}) / "spark" / "scratch"
+    assert scratch.is_dir() and not list(scratch.iterdir()), list(scratch.iterdir())
     assert sum("Kafka reads use consumer group" in line for line in stage_log) == 1
     summary = [line for line in stage_log if "summary step=stage" in line]
     assert len(summary) == 1 and "ranges=p0[0," in summary[0] and "records=400 rows=400 quarantined=0" in summary[0]

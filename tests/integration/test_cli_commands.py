@@ -1,6 +1,7 @@
 """The CLI as a user meets it: `produce` makes new sample events each time unless a seed repeats
 a run's; no Airflow chatter; `status` shows every pipeline it can when one is broken."""
 
+import contextlib
 import json
 import os
 import re
@@ -152,23 +153,31 @@ def test_migrate_and_grant_need_only_the_database_not_kafka(make_pipeline, monke
     assert "--from 2026-01-02 must be before --to 2026-01-01" in capsys.readouterr().err
 
 
-def test_a_stage_whose_spark_jvm_is_killed_from_outside_says_so_and_stages_again(make_pipeline, spark, tmp_path):
-    """`kill -9` of the stage's Spark JVM while its tasks write: the command ends with what
-    happened (not a py4j trace, nor the failed stop of the dead session hiding it), the batch stays
-    planned, and staging it again reads every record once."""
+def _cli_environment(env, environ=None) -> dict[str, str]:
+    """`environ` (this process's by default) with the pipeline's settings, for a CLI command."""
+    return {
+        **(os.environ if environ is None else environ),
+        "KAFKA2PG_PIPELINES": str(env.settings.pipelines_file),
+        "KAFKA2PG_BOOTSTRAP_SERVERS": env.settings.bootstrap_servers,
+        "KAFKA2PG_DATABASE_URL": env.settings.database_url,
+        "KAFKA2PG_STATE_DIR": str(env.settings.state_dir),
+    }
+
+
+@contextlib.contextmanager
+def _stage_waiting_on_its_chunk_locks(env, tmp_path, environ=None):
+    """`kafka2pg stage` of a new batch of 200 records in a process group of its own, yielded
+    (with its stderr file) once its Spark tasks wait on their chunk locks, which this holds
+    until the block ends: the job is surely under way, and cannot finish, while the block runs."""
     import time
 
-    import psutil
     import psycopg
 
     from kafka2pg.devtools.producer import produce, sample_events
     from kafka2pg.opening import open_batch
-    from kafka2pg.staging import stage_batch
 
-    env = make_pipeline(partitions=2)
     produce(env.settings.bootstrap_servers, env.topic, sample_events(200, seed=83))
     batch_id = open_batch(env.settings, env.pipeline, run_id="kill").batch.batch_id
-    # The tasks' chunk locks held here: the job is surely under way, and cannot finish, when its JVM is killed.
     holder = psycopg.connect(env.settings.database_url, autocommit=True)
     for chunk in range(4):
         holder.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (f"kafka2pg.stage:{batch_id}:{chunk}",))
@@ -176,13 +185,7 @@ def test_a_stage_whose_spark_jvm_is_killed_from_outside_says_so_and_stages_again
     with open(stderr, "w") as err:
         command = subprocess.Popen(
             [sys.executable, "-m", "kafka2pg", "stage", "--pipeline", env.pipeline.name, "--batch-id", str(batch_id)],
-            env={
-                **os.environ,
-                "KAFKA2PG_PIPELINES": str(env.settings.pipelines_file),
-                "KAFKA2PG_BOOTSTRAP_SERVERS": env.settings.bootstrap_servers,
-                "KAFKA2PG_DATABASE_URL": env.settings.database_url,
-                "KAFKA2PG_STATE_DIR": str(env.settings.state_dir),
-            },
+            env=_cli_environment(env, environ),
             stdout=subprocess.DEVNULL,
             stderr=err,
             start_new_session=True,
@@ -197,20 +200,86 @@ def test_a_stage_whose_spark_jvm_is_killed_from_outside_says_so_and_stages_again
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' AND query LIKE %s",
                 ("%pg_advisory_xact_lock(hashtextextended%",),
             ).fetchone()[0]
+        yield batch_id, command, stderr, holder
+    finally:
+        holder.close()
+        if command.poll() is None:
+            os.killpg(command.pid, 9)
+            command.wait()
+
+
+def test_a_stage_whose_spark_jvm_is_killed_from_outside_says_so_and_stages_again(make_pipeline, spark, tmp_path):
+    """`kill -9` of the stage's Spark JVM while its tasks write: the command ends with what
+    happened (not a py4j trace, nor the failed stop of the dead session hiding it), the batch stays
+    planned, and staging it again reads every record once."""
+    import psutil
+
+    from kafka2pg.staging import stage_batch
+
+    env = make_pipeline(partitions=2)
+    with _stage_waiting_on_its_chunk_locks(env, tmp_path) as (batch_id, command, stderr, locks):
         tree = psutil.Process(command.pid).children(recursive=True)
         (jvm,) = [p for p in tree if p.name() == "java"]
         jvm.kill()
         # PySpark's daemon takes its workers down with it (the JVM stays a zombie until the command reaps it).
         _, alive = psutil.wait_procs([p for p in tree if p.pid != jvm.pid], timeout=120)
         assert not alive, alive
-        holder.close()
+        locks.close()
         assert command.wait(timeout=300) == 2, stderr.read_text()[-3000:]
-    finally:
-        holder.close()
-        if command.poll() is None:
-            os.killpg(command.pid, 9)
     last = stderr.read_text().strip().splitlines()[-1]
     assert last.startswith(f"error: SparkSessionLost: pipeline {env.pipeline.name!r} batch {batch_id}: Spark's JVM")
     assert "stays planned" in last
+    assert not list((env.settings.state_dir / "spark" / "scratch").iterdir()), "the job removed its scratch folder"
     again = stage_batch(spark, env.settings, env.pipeline, batch_id)
     assert again.state == "staged" and sum(r.records for r in again.reads) == 200
+
+
+def test_a_stage_job_killed_outright_leaves_its_spark_files_to_the_next_one_not_to_tmp(make_pipeline, tmp_path):
+    """`kill -9` of the whole stage job (driver, JVM, Python workers): what Spark wrote (its
+    block manager, the session's files, the package zip, the JVM's temporary files such as
+    lz4-java's library) is in the job's scratch folder under the state directory, none of it in
+    /tmp; the next stage job on the host removes the folder and stages the batch in full."""
+    import tempfile
+
+    import psutil
+
+    env = make_pipeline(partitions=2)
+    scratch = env.settings.state_dir / "spark" / "scratch"
+    tmp = tempfile.gettempdir()
+    before = set(os.listdir(tmp))
+    # Without the tests' own SPARK_LOCAL_DIRS (Spark prefers it to spark.local.dir): as a user runs it.
+    environment = {k: v for k, v in os.environ.items() if k != "SPARK_LOCAL_DIRS"}
+    with _stage_waiting_on_its_chunk_locks(env, tmp_path, environment) as (batch_id, command, _, _):
+        (folder,) = [f for f in scratch.iterdir() if f.name.split("-")[-2] == str(command.pid)]
+        written = {p.name.split("-")[0] for p in folder.rglob("*")}
+        assert {"blockmgr", "userFiles", "kafka2pg"} <= written, written
+        tree = [psutil.Process(command.pid), *psutil.Process(command.pid).children(recursive=True)]
+        (jvm,) = [p for p in tree if p.name() == "java"]
+        lz4 = {m.path for m in jvm.memory_maps() if "lz4" in m.path}  # lz4-java's library, unpacked at start
+        assert lz4 and all(path.startswith(f"{folder}/") for path in lz4), lz4
+        used = set()
+        for process in tree:
+            with contextlib.suppress(psutil.Error):  # a zombie (spark-class's shell) has none
+                used |= {f.path for f in process.open_files()} | {m.path for m in process.memory_maps()}
+        # The tests' own folders are in /tmp too; HotSpot's counters are there whatever java.io.tmpdir
+        # says (for jps and jstat), and the next JVM removes those of a dead one.
+        ours = (f"{env.settings.state_dir}/", f"{tmp_path}/", f"{tmp}/hsperfdata_")
+        assert not [path for path in used if path.startswith(f"{tmp}/") and not path.startswith(ours)], used
+        os.killpg(command.pid, 9)
+        _, alive = psutil.wait_procs(tree, timeout=120)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    assert folder.is_dir(), "a job killed outright cannot remove its folder"
+    left = [n for n in set(os.listdir(tmp)) - before if n.startswith(("spark-", "blockmgr-"))]
+    assert not left, f"the killed job left {left} in {tmp}"
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kafka2pg", "stage", "--pipeline", env.pipeline.name, "--batch-id", str(batch_id)],
+        env=_cli_environment(env, environment),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"batch {batch_id}: read 200 records" in done.stdout, done.stdout
+    assert not folder.exists(), "the next job swept the killed one's folder"
+    assert not list(scratch.iterdir()), "and removed its own"
