@@ -163,7 +163,7 @@ _CHECK_ORDER = (
 
 
 def _quarantines(column) -> bool:
-    declared = column.minimum is not None or column.maximum is not None or column.allowed is not None
+    declared = column.ranged or column.allowed is not None
     return declared and column.on_violation == "quarantine"
 
 

@@ -195,6 +195,11 @@ class Column:
     def spark_type(self) -> str:
         return spark_type_for(self.type) or "string"
 
+    @property
+    def ranged(self) -> bool:
+        """Whether the column declares a range (a minimum, a maximum or both)."""
+        return self.minimum is not None or self.maximum is not None
+
 
 @dataclass(frozen=True)
 class Pipeline:

@@ -98,7 +98,7 @@ def suite_for(pipeline: Pipeline, expected_rows: int) -> list[Expectation]:
     required = [*pipeline.required_columns, *(k for k in pipeline.business_key if k not in pipeline.required_columns)]
     suite += [Expectation("ExpectColumnValuesToNotBeNull", {"column": c}, "required column not null") for c in required]
     for column in pipeline.columns:
-        if column.minimum is not None or column.maximum is not None:
+        if column.ranged:
             suite.append(
                 Expectation(
                     "ExpectColumnValuesToBeBetween",
@@ -125,7 +125,7 @@ def load_accepted(conn: Connection, pipeline: Pipeline, batch_id: int):
     """
     import pandas as pd
 
-    ranged = [c for c in pipeline.columns if c.minimum is not None or c.maximum is not None]
+    ranged = [c for c in pipeline.columns if c.ranged]
     checked = {*pipeline.business_key, *pipeline.required_columns, *(c.name for c in ranged)}
     checked |= {c.name for c in pipeline.columns if c.allowed}
     columns = [*PROVENANCE, *(c.name for c in pipeline.columns if c.name in checked)]

@@ -190,7 +190,7 @@ def rule_violations(column: Column, alias: str | None = None) -> list[tuple[sql.
     value violates them (NULL for a NULL value), each with the rule's words."""
     col = sql.Identifier(*([alias] if alias else []), column.name)
     rules: list[tuple[sql.Composable, str]] = []
-    if column.minimum is not None or column.maximum is not None:
+    if column.ranged:
         low = sql.SQL("{} < {}").format(col, sql.Literal(column.minimum)) if column.minimum is not None else None
         high = sql.SQL("{} > {}").format(col, sql.Literal(column.maximum)) if column.maximum is not None else None
         rules.append(
