@@ -6,15 +6,13 @@ kafka2pg.batch_checks. The gate itself (`kafka2pg.quality`) adds Great Expectati
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 from psycopg import Connection, sql
 
 from kafka2pg.batch_store import Batch, key_probe_deferred, load_batch
 from kafka2pg.config import Pipeline, Settings
-from kafka2pg.database import transaction
+from kafka2pg.database import INDEX_PROBES, NO_NESTED_LOOPS, planner, transaction
 from kafka2pg.exceptions import WitnessMismatchError
 from kafka2pg.kafka_offsets import topic_retention
 from kafka2pg.kafka_reader import count_range
@@ -402,20 +400,6 @@ def _required_not_null(conn: Connection, pipeline: Pipeline, batch: Batch) -> Ch
     return Check("required_columns_not_null", nulls == 0, nulls, f"{nulls} accepted rows with a null in {required}")
 
 
-@contextmanager
-def _planner(conn: Connection, **settings: str) -> Iterator[None]:
-    """Planner settings for one statement of the caller's transaction, restored after it. Turning
-    hash and merge joins off leaves a nested loop over an index; only for joins that have one
-    (the setting discourages the other joins by a fixed cost, it does not forbid them, and a
-    nested loop without an index can look cheaper than that cost)."""
-    previous = {name: conn.execute("SELECT current_setting(%s)", (name,)).fetchone()[0] for name in settings}
-    for name, value in settings.items():
-        conn.execute("SELECT set_config(%s, %s, true)", (name, value))
-    yield  # an error aborts the transaction, whose rollback restores them
-    for name, value in previous.items():
-        conn.execute("SELECT set_config(%s, %s, true)", (name, value))
-
-
 def _key_columns(pipeline: Pipeline, alias: str) -> sql.Composed:
     return sql.SQL(", ").join(sql.Identifier(alias, k) for k in pipeline.business_key)
 
@@ -446,18 +430,18 @@ def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: B
         "SELECT coalesce(sum(n - 1), 0)::bigint FROM (SELECT count(*) AS n FROM {staging} s"
         " WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL GROUP BY {keys} HAVING count(*) > 1) d"
     ).format(staging=_staging(pipeline), keys=_key_columns(pipeline, "s"))
-    return _flag_duplicates(
-        conn,
-        pipeline,
-        batch,
-        "business_key_unique_in_batch",
-        ranked,
-        sql.SQL(
-            "{duplicate} || %(batch)s || ': kept partition ' || d.kept_partition"
-            " || ' offset ' || d.kept_offset || {key}"
-        ).format(duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE), key=_key_shown(pipeline)),
-        counted,
+    flag = sql.SQL(
+        "UPDATE {staging} s SET quarantine_reason = {duplicate} || %(batch)s || ': kept partition '"
+        " || d.kept_partition || ' offset ' || d.kept_offset || {key} FROM ({ranked}) d"
+        " WHERE d.n > 1 AND s.batch_id = %(batch)s"
+        " AND s.kafka_partition = d.kafka_partition AND s.kafka_offset = d.kafka_offset"
+    ).format(
+        staging=_staging(pipeline),
+        duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE),
+        key=_key_shown(pipeline),
+        ranked=ranked,
     )
+    return _flag_duplicates(conn, pipeline, batch, "business_key_unique_in_batch", counted, flag, NO_NESTED_LOOPS)
 
 
 def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
@@ -465,12 +449,6 @@ def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batc
     replaced = _replaced_rows(conn, pipeline, batch)
     if replaced is not None:  # a replay replaces these rows: they are not duplicates of its own
         join = sql.SQL("{} AND NOT (t.kafka_topic = {} AND {})").format(join, sql.Literal(pipeline.topic), replaced)
-    ranked = sql.SQL(
-        "SELECT s.kafka_partition, s.kafka_offset, t.kafka_partition AS kept_partition,"
-        " t.kafka_offset AS kept_offset, t.batch_id AS kept_batch, 2 AS n"
-        " FROM {staging} s JOIN {target} t ON {join}"
-        " WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL"
-    ).format(staging=_staging(pipeline), target=_target(pipeline), join=join)
     # The count probes the target's unique business-key index once per staged key, in key order,
     # so consecutive probes share the index's pages. The planner's own choice, a hash join, reads
     # the whole target for every batch: several times slower against a large target.
@@ -478,19 +456,17 @@ def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batc
         "SELECT count(*) FROM (SELECT {keys} FROM {staging} s WHERE s.batch_id = %(batch)s"
         " AND s.quarantine_reason IS NULL ORDER BY {keys} OFFSET 0) s JOIN {target} t ON {join}"
     ).format(keys=_key_columns(pipeline, "s"), staging=_staging(pipeline), target=_target(pipeline), join=join)
-    return _flag_duplicates(
-        conn,
-        pipeline,
-        batch,
-        KEY_PROMOTED_CHECK,
-        ranked,
-        sql.SQL(
-            "'business key already promoted by batch ' || d.kept_batch || ' at partition ' || d.kept_partition"
-            " || ' offset ' || d.kept_offset || {key}"
-        ).format(key=_key_shown(pipeline)),
-        counted,
-        index_probes=_key_indexed(conn, pipeline),
-    )
+    # Flagging joins the staged rows with the target directly, as the count does: never the
+    # staged rows with themselves.
+    flag = sql.SQL(
+        "UPDATE {staging} s SET quarantine_reason = 'business key already promoted by batch ' || t.batch_id"
+        " || ' at partition ' || t.kafka_partition || ' offset ' || t.kafka_offset || {key}"
+        " FROM {target} t WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL AND {join}"
+    ).format(staging=_staging(pipeline), key=_key_shown(pipeline), target=_target(pipeline), join=join)
+    # Without an index that leads with a key column, probing key by key would be a nested loop
+    # over the whole target: hash joins then, for the count and the flagging alike.
+    plan = INDEX_PROBES if _key_indexed(conn, pipeline) else NO_NESTED_LOOPS
+    return _flag_duplicates(conn, pipeline, batch, KEY_PROMOTED_CHECK, counted, flag, plan)
 
 
 def _key_indexed(conn: Connection, pipeline: Pipeline) -> bool:
@@ -505,30 +481,21 @@ def _flag_duplicates(
     pipeline: Pipeline,
     batch: Batch,
     name: str,
-    ranked: sql.Composed,
-    reason: sql.Composed,
-    counted: sql.Composed | None = None,
-    *,
-    index_probes: bool = False,
+    counted: sql.Composed,
+    flag: sql.Composed,
+    plan: dict[str, str],
 ) -> Check:
-    """Count the rows `ranked` numbers n > 1 (or what `counted` returns, the same number found
-    more cheaply, by index probes if `index_probes`); flag them to quarantine with `reason`, or
-    fail under duplicate_policy: fail."""
-    counted = counted or sql.SQL("SELECT count(*) FROM ({}) d WHERE d.n > 1").format(ranked)
-    with _planner(conn, enable_hashjoin="off", enable_mergejoin="off") if index_probes else nullcontext():
+    """Count the duplicates (`counted`); flag them to quarantine (`flag`, an UPDATE of the
+    batch's staged rows), or fail under duplicate_policy: fail. Both statements run with the
+    planner settings `plan`."""
+    with planner(conn, **plan):
         count = conn.execute(counted, {"batch": batch.batch_id}).fetchone()[0]
     if count == 0:
         return Check(name, True, 0, "no duplicates")
     if pipeline.duplicate_policy == "fail":
         return Check(name, False, count, f"{count} duplicate business key(s) (duplicate_policy: fail)")
-    conn.execute(
-        sql.SQL(
-            "UPDATE {staging} s SET quarantine_reason = {reason} FROM ({ranked}) d"
-            " WHERE d.n > 1 AND s.batch_id = %(batch)s"
-            " AND s.kafka_partition = d.kafka_partition AND s.kafka_offset = d.kafka_offset"
-        ).format(staging=_staging(pipeline), reason=reason, ranked=ranked),
-        {"batch": batch.batch_id},
-    )
+    with planner(conn, **plan):
+        conn.execute(flag, {"batch": batch.batch_id})
     log.warning(
         "pipeline=%s batch_id=%s %s: %s duplicates flagged to quarantine", pipeline.name, batch.batch_id, name, count
     )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from psycopg import Connection, sql
 
 from kafka2pg.config import Pipeline, Settings
-from kafka2pg.database import transaction
+from kafka2pg.database import NO_NESTED_LOOPS, planner, transaction
 from kafka2pg.kafka_reader import RawRecord, raw_records_at
 from kafka2pg.rows import PROMOTION_REFUSED
 
@@ -61,22 +61,23 @@ def fill_raw_bytes(conn: Connection, place: Place, batch_id: int, found: dict[tu
     if not found:
         return 0
     (partitions, offsets), records = zip(*found, strict=True), list(found.values())
-    return conn.execute(
-        sql.SQL(
-            "UPDATE {table} s SET raw_key = coalesce(s.raw_key, r.k), raw_value = coalesce(s.raw_value, r.v),"
-            " raw_headers = coalesce(s.raw_headers, r.h::bytea[])"
-            " FROM unnest(%s::int[], %s::bigint[], %s::bytea[], %s::bytea[], %s::text[]) r(p, o, k, v, h)"
-            " WHERE s.batch_id = %s AND s.kafka_partition = r.p AND s.kafka_offset = r.o AND s.{reason} IS NOT NULL"
-        ).format(table=place.table, reason=place.reason),
-        (
-            list(partitions),
-            list(offsets),
-            [r.key for r in records],
-            [r.value for r in records],
-            [headers_literal(r.headers) for r in records],
-            batch_id,
-        ),
-    ).rowcount
+    with planner(conn, **NO_NESTED_LOOPS):
+        return conn.execute(
+            sql.SQL(
+                "UPDATE {table} s SET raw_key = coalesce(s.raw_key, r.k), raw_value = coalesce(s.raw_value, r.v),"
+                " raw_headers = coalesce(s.raw_headers, r.h::bytea[])"
+                " FROM unnest(%s::int[], %s::bigint[], %s::bytea[], %s::bytea[], %s::text[]) r(p, o, k, v, h)"
+                " WHERE s.batch_id = %s AND s.kafka_partition = r.p AND s.kafka_offset = r.o AND s.{reason} IS NOT NULL"
+            ).format(table=place.table, reason=place.reason),
+            (
+                list(partitions),
+                list(offsets),
+                [r.key for r in records],
+                [r.value for r in records],
+                [headers_literal(r.headers) for r in records],
+                batch_id,
+            ),
+        ).rowcount
 
 
 def keep_raw_bytes(settings: Settings, pipeline: Pipeline, batch_id: int, place: Place) -> int:

@@ -10,7 +10,7 @@ import psycopg
 from psycopg import Connection, sql
 
 from kafka2pg.config import Column, Pipeline
-from kafka2pg.database import DATA_ERRORS, isolate_refused
+from kafka2pg.database import DATA_ERRORS, NO_NESTED_LOOPS, isolate_refused, planner
 from kafka2pg.exceptions import KeyCollisionError
 from kafka2pg.migrations import target_columns
 from kafka2pg.planner import OffsetRange
@@ -142,18 +142,19 @@ def _insert_isolating(
     table = f"{pipeline.target_schema}.{pipeline.target_table}"
     # Stand-ins: a few rows, most alike the refused ones; their refusals say nothing of the table.
     refused = isolate_refused(conn, write, rows, table=table if only is None else None)
-    conn.execute(
-        sql.SQL(
-            "UPDATE {staging} s SET quarantine_reason = r.reason FROM {isolating} i"
-            " JOIN unnest(%s::bigint[], %s::text[]) r({row}, reason) USING ({row})"
-            " WHERE s.batch_id = %s AND s.kafka_partition = i.kafka_partition AND s.kafka_offset = i.kafka_offset"
-        ).format(staging=staging, isolating=_ISOLATING, row=_ROW),
-        (
-            list(refused),
-            [PROMOTION_REFUSED + m for m in refused.values()],
-            batch_id,
-        ),
-    )
+    with planner(conn, **NO_NESTED_LOOPS):
+        conn.execute(
+            sql.SQL(
+                "UPDATE {staging} s SET quarantine_reason = r.reason FROM {isolating} i"
+                " JOIN unnest(%s::bigint[], %s::text[]) r({row}, reason) USING ({row})"
+                " WHERE s.batch_id = %s AND s.kafka_partition = i.kafka_partition AND s.kafka_offset = i.kafka_offset"
+            ).format(staging=staging, isolating=_ISOLATING, row=_ROW),
+            (
+                list(refused),
+                [PROMOTION_REFUSED + m for m in refused.values()],
+                batch_id,
+            ),
+        )
     log.warning(
         "pipeline=%s batch_id=%s %s refused %s of %s row(s) on data; flagged to quarantine",
         pipeline.name,
@@ -238,52 +239,56 @@ def _stand_ins(conn: Connection, pipeline: Pipeline, batch_id: int) -> list[tupl
     duplicate (in the gate's order: timestamp, partition, offset); returns their provenance."""
     staging = sql.Identifier("kafka2pg", pipeline.staging_table)
     keys = sql.SQL(", ").join(sql.SQL("d.{}").format(sql.Identifier(k)) for k in pipeline.business_key)
-    return conn.execute(
-        sql.SQL(
-            "UPDATE {staging} s SET quarantine_reason = NULL FROM (SELECT DISTINCT ON ({keys}) d.kafka_partition,"
-            " d.kafka_offset FROM {staging} d JOIN ({refused}) r ON {join} WHERE d.batch_id = %(batch)s"
-            " AND starts_with(d.quarantine_reason, {duplicate}) AND {passes}"
-            " AND NOT EXISTS (SELECT FROM {staging} k WHERE k.batch_id = d.batch_id AND {same_key}"
-            " AND starts_with(k.quarantine_reason, {refused_reason}) AND ({kept}) IS NOT DISTINCT FROM ({candidate}))"
-            " ORDER BY {keys}, d.kafka_timestamp, d.kafka_partition, d.kafka_offset) c"
-            " WHERE s.batch_id = %(batch)s AND s.kafka_partition = c.kafka_partition"
-            " AND s.kafka_offset = c.kafka_offset RETURNING s.kafka_partition, s.kafka_offset"
-        ).format(
-            staging=staging,
-            keys=keys,
-            refused=_refused_keys(pipeline),
-            join=_key_join(pipeline, "d", "r"),
-            duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE),
-            passes=_passes_the_gate(pipeline, "d"),
-            same_key=_key_join(pipeline, "k", "d"),
-            refused_reason=sql.Literal(PROMOTION_REFUSED),
-            kept=_values(pipeline, "k"),
-            candidate=_values(pipeline, "d"),
-        ),
-        {"batch": batch_id},
-    ).fetchall()
+    with planner(conn, **NO_NESTED_LOOPS):
+        return conn.execute(
+            sql.SQL(
+                "UPDATE {staging} s SET quarantine_reason = NULL FROM (SELECT DISTINCT ON ({keys}) d.kafka_partition,"
+                " d.kafka_offset FROM {staging} d JOIN ({refused}) r ON {join} WHERE d.batch_id = %(batch)s"
+                " AND starts_with(d.quarantine_reason, {duplicate}) AND {passes}"
+                " AND NOT EXISTS (SELECT FROM {staging} k WHERE k.batch_id = d.batch_id AND {same_key}"
+                " AND starts_with(k.quarantine_reason, {refused_reason})"
+                " AND ({kept}) IS NOT DISTINCT FROM ({candidate}))"
+                " ORDER BY {keys}, d.kafka_timestamp, d.kafka_partition, d.kafka_offset) c"
+                " WHERE s.batch_id = %(batch)s AND s.kafka_partition = c.kafka_partition"
+                " AND s.kafka_offset = c.kafka_offset RETURNING s.kafka_partition, s.kafka_offset"
+            ).format(
+                staging=staging,
+                keys=keys,
+                refused=_refused_keys(pipeline),
+                join=_key_join(pipeline, "d", "r"),
+                duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE),
+                passes=_passes_the_gate(pipeline, "d"),
+                same_key=_key_join(pipeline, "k", "d"),
+                refused_reason=sql.Literal(PROMOTION_REFUSED),
+                kept=_values(pipeline, "k"),
+                candidate=_values(pipeline, "d"),
+            ),
+            {"batch": batch_id},
+        ).fetchall()
 
 
 def _name_stand_ins(conn: Connection, pipeline: Pipeline, batch_id: int) -> None:
     """Say in the reasons of the duplicates left whose kept copy was refused which copy landed instead."""
     staging = sql.Identifier("kafka2pg", pipeline.staging_table)
-    named = conn.execute(
-        sql.SQL(
-            "UPDATE {staging} s SET quarantine_reason = s.quarantine_reason || '; that copy was refused at"
-            " promotion, partition ' || a.kafka_partition || ' offset ' || a.kafka_offset || ' landed instead'"
-            " FROM {staging} a WHERE s.batch_id = %(batch)s AND a.batch_id = %(batch)s AND a.quarantine_reason IS NULL"
-            " AND {join} AND starts_with(s.quarantine_reason, {duplicate})"
-            " AND EXISTS (SELECT FROM {staging} r WHERE r.batch_id = %(batch)s AND {refused_join}"
-            " AND starts_with(r.quarantine_reason, {refused}))"
-        ).format(
-            staging=staging,
-            join=_key_join(pipeline, "a", "s"),
-            refused_join=_key_join(pipeline, "r", "s"),
-            duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE),
-            refused=sql.Literal(PROMOTION_REFUSED),
-        ),
-        {"batch": batch_id},
-    ).rowcount
+    with planner(conn, **NO_NESTED_LOOPS):
+        named = conn.execute(
+            sql.SQL(
+                "UPDATE {staging} s SET quarantine_reason = s.quarantine_reason || '; that copy was refused at"
+                " promotion, partition ' || a.kafka_partition || ' offset ' || a.kafka_offset || ' landed instead'"
+                " FROM {staging} a WHERE s.batch_id = %(batch)s AND a.batch_id = %(batch)s"
+                " AND a.quarantine_reason IS NULL"
+                " AND {join} AND starts_with(s.quarantine_reason, {duplicate})"
+                " AND EXISTS (SELECT FROM {staging} r WHERE r.batch_id = %(batch)s AND {refused_join}"
+                " AND starts_with(r.quarantine_reason, {refused}))"
+            ).format(
+                staging=staging,
+                join=_key_join(pipeline, "a", "s"),
+                refused_join=_key_join(pipeline, "r", "s"),
+                duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE),
+                refused=sql.Literal(PROMOTION_REFUSED),
+            ),
+            {"batch": batch_id},
+        ).rowcount
     if named:
         log.warning(
             "pipeline=%s batch_id=%s the copy of a business key the gate kept was refused at promotion: the next "

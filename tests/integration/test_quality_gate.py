@@ -809,3 +809,88 @@ def test_the_gates_frame_holds_a_ranged_numeric_as_the_float_of_its_decimal(make
         got = frame[column].to_list()
         assert [x if x == x else None for x in got] == [x if x == x else None for x in expected.to_list()], column
     assert frame["amount"].to_list()[:2] == [0.1, 0.29]
+
+
+def _nested_loops_over_the_batch(plan: dict, staging: str) -> list[str]:
+    """The nested loops of a plan (auto_explain's JSON) whose inner side is not an index probe of
+    another table: a scan of the staging table, or a subquery or function over the batch's rows,
+    run again for every row of the outer side."""
+    found = []
+    children = plan.get("Plans", [])
+    if plan["Node Type"] == "Nested Loop":
+        inner = next(c for c in children if c.get("Parent Relationship") == "Inner")
+        probe = inner["Node Type"] in ("Index Scan", "Index Only Scan") and inner.get("Relation Name") != staging
+        if not probe:
+            found.append(f"{inner['Node Type']} {inner.get('Relation Name', '')}".strip())
+    for child in children:
+        found += _nested_loops_over_the_batch(child, staging)
+    return found
+
+
+def test_flagging_a_batch_of_duplicates_never_joins_its_staged_rows_in_a_nested_loop(make_pipeline, spark, db):
+    """A batch staged since the staging table's statistics were gathered reads as one row to the
+    planner. Joined with its own duplicates, with the rows refused, or with the raw bytes read
+    again for them in a nested loop, every staged row was visited once per such row: 30,000
+    duplicates of promoted keys took minutes to flag. Seen here in the plans PostgreSQL ran
+    (auto_explain) and in its own count of the staging rows read, not timed."""
+    from kafka2pg.batch_store import load_batch
+    from kafka2pg.checks import gap_witnesses, run_checks
+    from kafka2pg.kafka_reader import RawRecord
+    from kafka2pg.raw_bytes import fill_raw_bytes, staging_place
+
+    env = make_pipeline(partitions=2)
+    staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    db.execute(sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = off)").format(staging))
+    events = list(sample_events(1500, seed=61))
+    produce(env.settings.bootstrap_servers, env.topic, events)
+    first = open_batch(env.settings, env.pipeline, run_id="first").batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, first)
+    # Statistics as a busy table has them between two automatic analyses: of the batches before, none of the next.
+    db.execute(sql.SQL("ANALYZE {}").format(staging))
+    validate_batch(env.settings, env.pipeline, first)
+    assert promote_batch(env.settings, env.pipeline, first).promoted == 1500
+    # The same events again, twice: each staged row duplicates a promoted key, or a copy in the batch.
+    produce(env.settings.bootstrap_servers, env.topic, [*events, *events])
+    opened = open_batch(env.settings, env.pipeline, run_id="again")
+    assert opened.batch is not None, opened
+    batch_id = opened.batch.batch_id
+    staged = stage_batch(spark, env.settings, env.pipeline, batch_id)
+    rows = sum(r.records for r in staged.reads)
+    assert rows == 3000
+
+    plans: list[dict] = []
+    db.add_notice_handler(
+        lambda notice: plans.append(json.loads(notice.message_primary.split("\n", 1)[1]))
+        if notice.message_primary.startswith("duration:") and "\n" in notice.message_primary
+        else None
+    )
+    db.execute("LOAD 'auto_explain'")
+    for setting in ("log_min_duration = 0", "log_format = json", "log_level = notice"):
+        db.execute(f"SET auto_explain.{setting}")
+
+    def staging_rows_read() -> int:
+        return db.execute(
+            "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables"
+            " WHERE relid = %s::regclass",
+            (staging.as_string(db),),
+        ).fetchone()[0]
+
+    with db.transaction(force_rollback=True):
+        witnesses = gap_witnesses(env.settings, env.pipeline, batch_id)
+        counts = {r.partition: r.records for r in staged.reads}
+        checks = run_checks(db, env.pipeline, load_batch(db, batch_id), True, counts, witnesses)
+        flagged = {c.name: c.flagged for c in checks if c.flagged}
+        assert flagged == {"business_key_unique_in_batch": 1500, "business_key_not_already_promoted": 1500}, checks
+        read = staging_rows_read()
+        assert read < 20 * rows, f"the checks read {read} staged rows for a batch of {rows}"
+        offsets = db.execute(
+            sql.SQL("SELECT kafka_partition, kafka_offset FROM {} WHERE batch_id = %s").format(staging), (batch_id,)
+        ).fetchall()
+        found = {offset: RawRecord(b"k", b"v", []) for offset in offsets}
+        assert fill_raw_bytes(db, staging_place(env.pipeline), batch_id, found) == rows
+    db.execute("SET auto_explain.log_min_duration = -1")
+    updates = [p for p in plans if p["Query Text"].startswith(f"UPDATE {staging.as_string(db)}")]
+    assert len(updates) == 3, [p["Query Text"][:80] for p in plans]
+    for plan in updates:
+        loops = _nested_loops_over_the_batch(plan["Plan"], env.pipeline.staging_table)
+        assert not loops, (plan["Query Text"][:120], loops)
