@@ -439,6 +439,24 @@ class SparkSessionLost(Kafka2PgError):
             state="planned",
         )
 
+    @classmethod
+    def submit_killed(cls, pipeline: str, signal_name: str) -> SparkSessionLost:
+        """spark-submit (the stage job's JVM, which carries its Python driver's output) ended by a signal."""
+        cause = (
+            "killed (SIGKILL: the kernel's out-of-memory killer, a container's memory limit or kill -9; the "
+            "kernel's log says which)"
+            if signal_name == "SIGKILL"
+            else f"ended by {signal_name}"
+        )
+        return cls(
+            f"pipeline {pipeline!r}: the stage job's spark-submit (Spark's JVM) was {cause}; the job's own account "
+            "went with it. Its batches are as the ledger says: a batch it was staging stays planned (chunks it "
+            "committed are replaced by the next attempt), and a promotion commits whole or not at all. Airflow's "
+            "retry of the task goes on from there.",
+            pipeline=pipeline,
+            signal=signal_name,
+        )
+
 
 class QualityGateFailed(Kafka2PgError):
     """The quality gate rejected a batch; nothing was promoted."""

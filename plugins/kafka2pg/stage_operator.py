@@ -18,7 +18,7 @@ from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
-from kafka2pg.exceptions import ConfigError
+from kafka2pg.exceptions import ConfigError, SparkSessionLost
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class StageOperator(SparkSubmitOperator):
         super().__init__(**kwargs)
         self.pipeline_name = pipeline_name
         self.pipelines_file = pipelines_file
+        self._stopping = False  # on_kill was called: Airflow stops the task
 
     def execute(self, context: Any) -> None:
         from kafka2pg.tasks import airflow_errors, resolve
@@ -59,7 +60,7 @@ class StageOperator(SparkSubmitOperator):
             self._require_connection(probe, master)
             if not remote_env_master(master):
                 self.env_vars = {**(self.env_vars or {}), **services}
-                return super().execute(context)  # builds its hook with these env_vars
+                return self._submit(context)  # the provider builds its hook with these env_vars
             if deploy_mode == "cluster":
                 raise ConfigError(
                     f"Spark master {master!r} with deploy mode 'cluster': the stage job's driver would run "
@@ -70,7 +71,29 @@ class StageOperator(SparkSubmitOperator):
                     deploy_mode=deploy_mode,
                 )
         with _environment(services):
+            return self._submit(context)
+
+    def _submit(self, context: Any) -> None:
+        """The provider's spark-submit; one that a signal ended (the stage job's Python driver's
+        output, with its own error, goes through the JVM and ends with it) fails the task with
+        `SparkSessionLost` (retried) saying what that means for the pipeline's batches, instead
+        of only the provider's "Cannot execute" and the signal's number. Not when Airflow stops
+        the task (`on_kill`): its own kill is no news."""
+        from airflow.providers.common.compat.sdk import AirflowException
+
+        try:
             return super().execute(context)
+        except AirflowException as exc:
+            process = getattr(self._hook, "_submit_sp", None) if self._hook is not None else None
+            code = getattr(process, "returncode", None)
+            failed = str(exc).startswith("Cannot execute")  # the provider's own: not Airflow stopping the task
+            if not failed or self._stopping or not isinstance(code, int) or code >= 0:
+                raise
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            raise SparkSessionLost.submit_killed(self.pipeline_name, name) from exc
 
     def _require_connection(self, hook: Any, master: str) -> None:
         """Without its connection the provider sends the job to YARN, where spark-submit fails
@@ -105,6 +128,7 @@ class StageOperator(SparkSubmitOperator):
         in a row and `status` calls the batch STUCK. The job's Python driver gets SIGTERM first
         (it cancels Spark's jobs and exits 143, the batch left as it was; not a failure); the
         provider's kill follows if spark-submit is still there after `STOP_GRACE_S`."""
+        self._stopping = True
         process = getattr(self._hook, "_submit_sp", None) if self._hook is not None else None
         if process is not None and process.poll() is None:
             stop_job(process, str(self.application), STOP_GRACE_S)

@@ -31,6 +31,16 @@ BUILT = {
         {"pipeline": "orders", "batch_id": 7, "state": "planned"},
         ["pipeline 'orders' batch 7: Spark's JVM stopped answering", "stays planned", "run the stage step again"],
     ),
+    "spark-submit killed": (
+        SparkSessionLost.submit_killed("orders", "SIGKILL"),
+        {"pipeline": "orders", "signal": "SIGKILL"},
+        ["pipeline 'orders': the stage job's spark-submit (Spark's JVM) was killed (SIGKILL", "stays planned", "retry"],
+    ),
+    "spark-submit crashed": (
+        SparkSessionLost.submit_killed("orders", "SIGSEGV"),
+        {"pipeline": "orders", "signal": "SIGSEGV"},
+        ["spark-submit (Spark's JVM) was ended by SIGSEGV;"],
+    ),
     "group refused": (
         ConsumerGroupRefusedError.refused("lag", "orders", "orders[0]: UNKNOWN_MEMBER_ID"),
         {"group": "lag", "topic": "orders", "detail": "orders[0]: UNKNOWN_MEMBER_ID"},

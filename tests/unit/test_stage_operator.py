@@ -113,3 +113,57 @@ def test_a_missing_spark_connection_fails_before_submit_unless_yarn_is_configure
     monkeypatch.setenv("HADOOP_CONF_DIR", "/etc/hadoop/conf")  # the provider's default, YARN, can work
     operator.execute({})
     assert "--master yarn" in submitted["command"]
+
+
+@pytest.fixture
+def spark_submit_on_path(monkeypatch, tmp_path):
+    """`spark_submit_on_path(script)`: a `spark-submit` first on PATH that runs `script` (sh),
+    for the provider's real submit; the pipeline's services resolved to stand-ins."""
+    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(), None))
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+    def place(script: str) -> None:
+        binary = tmp_path / "spark-submit"
+        binary.write_text(f"#!/bin/sh\n{script}\n")
+        binary.chmod(0o755)
+
+    return place
+
+
+def test_a_spark_submit_killed_by_a_signal_fails_the_task_saying_what_it_means(monkeypatch, spark_submit_on_path):
+    """The job's Python driver's own error goes out through spark-submit's JVM: a JVM killed (the
+    OOM killer, kill -9) leaves only the provider's "Cannot execute … Error code is: -9"."""
+    from airflow.providers.common.compat.sdk import AirflowException
+
+    from kafka2pg.exceptions import SparkSessionLost
+
+    spark_submit_on_path('echo "reading 30000 offsets"; kill -9 $$')
+    with pytest.raises(SparkSessionLost) as raised:
+        run_stage(monkeypatch, {"host": "local[2]"})
+    assert raised.value.signal == "SIGKILL" and not raised.value.terminal
+    assert "spark-submit (Spark's JVM) was killed (SIGKILL: the kernel's out-of-memory killer" in str(raised.value)
+    assert "Airflow's retry of the task goes on from there" in str(raised.value)
+    assert "reading 30000 offsets" in str(raised.value.__cause__), "the provider's own account stays chained"
+
+    spark_submit_on_path("kill -SEGV $$")
+    with pytest.raises(SparkSessionLost, match="was ended by SIGSEGV"):
+        run_stage(monkeypatch, {"host": "local[2]"})
+
+    spark_submit_on_path("echo failed; exit 1")  # the job's own failure: its error is in its output
+    with pytest.raises(AirflowException, match="Cannot execute") as raised:
+        run_stage(monkeypatch, {"host": "local[2]"})
+    assert not isinstance(raised.value, SparkSessionLost)
+
+
+def test_a_spark_submit_that_airflow_itself_stopped_is_not_reported_as_killed(monkeypatch, spark_submit_on_path):
+    from airflow.providers.common.compat.sdk import AirflowException
+
+    from kafka2pg.exceptions import SparkSessionLost
+
+    spark_submit_on_path("kill -9 $$")
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_SPARK", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    operator = stage_operator()
+    operator._stopping = True  # as on_kill leaves it
+    with pytest.raises(AirflowException, match="Cannot execute") as raised:
+        operator.execute({})
+    assert not isinstance(raised.value, SparkSessionLost)
