@@ -261,10 +261,11 @@ def test_a_stage_job_killed_outright_leaves_its_spark_files_to_the_next_one_not_
         for process in tree:
             with contextlib.suppress(psutil.Error):  # a zombie (spark-class's shell) has none
                 used |= {f.path for f in process.open_files()} | {m.path for m in process.memory_maps()}
-        # The tests' own folders are in /tmp too; HotSpot's counters are there whatever java.io.tmpdir
-        # says (for jps and jstat), and the next JVM removes those of a dead one.
-        ours = (f"{env.settings.state_dir}/", f"{tmp_path}/", f"{tmp}/hsperfdata_")
-        assert not [path for path in used if path.startswith(f"{tmp}/") and not path.startswith(ours)], used
+        # What the job made in /tmp: its files under entries new there (the tests' own folders, a
+        # checkout or its venv may be in /tmp too). HotSpot's counters are there whatever
+        # java.io.tmpdir says (for jps and jstat), and the next JVM removes those of a dead one.
+        made = {f"{tmp}/{name}" for name in set(os.listdir(tmp)) - before if not name.startswith("hsperfdata_")}
+        assert not [path for path in used if path.startswith(tuple(f"{m}/" for m in made)) or path in made], used
         os.killpg(command.pid, 9)
         _, alive = psutil.wait_procs(tree, timeout=120)
         assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
