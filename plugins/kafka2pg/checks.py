@@ -441,7 +441,7 @@ def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: B
         key=_key_shown(pipeline),
         ranked=ranked,
     )
-    return _flag_duplicates(conn, pipeline, batch, "business_key_unique_in_batch", counted, flag, NO_NESTED_LOOPS)
+    return _flag_duplicates(conn, pipeline, batch, "business_key_unique_in_batch", counted, flag, {}, NO_NESTED_LOOPS)
 
 
 def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
@@ -466,7 +466,7 @@ def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batc
     # Without an index that leads with a key column, probing key by key would be a nested loop
     # over the whole target: hash joins then, for the count and the flagging alike.
     plan = INDEX_PROBES if _key_indexed(conn, pipeline) else NO_NESTED_LOOPS
-    return _flag_duplicates(conn, pipeline, batch, KEY_PROMOTED_CHECK, counted, flag, plan)
+    return _flag_duplicates(conn, pipeline, batch, KEY_PROMOTED_CHECK, counted, flag, plan, plan)
 
 
 def _key_indexed(conn: Connection, pipeline: Pipeline) -> bool:
@@ -483,18 +483,19 @@ def _flag_duplicates(
     name: str,
     counted: sql.Composed,
     flag: sql.Composed,
-    plan: dict[str, str],
+    count_plan: dict[str, str],
+    flag_plan: dict[str, str],
 ) -> Check:
-    """Count the duplicates (`counted`); flag them to quarantine (`flag`, an UPDATE of the
-    batch's staged rows), or fail under duplicate_policy: fail. Both statements run with the
-    planner settings `plan`."""
-    with planner(conn, **plan):
+    """Count the duplicates (`counted`, with the planner settings `count_plan`); flag them to
+    quarantine (`flag`, an UPDATE of the batch's staged rows, with `flag_plan`), or fail under
+    duplicate_policy: fail."""
+    with planner(conn, **count_plan):
         count = conn.execute(counted, {"batch": batch.batch_id}).fetchone()[0]
     if count == 0:
         return Check(name, True, 0, "no duplicates")
     if pipeline.duplicate_policy == "fail":
         return Check(name, False, count, f"{count} duplicate business key(s) (duplicate_policy: fail)")
-    with planner(conn, **plan):
+    with planner(conn, **flag_plan):
         conn.execute(flag, {"batch": batch.batch_id})
     log.warning(
         "pipeline=%s batch_id=%s %s: %s duplicates flagged to quarantine", pipeline.name, batch.batch_id, name, count
