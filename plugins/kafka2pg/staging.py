@@ -498,9 +498,10 @@ def spark_session(
         builder = builder.master(master)
     settings = {**SPARK_DEFAULTS, **stage_jvm_conf(batches, kafka_reader=kafka_reader), **(conf or {})}
     starts_jvm = master is not None and _no_jvm_yet()
-    settings = {**worker_daemon_conf(master, settings), **settings}
+    launched = _launched_master(master)
+    settings = {**_worker_daemon_conf(launched, settings), **settings}
     if scratch is not None:
-        settings = _in_scratch(settings, scratch, _launched_master(master), starts_jvm=starts_jvm)
+        settings = _in_scratch(settings, scratch, launched, starts_jvm=starts_jvm)
     for key, value in settings.items():
         builder = builder.config(key, value)
     if jars:
@@ -565,7 +566,10 @@ def worker_daemon_conf(master: str | None, conf: dict[str, str]) -> dict[str, st
     master (`master`, or under spark-submit the one its JVM was given) only: executors elsewhere
     need not have this folder, or this Python. Nothing where `conf` (or, under spark-submit, its
     --conf or spark-defaults.conf) sets the daemon module or the workers' PYTHONPATH."""
-    launched = _launched_master(master)
+    return _worker_daemon_conf(_launched_master(master), conf)
+
+
+def _worker_daemon_conf(launched: _Launched, conf: dict[str, str]) -> dict[str, str]:
     if not launched.local or any(key in conf or key in launched.keys for key in _WORKER_DAEMON_KEYS):
         return {}
     return {
