@@ -20,6 +20,7 @@ from kafka2pg.exceptions import (
     DatabaseRefusedError,
     DatabaseUnavailableError,
     SchemaNotReadyError,
+    StatementTimeoutError,
     TableRefusesRowsError,
 )
 from kafka2pg.locations import migration_files
@@ -208,7 +209,7 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
     """One connection, one transaction: commit on success, roll back on any exception."""
     conn = connect(url)
     try:
-        with _schema_errors(url, conn, "its transaction was rolled back"), conn.transaction():
+        with _statement_errors(url, conn, "its transaction was rolled back"), conn.transaction():
             yield conn
     except psycopg.OperationalError as exc:
         if not conn.broken:
@@ -230,18 +231,20 @@ def session(url: str) -> Iterator[psycopg.Connection]:
     a missing table or privilege is a `SchemaNotReadyError`, as in `transaction`."""
     conn = connect(url, autocommit=True)
     try:
-        with _schema_errors(url, conn, "nothing was changed"):
+        with _statement_errors(url, conn, "nothing was changed"):
             yield conn
     finally:
         conn.close()
 
 
 @contextmanager
-def _schema_errors(url: str, conn: psycopg.Connection, outcome: str) -> Iterator[None]:
+def _statement_errors(url: str, conn: psycopg.Connection, outcome: str) -> Iterator[None]:
     """A table, column or privilege the statements need and `conn` lacks, as a `SchemaNotReadyError`
-    saying what to run; `outcome`: what became of the statements' work."""
+    saying what to run, a statement_timeout as a `StatementTimeoutError`; `outcome`: what became
+    of the statements' work."""
     try:
-        yield
+        with statement_timeouts(conn, outcome):
+            yield
     except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as exc:
         raise _not_migrated(url, exc) from exc
     except psycopg.errors.InsufficientPrivilege as exc:
@@ -254,6 +257,66 @@ def _schema_errors(url: str, conn: psycopg.Connection, outcome: str) -> Iterator
             database=describe(url),
             role=role,
         ) from exc
+
+
+# Where a statement_timeout in force was set (pg_settings.source), and how kafka2pg's role gets
+# a longer one there.
+_TIMEOUT_SOURCES = {
+    "database": "set for the database (ALTER DATABASE … SET)",
+    "user": "set for the role (ALTER ROLE … SET)",
+    "database user": "set for the role in this database (ALTER ROLE … IN DATABASE … SET)",
+    "configuration file": "set for the whole server (postgresql.conf or ALTER SYSTEM)",
+    "client": "set by the client's connection options (PGOPTIONS, or options=-c… in the connection string)",
+    "session": "set in the session",
+}
+
+
+@contextmanager
+def statement_timeouts(conn: psycopg.Connection, outcome: str) -> Iterator[None]:
+    """A statement of `conn` cancelled by PostgreSQL's `statement_timeout` as a `StatementTimeoutError`
+    saying what the limit is, where it was set and what to change; `outcome`: what became of the
+    statements' work. A cancel by hand (pg_cancel_backend) or with no limit set stays as it is."""
+    try:
+        yield
+    except psycopg.errors.QueryCanceled as exc:
+        limit = None if "user request" in (exc.diag.message_primary or "") else _statement_timeout(conn)
+        if limit is None:
+            raise
+        value, source = limit
+        role, database = conn.info.user, conn.info.dbname
+        remedy = (
+            "take it out of the connection's options or raise it there"
+            if source == "client"
+            else f"raise it for kafka2pg's role, e.g. ALTER ROLE {role} IN DATABASE {database} SET "
+            "statement_timeout = '30min' (0: no limit; new connections get it)"
+        )
+        raise StatementTimeoutError(
+            f"PostgreSQL cancelled a statement of kafka2pg ({_one_line(exc)}); {outcome}. The session's "
+            f"statement_timeout is {value}, {_TIMEOUT_SOURCES.get(source, f'from {source}')}, and a statement of "
+            "kafka2pg takes longer the larger its batch (a promotion writes the whole batch in one statement): "
+            f"{remedy}, or lower the pipeline's max_records_per_batch. Retrying as it is will likely be cancelled "
+            "again.",
+            statement_timeout=value,
+            source=source,
+            role=role,
+        ) from exc
+
+
+def _statement_timeout(conn: psycopg.Connection) -> tuple[str, str] | None:
+    """The session's statement_timeout and where it was set (pg_settings' source); None when there
+    is none (0) or the connection can no longer say."""
+    if conn.closed or conn.broken:
+        return None
+    try:
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+            conn.rollback()  # the cancelled statement's transaction: rolled back by its caller anyway
+        value, source, milliseconds = conn.execute(
+            "SELECT current_setting('statement_timeout'), source, setting::bigint"
+            " FROM pg_settings WHERE name = 'statement_timeout'"
+        ).fetchone()
+    except psycopg.Error:
+        return None
+    return (value, source) if milliseconds else None
 
 
 def _not_migrated(url: str, exc: psycopg.Error) -> SchemaNotReadyError:

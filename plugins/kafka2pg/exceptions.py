@@ -8,6 +8,7 @@ Kafka2PgError
  ├── ServiceUnavailableError  transient: retrying may help
  │    ├── KafkaUnavailableError
  │    └── DatabaseUnavailableError
+ ├── StatementTimeoutError    PostgreSQL's statement_timeout cancelled a statement (retryable)
  ├── KafkaAuthenticationError the cluster refuses the client (credentials, TLS): not retried
  ├── ConsumerGroupRefusedError Kafka refused to set the lag mirror's group offsets (active member, ACL)
  ├── TopicNotFoundError
@@ -152,6 +153,14 @@ class DatabaseUnavailableError(ServiceUnavailableError):
 class DatabaseRefusedError(Kafka2PgError):
     """PostgreSQL answered and refused the connection: a wrong password, an unknown role or
     database, no pg_hba.conf entry for it. Retrying the same settings cannot succeed."""
+
+
+class StatementTimeoutError(Kafka2PgError):
+    """PostgreSQL cancelled a statement of kafka2pg under the session's `statement_timeout` (a
+    DBA's limit for the role or the database): the statement's transaction was rolled back. A
+    retry may pass on a quieter server; the same batch on the same server usually fails again."""
+
+    terminal = False
 
 
 class KafkaAuthenticationError(Kafka2PgError):

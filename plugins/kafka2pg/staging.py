@@ -36,6 +36,7 @@ from kafka2pg.exceptions import (
     RetentionLossError,
     SparkSessionLost,
     StageInterrupted,
+    StatementTimeoutError,
 )
 from kafka2pg.kafka_config import kafka_config
 from kafka2pg.kafka_reader import raw_records_at, read_ranges
@@ -224,6 +225,13 @@ def _read_and_write(
             ) from None
         if isinstance(exc, (Py4JNetworkError, ConnectionError)):  # the JVM is gone: no Spark error to read
             raise SparkSessionLost.staging(pipeline.name, batch.batch_id) from exc
+        timed_out = _python_message(str(exc), StatementTimeoutError.__name__)
+        if timed_out is not None:  # a chunk writer's statement: its message says what to change
+            raise StatementTimeoutError(
+                f"pipeline {pipeline.name!r} batch {batch.batch_id}, staging: {timed_out}",
+                pipeline=pipeline.name,
+                batch_id=batch.batch_id,
+            ) from None
         raise _kafka_error(str(exc), settings, pipeline, batch) or exc from None
 
 

@@ -21,6 +21,7 @@ from kafka2pg.exceptions import (
     ServiceUnavailableError,
     SparkSessionLost,
     StageInterrupted,
+    StatementTimeoutError,
     WitnessMismatchError,
 )
 
@@ -211,6 +212,7 @@ RETRYABLE = {
     StageInterrupted,
     SparkSessionLost,  # a JVM killed or crashed: the next attempt starts its own
     WitnessMismatchError,  # the next attempt asks Kafka again about the batch as staged then
+    StatementTimeoutError,  # a statement cancelled on a busy server may pass on a quieter one
 }
 ERRORS = [c for _, c in inspect.getmembers(exceptions, inspect.isclass) if issubclass(c, Kafka2PgError)]
 

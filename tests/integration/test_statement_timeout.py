@@ -1,0 +1,104 @@
+"""A DBA's statement_timeout (for the role, the database or in the connection's options) that
+cancels one of kafka2pg's statements is reported as what it is, with where it was set and what
+to change; the batch stays where it was, and the step succeeds once the limit allows it."""
+
+import dataclasses
+
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from kafka2pg.devtools.producer import produce, sample_events
+from kafka2pg.exceptions import StatementTimeoutError
+from kafka2pg.opening import open_batch
+from kafka2pg.quality import validate_batch
+from kafka2pg.staging import stage_batch
+from kafka2pg.steps import promote_batch
+
+# Each statement the trigger below fires for sleeps this long, twice the limit set: cancelled
+# however fast or loaded the machine, while the batch's other statements (60 rows) stay far below it.
+LIMIT = "1s"
+SLEEP_S = 2
+
+
+def _slow_statements(db, table: sql.Composable) -> None:
+    """Every INSERT or COPY into `table` waits SLEEP_S seconds first (a statement-level trigger)."""
+    db.execute(
+        "CREATE OR REPLACE FUNCTION public.kafka2pg_test_slow() RETURNS trigger LANGUAGE plpgsql AS "
+        f"$$ BEGIN PERFORM pg_sleep({SLEEP_S}); RETURN NULL; END $$"
+    )
+    db.execute(
+        sql.SQL(
+            "CREATE TRIGGER slow BEFORE INSERT ON {} FOR EACH STATEMENT EXECUTE FUNCTION public.kafka2pg_test_slow()"
+        ).format(table)
+    )
+
+
+def _state(db, batch_id: int) -> str:
+    return db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
+
+
+def test_a_promotion_cancelled_by_the_roles_statement_timeout_says_so_and_promotes_once_it_is_raised(
+    make_pipeline, spark, db, heads
+):
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(60, seed=91), key_field=None)
+    batch = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    validate_batch(env.settings, env.pipeline, batch.batch_id)
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    _slow_statements(db, target)
+    role, database = db.execute("SELECT current_user, current_database()").fetchone()
+    alter = sql.SQL("ALTER ROLE {} IN DATABASE {} ").format(sql.Identifier(role), sql.Identifier(database))
+    db.execute(alter + sql.SQL("SET statement_timeout = {}").format(sql.Literal(LIMIT)))
+    try:
+        with pytest.raises(StatementTimeoutError) as cancelled:
+            promote_batch(env.settings, env.pipeline, batch.batch_id)
+    finally:
+        db.execute(alter + sql.SQL("RESET statement_timeout"))
+
+    error = cancelled.value
+    assert (error.statement_timeout, error.source, error.role, error.terminal) == (LIMIT, "database user", role, False)
+    message = str(error)
+    assert "statement timeout" in message and "statement_timeout is 1s" in message
+    assert "set for the role in this database" in message
+    assert f"ALTER ROLE {role} IN DATABASE {database} SET statement_timeout" in message
+    assert "max_records_per_batch" in message
+    assert _state(db, batch.batch_id) == "validated"
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 0
+    assert heads(env) == {}
+
+    db.execute(sql.SQL("DROP TRIGGER slow ON {}").format(target))
+    result = promote_batch(env.settings, env.pipeline, batch.batch_id)
+    assert (result.promoted, result.quarantined) == (60, 0)
+    assert heads(env) == {0: 60}
+
+
+def test_a_staging_copy_cancelled_by_the_connections_own_statement_timeout_leaves_the_batch_planned(
+    make_pipeline, spark, db
+):
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(60, seed=92), key_field=None)
+    batch = open_batch(env.settings, env.pipeline).batch
+    staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    _slow_statements(db, staging)
+    limited = dataclasses.replace(
+        env.settings, database_url=make_conninfo(env.settings.database_url, options=f"-c statement_timeout={LIMIT}")
+    )
+
+    with pytest.raises(StatementTimeoutError) as cancelled:
+        stage_batch(spark, limited, env.pipeline, batch.batch_id)
+
+    error = cancelled.value
+    assert (error.pipeline, error.batch_id) == (env.pipeline.name, batch.batch_id)
+    message = str(error)
+    assert message.startswith(f"pipeline {env.pipeline.name!r} batch {batch.batch_id}, staging: PostgreSQL cancelled")
+    assert "chunk 0 of batch" in message and "was not staged; the batch stays planned" in message
+    assert "statement_timeout is 1s, set by the client's connection options" in message
+    assert "take it out of the connection's options" in message
+    assert _state(db, batch.batch_id) == "planned"
+
+    db.execute(sql.SQL("DROP TRIGGER slow ON {}").format(staging))
+    staged = stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    assert staged.records_read == 60
+    assert _state(db, batch.batch_id) == "staged"
