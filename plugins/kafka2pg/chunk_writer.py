@@ -28,7 +28,7 @@ from kafka2pg.admission import (
 )
 from kafka2pg.config import Pipeline
 from kafka2pg.copy_binary import HEADER, TRAILER, copy_rows
-from kafka2pg.database import isolate_refused, limit_idle_transactions, statement_timeouts
+from kafka2pg.database import isolate_refused, session_settings, statement_timeouts
 from kafka2pg.exceptions import BatchStateError
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import PROVENANCE, RAW, staging_columns
@@ -82,7 +82,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
         stats: dict[int, list] = {}
         with (
             collector_paused(),
-            limit_idle_transactions(
+            session_settings(
                 psycopg.connect(database_url, client_encoding="UTF8"), f"kafka2pg chunk writer (batch {batch_id})"
             ) as conn,
             statement_timeouts(conn, f"chunk {chunk} of batch {batch_id} was not staged; the batch stays planned"),

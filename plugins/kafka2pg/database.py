@@ -73,7 +73,12 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
     `ConfigError` if the connection string is malformed. No message (nor its chained cause)
     shows the password."""
     try:
-        return limit_idle_transactions(psycopg.connect(url, autocommit=autocommit, connect_timeout=connect_timeout))
+        # UTF8 whatever the role's or database's client_encoding: a text PostgreSQL holds that a
+        # LATIN1 client cannot (an emoji in a key) would otherwise fail every read of it, the gate's.
+        connection = psycopg.connect(
+            url, autocommit=autocommit, connect_timeout=connect_timeout, client_encoding="UTF8"
+        )
+        return session_settings(connection)
     except psycopg.ProgrammingError as exc:
         # psycopg quotes the offending part of the string, the password included: not re-raised.
         raise ConfigError(
@@ -109,13 +114,16 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
 IDLE_IN_TRANSACTION_TIMEOUT_S = 600
 
 
-def limit_idle_transactions(conn: psycopg.Connection, name: str = "kafka2pg") -> psycopg.Connection:
-    """Set the session's `idle_in_transaction_session_timeout` (IDLE_IN_TRANSACTION_TIMEOUT_S) and,
-    unless the connection string names one, its `application_name` (what pg_stat_activity and
-    kafka2pg's lock-wait messages show)."""
+def session_settings(conn: psycopg.Connection, name: str = "kafka2pg") -> psycopg.Connection:
+    """Set the session's `idle_in_transaction_session_timeout` (IDLE_IN_TRANSACTION_TIMEOUT_S);
+    the output styles psycopg reads (ISO dates and times, `postgres` intervals: a role or database
+    whose DBA set `DateStyle = 'SQL, DMY'` gets timestamps psycopg cannot parse; the day/month
+    order of dates written as text stays as set); and, unless the connection string names one,
+    its `application_name` (what pg_stat_activity and kafka2pg's lock-wait messages show)."""
     try:
         conn.execute(
             "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
+            " set_config('DateStyle', 'ISO', false), set_config('IntervalStyle', 'postgres', false),"
             " CASE WHEN current_setting('application_name') = '' THEN set_config('application_name', %s, false) END",
             (f"{IDLE_IN_TRANSACTION_TIMEOUT_S}s", name),
         )

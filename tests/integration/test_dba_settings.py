@@ -1,18 +1,22 @@
-"""A DBA's statement_timeout (for the role, the database or in the connection's options) that
-cancels one of kafka2pg's statements is reported as what it is, with where it was set and what
-to change; the batch stays where it was, and the step succeeds once the limit allows it."""
+"""Settings a DBA gives kafka2pg's role or database. A statement_timeout (for the role, the
+database or in the connection's options) that cancels one of kafka2pg's statements is reported
+as what it is, with where it was set and what to change; the batch stays where it was, and the
+step succeeds once the limit allows it. Output styles psycopg cannot read change nothing."""
 
 import dataclasses
+from datetime import datetime, timedelta
 
 import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from kafka2pg.database import transaction
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import StatementTimeoutError
 from kafka2pg.opening import open_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.staging import stage_batch
+from kafka2pg.status import pipeline_status
 from kafka2pg.steps import promote_batch
 
 # Each statement the trigger below fires for sleeps this long, twice the limit set: cancelled
@@ -102,3 +106,38 @@ def test_a_staging_copy_cancelled_by_the_connections_own_statement_timeout_leave
     staged = stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
     assert staged.records_read == 60
     assert _state(db, batch.batch_id) == "staged"
+
+
+def test_a_roles_latin1_client_encoding_sql_date_style_and_iso_intervals_change_nothing_kafka2pg_reads_or_writes(
+    make_pipeline, run_batch, db, sample_columns
+):
+    # event_time required: the quality gate reads it back as a timestamp too.
+    columns = [{**c, "required": True} if c["name"] == "event_time" else c for c in sample_columns]
+    env = make_pipeline(partitions=1, columns=columns)
+    events = list(sample_events(40, seed=93))
+    for event in events[::5]:
+        event["event_id"] += " ünï 😀"  # UTF8 only: no LATIN1 client can read it back
+    produce(env.settings.bootstrap_servers, env.topic, events, key_field=None)
+    role, database = db.execute("SELECT current_user, current_database()").fetchone()
+    alter = sql.SQL("ALTER ROLE {} IN DATABASE {} ").format(sql.Identifier(role), sql.Identifier(database))
+    # Timestamps as 29/11/2026 01:25:06 +13, which psycopg cannot parse; intervals as P1DT2H.
+    settings = {"client_encoding": "LATIN1", "DateStyle": "SQL, DMY", "IntervalStyle": "iso_8601"}
+    for name, value in settings.items():
+        db.execute(alter + sql.SQL("SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+    try:
+        result = run_batch(env)
+        with transaction(env.settings.database_url) as conn:
+            shown = [conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(n))).fetchone()[0] for n in settings]
+            interval = conn.execute("SELECT interval '1 day 2 hours'").fetchone()[0]
+            status = pipeline_status(env.settings, env.pipeline, conn)
+    finally:
+        for name in settings:
+            db.execute(alter + sql.SQL("RESET {}").format(sql.Identifier(name)))
+
+    assert (result.promoted, result.quarantined) == (40, 0)
+    assert shown == ["UTF8", "ISO, DMY", "postgres"]  # the order of dates written as text: kept
+    assert interval == timedelta(days=1, hours=2)
+    assert status.last_batch.state == "promoted" and isinstance(status.last_batch.updated_at, datetime)
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    landed = dict(db.execute(sql.SQL("SELECT event_id, event_time FROM {}").format(target)).fetchall())
+    assert landed == {e["event_id"]: datetime.fromisoformat(e["ts"]) for e in events}
