@@ -116,6 +116,8 @@ IDLE_IN_TRANSACTION_TIMEOUT_S = 600
 
 def session_settings(conn: psycopg.Connection, name: str = "kafka2pg") -> psycopg.Connection:
     """Set the session's `idle_in_transaction_session_timeout` (IDLE_IN_TRANSACTION_TIMEOUT_S);
+    READ COMMITTED, which kafka2pg's transactions are written for (a database's default of
+    SERIALIZABLE failed concurrent chunk writers with serialization failures, run after run);
     the output styles psycopg reads (ISO dates and times, `postgres` intervals: a role or database
     whose DBA set `DateStyle = 'SQL, DMY'` gets timestamps psycopg cannot parse; the day/month
     order of dates written as text stays as set); and, unless the connection string names one,
@@ -124,6 +126,7 @@ def session_settings(conn: psycopg.Connection, name: str = "kafka2pg") -> psycop
         conn.execute(
             "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
             " set_config('DateStyle', 'ISO', false), set_config('IntervalStyle', 'postgres', false),"
+            " set_config('default_transaction_isolation', 'read committed', false),"
             " CASE WHEN current_setting('application_name') = '' THEN set_config('application_name', %s, false) END",
             (f"{IDLE_IN_TRANSACTION_TIMEOUT_S}s", name),
         )

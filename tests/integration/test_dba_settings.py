@@ -108,12 +108,10 @@ def test_a_staging_copy_cancelled_by_the_connections_own_statement_timeout_leave
     assert _state(db, batch.batch_id) == "staged"
 
 
-def test_a_roles_latin1_client_encoding_sql_date_style_and_iso_intervals_change_nothing_kafka2pg_reads_or_writes(
-    make_pipeline, run_batch, db, sample_columns
-):
+def test_a_roles_session_defaults_change_nothing_kafka2pg_reads_or_writes(make_pipeline, run_batch, db, sample_columns):
     # event_time required: the quality gate reads it back as a timestamp too.
     columns = [{**c, "required": True} if c["name"] == "event_time" else c for c in sample_columns]
-    env = make_pipeline(partitions=1, columns=columns)
+    env = make_pipeline(partitions=2, columns=columns)
     events = list(sample_events(40, seed=93))
     for event in events[::5]:
         event["event_id"] += " ünï 😀"  # UTF8 only: no LATIN1 client can read it back
@@ -121,7 +119,13 @@ def test_a_roles_latin1_client_encoding_sql_date_style_and_iso_intervals_change_
     role, database = db.execute("SELECT current_user, current_database()").fetchone()
     alter = sql.SQL("ALTER ROLE {} IN DATABASE {} ").format(sql.Identifier(role), sql.Identifier(database))
     # Timestamps as 29/11/2026 01:25:06 +13, which psycopg cannot parse; intervals as P1DT2H.
-    settings = {"client_encoding": "LATIN1", "DateStyle": "SQL, DMY", "IntervalStyle": "iso_8601"}
+    # And SERIALIZABLE, which failed concurrent chunk writers with serialization failures.
+    settings = {
+        "client_encoding": "LATIN1",
+        "DateStyle": "SQL, DMY",
+        "IntervalStyle": "iso_8601",
+        "default_transaction_isolation": "serializable",
+    }
     for name, value in settings.items():
         db.execute(alter + sql.SQL("SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
     try:
@@ -129,13 +133,15 @@ def test_a_roles_latin1_client_encoding_sql_date_style_and_iso_intervals_change_
         with transaction(env.settings.database_url) as conn:
             shown = [conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(n))).fetchone()[0] for n in settings]
             interval = conn.execute("SELECT interval '1 day 2 hours'").fetchone()[0]
+            isolation = conn.execute("SELECT current_setting('transaction_isolation')").fetchone()[0]
             status = pipeline_status(env.settings, env.pipeline, conn)
     finally:
         for name in settings:
             db.execute(alter + sql.SQL("RESET {}").format(sql.Identifier(name)))
 
     assert (result.promoted, result.quarantined) == (40, 0)
-    assert shown == ["UTF8", "ISO, DMY", "postgres"]  # the order of dates written as text: kept
+    assert shown == ["UTF8", "ISO, DMY", "postgres", "read committed"]  # the order of dates as text: kept
+    assert isolation == "read committed"
     assert interval == timedelta(days=1, hours=2)
     assert status.last_batch.state == "promoted" and isinstance(status.last_batch.updated_at, datetime)
     target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
