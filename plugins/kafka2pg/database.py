@@ -251,8 +251,9 @@ def session(url: str) -> Iterator[psycopg.Connection]:
 @contextmanager
 def _statement_errors(url: str, conn: psycopg.Connection, outcome: str) -> Iterator[None]:
     """A table, column or privilege the statements need and `conn` lacks, as a `SchemaNotReadyError`
-    saying what to run, a statement_timeout as a `StatementTimeoutError`; `outcome`: what became
-    of the statements' work."""
+    saying what to run; a statement_timeout as a `StatementTimeoutError`; a server that takes no
+    writes (a standby, default_transaction_read_only) as a retryable `DatabaseUnavailableError`
+    saying why; `outcome`: what became of the statements' work."""
     try:
         with statement_timeouts(conn, outcome):
             yield
@@ -268,11 +269,26 @@ def _statement_errors(url: str, conn: psycopg.Connection, outcome: str) -> Itera
             database=describe(url),
             role=role,
         ) from exc
+    except psycopg.errors.ReadOnlySqlTransaction as exc:
+        setting = _read_setting(conn, "default_transaction_read_only")
+        if setting is not None and setting[2]:
+            why = "it is a standby (in recovery)"
+        elif setting is not None and setting[0] == "on":
+            why = f"default_transaction_read_only is on, {_SOURCES.get(setting[1], f'from {setting[1]}')}"
+        else:
+            why = "a read-only transaction"
+        raise DatabaseUnavailableError(
+            f"PostgreSQL at {describe(url)} accepts no writes from role {conn.info.user!r} ({_one_line(exc)}): {why}; "
+            f"{outcome}. kafka2pg writes its ledger and rows there: point the postgres connection (postgres_conn_id, "
+            "default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL at the primary, or turn default_transaction_read_only "
+            "off for the role. A retry succeeds once it reaches a primary (after a failover).",
+            database=describe(url),
+            role=conn.info.user,
+        ) from exc
 
 
-# Where a statement_timeout in force was set (pg_settings.source), and how kafka2pg's role gets
-# a longer one there.
-_TIMEOUT_SOURCES = {
+# Where a setting in force was set (pg_settings.source).
+_SOURCES = {
     "database": "set for the database (ALTER DATABASE … SET)",
     "user": "set for the role (ALTER ROLE … SET)",
     "database user": "set for the role in this database (ALTER ROLE … IN DATABASE … SET)",
@@ -290,10 +306,11 @@ def statement_timeouts(conn: psycopg.Connection, outcome: str) -> Iterator[None]
     try:
         yield
     except psycopg.errors.QueryCanceled as exc:
-        limit = None if "user request" in (exc.diag.message_primary or "") else _statement_timeout(conn)
-        if limit is None:
+        by_hand = "user request" in (exc.diag.message_primary or "")  # pg_cancel_backend
+        setting = None if by_hand else _read_setting(conn, "statement_timeout")
+        if setting is None or setting[0] == "0":  # no limit set: a cancel by hand or by a shutdown
             raise
-        value, source = limit
+        value, source, _ = setting
         role, database = conn.info.user, conn.info.dbname
         remedy = (
             "take it out of the connection's options or raise it there"
@@ -303,7 +320,7 @@ def statement_timeouts(conn: psycopg.Connection, outcome: str) -> Iterator[None]
         )
         raise StatementTimeoutError(
             f"PostgreSQL cancelled a statement of kafka2pg ({_one_line(exc)}); {outcome}. The session's "
-            f"statement_timeout is {value}, {_TIMEOUT_SOURCES.get(source, f'from {source}')}, and a statement of "
+            f"statement_timeout is {value}, {_SOURCES.get(source, f'from {source}')}, and a statement of "
             "kafka2pg takes longer the larger its batch (a promotion writes the whole batch in one statement): "
             f"{remedy}, or lower the pipeline's max_records_per_batch. Retrying as it is will likely be cancelled "
             "again.",
@@ -313,21 +330,20 @@ def statement_timeouts(conn: psycopg.Connection, outcome: str) -> Iterator[None]
         ) from exc
 
 
-def _statement_timeout(conn: psycopg.Connection) -> tuple[str, str] | None:
-    """The session's statement_timeout and where it was set (pg_settings' source); None when there
-    is none (0) or the connection can no longer say."""
+def _read_setting(conn: psycopg.Connection, name: str) -> tuple[str, str, bool] | None:
+    """After a statement of `conn` failed: the session's setting `name`, where it was set
+    (pg_settings' source) and whether the server is a standby; None when the connection can no
+    longer say."""
     if conn.closed or conn.broken:
         return None
     try:
         if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
-            conn.rollback()  # the cancelled statement's transaction: rolled back by its caller anyway
-        value, source, milliseconds = conn.execute(
-            "SELECT current_setting('statement_timeout'), source, setting::bigint"
-            " FROM pg_settings WHERE name = 'statement_timeout'"
+            conn.rollback()  # the failed statement's transaction: rolled back by its caller anyway
+        return conn.execute(
+            "SELECT current_setting(name), source, pg_is_in_recovery() FROM pg_settings WHERE name = %s", (name,)
         ).fetchone()
     except psycopg.Error:
         return None
-    return (value, source) if milliseconds else None
 
 
 def _not_migrated(url: str, exc: psycopg.Error) -> SchemaNotReadyError:

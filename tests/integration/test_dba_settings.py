@@ -147,3 +147,26 @@ def test_a_roles_session_defaults_change_nothing_kafka2pg_reads_or_writes(make_p
     target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
     landed = dict(db.execute(sql.SQL("SELECT event_id, event_time FROM {}").format(target)).fetchall())
     assert landed == {e["event_id"]: datetime.fromisoformat(e["ts"]) for e in events}
+
+
+def test_a_read_only_session_fails_the_plan_saying_why_and_the_plan_succeeds_on_a_writable_one(make_pipeline, db):
+    from kafka2pg.exceptions import DatabaseUnavailableError
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(10, seed=94), key_field=None)
+    read_only = dataclasses.replace(
+        env.settings,
+        database_url=make_conninfo(env.settings.database_url, options="-c default_transaction_read_only=on"),
+    )
+
+    with pytest.raises(DatabaseUnavailableError) as refused:
+        open_batch(read_only, env.pipeline)
+
+    message = str(refused.value)
+    assert "accepts no writes" in message and "read-only transaction" in message
+    assert "default_transaction_read_only is on, set by the client's connection options" in message
+    assert "at the primary" in message and refused.value.terminal is False
+    assert (
+        db.execute("SELECT count(*) FROM kafka2pg.batches WHERE pipeline = %s", (env.pipeline.name,)).fetchone()[0] == 0
+    )
+    assert sum(r.size for r in open_batch(env.settings, env.pipeline).batch.plan.ranges) == 10
