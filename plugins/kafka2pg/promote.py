@@ -50,10 +50,10 @@ def promote_live(conn: Connection, pipeline: Pipeline, batch: Batch) -> PromoteR
     try:
         with conn.transaction():  # a savepoint: rows missing from staging roll the promotion back
             promoted, quarantined = _promote_rows(conn, pipeline, batch)
-    except _StagingShort:
+    except _StagingShort as short:
         if staging_lost(conn, pipeline, batch):
             return None
-        raise
+        raise BatchStateError(str(short), **short.evidence) from None  # the target skips rows: as the message says
     table = f"{pipeline.target_schema}.{pipeline.target_table}"
     message = f"batch {batch.batch_id} promoted: {promoted} rows to {table}, {quarantined} to quarantine"
     log.info("pipeline=%s %s", pipeline.name, message)

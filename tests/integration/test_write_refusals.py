@@ -216,3 +216,44 @@ def test_a_pipeline_without_a_business_key_quarantines_the_rows_the_target_refus
 
     assert (result.promoted, result.quarantined) == (6, 1)
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+
+
+def test_a_target_trigger_that_skips_rows_stops_the_promotion_instead_of_losing_them(make_pipeline, spark, db, heads):
+    import pytest
+
+    from kafka2pg.exceptions import BatchStateError
+    from kafka2pg.opening import open_batch
+    from kafka2pg.quality import validate_batch
+    from kafka2pg.staging import stage_batch
+    from kafka2pg.steps import promote_batch
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(50, seed=85), key_field=None)
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    # A filter a user might add (RETURN NULL keeps the row out, and PostgreSQL raises nothing).
+    db.execute(
+        "CREATE OR REPLACE FUNCTION public.kafka2pg_test_skip_odd() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN IF NEW.kafka_offset % 2 = 1 THEN RETURN NULL; END IF; RETURN NEW; END $$"
+    )
+    db.execute(
+        sql.SQL(
+            "CREATE TRIGGER skip_odd BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION public.kafka2pg_test_skip_odd()"
+        ).format(target)
+    )
+    batch = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    validate_batch(env.settings, env.pipeline, batch.batch_id)
+
+    with pytest.raises(BatchStateError) as stopped:
+        promote_batch(env.settings, env.pipeline, batch.batch_id)
+
+    assert type(stopped.value) is BatchStateError  # a public error, as the CLI and the task log name it
+    assert "promotion moved 25 staged rows but the batch read 50 records; nothing was promoted" in str(stopped.value)
+    assert "does not keep every row inserted into it (a trigger or rule that skips rows)" in str(stopped.value)
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 0
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch.batch_id,)).fetchone()[0]
+    assert state == "validated" and heads(env) == {}
+
+    db.execute(sql.SQL("DROP TRIGGER skip_odd ON {}").format(target))
+    assert promote_batch(env.settings, env.pipeline, batch.batch_id).promoted == 50
+    assert heads(env) == {0: 50}
