@@ -137,13 +137,16 @@ def _great_expectations(
 ) -> tuple[list[Check], list[dict]]:
     """The GX suite on the accepted rows, as checks and as report rows.
 
-    Fails closed: an exception or a missing result becomes a failed check.
+    Fails closed: an exception or a missing result becomes a failed check; a database error
+    reading the rows fails the step instead (the batch stays staged), not the batch.
     """
     from kafka2pg.expectations import load_accepted, run_suite, suite_for
 
     suite = suite_for(pipeline, (batch.records_read or 0) - quarantined)
     try:
         outcome = run_suite(load_accepted(conn, pipeline, batch.batch_id), suite)
+    except psycopg.Error:
+        raise  # the database's trouble reading the rows (a statement_timeout, a lost connection): the step's, retried
     except Exception as exc:  # noqa: BLE001 - fail closed: whatever GX raises blocks promotion, with the reason
         log.exception("pipeline=%s batch_id=%s Great Expectations failed", pipeline.name, batch.batch_id)
         error = f"Great Expectations raised {type(exc).__name__}: {exc}"

@@ -170,3 +170,31 @@ def test_a_read_only_session_fails_the_plan_saying_why_and_the_plan_succeeds_on_
         db.execute("SELECT count(*) FROM kafka2pg.batches WHERE pipeline = %s", (env.pipeline.name,)).fetchone()[0] == 0
     )
     assert sum(r.size for r in open_batch(env.settings, env.pipeline).batch.plan.ranges) == 10
+
+
+def test_the_gates_rows_read_cancelled_by_a_statement_timeout_fails_the_step_not_the_batch(
+    make_pipeline, spark, db, monkeypatch
+):
+    from kafka2pg import expectations
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(30, seed=95), key_field=None)
+    batch = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    limited = dataclasses.replace(
+        env.settings, database_url=make_conninfo(env.settings.database_url, options=f"-c statement_timeout={LIMIT}")
+    )
+    load_accepted = expectations.load_accepted
+
+    def slow_load(conn, pipeline, batch_id):  # the rows for Great Expectations, read on a busy server
+        conn.execute("SELECT pg_sleep(%s)", (SLEEP_S,))
+        return load_accepted(conn, pipeline, batch_id)
+
+    monkeypatch.setattr(expectations, "load_accepted", slow_load)
+    with pytest.raises(StatementTimeoutError):
+        validate_batch(limited, env.pipeline, batch.batch_id)
+    monkeypatch.undo()
+
+    row = db.execute("SELECT state, error FROM kafka2pg.batches WHERE batch_id = %s", (batch.batch_id,)).fetchone()
+    assert row == ("staged", None)  # not rejected: nothing about the records was found
+    assert validate_batch(env.settings, env.pipeline, batch.batch_id).state == "validated"
