@@ -38,6 +38,11 @@ def _slow_statements(db, table: sql.Composable) -> None:
     )
 
 
+def _with_options(settings, options: str):
+    """`settings` whose connections start with `options` (as PGOPTIONS gives them: pg_settings' source `client`)."""
+    return dataclasses.replace(settings, database_url=make_conninfo(settings.database_url, options=options))
+
+
 def _state(db, batch_id: int) -> str:
     return db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
 
@@ -86,9 +91,7 @@ def test_a_staging_copy_cancelled_by_the_connections_own_statement_timeout_leave
     batch = open_batch(env.settings, env.pipeline).batch
     staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
     _slow_statements(db, staging)
-    limited = dataclasses.replace(
-        env.settings, database_url=make_conninfo(env.settings.database_url, options=f"-c statement_timeout={LIMIT}")
-    )
+    limited = _with_options(env.settings, f"-c statement_timeout={LIMIT}")
 
     with pytest.raises(StatementTimeoutError) as cancelled:
         stage_batch(spark, limited, env.pipeline, batch.batch_id)
@@ -154,10 +157,7 @@ def test_a_read_only_session_fails_the_plan_saying_why_and_the_plan_succeeds_on_
 
     env = make_pipeline(partitions=1)
     produce(env.settings.bootstrap_servers, env.topic, sample_events(10, seed=94), key_field=None)
-    read_only = dataclasses.replace(
-        env.settings,
-        database_url=make_conninfo(env.settings.database_url, options="-c default_transaction_read_only=on"),
-    )
+    read_only = _with_options(env.settings, "-c default_transaction_read_only=on")
 
     with pytest.raises(DatabaseUnavailableError) as refused:
         open_batch(read_only, env.pipeline)
@@ -181,9 +181,7 @@ def test_the_gates_rows_read_cancelled_by_a_statement_timeout_fails_the_step_not
     produce(env.settings.bootstrap_servers, env.topic, sample_events(30, seed=95), key_field=None)
     batch = open_batch(env.settings, env.pipeline).batch
     stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
-    limited = dataclasses.replace(
-        env.settings, database_url=make_conninfo(env.settings.database_url, options=f"-c statement_timeout={LIMIT}")
-    )
+    limited = _with_options(env.settings, f"-c statement_timeout={LIMIT}")
     load_accepted = expectations.load_accepted
 
     def slow_load(conn, pipeline, batch_id):  # the rows for Great Expectations, read on a busy server
