@@ -120,12 +120,15 @@ def session_settings(conn: psycopg.Connection, name: str = "kafka2pg") -> psycop
     SERIALIZABLE failed concurrent chunk writers with serialization failures, run after run);
     the output styles psycopg reads (ISO dates and times, `postgres` intervals: a role or database
     whose DBA set `DateStyle = 'SQL, DMY'` gets timestamps psycopg cannot parse; the day/month
-    order of dates written as text stays as set); and, unless the connection string names one,
+    order of dates written as text stays as set); UTC, in which admission bounds timestamps to
+    years 1-9999 (in a zone west of UTC 0001-01-01T00:00Z is a year BC, which psycopg cannot
+    read, and east of it 9999-12-31T23:30Z is year 10000); and, unless the connection string names one,
     its `application_name` (what pg_stat_activity and kafka2pg's lock-wait messages show)."""
     try:
         conn.execute(
             "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
             " set_config('DateStyle', 'ISO', false), set_config('IntervalStyle', 'postgres', false),"
+            " set_config('TimeZone', 'UTC', false),"
             " set_config('default_transaction_isolation', 'read committed', false),"
             " CASE WHEN current_setting('application_name') = '' THEN set_config('application_name', %s, false) END",
             (f"{IDLE_IN_TRANSACTION_TIMEOUT_S}s", name),

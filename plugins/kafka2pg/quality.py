@@ -145,9 +145,11 @@ def _great_expectations(
     suite = suite_for(pipeline, (batch.records_read or 0) - quarantined)
     try:
         outcome = run_suite(load_accepted(conn, pipeline, batch.batch_id), suite)
-    except psycopg.Error:
-        raise  # the database's trouble reading the rows (a statement_timeout, a lost connection): the step's, retried
     except Exception as exc:  # noqa: BLE001 - fail closed: whatever GX raises blocks promotion, with the reason
+        if isinstance(exc, psycopg.Error) and not isinstance(exc, psycopg.DataError):
+            # The database's trouble reading the rows (a statement_timeout, a lost connection): the
+            # step's, retried. A value psycopg cannot read (DataError) is the batch's: fail closed.
+            raise
         log.exception("pipeline=%s batch_id=%s Great Expectations failed", pipeline.name, batch.batch_id)
         error = f"Great Expectations raised {type(exc).__name__}: {exc}"
         row = {"expectation": "validation_error", "column": "", "meaning": error, "success": False, "unexpected": 0}

@@ -118,6 +118,7 @@ def test_a_roles_session_defaults_change_nothing_kafka2pg_reads_or_writes(make_p
     events = list(sample_events(40, seed=93))
     for event in events[::5]:
         event["event_id"] += " ünï 😀"  # UTF8 only: no LATIN1 client can read it back
+    events[7]["ts"] = "0001-01-01T00:00:00+00:00"  # Go's zero time: a year BC in New York, which psycopg cannot read
     produce(env.settings.bootstrap_servers, env.topic, events, key_field=None)
     role, database = db.execute("SELECT current_user, current_database()").fetchone()
     alter = sql.SQL("ALTER ROLE {} IN DATABASE {} ").format(sql.Identifier(role), sql.Identifier(database))
@@ -128,6 +129,7 @@ def test_a_roles_session_defaults_change_nothing_kafka2pg_reads_or_writes(make_p
         "DateStyle": "SQL, DMY",
         "IntervalStyle": "iso_8601",
         "default_transaction_isolation": "serializable",
+        "TimeZone": "America/New_York",
     }
     for name, value in settings.items():
         db.execute(alter + sql.SQL("SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
@@ -143,7 +145,7 @@ def test_a_roles_session_defaults_change_nothing_kafka2pg_reads_or_writes(make_p
             db.execute(alter + sql.SQL("RESET {}").format(sql.Identifier(name)))
 
     assert (result.promoted, result.quarantined) == (40, 0)
-    assert shown == ["UTF8", "ISO, DMY", "postgres", "read committed"]  # the order of dates as text: kept
+    assert shown == ["UTF8", "ISO, DMY", "postgres", "read committed", "UTC"]  # the order of dates as text: kept
     assert isolation == "read committed"
     assert interval == timedelta(days=1, hours=2)
     assert status.last_batch.state == "promoted" and isinstance(status.last_batch.updated_at, datetime)
@@ -196,3 +198,24 @@ def test_the_gates_rows_read_cancelled_by_a_statement_timeout_fails_the_step_not
     row = db.execute("SELECT state, error FROM kafka2pg.batches WHERE batch_id = %s", (batch.batch_id,)).fetchone()
     assert row == ("staged", None)  # not rejected: nothing about the records was found
     assert validate_batch(env.settings, env.pipeline, batch.batch_id).state == "validated"
+
+
+def test_a_value_psycopg_cannot_read_in_the_gates_rows_still_rejects_the_batch(make_pipeline, spark, db, monkeypatch):
+    import psycopg
+
+    from kafka2pg import expectations
+    from kafka2pg.exceptions import QualityGateFailed
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(10, seed=96), key_field=None)
+    batch = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+
+    def unreadable(conn, pipeline, batch_id):  # what psycopg raises for a value it cannot turn into Python
+        raise psycopg.DataError("timestamp too small (before year 1): '0001-12-31 19:03:58-04:56:02 BC'")
+
+    monkeypatch.setattr(expectations, "load_accepted", unreadable)
+    with pytest.raises(QualityGateFailed, match="DataError: timestamp too small"):
+        validate_batch(env.settings, env.pipeline, batch.batch_id)
+
+    assert _state(db, batch.batch_id) == "rejected"  # fail closed: about the batch's values, not the database
