@@ -43,6 +43,15 @@ def _with_options(settings, options: str):
     return dataclasses.replace(settings, database_url=make_conninfo(settings.database_url, options=options))
 
 
+def _staged(make_pipeline, spark, records: int, seed: int):
+    """A one-partition pipeline of its own with `records` sample events, its first batch staged."""
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(records, seed=seed), key_field=None)
+    batch = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    return env, batch
+
+
 def _state(db, batch_id: int) -> str:
     return db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
 
@@ -50,10 +59,7 @@ def _state(db, batch_id: int) -> str:
 def test_a_promotion_cancelled_by_the_roles_statement_timeout_says_so_and_promotes_once_it_is_raised(
     make_pipeline, spark, db, heads
 ):
-    env = make_pipeline(partitions=1)
-    produce(env.settings.bootstrap_servers, env.topic, sample_events(60, seed=91), key_field=None)
-    batch = open_batch(env.settings, env.pipeline).batch
-    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    env, batch = _staged(make_pipeline, spark, 60, seed=91)
     validate_batch(env.settings, env.pipeline, batch.batch_id)
     target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
     _slow_statements(db, target)
@@ -179,10 +185,7 @@ def test_the_gates_rows_read_cancelled_by_a_statement_timeout_fails_the_step_not
 ):
     from kafka2pg import expectations
 
-    env = make_pipeline(partitions=1)
-    produce(env.settings.bootstrap_servers, env.topic, sample_events(30, seed=95), key_field=None)
-    batch = open_batch(env.settings, env.pipeline).batch
-    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    env, batch = _staged(make_pipeline, spark, 30, seed=95)
     limited = _with_options(env.settings, f"-c statement_timeout={LIMIT}")
     load_accepted = expectations.load_accepted
 
@@ -206,10 +209,7 @@ def test_a_value_psycopg_cannot_read_in_the_gates_rows_still_rejects_the_batch(m
     from kafka2pg import expectations
     from kafka2pg.exceptions import QualityGateFailed
 
-    env = make_pipeline(partitions=1)
-    produce(env.settings.bootstrap_servers, env.topic, sample_events(10, seed=96), key_field=None)
-    batch = open_batch(env.settings, env.pipeline).batch
-    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    env, batch = _staged(make_pipeline, spark, 10, seed=96)
 
     def unreadable(conn, pipeline, batch_id):  # what psycopg raises for a value it cannot turn into Python
         raise psycopg.DataError("timestamp too small (before year 1): '0001-12-31 19:03:58-04:56:02 BC'")
