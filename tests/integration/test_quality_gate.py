@@ -894,3 +894,28 @@ def test_flagging_a_batch_of_duplicates_never_joins_its_staged_rows_in_a_nested_
     for plan in updates:
         loops = _nested_loops_over_the_batch(plan["Plan"], env.pipeline.staging_table)
         assert not loops, (plan["Query Text"][:120], loops)
+
+
+def test_a_required_jsonb_value_too_long_for_pythons_int_lands_instead_of_rejecting_its_batch(
+    make_pipeline, run_batch, db, sample_columns
+):
+    """PostgreSQL's jsonb keeps a number of 5,000 digits; Python refuses to parse an integer of more
+    than 4,300. The gate reads a required jsonb column only to see it is not NULL: a record holding
+    such a number must land, not reject its batch run after run."""
+    columns = [{**c, "required": True} if c["name"] == "payload" else c for c in sample_columns]
+    env = make_pipeline(partitions=1, columns=columns)
+    events = list(sample_events(3, seed=55))
+    values = [json.dumps(e).encode() for e in events]
+    long_number = b"9" * 5000
+    values[1] = values[1].replace(b'"seq": 1}', b'"seq": ' + long_number + b"}")
+    assert long_number in values[1]
+    produce(env.settings.bootstrap_servers, env.topic, values, key_field=None)
+
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (3, 0)
+    table = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    landed = db.execute(
+        sql.SQL("SELECT payload->>'seq' FROM {} WHERE event_id = %s").format(table), (events[1]["event_id"],)
+    ).fetchone()
+    assert landed == (long_number.decode(),)
