@@ -83,7 +83,8 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
         with (
             collector_paused(),
             session_settings(
-                psycopg.connect(database_url, client_encoding="UTF8"), f"kafka2pg chunk writer (batch {batch_id})"
+                psycopg.connect(database_url, client_encoding="UTF8", connect_timeout=10),
+                f"kafka2pg chunk writer (batch {batch_id})",
             ) as conn,
             statement_timeouts(conn, f"chunk {chunk} of batch {batch_id} was not staged; the batch stays planned"),
         ):
