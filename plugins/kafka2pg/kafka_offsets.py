@@ -204,7 +204,10 @@ def offsets_for_times(kafka: KafkaLike, topic: str, timestamp_ms: int, timeout_s
 
     A partition with no such record maps to its high watermark (the offset the next record
     will get), so `[offsets_for_times(t0), offsets_for_times(t1))` is the window [t0, t1).
+    A time before 1970 is searched as 1970's first instant: Kafka's record timestamps are not
+    negative, and it refuses a negative search time or reads -1 and -2 as latest and earliest.
     """
+    timestamp_ms = max(timestamp_ms, 0)
     admin = admin_client(kafka, timeout_s)
     partitions = topic_partitions(admin, topic, kafka, timeout_s)
     found = _list(

@@ -452,6 +452,11 @@ def test_a_time_window_maps_to_per_partition_offsets(make_pipeline):
     assert offsets_for_times(env.settings.bootstrap_servers, env.topic, base + 3000) == {0: 3, 1: 3}
     assert offsets_for_times(env.settings.bootstrap_servers, env.topic, base + 7500) == {0: 8, 1: 8}
     assert offsets_for_times(env.settings.bootstrap_servers, env.topic, base + 60_000) == {0: 10, 1: 10}
+    # Before 1970 (Kafka's record timestamps are not negative, and it reads -1 and -2 as latest
+    # and earliest): the window starts at each partition's first record.
+    year_1969 = -365 * 86_400_000
+    assert offsets_for_times(env.settings.bootstrap_servers, env.topic, year_1969) == {0: 0, 1: 0}
+    assert offsets_for_times(env.settings.bootstrap_servers, env.topic, -1) == {0: 0, 1: 0}
 
 
 def test_gap_that_does_not_add_up_holds_the_batch(make_pipeline, spark, db):
