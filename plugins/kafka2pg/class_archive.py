@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -72,7 +73,7 @@ def train(archive: Path) -> None:
     from kafka2pg.jars import spark_jars
     from kafka2pg.staging import spark_session
 
-    options = f"{STAGE_JVM_OPTIONS_TIERED} -XX:ArchiveClassesAtExit={archive}"
+    options = f"{STAGE_JVM_OPTIONS_TIERED} -XX:ArchiveClassesAtExit={shlex.quote(str(archive))}"
     spark = spark_session(
         "local[2]",
         app_name="kafka2pg-class-archive",

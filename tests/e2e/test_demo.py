@@ -1,0 +1,66 @@
+"""The README's first command as a newcomer runs it: `./kafka2pg demo` in a checkout whose path has a
+space (`~/My Projects/kafka2pg`), its venv and state folder there too. It must start the stack, make
+the class-data archive, run the DAG twice and land every event. Only the venv (a link to this one,
+under a path with a space) and the resolved jars are shared, so that nothing is installed again."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from kafka2pg.locations import state_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+EVENTS = 300
+# What ./kafka2pg sets itself, or reads before its own defaults: the demo must find its own.
+_OUTER = ("KAFKA2PG_", "AIRFLOW", "SPARK_HOME", "PYSPARK_", "PYTHONPATH")
+
+
+@pytest.fixture
+def where():
+    """A folder whose path has a space, readable by all: as root, the local stack's PostgreSQL
+    (run as `postgres`) keeps its data there only if it can reach it (not in pytest's tmp dir)."""
+    folder = Path(tempfile.mkdtemp(prefix="kafka2pg-test-")) / "My Projects"
+    folder.mkdir()
+    for path in (folder.parent, folder):
+        path.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder.parent, ignore_errors=True)
+
+
+def test_the_demo_runs_from_a_checkout_whose_path_has_a_space(where, tmp_path):
+    checkout = where / "kafka2pg"
+    checkout.mkdir(parents=True)
+    for name in ("kafka2pg", "requirements.txt"):
+        shutil.copy2(ROOT / name, checkout / name)
+    for name in ("plugins", "dags", "sql"):
+        shutil.copytree(ROOT / name, checkout / name, ignore=shutil.ignore_patterns("__pycache__"))
+    venv = where / "the venv"
+    venv.symlink_to(ROOT / ".venv")
+    (checkout / ".cache").mkdir()
+    (checkout / ".cache" / "jars").symlink_to(state_dir() / "jars")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_OUTER)}
+    env["KAFKA2PG_VENV"] = str(venv)
+
+    log = tmp_path / "demo.log"
+    with open(log, "w") as out:
+        done = subprocess.run(
+            ["./kafka2pg", "demo", "--events", str(EVENTS)],
+            cwd=checkout,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout=900,
+        )
+    output = log.read_text(errors="replace")
+    assert done.returncode == 0, f"./kafka2pg demo failed (log {log}):\n{output[-5000:]}"
+    assert f"OK: produced {EVENTS}, landed {EVENTS}" in output, output[-3000:]
+    assert "could not make the Spark class-data archive" not in output, output[-5000:]
+    assert list((checkout / ".cache" / "jvm").glob("spark-*.jsa")), "no class-data archive was made"
+    assert not (checkout / ".cache" / "stack").exists(), "the demo left its stack behind"
