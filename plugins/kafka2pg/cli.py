@@ -117,6 +117,7 @@ def _reset_stack(cache: Path, *, confirm: bool) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     from kafka2pg.connections import database_url
+    from kafka2pg.database import describe
     from kafka2pg.migrations import migrate
 
     pipelines = list(load_pipelines(pipelines_file_from_env()).values())
@@ -124,7 +125,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     for conn_id in sorted(databases):  # each database its pipelines' tables
         url = database_url(conn_id, who=f"migrate ({conn_id})")
         applied = migrate(url, [p for p in pipelines if p.postgres_conn_id == conn_id])
-        print(f"{conn_id}: migrations applied: {', '.join(applied) or 'none pending'}; pipeline tables ensured")
+        print(
+            f"{conn_id} ({describe(url)}): migrations applied: {', '.join(applied) or 'none pending'}; "
+            "pipeline tables ensured"
+        )
     print(
         "If the DAGs connect as another role, run `./kafka2pg grant --role THAT_ROLE` now for the tables this created."
     )
@@ -133,6 +137,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def cmd_grant(args: argparse.Namespace) -> int:
     from kafka2pg.connections import database_url
+    from kafka2pg.database import describe
     from kafka2pg.grants import apply_grants, print_grants
 
     pipelines = list(load_pipelines(pipelines_file_from_env()).values())
@@ -146,8 +151,9 @@ def cmd_grant(args: argparse.Namespace) -> int:
         apply_grants(url, mine, args.role)
         names = ", ".join(p.name for p in mine) or "none"
         print(
-            f"{conn_id}: granted role {args.role!r} kafka2pg's run-time privileges on its own tables and those of "
-            f"pipelines {names}; run this again after adding a pipeline or applying a migration that adds a table"
+            f"{conn_id} ({describe(url)}): granted role {args.role!r} kafka2pg's run-time privileges on its own "
+            f"tables and those of pipelines {names}; run this again after adding a pipeline or applying a migration "
+            "that adds a table"
         )
     return 0
 

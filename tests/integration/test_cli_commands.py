@@ -13,6 +13,7 @@ import yaml
 from confluent_kafka import Consumer
 
 from kafka2pg import cli
+from kafka2pg.database import describe
 from kafka2pg.kafka_offsets import client_config
 
 
@@ -149,6 +150,8 @@ def test_migrate_and_grant_need_only_the_database_not_kafka(make_pipeline, monke
     assert cli.main(["grant", "--role", "some_runtime_role", "--print"]) == 0
     printed = capsys.readouterr().out
     assert "pipeline tables ensured" in printed and "GRANT" in printed, printed
+    # which database it migrated, without the password
+    assert f"kafka2pg_postgres ({describe(env.settings.database_url)}): migrations applied" in printed, printed
     assert cli.main(["offsets", "--pipeline", env.pipeline.name, "--from", "2026-01-02", "--to", "2026-01-01"]) == 2
     assert "--from 2026-01-02 must be before --to 2026-01-01" in capsys.readouterr().err
 
