@@ -45,9 +45,13 @@ def _selected_pipelines(args: argparse.Namespace) -> list[tuple[Settings, Pipeli
 
 def _selected(args: argparse.Namespace) -> list[Pipeline]:
     """The pipeline named by --pipeline, or every pipeline of the file."""
+    path = pipelines_file_from_env()
     if args.pipeline:
-        return [get_pipeline(args.pipeline, pipelines_file_from_env())]
-    return list(load_pipelines(pipelines_file_from_env()).values())
+        return [get_pipeline(args.pipeline, path)]
+    pipelines = list(load_pipelines(path).values())
+    if not pipelines:
+        print(f"{path}: its 'pipelines:' list is empty: no pipeline to show", file=sys.stderr)
+    return pipelines
 
 
 def cmd_stack(args: argparse.Namespace) -> int:

@@ -274,3 +274,13 @@ def test_a_kafka_timeout_outside_1_to_300_seconds_is_refused_naming_the_variable
 
     with pytest.raises(ConfigError, match=r"KAFKA2PG_KAFKA_TIMEOUT_S must be 1 to 300 seconds"):
         common_settings({"KAFKA2PG_KAFKA_TIMEOUT_S": timeout})
+
+
+def test_status_of_a_pipelines_file_without_pipelines_says_so(tmp_path, monkeypatch, capsys):
+    from kafka2pg import cli
+
+    path = tmp_path / "pipelines.yaml"
+    path.write_text("pipelines: []\n")
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(path))
+    assert cli.main(["status"]) == 0
+    assert f"{path}: its 'pipelines:' list is empty: no pipeline to show" in capsys.readouterr().err
