@@ -209,7 +209,12 @@ def _stage_locally(settings: Settings, pipeline: Pipeline, batch_id: int) -> Non
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
+    from kafka2pg.batch_store import load_claimed
+    from kafka2pg.database import session
+
     settings, pipeline = _pipeline(args)
+    with session(settings.database_url) as conn:  # a batch not there, or another pipeline's: before Spark starts
+        load_claimed(conn, pipeline, args.batch_id, None, lock=False)
     _stage_locally(settings, pipeline, args.batch_id)
     return 0
 

@@ -156,6 +156,21 @@ def test_migrate_and_grant_need_only_the_database_not_kafka(make_pipeline, monke
     assert "--from 2026-01-02 must be before --to 2026-01-01" in capsys.readouterr().err
 
 
+def test_stage_of_a_batch_that_does_not_exist_says_so_without_starting_spark(make_pipeline, monkeypatch, capsys):
+    import kafka2pg.staging
+
+    def no_spark(*args, **kwargs):
+        raise AssertionError("Spark started for a batch that does not exist")
+
+    env = make_pipeline(partitions=1)
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    monkeypatch.setattr(kafka2pg.staging, "spark_session", no_spark)
+    assert cli.main(["stage", "--pipeline", env.pipeline.name, "--batch-id", "987654321"]) == 2
+    assert "batch 987654321 does not exist in kafka2pg.batches" in capsys.readouterr().err
+
+
 def _cli_environment(env, environ=None) -> dict[str, str]:
     """`environ` (this process's by default) with the pipeline's settings, for a CLI command."""
     return {
