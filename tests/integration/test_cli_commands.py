@@ -14,7 +14,9 @@ from confluent_kafka import Consumer
 
 from kafka2pg import cli
 from kafka2pg.database import describe
+from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.kafka_offsets import client_config
+from kafka2pg.opening import open_batch
 
 
 def _event_ids(servers: str, topic: str, count: int) -> list[str]:
@@ -156,7 +158,7 @@ def test_migrate_and_grant_need_only_the_database_not_kafka(make_pipeline, monke
     assert "--from 2026-01-02 must be before --to 2026-01-01" in capsys.readouterr().err
 
 
-def test_stage_of_a_batch_that_does_not_exist_says_so_without_starting_spark(make_pipeline, monkeypatch, capsys):
+def test_stage_and_report_of_a_batch_not_there_say_so_without_starting_spark(make_pipeline, monkeypatch, capsys):
     import kafka2pg.staging
 
     def no_spark(*args, **kwargs):
@@ -169,6 +171,13 @@ def test_stage_of_a_batch_that_does_not_exist_says_so_without_starting_spark(mak
     monkeypatch.setattr(kafka2pg.staging, "spark_session", no_spark)
     assert cli.main(["stage", "--pipeline", env.pipeline.name, "--batch-id", "987654321"]) == 2
     assert "batch 987654321 does not exist in kafka2pg.batches" in capsys.readouterr().err
+    assert cli.main(["report", "--batch-id", "987654321"]) == 2
+    assert "batch 987654321 does not exist in kafka2pg.batches" in capsys.readouterr().err
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(3, seed=56)))
+    planned = open_batch(env.settings, env.pipeline).batch
+    assert cli.main(["report", "--pipeline", env.pipeline.name, "--batch-id", str(planned.batch_id)]) == 1
+    expected = f"pipeline {env.pipeline.name}: no quality report yet for batch {planned.batch_id} (planned)"
+    assert expected in capsys.readouterr().out
 
 
 def _cli_environment(env, environ=None) -> dict[str, str]:
@@ -190,9 +199,6 @@ def _stage_waiting_on_its_chunk_locks(env, tmp_path, environ=None):
     import time
 
     import psycopg
-
-    from kafka2pg.devtools.producer import produce, sample_events
-    from kafka2pg.opening import open_batch
 
     produce(env.settings.bootstrap_servers, env.topic, sample_events(200, seed=83))
     batch_id = open_batch(env.settings, env.pipeline, run_id="kill").batch.batch_id
