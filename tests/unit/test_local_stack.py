@@ -103,3 +103,16 @@ def test_secured_client_configs_and_a_password_kept_out_of_repr(tmp_path):
         "ssl.certificate.location": str(tmp_path / "c.pem"),
         "ssl.key.location": str(tmp_path / "c.key"),
     }
+
+
+def test_the_stacks_ports_are_free_and_outside_the_range_the_kernel_gives_outgoing_connections():
+    import socket
+
+    from kafka2pg.devtools.processes import free_ports
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = free_ports(5)
+    assert len(set(ports)) == 5
+    assert all(1024 < p < low for p in ports), (ports, low)
+    with socket.socket() as s:  # free once chosen
+        s.bind(("127.0.0.1", ports[0]))

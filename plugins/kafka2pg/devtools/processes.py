@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import time
@@ -13,20 +14,41 @@ from pathlib import Path
 
 from kafka2pg.exceptions import StackError
 
+# Ports are chosen from here up to the kernel's ephemeral range.
+_PORTS_FROM = 10_000
+
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports: each stays bound until all are chosen."""
+    """`count` distinct free ports on 127.0.0.1, each bound until all are chosen, below the
+    kernel's ephemeral range (ip_local_port_range) where there is room: a port from that range
+    is also the source port the kernel gives any outgoing connection, so while a stack's service
+    is down (killed, stopped) one could take its recorded port, and the restart on it would fail."""
+    low = _ephemeral_low()
+    candidates = random.sample(range(_PORTS_FROM, low), min(200, low - _PORTS_FROM)) if low > _PORTS_FROM else []
     with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+        ports: list[int] = []
+        for port in [*candidates, *[0] * count]:  # port 0: the kernel's choice, if none of them was free
+            if len(ports) == count:
+                break
+            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def alive(pid: int) -> bool:
