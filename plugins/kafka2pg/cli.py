@@ -22,7 +22,7 @@ from kafka2pg.config import (
     load_pipelines,
     pipelines_file_from_env,
 )
-from kafka2pg.exceptions import ConfigError, Kafka2PgError
+from kafka2pg.exceptions import BatchStateError, ConfigError, Kafka2PgError
 from kafka2pg.locations import state_dir
 
 log = logging.getLogger("kafka2pg")
@@ -293,13 +293,26 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if args.html:
         return _export_report(args)
-    summaries = [quality_summary(settings, pipeline, args.batch_id) for settings, pipeline in _selected_pipelines(args)]
+    selected = _selected_pipelines(args)
     if args.batch_id is None:
-        print("\n".join(summaries))
+        print("\n".join(quality_summary(settings, pipeline) for settings, pipeline in selected))
         return 0
-    found = [s for s in summaries if ": no quality report yet" not in s]  # the pipeline that has the batch
-    print("\n".join(found or summaries))
-    return 0 if found else 1
+    # Without --pipeline, the batch is one pipeline's, in that pipeline's database: the others
+    # (another pipeline's batch, or none of that id in their database) say nothing.
+    summaries, refusals = [], []
+    for settings, pipeline in selected:
+        try:
+            summaries.append(quality_summary(settings, pipeline, args.batch_id))
+        except BatchStateError as exc:
+            if args.pipeline:
+                raise
+            refusals.append(exc)
+    if not selected:
+        return 1
+    if not summaries:  # "batch N belongs to pipeline X" (one not in the file) says more than "does not exist"
+        raise ([e for e in refusals if "does not exist" not in str(e)] or refusals)[0]
+    print("\n".join(summaries))
+    return 1 if all(": no quality report yet" in s for s in summaries) else 0
 
 
 def _export_report(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from kafka2pg.batch_store import load_batch
+from kafka2pg.batch_store import load_claimed
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import session
 from kafka2pg.status import pipeline_status
@@ -95,10 +95,9 @@ def quality_summary(settings: Settings, pipeline: Pipeline, batch_id: int | None
             " WHERE r.batch_id = b.batch_id)) ORDER BY b.batch_id DESC LIMIT 1",
             (pipeline.name, batch_id, batch_id),
         ).fetchone()
-        if row is None and batch_id is not None:
-            batch = load_batch(conn, batch_id)  # BatchStateError when there is no such batch at all
-            whose = f"({batch.state})" if batch.pipeline == pipeline.name else f"(pipeline {batch.pipeline!r}'s)"
-            return f"pipeline {pipeline.name}: no quality report yet for batch {batch_id} {whose}"
+        if row is None and batch_id is not None:  # BatchStateError: no such batch, or another pipeline's
+            batch = load_claimed(conn, pipeline, batch_id, None, lock=False)
+            return f"pipeline {pipeline.name}: no quality report yet for batch {batch_id} ({batch.state})"
         if row is None:
             return f"pipeline {pipeline.name}: no quality report yet"
         checks = conn.execute(

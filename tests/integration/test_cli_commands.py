@@ -308,3 +308,19 @@ def test_a_stage_job_killed_outright_leaves_its_spark_files_to_the_next_one_not_
     assert f"batch {batch_id}: read 200 records" in done.stdout, done.stdout
     assert not folder.exists(), "the next job swept the killed one's folder"
     assert not list(scratch.iterdir()), "and removed its own"
+
+
+def test_report_of_a_batch_id_alone_shows_the_pipeline_whose_batch_it_is(make_pipeline, monkeypatch, capsys, tmp_path):
+    first, second = make_pipeline(partitions=1), make_pipeline(partitions=1)
+    specs = [yaml.safe_load(e.settings.pipelines_file.read_text())["pipelines"][0] for e in (first, second)]
+    both = tmp_path / "both.yaml"
+    both.write_text(yaml.safe_dump({"pipelines": specs}))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", first.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", first.settings.bootstrap_servers)
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(both))
+    produce(second.settings.bootstrap_servers, second.topic, list(sample_events(2, seed=57)))
+    planned = open_batch(second.settings, second.pipeline).batch
+
+    assert cli.main(["report", "--batch-id", str(planned.batch_id)]) == 1
+    printed = capsys.readouterr().out.strip()
+    assert printed == f"pipeline {second.pipeline.name}: no quality report yet for batch {planned.batch_id} (planned)"
