@@ -14,8 +14,9 @@ from pathlib import Path
 
 from kafka2pg.exceptions import StackError
 
-# Ports are chosen from here up to the kernel's ephemeral range.
+# Ports are chosen from here on, outside the kernel's ephemeral range.
 _PORTS_FROM = 10_000
+_random = random.SystemRandom()  # not the process's shared, seedable generator
 
 
 def free_port() -> int:
@@ -23,32 +24,37 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports on 127.0.0.1, each bound until all are chosen, below the
-    kernel's ephemeral range (ip_local_port_range) where there is room: a port from that range
-    is also the source port the kernel gives any outgoing connection, so while a stack's service
-    is down (killed, stopped) one could take its recorded port, and the restart on it would fail."""
-    low = _ephemeral_low()
-    candidates = random.sample(range(_PORTS_FROM, low), min(200, low - _PORTS_FROM)) if low > _PORTS_FROM else []
+    """`count` distinct free ports on 127.0.0.1, each bound until all are chosen, outside the
+    kernel's ephemeral range (ip_local_port_range): a port from that range is also the source
+    port the kernel gives outgoing connections, so while a stack's service is down (killed,
+    stopped) one could take its recorded port (a client retrying that port can even connect to
+    itself on it), and the restart on it would fail. The kernel's own choice if none is free."""
+    low, high = ephemeral_range()
+    outside = [*range(_PORTS_FROM, low), *range(max(high + 1, _PORTS_FROM), 65536)]
+    candidates = _random.sample(outside, min(200, len(outside)))
     with contextlib.ExitStack() as held:
         ports: list[int] = []
-        for port in [*candidates, *[0] * count]:  # port 0: the kernel's choice, if none of them was free
+        for port in [*candidates, *[0] * count]:
             if len(ports) == count:
                 break
-            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
+                s.close()
                 continue
+            held.enter_context(s)
             ports.append(s.getsockname()[1])
         return ports
 
 
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux's default where it cannot be read)."""
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+        low, high = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
 
 
 def alive(pid: int) -> bool:
