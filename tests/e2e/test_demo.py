@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EVENTS = 300
 # What ./kafka2pg sets itself, or reads before its own defaults: the demo must find its own.
 _OUTER = ("KAFKA2PG_", "AIRFLOW", "SPARK_HOME", "PYSPARK_", "PYTHONPATH")
+_KEPT = ("KAFKA2PG_PG_BINDIR", "KAFKA2PG_PYTHON")  # where this machine's PostgreSQL and Python are
 
 
 @pytest.fixture
@@ -41,26 +43,31 @@ def test_the_demo_runs_from_a_checkout_whose_path_has_a_space(where, tmp_path):
     for name in ("plugins", "dags", "sql"):
         shutil.copytree(ROOT / name, checkout / name, ignore=shutil.ignore_patterns("__pycache__"))
     venv = where / "the venv"
-    venv.symlink_to(ROOT / ".venv")
+    venv.symlink_to(sys.prefix)  # this suite's venv, set up already
     (checkout / ".cache").mkdir()
     (checkout / ".cache" / "jars").symlink_to(state_dir() / "jars")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_OUTER)}
+    env = {k: v for k, v in os.environ.items() if k in _KEPT or not k.startswith(_OUTER)}
     env["KAFKA2PG_VENV"] = str(venv)
 
     log = tmp_path / "demo.log"
-    with open(log, "w") as out:
-        done = subprocess.run(
-            ["./kafka2pg", "demo", "--events", str(EVENTS)],
-            cwd=checkout,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            timeout=900,
-        )
+    try:
+        with open(log, "w") as out:
+            done = subprocess.run(
+                ["./kafka2pg", "demo", "--events", str(EVENTS)],
+                cwd=checkout,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                timeout=900,
+            )
+    finally:
+        left_behind = (checkout / ".cache" / "stack").exists()
+        if left_behind:  # stopped here, whatever failed (a demo killed by the timeout cannot)
+            subprocess.run(["./kafka2pg", "stack", "reset", "--confirm"], cwd=checkout, env=env, check=False)
     output = log.read_text(errors="replace")
     assert done.returncode == 0, f"./kafka2pg demo failed (log {log}):\n{output[-5000:]}"
     assert f"OK: produced {EVENTS}, landed {EVENTS}" in output, output[-3000:]
     assert "could not make the Spark class-data archive" not in output, output[-5000:]
     assert list((checkout / ".cache" / "jvm").glob("spark-*.jsa")), "no class-data archive was made"
-    assert not (checkout / ".cache" / "stack").exists(), "the demo left its stack behind"
+    assert not left_behind, "the demo left its stack behind"
