@@ -150,7 +150,7 @@ def cmd_grant(args: argparse.Namespace) -> int:
         url = database_url(conn_id, who=f"grant ({conn_id})")
         mine = [p for p in pipelines if p.postgres_conn_id == conn_id]
         if args.print_only:
-            print(print_grants(url, mine, args.role))
+            print(f"-- {conn_id} ({describe(url)})\n{print_grants(url, mine, args.role)}")
             continue
         apply_grants(url, mine, args.role)
         names = ", ".join(p.name for p in mine) or "none"

@@ -154,6 +154,7 @@ def test_migrate_and_grant_need_only_the_database_not_kafka(make_pipeline, monke
     assert "pipeline tables ensured" in printed and "GRANT" in printed, printed
     # which database it migrated, without the password
     assert f"kafka2pg_postgres ({describe(env.settings.database_url)}): migrations applied" in printed, printed
+    assert f"-- kafka2pg_postgres ({describe(env.settings.database_url)})\n" in printed, printed
     assert cli.main(["offsets", "--pipeline", env.pipeline.name, "--from", "2026-01-02", "--to", "2026-01-01"]) == 2
     assert "--from 2026-01-02 must be before --to 2026-01-01" in capsys.readouterr().err
 
