@@ -1,5 +1,6 @@
 """The README's first command as a newcomer runs it: `./kafka2pg demo` in a checkout whose path has a
-space (`~/My Projects/kafka2pg`), its venv and state folder there too. It must start the stack, make
+space and is a few folders deep (`~/My Projects/<a long name>/kafka2pg`: longer than a Unix-domain
+socket's path may be), its venv and state folder there too. It must start the stack, make
 the class-data archive, run the DAG twice and land every event. Only the venv (a link to this one,
 under a path with a space) and the resolved jars are shared, so that nothing is installed again."""
 
@@ -27,12 +28,13 @@ _KEPT = ("KAFKA2PG_PG_BINDIR", "KAFKA2PG_PYTHON")  # where this machine's Postgr
 def where():
     """A folder whose path has a space, readable by all: as root, the local stack's PostgreSQL
     (run as `postgres`) keeps its data there only if it can reach it (not in pytest's tmp dir)."""
-    folder = Path(tempfile.mkdtemp(prefix="kafka2pg-test-")) / "My Projects"
-    folder.mkdir()
-    for path in (folder.parent, folder):
+    top = Path(tempfile.mkdtemp(prefix="kafka2pg-test-"))
+    folder = top / "My Projects" / "data-platform-evaluation-of-exactly-once-loaders"  # deep, as people have them
+    folder.mkdir(parents=True)
+    for path in (top, folder.parent, folder):
         path.chmod(0o755)
     yield folder
-    shutil.rmtree(folder.parent, ignore_errors=True)
+    shutil.rmtree(top, ignore_errors=True)
 
 
 def test_the_demo_runs_from_a_checkout_whose_path_has_a_space(where, tmp_path):

@@ -5,7 +5,6 @@ are root) and run by pg_ctl on a free 127.0.0.1 port; restarts keep its port and
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import subprocess
 import tempfile
@@ -172,8 +171,10 @@ def _pg_ctl_start(bin_dir: Path, data_dir: Path, log_file: Path, port: int, time
     # fsync off (a throwaway cluster need not survive an OS crash) but synchronous_commit ON: a
     # commit is in the WAL before it returns, so a PostgreSQL crash (`restart -m immediate` in the
     # fault suite) never loses a committed transaction, as on a real server.
+    # No Unix-domain socket (everything connects to 127.0.0.1): its path, in the data folder,
+    # would have to fit in 107 bytes, which a checkout a few folders deep does not.
     options = (
-        f"-p {port} -k {shlex.quote(str(data_dir))} -c listen_addresses=127.0.0.1 -c fsync=off "
+        f"-p {port} -c unix_socket_directories='' -c listen_addresses=127.0.0.1 -c fsync=off "
         "-c synchronous_commit=on -c full_page_writes=off -c max_connections=200 "
         "-c shared_buffers=256MB -c max_wal_size=4GB"
     )
