@@ -317,6 +317,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def _export_report(args: argparse.Namespace) -> int:
     """`report --html`: the batch's report rendered from its stored result, to --out or stdout."""
+    from kafka2pg.batch_store import load_claimed
     from kafka2pg.data_docs import render_html
     from kafka2pg.database import connect
     from kafka2pg.quality_results import load_result
@@ -326,6 +327,8 @@ def _export_report(args: argparse.Namespace) -> int:
     settings, pipeline = _pipeline(args)
     with connect(settings.database_url) as conn:
         result = load_result(conn, pipeline.name, args.batch_id)
+        if result is None:  # BatchStateError: no such batch, or another pipeline's
+            load_claimed(conn, pipeline, args.batch_id, None, lock=False)
     if result is None:
         print(
             f"pipeline {pipeline.name} batch {args.batch_id}: no stored quality result (not validated yet, or "

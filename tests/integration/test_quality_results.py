@@ -90,8 +90,9 @@ def test_the_report_is_stored_with_the_batch_and_rendered_from_the_database(
     assert page.status_code == 200 and page.text == exported, "the page and the export render the same stored result"
     assert client.get(f"/pipelines/{name}/batches/{result.batch_id + 1000}/report").status_code == 404
     capsys.readouterr()
-    assert cli.main(["report", "--pipeline", name, "--batch-id", str(result.batch_id + 1000), "--html"]) == 1
-    assert cli.main(["report", "--pipeline", name, "--batch-id", str(result.batch_id + 1000)]) == 1
+    assert cli.main(["report", "--pipeline", name, "--batch-id", str(result.batch_id + 1000), "--html"]) == 2
+    assert cli.main(["report", "--pipeline", name, "--batch-id", str(result.batch_id + 1000)]) == 2
+    assert f"batch {result.batch_id + 1000} does not exist in kafka2pg.batches" in capsys.readouterr().err
     # A batch whose export was never recorded (files not written) still has its summary and report.
     db.execute("UPDATE kafka2pg.batches SET report_path = NULL WHERE batch_id = %s", (result.batch_id,))
     capsys.readouterr()
