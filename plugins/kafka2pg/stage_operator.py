@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -46,6 +47,7 @@ class StageOperator(SparkSubmitOperator):
         self.pipeline_name = pipeline_name
         self.pipelines_file = pipelines_file
         self._stopping = False  # on_kill was called: Airflow stops the task
+        self._spark_dir: Path | None = None  # the state dir's spark folder, where the JVM's temporary files go
 
     def execute(self, context: Any) -> None:
         from kafka2pg.tasks import airflow_errors, resolve
@@ -53,6 +55,7 @@ class StageOperator(SparkSubmitOperator):
         with airflow_errors():
             settings, _ = resolve(self.pipeline_name, self.pipelines_file)
             services = settings.to_env()
+            self._spark_dir = settings.state_dir / "spark"
             # Only to read the master: the provider builds the submitting hook itself, after it
             # added its own conf (OpenLineage), with what this method sets.
             probe = self._get_hook()
@@ -81,8 +84,12 @@ class StageOperator(SparkSubmitOperator):
         the task (`on_kill`): its own kill is no news."""
         from airflow.providers.common.compat.sdk import AirflowException
 
+        from kafka2pg.scratch import job_scratch
+
         try:
-            return super().execute(context)
+            with job_scratch(self._spark_dir) as scratch:
+                self._temporary_files_in(scratch)
+                return super().execute(context)
         except AirflowException as exc:
             process = getattr(self._hook, "_submit_sp", None) if self._hook is not None else None
             code = getattr(process, "returncode", None)
@@ -94,6 +101,17 @@ class StageOperator(SparkSubmitOperator):
             except ValueError:
                 name = f"signal {-code}"
             raise SparkSessionLost.submit_killed(self.pipeline_name, name) from exc
+
+    def _temporary_files_in(self, scratch: Path) -> None:
+        """spark-submit's JVM (the job's driver) keeps its temporary files (lz4's native library,
+        Spark's temporary folders) in this task's scratch folder instead of /tmp, unless the conf
+        names a folder: a JVM killed outright cannot delete them, and the next job's sweep removes
+        the folder of a task that is gone (kafka2pg.scratch)."""
+        conf = dict(self.conf or {})
+        options = conf.get("spark.driver.extraJavaOptions", "")
+        if "-Djava.io.tmpdir=" not in options:
+            conf["spark.driver.extraJavaOptions"] = f"{options} -Djava.io.tmpdir={shlex.quote(str(scratch))}".strip()
+            self.conf = conf
 
     def _require_connection(self, hook: Any, master: str) -> None:
         """Without its connection the provider sends the job to YARN, where spark-submit fails

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from pathlib import Path
 
 import pytest
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk.exceptions import AirflowFailException
 
+from kafka2pg.scratch import folder_name
 from kafka2pg.stage_operator import StageOperator
 
 SECRET = "pw-8c1f0e-never-printed"
@@ -21,21 +23,26 @@ SERVICES = {
 
 
 class FakeSettings:
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+
     def to_env(self) -> dict[str, str]:
         return dict(SERVICES)
 
 
 @pytest.fixture
-def submitted(monkeypatch):
-    """What `submit` would run: the command line and the environment spark-submit would get."""
+def submitted(monkeypatch, tmp_path):
+    """What `submit` would run: the command line and the environment spark-submit would get, and
+    the scratch folders there were while it ran."""
     seen: dict = {}
 
     def submit(hook: SparkSubmitHook, application: str = "", **kwargs) -> None:
         seen["command"] = shlex.join(hook._build_spark_submit_command(application))
         seen["env"] = {**os.environ, **(hook._env or {})}
+        seen["scratch"] = sorted((tmp_path / "spark" / "scratch").iterdir())
 
     monkeypatch.setattr(SparkSubmitHook, "submit", submit)
-    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(), None))
+    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), None))
     for name in SERVICES:
         monkeypatch.delenv(name, raising=False)
     return seen
@@ -75,6 +82,19 @@ def test_services_reach_the_job_by_environment_not_command_line(monkeypatch, sub
     assert submitted["env"]["TZ"] == "UTC" or "TZ" in submitted["command"]
     # Nothing left behind in the task's own environment.
     assert not any(name in os.environ for name in SERVICES)
+
+
+def test_spark_submits_jvm_keeps_its_temporary_files_in_the_tasks_scratch_folder(monkeypatch, submitted, tmp_path):
+    """Not in /tmp, where a JVM killed outright leaves them (lz4's native library, Spark's
+    folders): the folder goes when the task ends, or with the next job's sweep if it is killed."""
+    run_stage(monkeypatch, {"host": "local[2]"}, conf={"spark.driver.extraJavaOptions": "-Xmn24m"})
+    (scratch,) = submitted["scratch"]
+    assert scratch.name == folder_name(os.getpid())
+    assert f"spark.driver.extraJavaOptions=-Xmn24m -Djava.io.tmpdir={scratch}" in submitted["command"]
+    assert not scratch.exists()
+    # A folder the conf names already is left alone.
+    run_stage(monkeypatch, {"host": "local[2]"}, conf={"spark.driver.extraJavaOptions": "-Djava.io.tmpdir=/big"})
+    assert "--conf spark.driver.extraJavaOptions=-Djava.io.tmpdir=/big --name" in submitted["command"]
 
 
 def test_a_remote_driver_on_yarn_is_refused_before_submit(monkeypatch, submitted):
@@ -119,7 +139,7 @@ def test_a_missing_spark_connection_fails_before_submit_unless_yarn_is_configure
 def spark_submit_on_path(monkeypatch, tmp_path):
     """`spark_submit_on_path(script)`: a `spark-submit` first on PATH that runs `script` (sh),
     for the provider's real submit; the pipeline's services resolved to stand-ins."""
-    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(), None))
+    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), None))
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 
     def place(script: str) -> None:
