@@ -297,6 +297,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.batch_id is None:
         print("\n".join(quality_summary(settings, pipeline) for settings, pipeline in selected))
         return 0
+    if not selected:
+        return 1
     # Without --pipeline, the batch is one pipeline's, in that pipeline's database: the others
     # (another pipeline's batch, or none of that id in their database) say nothing.
     summaries, refusals = [], []
@@ -307,8 +309,6 @@ def cmd_report(args: argparse.Namespace) -> int:
             if args.pipeline:
                 raise
             refusals.append(exc)
-    if not selected:
-        return 1
     if not summaries:  # "batch N belongs to pipeline X" (one not in the file) says more than "does not exist"
         raise ([e for e in refusals if "does not exist" not in str(e)] or refusals)[0]
     print("\n".join(summaries))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import shutil
 import socket
 from collections.abc import Iterator
@@ -70,6 +71,15 @@ def job_scratch(spark_dir: Path) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def jvm_temporary_files_in(conf: dict[str, str], folder: Path) -> dict[str, str]:
+    """`conf` whose driver JVM keeps its temporary files (lz4's native library, Spark's temporary
+    folders) in `folder`, unless its `spark.driver.extraJavaOptions` names a folder already."""
+    options = conf.get("spark.driver.extraJavaOptions", "")
+    if "-Djava.io.tmpdir=" in options:
+        return conf
+    return {**conf, "spark.driver.extraJavaOptions": f"{options} -Djava.io.tmpdir={shlex.quote(str(folder))}".strip()}
 
 
 def sweep(spark_dir: Path) -> list[Path]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shlex
 import signal
 import subprocess
 import threading
@@ -107,11 +106,9 @@ class StageOperator(SparkSubmitOperator):
         Spark's temporary folders) in this task's scratch folder instead of /tmp, unless the conf
         names a folder: a JVM killed outright cannot delete them, and the next job's sweep removes
         the folder of a task that is gone (kafka2pg.scratch)."""
-        conf = dict(self.conf or {})
-        options = conf.get("spark.driver.extraJavaOptions", "")
-        if "-Djava.io.tmpdir=" not in options:
-            conf["spark.driver.extraJavaOptions"] = f"{options} -Djava.io.tmpdir={shlex.quote(str(scratch))}".strip()
-            self.conf = conf
+        from kafka2pg.scratch import jvm_temporary_files_in
+
+        self.conf = jvm_temporary_files_in(dict(self.conf or {}), scratch)
 
     def _require_connection(self, hook: Any, master: str) -> None:
         """Without its connection the provider sends the job to YARN, where spark-submit fails

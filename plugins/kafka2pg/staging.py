@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import re
-import shlex
 import threading
 import zipfile
 from collections.abc import Iterator, Sequence
@@ -45,6 +44,7 @@ from kafka2pg.locations import PACKAGE_DIR
 from kafka2pg.planner import BatchPlan, OffsetRange, describe_ranges
 from kafka2pg.raw_bytes import fill_raw_bytes, staging_place
 from kafka2pg.rows import staged_counts
+from kafka2pg.scratch import jvm_temporary_files_in
 
 log = logging.getLogger(__name__)
 
@@ -563,10 +563,7 @@ def _in_scratch(conf: dict[str, str], scratch: Path, launched: _Launched, *, sta
     conf = dict(conf)
     if launched.local and "spark.local.dir" not in conf and "spark.local.dir" not in launched.keys:
         conf["spark.local.dir"] = str(scratch)
-    options = conf.get("spark.driver.extraJavaOptions", "")
-    if starts_jvm and "-Djava.io.tmpdir=" not in options:
-        conf["spark.driver.extraJavaOptions"] = f"{options} -Djava.io.tmpdir={shlex.quote(str(scratch))}".strip()
-    return conf
+    return jvm_temporary_files_in(conf, scratch) if starts_jvm else conf
 
 
 def worker_daemon_conf(master: str | None, conf: dict[str, str]) -> dict[str, str]:
