@@ -130,6 +130,36 @@ class KafkaUnavailableError(ServiceUnavailableError):
             partition=partition,
         )
 
+    @classmethod
+    def answered(cls, cluster: str, error: str, *, topic: str | None = None, partition: int | None = None) -> Self:
+        """Kafka answered a request with an error a retry may get past (a partition's leader or a
+        group's coordinator moving, a rebalance); `error`: the error's name and text."""
+        return cls(
+            f"Kafka at {cluster} answered with an error: {error}. A retry may get past it (a partition's "
+            "leader or a group's coordinator moving); if it stays, the brokers' logs say why.",
+            cluster=cluster,
+            cause=error,
+            topic=topic,
+            partition=partition,
+        )
+
+
+class KafkaRequestError(Kafka2PgError):
+    """librdkafka or the broker refused a request kafka2pg made as malformed or unsupported: the
+    same request fails again, so it is not retried."""
+
+    @classmethod
+    def refused(cls, cluster: str, error: str, *, topic: str | None = None, partition: int | None = None) -> Self:
+        return cls(
+            f"a request kafka2pg made to Kafka at {cluster} was refused as invalid or unsupported: {error}. "
+            "Retrying sends the same request: this is a kafka2pg defect, or a broker too old for the request; "
+            "report it with this message and the brokers' version.",
+            cluster=cluster,
+            cause=error,
+            topic=topic,
+            partition=partition,
+        )
+
 
 class ConsumerGroupRefusedError(Kafka2PgError):
     """Kafka answered, and refused to set a consumer group's offsets."""

@@ -25,6 +25,7 @@ from kafka2pg.exceptions import (
     ConfigError,
     ConsumerGroupRefusedError,
     KafkaAuthenticationError,
+    KafkaRequestError,
     KafkaUnavailableError,
     TopicNotFoundError,
 )
@@ -335,11 +336,45 @@ def _unavailable(
     *,
     topic: str | None = None,
     partition: int | None = None,
-) -> KafkaUnavailableError | KafkaAuthenticationError:
-    """The error for a cluster that did not answer: a refusal (credentials, TLS) when librdkafka
-    reported one (`errors`, from the client's error callback), else unavailable (retryable)."""
+) -> KafkaUnavailableError | KafkaAuthenticationError | KafkaRequestError:
+    """The error for a request that failed: a refusal (credentials, TLS) when librdkafka reported
+    one (`errors`, from the client's error callback); a request refused as invalid or unsupported
+    (not retried); an error Kafka answered with; else a cluster that did not answer (the last two
+    retryable)."""
     for error in errors or []:
         refused = refusal([error])
         if refused is not None:
             return KafkaAuthenticationError.refused(str(kafka), refused, error.str(), topic=topic)
+    error = cause.args[0] if isinstance(cause, KafkaException) and cause.args else None
+    if isinstance(error, KafkaError) and error.code() not in _NO_ANSWER:
+        named = f"{error.name()} ({error.str()})"
+        if error.code() in _INVALID_REQUESTS:
+            return KafkaRequestError.refused(str(kafka), named, topic=topic, partition=partition)
+        return KafkaUnavailableError.answered(str(kafka), named, topic=topic, partition=partition)
     return KafkaUnavailableError.no_answer(str(kafka), timeout_s, str(cause), topic=topic, partition=partition)
+
+
+# librdkafka's codes for a request that got no answer: no connection, no broker, no time left.
+_NO_ANSWER = {
+    KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._RESOLVE,
+    KafkaError._TIMED_OUT,
+    KafkaError._TIMED_OUT_QUEUE,
+    KafkaError._DESTROY,
+    KafkaError._WAIT_COORD,
+    KafkaError._WAIT_CACHE,
+    KafkaError._NODE_UPDATE,
+    KafkaError._FAIL,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NETWORK_EXCEPTION,
+}
+# A request refused as malformed or unsupported (by librdkafka before sending it, or by the broker):
+# sending it again cannot help.
+_INVALID_REQUESTS = {
+    KafkaError._INVALID_ARG,
+    KafkaError._UNSUPPORTED_FEATURE,
+    KafkaError._NOT_IMPLEMENTED,
+    KafkaError.INVALID_REQUEST,
+    KafkaError.UNSUPPORTED_VERSION,
+}

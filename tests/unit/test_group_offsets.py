@@ -1,5 +1,6 @@
 """Setting a consumer group's offsets (the lag mirror): a broker's refusal is named as one, a
-cluster that did not answer as unavailable. The refusal by a real broker (a group with an active
+cluster that did not answer as unavailable, an error it answered with by its name (retryable),
+a request refused as invalid as such (not retried). The refusal by a real broker (a group with an active
 member) is tests/integration/test_lag_mirror.py's; these are the error codes it cannot provoke."""
 
 from concurrent.futures import Future
@@ -8,7 +9,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from kafka2pg import kafka_offsets
-from kafka2pg.exceptions import ConsumerGroupRefusedError, KafkaUnavailableError
+from kafka2pg.exceptions import ConsumerGroupRefusedError, KafkaRequestError, KafkaUnavailableError
 
 
 class FailingAdmin:
@@ -30,8 +31,15 @@ class FailingAdmin:
         (KafkaError.GROUP_AUTHORIZATION_FAILED, ConsumerGroupRefusedError, "Kafka refused to set consumer group"),
         (KafkaError.NON_EMPTY_GROUP, ConsumerGroupRefusedError, "no active member"),
         (KafkaError._TRANSPORT, KafkaUnavailableError, "did not answer"),
-        (KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaUnavailableError, "did not answer"),
-        (KafkaError.REBALANCE_IN_PROGRESS, KafkaUnavailableError, "did not answer"),
+        (KafkaError._TIMED_OUT, KafkaUnavailableError, "did not answer"),
+        (
+            KafkaError.COORDINATOR_NOT_AVAILABLE,
+            KafkaUnavailableError,
+            "answered with an error: COORDINATOR_NOT_AVAILABLE",
+        ),
+        (KafkaError.REBALANCE_IN_PROGRESS, KafkaUnavailableError, "answered with an error: REBALANCE_IN_PROGRESS"),
+        (KafkaError._INVALID_ARG, KafkaRequestError, "refused as invalid or unsupported: _INVALID_ARG"),
+        (KafkaError.UNSUPPORTED_VERSION, KafkaRequestError, "a broker too old for the request"),
     ],
 )
 def test_a_refusal_is_named_and_a_transport_failure_is_unavailable(code, expected, says, monkeypatch):
@@ -42,3 +50,4 @@ def test_a_refusal_is_named_and_a_transport_failure_is_unavailable(code, expecte
         kafka_offsets.commit_group_offsets("127.0.0.1:9092", "lag", "orders", {0: 5}, timeout_s=1)
 
     assert says in str(raised.value)
+    assert raised.value.terminal == (expected is not KafkaUnavailableError)  # Airflow retries only those
