@@ -47,6 +47,8 @@ _TIMESTAMP = re.compile(
 )
 _DATE = re.compile(r"(?P<year>[+-]?\d+)-(?P<month>\d{2})-(?P<day>\d{2})", re.ASCII)
 _INTEGER_TOKEN = re.compile(rb"-?(?:0|[1-9][0-9]*)")
+# A JSON number token (RFC 8259's grammar): what a string must hold for a `quoted_numbers` column.
+_NUMBER_TOKEN = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 
 
 _NUMERIC_TYPE = re.compile(r"numeric\(\s*([0-9]+)\s*,\s*([0-9]+)\s*\)", re.ASCII)
@@ -73,6 +75,7 @@ class FieldRule:
     type: str
     required: bool = False
     epoch: str | None = None  # timestamptz: how a JSON number is read; None refuses numbers
+    quoted_numbers: bool = False  # number kinds: a JSON string holding a number is read as that number
 
     @property
     def kind(self) -> str:
@@ -297,6 +300,9 @@ def _fast_struct(rules: Sequence[FieldRule]) -> type:
     fields = []
     for index, rule in enumerate(rules):
         kind = rule.kind
+        if rule.quoted_numbers:  # a string or a number: the rule's converter reads the raw token
+            fields.append((f"f{index}", msgspec.Raw, _ABSENT))
+            continue
         if kind == "text":
             spec: Any = str | None
         elif kind in INT_RANGES:
@@ -349,7 +355,7 @@ def _fast_column(rule: FieldRule):
     values, or raw tokens) and the set of doubted records, returning the column's Arrow array
     (NULL for a JSON null, a missing field or a doubted value) and adding to the set."""
     arrow = ARROW_TYPES[rule.kind]
-    if rule.kind in _TYPED_KINDS:
+    if rule.kind in _TYPED_KINDS and not rule.quoted_numbers:
         return lambda items, doubts: pa.array(items, arrow)
     if rule.kind == "jsonb":
         return lambda items, doubts: _fast_jsonb(_tokens(items), doubts)
@@ -485,7 +491,7 @@ def _fast_timestamp(token: bytes) -> datetime | object:
 def rules_for(pipeline: Any) -> tuple[FieldRule, ...]:
     """The admission rules of a pipeline's columns (a `kafka2pg.config.Pipeline`)."""
     return tuple(
-        FieldRule(c.name, c.field, c.type, c.required or c.name in pipeline.business_key, c.epoch)
+        FieldRule(c.name, c.field, c.type, c.required or c.name in pipeline.business_key, c.epoch, c.quoted_numbers)
         for c in pipeline.columns
     )
 
@@ -633,6 +639,31 @@ def _show(value: Any) -> str:
 
 
 def _converter(rule: FieldRule):
+    convert = _kind_converter(rule)
+    if rule.quoted_numbers:
+        return lambda raw: convert(_unquoted(raw))
+    return convert
+
+
+def _unquoted(raw: bytes) -> bytes:
+    """For a `quoted_numbers` column: the number token a JSON string holds (`"12.50"` -> `12.50`),
+    exactly as written inside the quotes; any other token unchanged."""
+    if raw[:1] != b'"':
+        return raw
+    if _NUMBER_TOKEN.fullmatch(raw, 1, len(raw) - 1):
+        return raw[1:-1]
+    raise Refused(f"expected a number or a string holding one, got {_describe_token(raw)}")
+
+
+def _not_a_number(raw: bytes, expected: str) -> Refused:
+    """The refusal of a token that is not a JSON number; for a string holding one, how to read it."""
+    hint = ""
+    if raw[:1] == b'"' and _NUMBER_TOKEN.fullmatch(raw, 1, len(raw) - 1):
+        hint = ": set the column's quoted_numbers: true to read numbers written as strings"
+    return Refused(f"expected {expected}, got {_describe_token(raw)}{hint}")
+
+
+def _kind_converter(rule: FieldRule):
     kind = rule.kind
     if kind == "text":
         return _to_text
@@ -678,7 +709,7 @@ def _to_text(raw: bytes) -> str:
 
 def _number(raw: bytes, expected: str) -> Decimal:
     if raw[:1] not in b"-0123456789" or not raw:
-        raise Refused(f"expected {expected}, got {_describe_token(raw)}")
+        raise _not_a_number(raw, expected)
     try:
         return Decimal(raw.decode("ascii"))
     except InvalidOperation:  # an exponent beyond what any decimal holds
@@ -702,7 +733,7 @@ def _to_int(raw: bytes, kind: str, low: int, high: int) -> int:
 
 def _to_double(raw: bytes) -> float:
     if raw[:1] not in b"-0123456789" or not raw:
-        raise Refused(f"expected a JSON number for double precision, got {_describe_token(raw)}")
+        raise _not_a_number(raw, "a JSON number for double precision")
     value = float(raw)
     if math.isinf(value):
         raise Refused(f"{_show(raw.decode())} is out of range for double precision")

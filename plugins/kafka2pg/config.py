@@ -190,6 +190,9 @@ class Column:
     #: timestamptz columns: how a JSON number in the field is read (seconds, milliseconds or
     #: microseconds since 1970-01-01 UTC); None: a number is refused, only strings are read.
     epoch: EpochUnit | None = None
+    #: number columns (bigint, integer, double precision, numeric): also read a number written as a
+    #: JSON string ("12.50"), as Debezium's decimal.handling.mode=string and many APIs write money.
+    quoted_numbers: bool = False
 
     @property
     def spark_type(self) -> str:
@@ -667,6 +670,7 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
                 allowed,
                 on_violation,
                 epoch=_epoch(raw, here, pg_type),
+                quoted_numbers=_quoted_numbers(raw, here, pg_type),
             )
         )
     names = [c.name for c in columns]
@@ -676,7 +680,18 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
     return tuple(columns)
 
 
-_COLUMN_KEYS = {"name", "type", "field", "required", "min", "max", "allowed", "on_violation", "epoch"}
+_COLUMN_KEYS = {
+    "name",
+    "type",
+    "field",
+    "required",
+    "min",
+    "max",
+    "allowed",
+    "on_violation",
+    "epoch",
+    "quoted_numbers",
+}
 
 
 def _column_type(value: Any, here: str) -> str:
@@ -714,6 +729,18 @@ def _epoch(raw: dict, here: str, pg_type: str) -> EpochUnit | None:
         raise ConfigError(f"{here}.epoch: only timestamptz columns read epoch numbers, not {pg_type}")
     if value not in _EPOCH_UNITS:
         raise ConfigError(f"{here}.epoch: expected one of {', '.join(_EPOCH_UNITS)}, got {value!r}")
+    return value
+
+
+def _quoted_numbers(raw: dict, here: str, pg_type: str) -> bool:
+    value = raw.get("quoted_numbers", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{here}.quoted_numbers: expected true or false, got {value!r}")
+    if value and not _NUMERIC.fullmatch(pg_type):
+        raise ConfigError(
+            f"{here}.quoted_numbers: only number columns (bigint, integer, double precision, numeric) read "
+            f"numbers written as strings, not {pg_type}"
+        )
     return value
 
 

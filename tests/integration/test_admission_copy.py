@@ -112,20 +112,35 @@ def _record_batch(values: list[bytes]) -> pa.RecordBatch:
 @pytest.fixture(scope="module")
 def staged(base_settings, tmp_path_factory):
     """A pipeline's real staging table, and a function that COPYs records into it and reads them back."""
+    return _stager(base_settings, tmp_path_factory.mktemp("admission"), "p_admission_copy", COLUMNS)
+
+
+# Every number column reads numbers written as strings too.
+QUOTED_COLUMNS = [
+    {**c, "quoted_numbers": True} if c["name"] in ("customer_id", "amount", "ratio", "qty") else c for c in COLUMNS
+]
+
+
+@pytest.fixture(scope="module")
+def staged_quoted(base_settings, tmp_path_factory):
+    return _stager(base_settings, tmp_path_factory.mktemp("quoted"), "p_admission_quoted", QUOTED_COLUMNS)
+
+
+def _stager(base_settings, directory, name: str, columns: list[dict]):
     import yaml
 
     from kafka2pg.config import get_pipeline
     from kafka2pg.migrations import migrate
 
-    path = tmp_path_factory.mktemp("admission") / "p.yaml"
-    spec = {"name": "p_admission_copy", "topic": "t-admission", "target_table": "public.admission_copy"}
-    path.write_text(yaml.safe_dump({"pipelines": [{**spec, "business_key": ["event_id"], "columns": COLUMNS}]}))
-    pipeline = get_pipeline("p_admission_copy", path)
+    path = directory / "p.yaml"
+    spec = {"name": name, "topic": f"t-{name}", "target_table": f"public.{name}"}
+    path.write_text(yaml.safe_dump({"pipelines": [{**spec, "business_key": ["event_id"], "columns": columns}]}))
+    pipeline = get_pipeline(name, path)
     migrate(base_settings.database_url, [pipeline])
     decoder = decoder_for(pipeline)
     table = sql.Identifier("kafka2pg", pipeline.staging_table)
     statement = staging_copy(pipeline)
-    names = [c["name"] for c in COLUMNS]
+    names = [c["name"] for c in columns]
     selected = [sql.SQL("{}::text").format(sql.Identifier(n)) if n == "payload" else sql.Identifier(n) for n in names]
 
     def copy(values: list[bytes]):
@@ -188,3 +203,22 @@ def test_an_amount_in_any_json_form_reads_back_as_its_value(staged, amount):
     outcomes, refused, rows = staged([value])
     assert outcomes[0].reason is None and refused == {}
     assert rows[0]["amount"] == Decimal(amount)
+
+
+@pytest.mark.parametrize(
+    ("field", "written", "expected"),
+    [
+        ("amount", "12.50", Decimal("12.50")),
+        ("amount", "-1.5E+3", Decimal("-1500")),
+        ("amount", "0." + "0" * 300, Decimal(0)),
+        ("customer_id", "9223372036854775807", 9223372036854775807),
+        ("qty", "-2147483648", -2147483648),
+        ("ratio", "2.5e-3", 0.0025),
+    ],
+)
+def test_a_number_written_as_a_string_reads_back_as_that_number(staged_quoted, field, written, expected):
+    """A `quoted_numbers` column: the string's number lands in the real column as its exact value."""
+    value = json.dumps({"event_id": "e", "customer_id": 1, field: written}).encode()
+    outcomes, refused, rows = staged_quoted([value])
+    assert outcomes[0].reason is None and refused == {}
+    assert rows[0][field] == expected and type(rows[0][field]) is type(expected)

@@ -395,3 +395,102 @@ def test_an_open_string_of_escaped_quotes_before_many_brackets_is_judged_in_one_
     # A backtracking tokenizer retried the open string from each escaped quote: quadratic, minutes here.
     value = BASE + b',"payload":"' + b'\\"' * 200_000 + b"[" * 950
     assert reason(value).startswith("value is not valid JSON (Unterminated string")
+
+
+# ---------------------------------------------------------------- numbers written as strings (quoted_numbers)
+
+QUOTED_RULES = [
+    FieldRule("event_id", "event_id", "text", required=True),
+    FieldRule("customer_id", "customer_id", "bigint", required=True, quoted_numbers=True),
+    FieldRule("amount", "amount", "numeric(12,2)", quoted_numbers=True),
+    FieldRule("ratio", "ratio", "double precision", quoted_numbers=True),
+    FieldRule("qty", "qty", "integer", quoted_numbers=True),
+]
+QUOTED = RecordDecoder(QUOTED_RULES, ["event_id"])
+
+
+def quoted_outcome(value: bytes):
+    admitted = QUOTED.admit([value]).outcome(0)
+    assert admitted == QUOTED.decode_strictly(value)
+    return admitted
+
+
+@pytest.mark.parametrize(
+    ("number", "column"),
+    [
+        ("12.50", "amount"),
+        ("-0.5", "amount"),
+        ("1e3", "amount"),
+        ("42", "customer_id"),
+        ("-9223372036854775808", "customer_id"),
+        ("1e3", "qty"),
+        ("2.5e-3", "ratio"),
+        ("0", "ratio"),
+    ],
+)
+def test_a_number_written_as_a_string_lands_as_the_number_itself(number, column):
+    as_string = quoted_outcome(
+        b'{"event_id":"e","customer_id":1,"' + column.encode() + b'":"' + number.encode() + b'"}'
+    )
+    as_number = quoted_outcome(b'{"event_id":"e","customer_id":1,"' + column.encode() + b'":' + number.encode() + b"}")
+    assert as_string.reason is None and as_string == as_number
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (b'"amount":" 12"', "field 'amount': expected a number or a string holding one, got a string ('\" 12\"')"),
+        (b'"amount":"12.505"', "field 'amount': '12.505' has 3 digits after the point; numeric(12,2) keeps 2"),
+        (b'"amount":"abc"', "field 'amount': expected a number or a string holding one, got a string"),
+        (b'"amount":""', "field 'amount': expected a number or a string holding one, got a string ('\"\"')"),
+        (b'"amount":"+1"', "field 'amount': expected a number or a string holding one"),
+        (b'"amount":"012"', "field 'amount': expected a number or a string holding one"),
+        (
+            b'"amount":"1\\u0030"',
+            "field 'amount': expected a number or a string holding one",
+        ),  # escapes: not as written
+        (b'"qty":"1.5"', "field 'qty': '1.5' is not a whole number, integer would round it"),
+        (b'"qty":"2147483648"', "field 'qty': '2147483648' is out of range for integer"),
+        (b'"ratio":"1e400"', "field 'ratio': '1e400' is out of range for double precision"),
+        (b'"ratio":"NaN"', "field 'ratio': expected a number or a string holding one"),
+        (b'"qty":true', "field 'qty': expected a JSON integer for integer, got a boolean"),
+    ],
+)
+def test_a_string_that_is_not_a_number_the_column_holds_is_refused_naming_why(value, expected):
+    admitted = quoted_outcome(b'{"event_id":"e","customer_id":1,' + value + b"}")
+    assert admitted.values is None and admitted.reason.startswith(expected), admitted.reason
+
+
+def test_without_quoted_numbers_a_string_holding_a_number_is_refused_saying_how_to_read_it():
+    for value in (BASE + b',"amount":"12.50"}', BASE + b',"qty":"5"}', BASE + b',"ratio":"0.5"}'):
+        assert reason(value).endswith(": set the column's quoted_numbers: true to read numbers written as strings")
+    assert "quoted_numbers" not in reason(BASE + b',"amount":"abc"}')  # a string holding no number: no such hint
+
+
+quoted_fields = st.dictionaries(
+    st.sampled_from(["customer_id", "amount", "ratio", "qty"]),
+    st.integers(-(2**64), 2**64).map(str)
+    | st.decimals(allow_nan=False, allow_infinity=False).map(str)
+    | st.floats(allow_nan=False).map(repr)
+    | st.text(max_size=6),
+    max_size=4,
+).map(lambda fields: {"event_id": "e", **fields})
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.lists(quoted_fields.map(lambda document: json.dumps(document).encode()), max_size=12))
+def test_quoted_numbers_of_a_list_get_each_the_outcome_the_strict_path_gives(values):
+    admitted = QUOTED.admit(values)
+    assert [admitted.outcome(i) for i in range(len(values))] == [QUOTED.decode_strictly(v) for v in values]
+    for index, value in enumerate(values):  # a string holding a number lands as that number, as written, would
+        document = json.loads(value)
+        written = ", ".join(
+            f"{json.dumps(k)}: {v if k != 'event_id' and _is_number(v) else json.dumps(v)}" for k, v in document.items()
+        )
+        assert admitted.outcome(index) == QUOTED.decode_strictly(("{" + written + "}").encode())
+
+
+def _is_number(text: str) -> bool:
+    import re
+
+    return re.fullmatch(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?", text) is not None

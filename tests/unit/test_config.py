@@ -223,6 +223,30 @@ def test_two_pipelines_cannot_share_a_name_postgresql_or_airflow_would_mix_up(tm
     load_pipelines(write_all(tmp_path, GOOD, {**GOOD, "name": "audit", "target_table": "audit.orders"}))
 
 
+def test_quoted_numbers_is_for_number_columns_only(tmp_path):
+    columns = [
+        GOOD["columns"][0],
+        column("amount", type="numeric(12,2)", quoted_numbers=True),
+        column("n", type="bigint"),
+    ]
+    pipeline = get_pipeline("orders", write(tmp_path, columns=columns))
+    assert [c.quoted_numbers for c in pipeline.columns] == [False, True, False]
+    from kafka2pg.admission import rules_for
+
+    assert [r.quoted_numbers for r in rules_for(pipeline)] == [False, True, False]
+    for bad, message in (
+        (
+            {"type": "text", "quoted_numbers": True},
+            r"columns\[1\]\.quoted_numbers: only number columns \(bigint, integer, double precision, numeric\)",
+        ),
+        ({"type": "timestamptz", "quoted_numbers": True}, r"columns\[1\]\.quoted_numbers: only number columns"),
+        ({"type": "bigint", "quoted_numbers": "yes"}, r"columns\[1\]\.quoted_numbers: expected true or false"),
+    ):
+        path = write(tmp_path, columns=[GOOD["columns"][0], column("at", **bad)])
+        with pytest.raises(ConfigError, match=message):
+            get_pipeline("orders", path)
+
+
 def test_epoch_reads_numbers_in_timestamptz_columns_only(tmp_path):
     columns = [GOOD["columns"][0], column("at", type="timestamptz", field="ts", epoch="milliseconds")]
     pipeline = get_pipeline("orders", write(tmp_path, columns=columns))
