@@ -211,10 +211,15 @@ def _stage_locally(settings: Settings, pipeline: Pipeline, batch_id: int) -> Non
 def cmd_stage(args: argparse.Namespace) -> int:
     from kafka2pg.batch_store import load_claimed
     from kafka2pg.database import session
+    from kafka2pg.staging import nothing_to_stage
 
     settings, pipeline = _pipeline(args)
-    with session(settings.database_url) as conn:  # a batch not there, or another pipeline's: before Spark starts
-        load_claimed(conn, pipeline, args.batch_id, None, lock=False)
+    # A batch not there, another pipeline's, or one with nothing to stage: said before Spark starts.
+    with session(settings.database_url) as conn:
+        done = nothing_to_stage(conn, pipeline, load_claimed(conn, pipeline, args.batch_id, None, lock=False))
+    if done is not None:
+        print(done.message)
+        return 0
     _stage_locally(settings, pipeline, args.batch_id)
     return 0
 

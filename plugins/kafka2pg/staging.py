@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from psycopg import sql
+from psycopg import Connection, sql
 from py4j.protocol import Py4JError, Py4JNetworkError
 from pyspark.errors import PySparkException
 from pyspark.sql import Row, SparkSession
@@ -130,13 +130,10 @@ def stage_batch(
     """
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
-        _check_stageable(batch, pipeline)
-        if batch.state in (BatchState.STAGED, BatchState.VALIDATED) and staging_lost(conn, pipeline, batch):
-            batch = replace(batch, state=BatchState.PLANNED)  # a crash emptied staging: read the batch again
-        if stage_action(batch.state) is Action.DONE:
-            return StageResult(
-                batch_id, batch.state, (), f"batch {batch_id} is already {batch.state}: nothing to stage"
-            )
+        done = nothing_to_stage(conn, pipeline, batch)
+        if done is not None:
+            return done
+        batch = replace(batch, state=BatchState.PLANNED)  # planned, or staged before and its staging lost: read
         conn.execute(_staging_sql("DELETE FROM {} WHERE batch_id = %s", pipeline), (batch_id,))
         # Check results of earlier staging rows (lost in a crash after validation) judge rows
         # that are gone; the quality gate reuses stored results of a batch sent back to it.
@@ -426,6 +423,20 @@ def _check_staged(conn, pipeline: Pipeline, batch: Batch, reads: tuple[Partition
             staged=staged,
             expected=expected,
         )
+
+
+def nothing_to_stage(conn: Connection, pipeline: Pipeline, batch: Batch) -> StageResult | None:
+    """What staging `batch` would say without reading Kafka (it is staged, validated, promoted...),
+    or None when it must be read: planned, or staged before and its staging rows lost in a crash.
+    `BatchStateError` for a batch that cannot be staged (rejected, abandoned)."""
+    _check_stageable(batch, pipeline)
+    if batch.state is BatchState.PLANNED:
+        return None
+    if batch.state in (BatchState.STAGED, BatchState.VALIDATED) and staging_lost(conn, pipeline, batch):
+        return None
+    return StageResult(
+        batch.batch_id, batch.state, (), f"batch {batch.batch_id} is already {batch.state}: nothing to stage"
+    )
 
 
 def _check_stageable(batch: Batch, pipeline: Pipeline) -> None:

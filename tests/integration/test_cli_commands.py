@@ -9,6 +9,7 @@ import subprocess
 import sys
 import uuid
 
+import psycopg
 import yaml
 from confluent_kafka import Consumer
 
@@ -159,7 +160,9 @@ def test_migrate_and_grant_need_only_the_database_not_kafka(make_pipeline, monke
     assert "--from 2026-01-02 must be before --to 2026-01-01" in capsys.readouterr().err
 
 
-def test_stage_and_report_of_a_batch_not_there_say_so_without_starting_spark(make_pipeline, monkeypatch, capsys):
+def test_stage_and_report_of_a_batch_not_there_or_done_say_so_without_starting_spark(
+    make_pipeline, monkeypatch, capsys
+):
     import kafka2pg.staging
 
     def no_spark(*args, **kwargs):
@@ -179,6 +182,15 @@ def test_stage_and_report_of_a_batch_not_there_say_so_without_starting_spark(mak
     assert cli.main(["report", "--pipeline", env.pipeline.name, "--batch-id", str(planned.batch_id)]) == 1
     expected = f"pipeline {env.pipeline.name}: no quality report yet for batch {planned.batch_id} (planned)"
     assert expected in capsys.readouterr().out
+    # A batch with nothing to stage (set by hand here: staging it needs Spark) is said so, no Spark.
+    stage = ["stage", "--pipeline", env.pipeline.name, "--batch-id", str(planned.batch_id)]
+    with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
+        conn.execute("UPDATE kafka2pg.batches SET state = 'promoted' WHERE batch_id = %s", (planned.batch_id,))
+        assert cli.main(stage) == 0
+        assert f"batch {planned.batch_id} is already promoted: nothing to stage" in capsys.readouterr().out
+        conn.execute("UPDATE kafka2pg.batches SET state = 'abandoned' WHERE batch_id = %s", (planned.batch_id,))
+        assert cli.main(stage) == 2
+        assert "it cannot be staged" in capsys.readouterr().err
 
 
 def _cli_environment(env, environ=None) -> dict[str, str]:
@@ -198,8 +210,6 @@ def _stage_waiting_on_its_chunk_locks(env, tmp_path, environ=None):
     (with its stderr file) once its Spark tasks wait on their chunk locks, which this holds
     until the block ends: the job is surely under way, and cannot finish, while the block runs."""
     import time
-
-    import psycopg
 
     produce(env.settings.bootstrap_servers, env.topic, sample_events(200, seed=83))
     batch_id = open_batch(env.settings, env.pipeline, run_id="kill").batch.batch_id
