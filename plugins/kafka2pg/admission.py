@@ -142,15 +142,19 @@ class RecordDecoder:
     hold them to it).
     """
 
-    def __init__(self, rules: Sequence[FieldRule], business_key: Sequence[str] = ()) -> None:
+    def __init__(self, rules: Sequence[FieldRule], business_key: Sequence[str] = (), root: Sequence[str] = ()) -> None:
+        """`root`: the path of fields from the record's JSON object to the object the rules' fields
+        are in (a pipeline's `value_root`; empty: the record's object itself)."""
         self.rules = tuple(rules)
+        self.root = tuple(root)
         self._converters = tuple(_converter(rule) for rule in self.rules)
+        self._shown = tuple(".".join((*self.root, rule.field)) for rule in self.rules)  # named so in reasons
         names = [r.name for r in self.rules]
         self._key_positions = tuple(names.index(k) for k in business_key)
         self._decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
-        self._fast_decoder = _fast_decoder(self.rules)
+        self._fast_decoder, record = _fast_decoder(self.rules, self.root)
         self._fields = tuple(f"f{index}" for index in range(len(self.rules)))  # the struct's attributes
-        self._unparsed = self._fast_decoder and self._fast_decoder.type()  # a record with every field absent
+        self._unparsed = record and record()  # a record with every field absent
         self._columns = tuple(_fast_column(rule) for rule in self.rules)
 
     def decode(self, value: bytes | None) -> Admitted:
@@ -180,7 +184,7 @@ class RecordDecoder:
     def _parse(self, values: Sequence[bytes | None]) -> tuple[list, set[int]]:
         """Each record as the fast path's parse reads it (a `_fast_struct`), and the records it
         cannot parse (in `records` with every field at its default)."""
-        parse, unparsed = self._fast_decoder.decode, self._unparsed
+        parse, unparsed, depth = self._fast_decoder.decode, self._unparsed, len(self.root)
         records: list = []
         doubts: set[int] = set()
         for index, value in enumerate(values):
@@ -189,7 +193,11 @@ class RecordDecoder:
                 try:
                     if not value.isascii():
                         value.decode("utf-8")
-                    records.append(parse(value))
+                    record = parse(value)
+                    if depth:  # down the value_root's objects to the record's fields
+                        for _ in range(depth):
+                            record = record.inner
+                    records.append(record)
                     continue
                 except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
                     pass
@@ -246,24 +254,39 @@ class RecordDecoder:
             fields = self._decoder.decode(value)
         except (msgspec.DecodeError, RecursionError) as exc:
             raise Refused(_malformed(value, exc)) from None
+        for depth in range(len(self.root)):
+            fields = self._descend(fields, depth)
         values = []
-        for rule, convert in zip(self.rules, self._converters, strict=True):
+        for rule, convert, shown in zip(self.rules, self._converters, self._shown, strict=True):
             token = fields.get(rule.field)
             raw = None if token is None else bytes(token)
             if raw is None or raw == b"null":
                 if rule.required:
-                    raise Refused(f"field {rule.field!r}: required but {'missing' if raw is None else 'null'}")
+                    raise Refused(f"field {shown!r}: required but {'missing' if raw is None else 'null'}")
                 values.append(None)
                 continue
             try:
                 values.append(convert(raw))
             except Refused as refused:
-                raise Refused(f"field {rule.field!r}: {refused}") from None
+                raise Refused(f"field {shown!r}: {refused}") from None
             except (ArithmeticError, ValueError, RecursionError, msgspec.DecodeError) as exc:
                 # A rule that did not foresee this value: still a reason, never a stopped task.
-                raise Refused(f"field {rule.field!r}: cannot be decoded ({type(exc).__name__}: {exc})"[:300]) from None
+                raise Refused(f"field {shown!r}: cannot be decoded ({type(exc).__name__}: {exc})"[:300]) from None
         self._check_key_size(values)
         return tuple(values)
+
+    def _descend(self, fields: dict, depth: int) -> dict:
+        """The fields of the object at `self.root[depth]` in `fields` (the object one level up)."""
+        shown = ".".join(self.root[: depth + 1])
+        token = fields.get(self.root[depth])
+        raw = None if token is None else bytes(token)
+        if raw is None or raw == b"null":
+            raise Refused(f"field {shown!r} (the pipeline's value_root): {'missing' if raw is None else 'null'}")
+        if raw[:1] != b"{":
+            raise Refused(
+                f"field {shown!r} (the pipeline's value_root): expected a JSON object, got {_describe_token(raw)}"
+            )
+        return self._decoder.decode(raw)
 
     def _check_key_size(self, values: list) -> None:
         if not self._key_positions:
@@ -286,12 +309,17 @@ _DOUBT = object()
 _ABSENT = msgspec.Raw(b"")
 
 
-def _fast_decoder(rules: Sequence[FieldRule]) -> msgspec.json.Decoder | None:
-    """The fast path's parser, or None when msgspec cannot name a field (a quote, a backslash or
-    a control character in its name): such a pipeline's records all take the strict path."""
-    if any(re.search(r'["\\\x00-\x1f]', rule.field) for rule in rules):
-        return None
-    return msgspec.json.Decoder(_fast_struct(rules))
+def _fast_decoder(rules: Sequence[FieldRule], root: Sequence[str]) -> tuple[msgspec.json.Decoder | None, type | None]:
+    """The fast path's parser of a whole value, and the record it finds (the `_fast_struct`)
+    nested in an object per field of `root` (each an `inner` attribute); (None, None) when
+    msgspec cannot name a field (a quote, a backslash or a control character in its name): such
+    a pipeline's records all take the strict path."""
+    if any(re.search(r'["\\\x00-\x1f]', name) for name in (*root, *(rule.field for rule in rules))):
+        return None, None
+    record = parsed = _fast_struct(rules)
+    for name in reversed(root):  # required and not null: a record without it is doubted
+        parsed = msgspec.defstruct("FastRoot", [("inner", parsed)], rename={"inner": name})
+    return msgspec.json.Decoder(parsed), record
 
 
 def _fast_struct(rules: Sequence[FieldRule]) -> type:
@@ -497,7 +525,7 @@ def rules_for(pipeline: Any) -> tuple[FieldRule, ...]:
 
 
 def decoder_for(pipeline: Any) -> RecordDecoder:
-    return RecordDecoder(rules_for(pipeline), pipeline.business_key)
+    return RecordDecoder(rules_for(pipeline), pipeline.business_key, pipeline.value_root)
 
 
 # ---------------------------------------------------------------- whole-value checks

@@ -214,6 +214,9 @@ class Pipeline:
     target_table: str
     columns: tuple[Column, ...]
     business_key: tuple[str, ...] = ()
+    # The path of fields from the record's JSON object to the object the columns' fields are in
+    # (("payload",) for Kafka Connect's JSON with schemas, ("after",) for Debezium); () the record's own.
+    value_root: tuple[str, ...] = ()
     max_records_per_batch: int = 100_000
     max_records_per_partition: int | None = None
     batches_per_run: int = 1
@@ -451,6 +454,7 @@ _PIPELINE_KEYS = {
     "target_table",
     "columns",
     "business_key",
+    "value_root",
     "max_records_per_batch",
     "max_records_per_partition",
     "batches_per_run",
@@ -497,6 +501,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         target_table=table,
         columns=columns,
         business_key=business_key,
+        value_root=_value_root(raw.get("value_root"), where),
         max_records_per_batch=_positive_int(raw, "max_records_per_batch", where, 100_000),
         max_records_per_partition=_positive_int(raw, "max_records_per_partition", where, None),
         batches_per_run=_positive_int(raw, "batches_per_run", where, 1),
@@ -513,6 +518,22 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         kafka_config_id=_conn_id(raw, "kafka_config_id", where, DEFAULT_KAFKA_CONN_ID),
         lag_consumer_group=_consumer_group(raw, where),
     )
+
+
+def _value_root(value: Any, where: str) -> tuple[str, ...]:
+    """A dotted path (`payload`, `envelope.data`) or a list of field names (for a name with a dot)."""
+    if value is None:
+        return ()
+    names = value.split(".") if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise ConfigError(
+            f"{where}.value_root: expected the JSON object the columns' fields are in, as a dotted path "
+            f"(payload, after) or a list of field names, got {value!r}"
+        )
+    for name in names:
+        if not name or re.search(r"[\x00-\x1f\x7f]", name):
+            raise ConfigError(f"{where}.value_root: {value!r} has an empty field name or one with a control character")
+    return tuple(names)
 
 
 def _topic(value: Any, where: str) -> str:

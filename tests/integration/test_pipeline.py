@@ -82,6 +82,34 @@ def test_all_records_land_once_with_provenance(make_pipeline, run_batch, db, hea
     assert run_batch(env) is None, "a second run with nothing new must plan nothing"
 
 
+@pytest.mark.parametrize("reader", ["librdkafka", "spark"])
+def test_kafka_connect_envelopes_with_string_amounts_land_by_value_root_and_quoted_numbers(
+    make_pipeline, run_batch, db, sample_columns, reader
+):
+    """Records as Kafka Connect's JsonConverter writes them with schemas (`{"schema": ..., "payload":
+    {...}}`), amounts as strings (Debezium's decimal.handling.mode=string): the columns read from
+    `value_root: payload`, the amount with `quoted_numbers`, through the stage job's real reader."""
+    columns = [{**c, "quoted_numbers": True} if c["name"] == "amount" else c for c in sample_columns]
+    env = make_pipeline(partitions=1, value_root="payload", columns=columns, kafka_reader=reader)
+    events = list(sample_events(4, seed=11))
+    schema = {"type": "struct", "fields": [{"field": "event_id", "type": "string"}], "optional": False}
+    envelopes = [{"schema": schema, "payload": {**e, "amount": str(e["amount"])}} for e in events[:3]]
+    envelopes.append({"schema": schema, "payload": None})  # Connect's tombstone-like null payload
+    envelopes.append({k: v for k, v in events[3].items() if k != "payload"})  # not an envelope
+    produce(env.settings.bootstrap_servers, env.topic, envelopes, key_field=None)
+    result = run_batch(env)
+    assert (result.promoted, result.quarantined) == (3, 2)
+    landed = db.execute(sql.SQL("SELECT event_id, amount FROM {} ORDER BY kafka_offset").format(target(env))).fetchall()
+    assert landed == [(e["event_id"], Decimal(str(e["amount"]))) for e in events[:3]]
+    reasons = db.execute(
+        "SELECT reason FROM kafka2pg.quarantine WHERE pipeline = %s ORDER BY kafka_offset", (env.pipeline.name,)
+    ).fetchall()
+    assert reasons == [
+        ("field 'payload' (the pipeline's value_root): null",),
+        ("field 'payload' (the pipeline's value_root): missing",),
+    ]
+
+
 def test_max_records_per_batch_splits_backlog_into_contiguous_ranges(make_pipeline, run_batch, db, heads):
     env = make_pipeline(max_records_per_batch=120)
     produce_sample(env.settings.bootstrap_servers, env.topic, 500, seed=2)

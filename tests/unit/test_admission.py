@@ -494,3 +494,71 @@ def _is_number(text: str) -> bool:
     import re
 
     return re.fullmatch(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?", text) is not None
+
+
+# ---------------------------------------------------------------- fields inside an envelope (value_root)
+
+ROOTED = RecordDecoder(RULES, ["event_id"], ("payload",))
+DEEP = RecordDecoder(RULES[:3], ["event_id"], ("envelope", "data"))
+
+
+def rooted(decoder: RecordDecoder, value: bytes):
+    admitted = decoder.admit([value]).outcome(0)
+    assert admitted == decoder.decode_strictly(value)
+    return admitted
+
+
+def test_the_columns_are_read_from_the_object_at_the_value_root():
+    inner = BASE + b',"amount":1.5,"flag":true}'
+    assert rooted(ROOTED, b'{"schema":{"type":"struct"},"payload":' + inner + b"}") == outcome(inner)
+    deep = rooted(DEEP, b'{"envelope":{"data":{"event_id":"x","customer_id":2},"v":1},"event_id":"no"}')
+    assert deep.values == ("x", 2, None)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (b'{"payload":null}', "field 'payload' (the pipeline's value_root): null"),
+        (b'{"schema":{}}', "field 'payload' (the pipeline's value_root): missing"),
+        (b'{"payload":[1]}', "field 'payload' (the pipeline's value_root): expected a JSON object, got an array"),
+        (b'{"payload":"{}"}', "field 'payload' (the pipeline's value_root): expected a JSON object, got a string"),
+        (b'{"payload":{"customer_id":1}}', "field 'payload.event_id': required but missing"),
+        (b'{"payload":{"event_id":"e","customer_id":"1"}}', "field 'payload.customer_id': expected a JSON integer"),
+        (b'{"payload":{"event_id":"e","customer_id":1,"ts":5}}', "field 'payload.ts': a number ('5') for a timestamp"),
+    ],
+)
+def test_a_record_without_the_value_root_object_or_with_a_bad_field_in_it_is_refused_naming_the_path(value, expected):
+    admitted = rooted(ROOTED, value)
+    assert admitted.values is None and admitted.reason.startswith(expected), admitted.reason
+
+
+def test_a_deeper_value_root_names_the_level_that_is_not_an_object():
+    assert rooted(DEEP, b'{"envelope":{"data":7}}').reason.startswith(
+        "field 'envelope.data' (the pipeline's value_root): expected a JSON object, got a number ('7')"
+    )
+    assert rooted(DEEP, b'{"envelope":{}}').reason == "field 'envelope.data' (the pipeline's value_root): missing"
+
+
+enveloped = st.one_of(
+    documents.map(lambda document: {"schema": {"type": "struct"}, "payload": document}),
+    st.dictionaries(st.sampled_from(["payload", "schema"]), json_values, max_size=2),
+    st.tuples(documents, documents).map(lambda two: {"payload": two[0], "x": 1, "payload ": two[1]}),
+)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.lists(enveloped.map(lambda document: _encode(document, True)), max_size=10))
+def test_records_in_envelopes_get_each_the_outcome_the_strict_path_gives(values):
+    admitted = ROOTED.admit(values)
+    assert [admitted.outcome(i) for i in range(len(values))] == [ROOTED.decode_strictly(v) for v in values]
+
+
+def test_a_repeated_value_root_keeps_its_last_object_as_a_repeated_field_does():
+    value = b'{"payload":{"event_id":"a","customer_id":1},"payload":{"event_id":"b","customer_id":2}}'
+    assert rooted(ROOTED, value).values[:2] == ("b", 2)
+
+
+def test_a_value_root_msgspec_cannot_name_is_read_by_the_strict_path():
+    decoder = RecordDecoder(RULES[:2], ["event_id"], ('we"ird.root',))
+    value = json.dumps({'we"ird.root': {"event_id": "e", "customer_id": 3}}).encode()
+    assert decoder.decode(value) == decoder.decode_strictly(value) == (("e", 3), None)

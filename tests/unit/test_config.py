@@ -223,6 +223,24 @@ def test_two_pipelines_cannot_share_a_name_postgresql_or_airflow_would_mix_up(tm
     load_pipelines(write_all(tmp_path, GOOD, {**GOOD, "name": "audit", "target_table": "audit.orders"}))
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, ()), ("payload", ("payload",)), ("a.b", ("a", "b")), (["a.b", "c"], ("a.b", "c"))]
+)
+def test_value_root_is_a_dotted_path_or_a_list_of_field_names(tmp_path, value, expected):
+    extra = {} if value is None else {"value_root": value}
+    pipeline = get_pipeline("orders", write(tmp_path, **extra))
+    assert pipeline.value_root == expected
+    from kafka2pg.admission import decoder_for
+
+    assert decoder_for(pipeline).root == expected
+
+
+@pytest.mark.parametrize("value", ["", "a..b", [], ["a", 1], 5, ["a\nb"]])
+def test_a_value_root_that_names_no_object_path_is_refused(tmp_path, value):
+    with pytest.raises(ConfigError, match=r"\(orders\)\.value_root: "):
+        get_pipeline("orders", write(tmp_path, value_root=value))
+
+
 def test_quoted_numbers_is_for_number_columns_only(tmp_path):
     columns = [
         GOOD["columns"][0],
