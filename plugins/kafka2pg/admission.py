@@ -74,7 +74,7 @@ class FieldRule:
     field: str
     type: str
     required: bool = False
-    epoch: str | None = None  # timestamptz: how a JSON number is read; None refuses numbers
+    epoch: str | None = None  # timestamptz (a unit) or date (days): how a JSON number is read; None refuses numbers
     quoted_numbers: bool = False  # number kinds: a JSON string holding a number is read as that number
 
     @property
@@ -328,7 +328,7 @@ def _fast_struct(rules: Sequence[FieldRule]) -> type:
     fields = []
     for index, rule in enumerate(rules):
         kind = rule.kind
-        if rule.quoted_numbers:  # a string or a number: the rule's converter reads the raw token
+        if not _typed(rule):  # the rule's converter reads the raw token
             fields.append((f"f{index}", msgspec.Raw, _ABSENT))
             continue
         if kind == "text":
@@ -350,6 +350,14 @@ def _fast_struct(rules: Sequence[FieldRule]) -> type:
 
 # Kinds msgspec parses and checks in C (`_fast_struct`); the others' tokens stay raw.
 _TYPED_KINDS = ("text", "bigint", "integer", "boolean", "date")
+
+
+def _typed(rule: FieldRule) -> bool:
+    """Whether msgspec's typed parse reads the rule's field: its kind's plain JSON form only (a
+    number as a string, a date as a day count: the converter reads the raw token)."""
+    return rule.kind in _TYPED_KINDS and not rule.quoted_numbers and rule.epoch is None
+
+
 # Whatever a fast check raises is a doubt, never a reason: the strict path finds the reason.
 _FAST_DOUBTS = (Refused, ArithmeticError, ValueError, RecursionError, msgspec.DecodeError)
 
@@ -383,7 +391,7 @@ def _fast_column(rule: FieldRule):
     values, or raw tokens) and the set of doubted records, returning the column's Arrow array
     (NULL for a JSON null, a missing field or a doubted value) and adding to the set."""
     arrow = ARROW_TYPES[rule.kind]
-    if rule.kind in _TYPED_KINDS and not rule.quoted_numbers:
+    if _typed(rule):
         return lambda items, doubts: pa.array(items, arrow)
     if rule.kind == "jsonb":
         return lambda items, doubts: _fast_jsonb(_tokens(items), doubts)
@@ -708,7 +716,7 @@ def _kind_converter(rule: FieldRule):
     if kind == "timestamptz":
         return lambda raw: _to_timestamp(raw, rule.epoch)
     if kind == "date":
-        return _to_date
+        return _to_date if rule.epoch is None else _to_date_or_days
     if kind == "jsonb":
         return _to_jsonb
     raise ValueError(f"no admission rule for column type {rule.type!r}")
@@ -895,6 +903,11 @@ def _from_epoch(number: Decimal, unit: str, raw: bytes) -> datetime:
 
 
 def _to_date(raw: bytes) -> date:
+    if raw[:1] in b"-0123456789" and raw:
+        raise Refused(
+            f"a number ({_show(raw.decode())}) for a date: set the column's `epoch: days` to read numbers of days "
+            "since 1970-01-01"
+        )
     text = _string(raw, "an ISO-8601 date string (YYYY-MM-DD)")
     match = _DATE.fullmatch(text)
     if match is None:
@@ -904,6 +917,24 @@ def _to_date(raw: bytes) -> date:
         return date(year, int(match["month"]), int(match["day"]))
     except ValueError as exc:
         raise Refused(f"{_show(text)} is not a valid date ({exc})") from None
+
+
+def _to_date_or_days(raw: bytes) -> date:
+    """A date column with `epoch: days`: an ISO-8601 date string, or a whole number of days since
+    1970-01-01 (Debezium's io.debezium.time.Date, Avro's date)."""
+    if raw[:1] != b"-" and not raw[:1].isdigit():
+        return _to_date(raw)
+    number = _number(raw, "an ISO-8601 date string or a number of days")
+    if number != number.to_integral_value():
+        raise Refused(f"{_show(raw.decode())} is not a whole number of days")
+    if not _DAYS_LOW <= number <= _DAYS_HIGH:  # compared as decimals: never expand a huge exponent
+        raise Refused(f"{_show(raw.decode())} days since 1970 is out of range for date (years {MIN_YEAR}-{MAX_YEAR})")
+    return _EPOCH_DAY + timedelta(days=int(number))
+
+
+_EPOCH_DAY = date(1970, 1, 1)
+_DAYS_LOW = (date(MIN_YEAR, 1, 1) - _EPOCH_DAY).days
+_DAYS_HIGH = (date(MAX_YEAR, 12, 31) - _EPOCH_DAY).days
 
 
 def _to_jsonb(raw: bytes) -> str:

@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import yaml
 
@@ -163,8 +163,12 @@ _SYSTEM_COLUMNS = {"tableoid", "xmin", "cmin", "xmax", "cmax", "ctid"}
 # other schemas are PostgreSQL's (CREATE SCHEMA refuses names starting with pg_).
 _CONTROL_SCHEMA = "kafka2pg"
 _CONTROL_TABLES = {("public", "kafka2pg_migrations")}
-EpochUnit = Literal["seconds", "milliseconds", "microseconds"]
-_EPOCH_UNITS: tuple[EpochUnit, ...] = get_args(EpochUnit)
+EpochUnit = Literal["seconds", "milliseconds", "microseconds", "days"]
+# The units each column type reads a JSON number in.
+_EPOCH_UNITS: dict[str, tuple[EpochUnit, ...]] = {
+    "timestamptz": ("seconds", "milliseconds", "microseconds"),
+    "date": ("days",),
+}
 
 
 def spark_type_for(pg_type: str) -> str | None:
@@ -188,7 +192,8 @@ class Column:
     allowed: tuple[str | int | bool, ...] | None = None
     on_violation: Literal["fail", "quarantine"] = "fail"
     #: timestamptz columns: how a JSON number in the field is read (seconds, milliseconds or
-    #: microseconds since 1970-01-01 UTC); None: a number is refused, only strings are read.
+    #: microseconds since 1970-01-01 UTC); date columns: days (since 1970-01-01); None: a number
+    #: is refused, only strings are read.
     epoch: EpochUnit | None = None
     #: number columns (bigint, integer, double precision, numeric): also read a number written as a
     #: JSON string ("12.50"), as Debezium's decimal.handling.mode=string and many APIs write money.
@@ -746,10 +751,11 @@ def _epoch(raw: dict, here: str, pg_type: str) -> EpochUnit | None:
     value = raw.get("epoch")
     if value is None:
         return None
-    if pg_type != "timestamptz":
-        raise ConfigError(f"{here}.epoch: only timestamptz columns read epoch numbers, not {pg_type}")
-    if value not in _EPOCH_UNITS:
-        raise ConfigError(f"{here}.epoch: expected one of {', '.join(_EPOCH_UNITS)}, got {value!r}")
+    units = _EPOCH_UNITS.get(pg_type)
+    if units is None:
+        raise ConfigError(f"{here}.epoch: only timestamptz and date columns read epoch numbers, not {pg_type}")
+    if value not in units:
+        raise ConfigError(f"{here}.epoch: expected {' or '.join(units)} for a {pg_type} column, got {value!r}")
     return value
 
 

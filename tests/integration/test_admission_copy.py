@@ -3,7 +3,7 @@ equal to what the producer wrote; random records never stop the write."""
 
 import json
 import math
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from decimal import Decimal
 
 import psycopg
@@ -115,9 +115,11 @@ def staged(base_settings, tmp_path_factory):
     return _stager(base_settings, tmp_path_factory.mktemp("admission"), "p_admission_copy", COLUMNS)
 
 
-# Every number column reads numbers written as strings too.
-QUOTED_COLUMNS = [
-    {**c, "quoted_numbers": True} if c["name"] in ("customer_id", "amount", "ratio", "qty") else c for c in COLUMNS
+# Every number column reads numbers written as strings too, and the date column day counts.
+QUOTED_COLUMNS = [{"name": "day", "type": "date", "epoch": "days"}] + [
+    {**c, "quoted_numbers": True} if c["name"] in ("customer_id", "amount", "ratio", "qty") else c
+    for c in COLUMNS
+    if c["name"] != "day"
 ]
 
 
@@ -222,3 +224,10 @@ def test_a_number_written_as_a_string_reads_back_as_that_number(staged_quoted, f
     outcomes, refused, rows = staged_quoted([value])
     assert outcomes[0].reason is None and refused == {}
     assert rows[0][field] == expected and type(rows[0][field]) is type(expected)
+
+
+def test_a_day_count_reads_back_as_its_date(staged_quoted):
+    value = b'{"event_id": "e", "customer_id": 1, "day": -719162}'
+    outcomes, refused, rows = staged_quoted([value, value.replace(b"-719162", b"20420")])
+    assert [o.reason for o in outcomes] == [None, None] and refused == {}
+    assert [r["day"] for r in rows] == [date(1, 1, 1), date(2025, 11, 28)]

@@ -562,3 +562,67 @@ def test_a_value_root_msgspec_cannot_name_is_read_by_the_strict_path():
     decoder = RecordDecoder(RULES[:2], ["event_id"], ('we"ird.root',))
     value = json.dumps({'we"ird.root': {"event_id": "e", "customer_id": 3}}).encode()
     assert decoder.decode(value) == decoder.decode_strictly(value) == (("e", 3), None)
+
+
+# ---------------------------------------------------------------- dates as day counts (epoch: days)
+
+DAYS = RecordDecoder([FieldRule("event_id", "event_id", "text", True), FieldRule("day", "day", "date", epoch="days")])
+
+
+def days_outcome(day: bytes):
+    value = b'{"event_id":"e","day":' + day + b"}"
+    admitted = DAYS.admit([value]).outcome(0)
+    assert admitted == DAYS.decode_strictly(value)
+    return admitted
+
+
+@pytest.mark.parametrize(
+    ("day", "expected"),
+    [
+        (b"0", date(1970, 1, 1)),
+        (b"20420", date(2025, 11, 28)),
+        (b"-1", date(1969, 12, 31)),
+        (b"2e1", date(1970, 1, 21)),
+        (b"-719162", date(1, 1, 1)),
+        (b"2932896", date(9999, 12, 31)),
+        (b'"2025-11-29"', date(2025, 11, 29)),
+    ],
+)
+def test_a_date_column_with_epoch_days_reads_a_day_count_or_an_iso_date(day, expected):
+    assert days_outcome(day).values == ("e", expected)
+
+
+@pytest.mark.parametrize(
+    ("day", "expected"),
+    [
+        (b"1.5", "field 'day': '1.5' is not a whole number of days"),
+        (b"2932897", "field 'day': '2932897' days since 1970 is out of range for date (years 1-9999)"),
+        (b"-719163", "field 'day': '-719163' days since 1970 is out of range"),
+        (b"1e999999999", "field 'day': '1e999999999' days since 1970 is out of range"),
+        (b"true", "field 'day': expected an ISO-8601 date string (YYYY-MM-DD), got a boolean"),
+        (b'"2025-02-30"', "field 'day': '2025-02-30' is not a valid date"),
+    ],
+)
+def test_a_day_count_that_is_no_date_is_refused_naming_why(day, expected):
+    admitted = days_outcome(day)
+    assert admitted.values is None and admitted.reason.startswith(expected), admitted.reason
+
+
+def test_without_epoch_a_day_count_is_refused():
+    assert reason(BASE + b',"day":20420}') == (
+        "field 'day': a number ('20420') for a date: set the column's `epoch: days` to read numbers of days since "
+        "1970-01-01"
+    )
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(
+    st.lists(
+        st.integers(-(10**7), 10**7).map(str) | st.floats(allow_nan=False).map(repr) | field_values.map(json.dumps),
+        max_size=10,
+    )
+)
+def test_day_counts_of_a_list_get_each_the_outcome_the_strict_path_gives(days):
+    values = [b'{"event_id":"e","day":' + d.encode() + b"}" for d in days]
+    admitted = DAYS.admit(values)
+    assert [admitted.outcome(i) for i in range(len(values))] == [DAYS.decode_strictly(v) for v in values]

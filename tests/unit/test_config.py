@@ -265,20 +265,26 @@ def test_quoted_numbers_is_for_number_columns_only(tmp_path):
             get_pipeline("orders", path)
 
 
-def test_epoch_reads_numbers_in_timestamptz_columns_only(tmp_path):
-    columns = [GOOD["columns"][0], column("at", type="timestamptz", field="ts", epoch="milliseconds")]
+def test_epoch_reads_numbers_in_timestamptz_and_date_columns_only(tmp_path):
+    columns = [
+        GOOD["columns"][0],
+        column("at", type="timestamptz", field="ts", epoch="milliseconds"),
+        column("day", type="date", epoch="days"),
+    ]
     pipeline = get_pipeline("orders", write(tmp_path, columns=columns))
-    assert (pipeline.columns[0].epoch, pipeline.columns[1].epoch) == (None, "milliseconds")
+    assert [c.epoch for c in pipeline.columns] == [None, "milliseconds", "days"]
     for bad, message in (
         (
             {"type": "bigint", "epoch": "seconds"},
-            r"columns\[1\]\.epoch: only timestamptz columns read epoch numbers, not bigint",
+            r"columns\[1\]\.epoch: only timestamptz and date columns read epoch numbers, not bigint",
         ),
         (
             {"type": "timestamptz", "epoch": "nanoseconds"},
-            r"columns\[1\]\.epoch: expected one of seconds, milliseconds, micro",
+            r"columns\[1\]\.epoch: expected seconds or milliseconds or microseconds for a timestamptz column",
         ),
-        ({"type": "timestamptz", "epoch": 1000}, r"\(orders\)\.columns\[1\]\.epoch: expected one of"),
+        ({"type": "timestamptz", "epoch": "days"}, r"columns\[1\]\.epoch: expected seconds or milli"),
+        ({"type": "date", "epoch": "seconds"}, r"columns\[1\]\.epoch: expected days for a date column, got 'seconds'"),
+        ({"type": "timestamptz", "epoch": 1000}, r"\(orders\)\.columns\[1\]\.epoch: expected seconds"),
     ):
         path = write(tmp_path, columns=[GOOD["columns"][0], column("at", **bad)])
         with pytest.raises(ConfigError, match=message) as info:
