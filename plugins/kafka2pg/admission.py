@@ -68,7 +68,8 @@ class Refused(ValueError):
 
 @dataclass(frozen=True)
 class FieldRule:
-    """How one target column is filled from one top-level field of the JSON value."""
+    """How one target column is filled from one field of the JSON value's object (the record's own,
+    or the one at the pipeline's value_root)."""
 
     name: str
     field: str

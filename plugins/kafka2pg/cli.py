@@ -211,12 +211,15 @@ def _stage_locally(settings: Settings, pipeline: Pipeline, batch_id: int) -> Non
 def cmd_stage(args: argparse.Namespace) -> int:
     from kafka2pg.batch_store import load_claimed
     from kafka2pg.database import session
+    from kafka2pg.lifecycle import FINAL
     from kafka2pg.staging import nothing_to_stage
 
     settings, pipeline = _pipeline(args)
-    # A batch not there, another pipeline's, or one with nothing to stage: said before Spark starts.
+    # A batch not there, another pipeline's, or a finished one: said before Spark starts. A staged
+    # or validated one goes to stage_batch, which looks at its staging rows under the batch's lock.
     with session(settings.database_url) as conn:
-        done = nothing_to_stage(conn, pipeline, load_claimed(conn, pipeline, args.batch_id, None, lock=False))
+        batch = load_claimed(conn, pipeline, args.batch_id, None, lock=False)
+        done = nothing_to_stage(conn, pipeline, batch) if batch.state in FINAL else None
     if done is not None:
         print(done.message)
         return 0

@@ -525,6 +525,18 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
     )
 
 
+def _field_name(name: Any) -> bool:
+    """Whether `name` can name a JSON field: a non-empty string of Unicode characters (no lone
+    surrogate, which no JSON text's UTF-8 holds) without control characters."""
+    if not isinstance(name, str) or not name or re.search(r"[\x00-\x1f\x7f]", name):
+        return False
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _value_root(value: Any, where: str) -> tuple[str, ...]:
     """A dotted path (`payload`, `envelope.data`) or a list of field names (for a name with a dot)."""
     if value is None:
@@ -536,8 +548,11 @@ def _value_root(value: Any, where: str) -> tuple[str, ...]:
             f"(payload, after) or a list of field names, got {value!r}"
         )
     for name in names:
-        if not name or re.search(r"[\x00-\x1f\x7f]", name):
-            raise ConfigError(f"{where}.value_root: {value!r} has an empty field name or one with a control character")
+        if not _field_name(name):
+            raise ConfigError(
+                f"{where}.value_root: {value!r} has an empty field name, or one with a control character or a "
+                "lone surrogate"
+            )
     return tuple(names)
 
 
@@ -740,9 +755,10 @@ def _column_type(value: Any, here: str) -> str:
 
 
 def _json_field(value: Any, here: str) -> str:
-    if not isinstance(value, str) or not value or re.search(r"[\x00-\x1f\x7f]", value):
+    if not _field_name(value):
         raise ConfigError(
-            f"{here}.field: expected the JSON field name (no control characters such as a newline), got {value!r}"
+            f"{here}.field: expected the JSON field name (no control characters such as a newline, no lone surrogate), "
+            f"got {value!r}"
         )
     return value
 

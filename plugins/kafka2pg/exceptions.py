@@ -10,6 +10,7 @@ Kafka2PgError
  │    └── DatabaseUnavailableError
  ├── StatementTimeoutError    PostgreSQL's statement_timeout cancelled a statement (retryable)
  ├── KafkaAuthenticationError the cluster refuses the client (credentials, TLS): not retried
+ ├── KafkaRequestError        a request refused as invalid or unsupported: not retried
  ├── ConsumerGroupRefusedError Kafka refused to set the lag mirror's group offsets (active member, ACL)
  ├── TopicNotFoundError
  ├── SchemaNotReadyError      migrations, tables, columns or grants missing: the owner must act
@@ -126,6 +127,18 @@ class KafkaUnavailableError(ServiceUnavailableError):
             cluster=cluster,
             timeout_s=timeout_s,
             cause=cause,
+            topic=topic,
+            partition=partition,
+        )
+
+    @classmethod
+    def client_failed(cls, cluster: str, error: str, *, topic: str | None = None, partition: int | None = None) -> Self:
+        """The Kafka client (librdkafka) failed a request on its own (`error`: its name and text)."""
+        return cls(
+            f"the Kafka client failed a request to Kafka at {cluster}: {error}. A retry may get past it; if it "
+            "stays, check the brokers and the pipeline's Kafka connection (kafka_config_id, default kafka2pg_kafka).",
+            cluster=cluster,
+            cause=error,
             topic=topic,
             partition=partition,
         )

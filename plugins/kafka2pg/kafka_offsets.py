@@ -248,7 +248,13 @@ def commit_group_offsets(
         detail = "; ".join(f"{topic}[{tp.partition}]: {tp.error}" for tp in failed)
         if all(tp.error.code() in _GROUP_REFUSALS for tp in failed):
             raise ConsumerGroupRefusedError.refused(group, topic, detail)
-        raise _unavailable(kafka, timeout_s, f"setting consumer group {group}'s offsets: {detail}", topic=topic)
+        error = next(tp.error for tp in failed if tp.error.code() not in _GROUP_REFUSALS)
+        refused = refusal([error])
+        if refused is not None:
+            raise KafkaAuthenticationError.refused(str(kafka), refused, error.str(), topic=topic)
+        if error.code() in _NO_ANSWER:
+            raise _unavailable(kafka, timeout_s, f"setting consumer group {group}'s offsets: {detail}", topic=topic)
+        raise _answered(kafka, error, f"setting consumer group {group}'s offsets: {detail}", topic=topic)
 
 
 # The broker's answers to an offset commit that mean "not this group, not this client": retrying
@@ -310,7 +316,10 @@ def _why(client: object) -> list[KafkaError]:
 # librdkafka error codes that mean the cluster refuses this client: retrying cannot help.
 _REFUSALS = {
     KafkaError._AUTHENTICATION: "refused the client's credentials",
+    KafkaError.SASL_AUTHENTICATION_FAILED: "refused the client's credentials",
     KafkaError._SSL: "failed the TLS handshake",
+    KafkaError.TOPIC_AUTHORIZATION_FAILED: "refused the client access to the topic (an ACL)",
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED: "refused the client access to the cluster (an ACL)",
 }
 
 
@@ -341,17 +350,26 @@ def _unavailable(
     one (`errors`, from the client's error callback); a request refused as invalid or unsupported
     (not retried); an error Kafka answered with; else a cluster that did not answer (the last two
     retryable)."""
-    for error in errors or []:
-        refused = refusal([error])
-        if refused is not None:
-            return KafkaAuthenticationError.refused(str(kafka), refused, error.str(), topic=topic)
     error = cause.args[0] if isinstance(cause, KafkaException) and cause.args else None
+    for reported in [*(errors or []), *([error] if isinstance(error, KafkaError) else [])]:
+        refused = refusal([reported])
+        if refused is not None:
+            return KafkaAuthenticationError.refused(str(kafka), refused, reported.str(), topic=topic)
     if isinstance(error, KafkaError) and error.code() not in _NO_ANSWER:
-        named = f"{error.name()} ({error.str()})"
-        if error.code() in _INVALID_REQUESTS:
-            return KafkaRequestError.refused(str(kafka), named, topic=topic, partition=partition)
-        return KafkaUnavailableError.answered(str(kafka), named, topic=topic, partition=partition)
+        return _answered(kafka, error, f"{error.name()} ({error.str()})", topic=topic, partition=partition)
     return KafkaUnavailableError.no_answer(str(kafka), timeout_s, str(cause), topic=topic, partition=partition)
+
+
+def _answered(
+    kafka: KafkaLike, error: KafkaError, detail: str, *, topic: str | None, partition: int | None = None
+) -> KafkaUnavailableError | KafkaRequestError:
+    """A request that got an error (`detail` names it): an invalid request (not retried), an error
+    the client itself reported, or one the brokers answered with (both retryable)."""
+    if error.code() in _INVALID_REQUESTS:
+        return KafkaRequestError.refused(str(kafka), detail, topic=topic, partition=partition)
+    if error.code() < 0:  # librdkafka's own codes are negative, the protocol's positive
+        return KafkaUnavailableError.client_failed(str(kafka), detail, topic=topic, partition=partition)
+    return KafkaUnavailableError.answered(str(kafka), detail, topic=topic, partition=partition)
 
 
 # librdkafka's codes for a request that got no answer: no connection, no broker, no time left.
@@ -373,7 +391,6 @@ _NO_ANSWER = {
 # sending it again cannot help.
 _INVALID_REQUESTS = {
     KafkaError._INVALID_ARG,
-    KafkaError._UNSUPPORTED_FEATURE,
     KafkaError._NOT_IMPLEMENTED,
     KafkaError.INVALID_REQUEST,
     KafkaError.UNSUPPORTED_VERSION,

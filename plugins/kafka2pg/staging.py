@@ -31,6 +31,7 @@ from kafka2pg.exceptions import (
     DatabaseUnavailableError,
     Kafka2PgError,
     KafkaAuthenticationError,
+    KafkaRequestError,
     KafkaUnavailableError,
     RetentionLossError,
     SparkSessionLost,
@@ -348,7 +349,7 @@ def _kafka_error(text: str, settings: Settings, pipeline: Pipeline, batch: Batch
             "Nothing was staged; the batch stays planned."
         )
     # A Spark task's own kafka2pg error (the librdkafka reader), by its name in the Python traceback.
-    for error in (KafkaAuthenticationError, KafkaUnavailableError):
+    for error in (KafkaAuthenticationError, KafkaRequestError, KafkaUnavailableError):
         message = _python_message(text, error.__name__)
         if message is not None:
             return error(

@@ -235,7 +235,7 @@ def test_value_root_is_a_dotted_path_or_a_list_of_field_names(tmp_path, value, e
     assert decoder_for(pipeline).root == expected
 
 
-@pytest.mark.parametrize("value", ["", "a..b", [], ["a", 1], 5, ["a\nb"]])
+@pytest.mark.parametrize("value", ["", "a..b", [], ["a", 1], 5, ["a\nb"], "\ud800", ["a", "x\udfff"]])
 def test_a_value_root_that_names_no_object_path_is_refused(tmp_path, value):
     with pytest.raises(ConfigError, match=r"\(orders\)\.value_root: "):
         get_pipeline("orders", write(tmp_path, value_root=value))
@@ -332,3 +332,8 @@ def test_status_of_a_pipelines_file_without_pipelines_says_so(tmp_path, monkeypa
     monkeypatch.setenv("KAFKA2PG_PIPELINES", str(path))
     assert cli.main(["status"]) == 0
     assert f"{path}: its 'pipelines:' list is empty: no pipeline to show" in capsys.readouterr().err
+
+
+def test_a_field_name_with_a_lone_surrogate_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"columns\[1\]\.field: expected the JSON field name"):
+        get_pipeline("orders", write(tmp_path, columns=[GOOD["columns"][0], column("n", field="\ud800")]))
