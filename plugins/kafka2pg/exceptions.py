@@ -33,7 +33,8 @@ Kafka2PgError
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
 
@@ -204,6 +205,19 @@ class StatementTimeoutError(Kafka2PgError):
     retry may pass on a quieter server; the same batch on the same server usually fails again."""
 
     terminal = False
+
+
+@contextmanager
+def timeouts_named(pipeline: str, batch_id: int, step: str) -> Iterator[None]:
+    """A `StatementTimeoutError` of one step of a batch with its message starting with which (as
+    the stage's does): the transaction that timed out says nothing of its batch."""
+    try:
+        yield
+    except StatementTimeoutError as exc:
+        if exc.batch_id is not None:  # named already (a validation inside a promotion)
+            raise
+        evidence = {**exc.evidence, "pipeline": pipeline, "batch_id": batch_id}
+        raise StatementTimeoutError(f"pipeline {pipeline!r} batch {batch_id}, {step}: {exc}", **evidence) from exc
 
 
 class KafkaAuthenticationError(Kafka2PgError):

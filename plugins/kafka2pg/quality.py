@@ -36,7 +36,7 @@ from kafka2pg.checks import (
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.data_docs import report_payload, write_report
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, Kafka2PgError, QualityGateFailed
+from kafka2pg.exceptions import BatchStateError, Kafka2PgError, QualityGateFailed, timeouts_named
 from kafka2pg.lifecycle import Action, BatchState, gate_verdict, validate_action
 from kafka2pg.quality_results import store_result
 from kafka2pg.raw_bytes import keep_raw_bytes, staging_place
@@ -77,6 +77,18 @@ def validate_batch(
     validates a batch while promoting the one before); where the gate would have to probe the
     target for promoted keys it raises `ProbeAwaitsPrevious` instead, having changed nothing.
     """
+    with timeouts_named(pipeline.name, batch_id, "validation"):
+        return _validate(settings, pipeline, batch_id, epoch, probe_promoted_keys, previous_pending)
+
+
+def _validate(
+    settings: Settings,
+    pipeline: Pipeline,
+    batch_id: int,
+    epoch: int | None,
+    probe_promoted_keys: bool,
+    previous_pending: bool,
+) -> ValidationResult:
     checks: list[Check] = []
     # Kafka is asked before any lock is taken; None for a batch only rechecked after a key collision.
     witnesses = gap_witnesses(settings, pipeline, batch_id)

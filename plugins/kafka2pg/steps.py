@@ -12,7 +12,7 @@ from confluent_kafka import KafkaException
 from kafka2pg.batch_store import key_probe_deferred, load_claimed, raise_staging_lost, transition
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, Kafka2PgError, KeyCollisionError
+from kafka2pg.exceptions import BatchStateError, Kafka2PgError, KeyCollisionError, timeouts_named
 from kafka2pg.kafka_offsets import commit_group_offsets
 from kafka2pg.ledger import read_heads
 from kafka2pg.lifecycle import BatchState
@@ -35,7 +35,8 @@ def promote_batch(
     flags those rows to quarantine (or rejects the batch under duplicate_policy: fail), and the
     rest is promoted.
     """
-    result = _promote(settings, pipeline, batch_id, epoch)
+    with timeouts_named(pipeline.name, batch_id, "promotion"):
+        result = _promote(settings, pipeline, batch_id, epoch)
     if result.quarantined and not result.already_promoted:
         keep_raw_bytes(settings, pipeline, batch_id, QUARANTINE)  # the rows PostgreSQL refused at promotion
     if pipeline.lag_consumer_group and isinstance(result, PromoteResult) and not result.already_promoted:

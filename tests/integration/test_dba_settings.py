@@ -74,7 +74,9 @@ def test_a_promotion_cancelled_by_the_roles_statement_timeout_says_so_and_promot
 
     error = cancelled.value
     assert (error.statement_timeout, error.source, error.role, error.terminal) == (LIMIT, "database user", role, False)
+    assert (error.pipeline, error.batch_id) == (env.pipeline.name, batch.batch_id)
     message = str(error)
+    assert message.startswith(f"pipeline {env.pipeline.name!r} batch {batch.batch_id}, promotion: PostgreSQL cancelled")
     assert "statement timeout" in message and "statement_timeout is 1s" in message
     assert "set for the role in this database" in message
     assert f"ALTER ROLE {role} IN DATABASE {database} SET statement_timeout" in message
@@ -194,9 +196,10 @@ def test_the_gates_rows_read_cancelled_by_a_statement_timeout_fails_the_step_not
         return load_accepted(conn, pipeline, batch_id)
 
     monkeypatch.setattr(expectations, "load_accepted", slow_load)
-    with pytest.raises(StatementTimeoutError):
+    with pytest.raises(StatementTimeoutError) as cancelled:
         validate_batch(limited, env.pipeline, batch.batch_id)
     monkeypatch.undo()
+    assert str(cancelled.value).startswith(f"pipeline {env.pipeline.name!r} batch {batch.batch_id}, validation: ")
 
     row = db.execute("SELECT state, error FROM kafka2pg.batches WHERE batch_id = %s", (batch.batch_id,)).fetchone()
     assert row == ("staged", None)  # not rejected: nothing about the records was found
