@@ -683,20 +683,30 @@ def _converter(rule: FieldRule):
 
 
 def _unquoted(raw: bytes) -> bytes:
-    """For a `quoted_numbers` column: the number token a JSON string holds (`"12.50"` -> `12.50`),
-    exactly as written inside the quotes; any other token unchanged."""
+    """For a `quoted_numbers` column: the number a JSON string holds; any other token unchanged."""
     if raw[:1] != b'"':
         return raw
-    if _NUMBER_TOKEN.fullmatch(raw, 1, len(raw) - 1):
+    number = _quoted_number(raw)
+    if number is None:
+        raise Refused(f"expected a number or a string holding one, got {_describe_token(raw)}")
+    return number
+
+
+def _quoted_number(raw: bytes) -> bytes | None:
+    """The number token a JSON string token holds (`"12.50"` -> `12.50`), exactly as written
+    inside the quotes; None for any other token."""
+    if raw[:1] == b'"' and _NUMBER_TOKEN.fullmatch(raw, 1, len(raw) - 1):
         return raw[1:-1]
-    raise Refused(f"expected a number or a string holding one, got {_describe_token(raw)}")
+    return None
 
 
 def _not_a_number(raw: bytes, expected: str) -> Refused:
     """The refusal of a token that is not a JSON number; for a string holding one, how to read it."""
-    hint = ""
-    if raw[:1] == b'"' and _NUMBER_TOKEN.fullmatch(raw, 1, len(raw) - 1):
-        hint = ": set the column's quoted_numbers: true to read numbers written as strings"
+    hint = (
+        ""
+        if _quoted_number(raw) is None
+        else ": set the column's quoted_numbers: true to read numbers written as strings"
+    )
     return Refused(f"expected {expected}, got {_describe_token(raw)}{hint}")
 
 

@@ -249,12 +249,8 @@ def commit_group_offsets(
         if all(tp.error.code() in _GROUP_REFUSALS for tp in failed):
             raise ConsumerGroupRefusedError.refused(group, topic, detail)
         error = next(tp.error for tp in failed if tp.error.code() not in _GROUP_REFUSALS)
-        refused = refusal([error])
-        if refused is not None:
-            raise KafkaAuthenticationError.refused(str(kafka), refused, error.str(), topic=topic)
-        if error.code() in _NO_ANSWER:
-            raise _unavailable(kafka, timeout_s, f"setting consumer group {group}'s offsets: {detail}", topic=topic)
-        raise _answered(kafka, error, f"setting consumer group {group}'s offsets: {detail}", topic=topic)
+        what = f"setting consumer group {group}'s offsets: {detail}"
+        raise _unavailable(kafka, timeout_s, what, topic=topic, error=error)
 
 
 # The broker's answers to an offset commit that mean "not this group, not this client": retrying
@@ -345,26 +341,21 @@ def _unavailable(
     *,
     topic: str | None = None,
     partition: int | None = None,
+    error: KafkaError | None = None,
 ) -> KafkaUnavailableError | KafkaAuthenticationError | KafkaRequestError:
     """The error for a request that failed: a refusal (credentials, TLS) when librdkafka reported
-    one (`errors`, from the client's error callback); a request refused as invalid or unsupported
-    (not retried); an error Kafka answered with; else a cluster that did not answer (the last two
-    retryable)."""
-    error = cause.args[0] if isinstance(cause, KafkaException) and cause.args else None
-    for reported in [*(errors or []), *([error] if isinstance(error, KafkaError) else [])]:
+    one (`errors`, from the client's error callback, or `error`: the request's own, by default the
+    one `cause` carries); a request refused as invalid or unsupported (not retried); an error Kafka
+    answered with; else a cluster that did not answer (the last two retryable)."""
+    if error is None and isinstance(cause, KafkaException) and cause.args and isinstance(cause.args[0], KafkaError):
+        error = cause.args[0]
+    for reported in [*(errors or []), *([error] if error is not None else [])]:
         refused = refusal([reported])
         if refused is not None:
             return KafkaAuthenticationError.refused(str(kafka), refused, reported.str(), topic=topic)
-    if isinstance(error, KafkaError) and error.code() not in _NO_ANSWER:
-        return _answered(kafka, error, f"{error.name()} ({error.str()})", topic=topic, partition=partition)
-    return KafkaUnavailableError.no_answer(str(kafka), timeout_s, str(cause), topic=topic, partition=partition)
-
-
-def _answered(
-    kafka: KafkaLike, error: KafkaError, detail: str, *, topic: str | None, partition: int | None = None
-) -> KafkaUnavailableError | KafkaRequestError:
-    """A request that got an error (`detail` names it): an invalid request (not retried), an error
-    the client itself reported, or one the brokers answered with (both retryable)."""
+    if error is None or error.code() in _NO_ANSWER:
+        return KafkaUnavailableError.no_answer(str(kafka), timeout_s, str(cause), topic=topic, partition=partition)
+    detail = f"{error.name()} ({error.str()})" if isinstance(cause, KafkaException) else str(cause)
     if error.code() in _INVALID_REQUESTS:
         return KafkaRequestError.refused(str(kafka), detail, topic=topic, partition=partition)
     if error.code() < 0:  # librdkafka's own codes are negative, the protocol's positive
