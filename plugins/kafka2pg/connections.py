@@ -13,7 +13,8 @@ import sys
 from contextlib import nullcontext, redirect_stdout
 from typing import Any
 
-from psycopg.conninfo import make_conninfo
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from kafka2pg.config import (
     DEFAULT_KAFKA_CONN_ID,
@@ -23,6 +24,7 @@ from kafka2pg.config import (
     common_settings,
     kafka_from_env,
 )
+from kafka2pg.database import describe
 from kafka2pg.exceptions import ConfigError
 from kafka2pg.kafka_config import KafkaConfig
 from kafka2pg.locations import state_dir
@@ -71,8 +73,8 @@ def services(
 ) -> Settings:
     """Settings from these Airflow Connections, or else the environment's fallback."""
     env = dict(os.environ if env is None else env)
-    database_url = _postgres_url(postgres_conn_id) or env.get("KAFKA2PG_DATABASE_URL")
-    kafka = _kafka_config(kafka_config_id) or kafka_from_env(env)
+    database_url = _database(postgres_conn_id, env, who)
+    kafka = _kafka(kafka_config_id, env, who)
     _require(
         who,
         [
@@ -89,9 +91,62 @@ def database_url(
 ) -> str:
     """The PostgreSQL connection alone (for commands that never ask Kafka: migrate, grant)."""
     env = dict(os.environ if env is None else env)
-    url = _postgres_url(postgres_conn_id) or env.get("KAFKA2PG_DATABASE_URL")
+    url = _database(postgres_conn_id, env, who)
     _require(who, [(postgres_conn_id, "KAFKA2PG_DATABASE_URL", url)], env)
     return url
+
+
+def _database(conn_id: str, env: dict[str, str], who: str) -> str | None:
+    """The connection's URL, else KAFKA2PG_DATABASE_URL; a warning when both lead to different places."""
+    url, fallback = _postgres_url(conn_id), env.get("KAFKA2PG_DATABASE_URL")
+    if url and fallback:
+        used, ignored = describe(url), describe(fallback)
+        if used == ignored:  # the same server and database: another user, password or libpq option
+            ignored += ", with another user, password or option"
+        _warn_ignored(who, conn_id, used, "KAFKA2PG_DATABASE_URL", ignored, _same_conninfo(url, fallback))
+    return url or fallback
+
+
+def _same_conninfo(one: str, other: str) -> bool:
+    """Whether two connection strings (URL or key=value) say the same to libpq."""
+    try:
+        return conninfo_to_dict(one) == conninfo_to_dict(other)
+    except psycopg.ProgrammingError:  # a malformed one: the connection fails later, naming it
+        return False
+
+
+def _kafka(conn_id: str, env: dict[str, str], who: str) -> KafkaConfig | None:
+    """The connection's client config, else the environment's; a warning when both are set and differ."""
+    config = _kafka_config(conn_id)
+    if config is None:
+        return kafka_from_env(env)
+    variables = [v for v in ("KAFKA2PG_KAFKA_CONFIG", "KAFKA2PG_BOOTSTRAP_SERVERS") if env.get(v)]
+    if variables:
+        try:
+            fallback = kafka_from_env(env)
+        except ConfigError as exc:  # not used: said, not raised
+            shown, same = f"unreadable: {exc}", False
+        else:
+            shown, same = str(fallback), fallback == config
+        _warn_ignored(who, conn_id, str(config), " and ".join(variables), shown, same)
+    return config
+
+
+def _warn_ignored(who: str, conn_id: str, used: str, variables: str, ignored: str, same: bool) -> None:
+    """Say that the Airflow connection wins over the environment's fallback, where that changes
+    anything: what each names (never a user name or a secret), so that a forgotten
+    connection or a stale variable does not go unnoticed."""
+    if same:
+        return
+    log.warning(
+        "%s: the Airflow connection %r (%s) is used; %s (%s) is set too and ignored: the connection "
+        "wins. Delete the connection to use the variable, or unset the variable to silence this",
+        who,
+        conn_id,
+        used,
+        variables,
+        ignored,
+    )
 
 
 def _require(who: str, found: list[tuple[str, str, object]], env: dict[str, str]) -> None:

@@ -114,3 +114,61 @@ def test_a_connection_variable_airflow_cannot_read_is_refused_not_skipped_for_th
     message = str(error.value)
     assert "the Airflow connection 'kafka2pg_postgres': AIRFLOW_CONN_KAFKA2PG_POSTGRES is set but Airflow" in message
     assert "S3cretPW" not in message
+
+
+def test_a_connection_beside_a_different_fallback_is_used_and_the_ignored_variable_named(
+    pipelines, monkeypatch, caplog
+):
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", "postgres://runner:C0nnPW@db.example:6432/warehouse")
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", json.dumps({"conn_type": "kafka", "host": "k1", "port": 9093}))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://old:EnvPW@127.0.0.1:5432/kafka2pg")
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+
+    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
+        settings = settings_for(pipelines["orders"])
+
+    assert conninfo_to_dict(settings.database_url)["host"] == "db.example"
+    assert settings.kafka.servers == "k1:9093"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any(
+        "the Airflow connection 'kafka2pg_postgres' (db.example:6432/warehouse) is used; KAFKA2PG_DATABASE_URL "
+        "(127.0.0.1:5432/kafka2pg) is set too and ignored" in w
+        for w in warnings
+    ), warnings
+    assert any(
+        "the Airflow connection 'kafka2pg_kafka' (k1:9093) is used; KAFKA2PG_BOOTSTRAP_SERVERS (127.0.0.1:9092)" in w
+        for w in warnings
+    ), warnings
+    assert not any(secret in w for w in warnings for secret in ("C0nnPW", "EnvPW", "runner", "old:"))
+
+
+def test_the_same_services_from_a_connection_and_the_environment_say_nothing(pipelines, monkeypatch, caplog):
+    url = "postgresql://u:pw@db.example:5432/warehouse"
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", "postgres://u:pw@db.example:5432/warehouse")
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", json.dumps({"conn_type": "kafka", "host": "k1", "port": 9093}))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", url)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "k1:9093")
+
+    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
+        settings = settings_for(pipelines["orders"])
+
+    assert conninfo_to_dict(settings.database_url) == conninfo_to_dict(url)
+    assert [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()] == []
+
+
+def test_another_role_on_the_same_database_and_an_unreadable_kafka_fallback_are_named_not_raised(
+    pipelines, monkeypatch, caplog
+):
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", "postgres://runner:pw@db.example:5432/warehouse")
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", json.dumps({"conn_type": "kafka", "host": "k1", "port": 9093}))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://owner:S3cret@db.example:5432/warehouse")
+    monkeypatch.setenv("KAFKA2PG_KAFKA_CONFIG", '{"bootstrap.servers": ')
+
+    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
+        settings = settings_for(pipelines["orders"])
+
+    assert settings.kafka.servers == "k1:9093"
+    warnings = " | ".join(r.getMessage() for r in caplog.records)
+    assert "(db.example:5432/warehouse, with another user, password or option) is set too and ignored" in warnings
+    assert "KAFKA2PG_KAFKA_CONFIG (unreadable: KAFKA2PG_KAFKA_CONFIG is not a JSON object" in warnings
+    assert "S3cret" not in warnings and "owner" not in warnings
