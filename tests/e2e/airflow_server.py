@@ -131,9 +131,14 @@ def _env(home: Path, port: int, db_url: str, extra: dict[str, str]) -> dict[str,
 
 @contextlib.contextmanager
 def running_airflow(
-    work: Path, database_url: str, extra_env: dict[str, str], timeout_s: float = 240
+    work: Path,
+    database_url: str,
+    extra_env: dict[str, str],
+    timeout_s: float = 240,
+    extra_commands: dict[str, list[str]] | None = None,
 ) -> Iterator[AirflowServer]:
-    """Migrate a fresh metadata DB, start the four components, wait until healthy; stop them by PID."""
+    """Migrate a fresh metadata DB, start the four components (and `extra_commands`: an executor's
+    workers), wait until healthy; stop them by PID."""
     home, logs = work / "home", work / "logs"
     home.mkdir(parents=True, exist_ok=True)
     logs.mkdir(exist_ok=True)
@@ -143,6 +148,7 @@ def running_airflow(
         "scheduler": ["airflow", "scheduler"],
         "dag-processor": ["airflow", "dag-processor"],
         "triggerer": ["airflow", "triggerer"],
+        **(extra_commands or {}),
     }
     server = AirflowServer(port, _env(home, port, _metadata_db(database_url), extra_env), logs, work, commands)
     with open(logs / "db-migrate.log", "w") as out:
@@ -262,3 +268,27 @@ def api(method: str, url: str, *, deadline_s: float = 180, **kwargs) -> requests
             if time.monotonic() > deadline:
                 raise
             time.sleep(2)
+
+
+def trigger(server: AirflowServer, dag_id: str, conf: dict) -> str:
+    created = api("POST", f"{server.api}/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
+    assert created.ok, created.text
+    return created.json()["dag_run_id"]
+
+
+def finished_run(server: AirflowServer, dag_id: str, run_id: str, timeout_s: float = 600) -> dict:
+    def done():
+        run = api("GET", f"{server.api}/dags/{dag_id}/dagRuns/{run_id}").json()
+        return run if run["state"] in ("success", "failed") else None
+
+    return wait_for(done, timeout_s=timeout_s, what=f"run {run_id}")
+
+
+def task_instance(server: AirflowServer, dag_id: str, run_id: str, task_id: str) -> dict:
+    return api("GET", f"{server.api}/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}").json()
+
+
+def wait_dag_unpaused(server: AirflowServer, dag_id: str) -> None:
+    """Wait until the dag-processor has parsed `dag_id`, then unpause it."""
+    wait_for(lambda: api("GET", f"{server.api}/dags/{dag_id}/details").ok, timeout_s=180, what=f"DAG {dag_id} parsed")
+    assert api("PATCH", f"{server.api}/dags/{dag_id}", json={"is_paused": False}).ok

@@ -9,7 +9,17 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
-from airflow_server import api, compose_airflow_env, running_airflow, wait_for, wait_healthy
+from airflow_server import (
+    api,
+    compose_airflow_env,
+    finished_run,
+    running_airflow,
+    task_instance,
+    trigger,
+    wait_dag_unpaused,
+    wait_for,
+    wait_healthy,
+)
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline, format_audit
@@ -33,24 +43,6 @@ def airflow_env(env) -> dict[str, str]:
         # scheduler as dead after 30 s without heartbeat (the default threshold).
         "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "10",
     }
-
-
-def trigger(server, dag_id: str, conf: dict) -> str:
-    created = api("POST", f"{server.api}/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
-    assert created.ok, created.text
-    return created.json()["dag_run_id"]
-
-
-def finished_run(server, dag_id: str, run_id: str) -> dict:
-    def done():
-        run = api("GET", f"{server.api}/dags/{dag_id}/dagRuns/{run_id}").json()
-        return run if run["state"] in ("success", "failed") else None
-
-    return wait_for(done, timeout_s=600, what=f"run {run_id}")
-
-
-def task_instance(server, dag_id: str, run_id: str, task_id: str) -> dict:
-    return api("GET", f"{server.api}/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}").json()
 
 
 def run_links_and_log_end(server, dag_id: str, run_id: str, task_id: str) -> tuple[dict, list[str]]:
@@ -101,6 +93,23 @@ def assert_exactly_once(db, env, produced: int) -> None:
     assert sum(a.matched for a in audits) == produced
 
 
+def run_between_two_batches(server, db, env, seed: int) -> tuple[str, int]:
+    """Produce MORE records, trigger a run of several BATCH-record batches and wait until its
+    Spark job is between two of them (the stage task running, some batches promoted, not all);
+    the run's id and its batch count."""
+    produce_sample(env.settings.bootstrap_servers, env.topic, MORE, seed=seed)
+    batches = MORE // BATCH
+    dag_id = env.pipeline.dag_id
+    run_id = trigger(server, dag_id, {"max_records_per_batch": BATCH, "batches_per_run": batches + 2})
+
+    def in_the_middle():
+        staging = task_instance(server, dag_id, run_id, "read_and_stage").get("state") == "running"
+        return staging and 1 <= promoted_batches(db, env, run_id) < batches
+
+    wait_for(in_the_middle, timeout_s=400, interval_s=0.5, what="the run's Spark job between two batches")
+    return run_id, batches
+
+
 def test_pipeline_dag_on_airflow_services_survives_a_scheduler_kill(make_pipeline, db, tmp_path):
     env = make_pipeline(partitions=3)
     produce_sample(env.settings.bootstrap_servers, env.topic, FIRST, seed=31)
@@ -111,12 +120,7 @@ def test_pipeline_dag_on_airflow_services_survives_a_scheduler_kill(make_pipelin
     with running_airflow(tmp_path / "airflow", env.settings.database_url, extra) as server:
         # The tasks can only find their services through the connections.
         assert not {"KAFKA2PG_DATABASE_URL", "KAFKA2PG_BOOTSTRAP_SERVERS", "KAFKA2PG_KAFKA_CONFIG"} & set(server.env)
-        wait_for(
-            lambda: api("GET", f"{server.api}/dags/{dag_id}/details").ok,
-            timeout_s=180,
-            what=f"DAG {dag_id} parsed",
-        )
-        assert api("PATCH", f"{server.api}/dags/{dag_id}", json={"is_paused": False}).ok
+        wait_dag_unpaused(server, dag_id)
 
         # 1. One triggered run loads the backlog.
         run_id = trigger(server, dag_id, {})
@@ -137,15 +141,7 @@ def test_pipeline_dag_on_airflow_services_survives_a_scheduler_kill(make_pipelin
             assert check in report.text, check
 
         # 2. A run of several batches; the scheduler SIGKILLed while its Spark job is between batches.
-        produce_sample(env.settings.bootstrap_servers, env.topic, MORE, seed=32)
-        batches = MORE // BATCH
-        run_id = trigger(server, dag_id, {"max_records_per_batch": BATCH, "batches_per_run": batches + 2})
-
-        def in_the_middle():
-            staging = task_instance(server, dag_id, run_id, "read_and_stage").get("state") == "running"
-            return staging and 1 <= promoted_batches(db, env, run_id) < batches
-
-        wait_for(in_the_middle, timeout_s=400, interval_s=0.5, what="the run's Spark job between two batches")
+        run_id, batches = run_between_two_batches(server, db, env, seed=32)
         killed = server.procs["scheduler"].pid
         killed_at = datetime.now(UTC)
         promoted_at_kill = promoted_batches(db, env, run_id)
