@@ -24,7 +24,7 @@ from kafka2pg.config import (
     common_settings,
     kafka_from_env,
 )
-from kafka2pg.database import describe
+from kafka2pg.database import describe, password_misread
 from kafka2pg.exceptions import ConfigError
 from kafka2pg.kafka_config import KafkaConfig
 from kafka2pg.locations import state_dir
@@ -99,18 +99,28 @@ def database_url(
 def _database(conn_id: str, env: dict[str, str], who: str) -> str | None:
     """The connection's URL, else KAFKA2PG_DATABASE_URL; a warning when both lead to different places."""
     url, fallback = _postgres_url(conn_id), env.get("KAFKA2PG_DATABASE_URL")
-    if url and fallback:
-        used, ignored = describe(url), describe(fallback)
-        if used == ignored:  # the same server and database: another user, password or libpq option
-            ignored += ", with another user, password or option"
-        _warn_ignored(who, conn_id, used, "KAFKA2PG_DATABASE_URL", ignored, _same_conninfo(url, fallback))
+    if url and fallback and not _same_conninfo(url, fallback):
+        used = describe(url)
+        if password_misread(fallback):  # `describe` would show what libpq took for its host or port
+            ignored = "a URL libpq misreads: percent-encode the special characters of its password"
+        else:
+            ignored = describe(fallback)
+            if used == ignored:  # the same server and database: another user, password or libpq option
+                ignored += ", with another user, password or option"
+        _warn_ignored(who, conn_id, used, "KAFKA2PG_DATABASE_URL", ignored)
     return url or fallback
 
 
 def _same_conninfo(one: str, other: str) -> bool:
-    """Whether two connection strings (URL or key=value) say the same to libpq."""
+    """Whether two connection strings (URL or key=value) say the same to libpq: an empty value is
+    no value (a connection without a password gives `password=''`), the port 5432 unless given."""
+
+    def params(conninfo: str) -> dict[str, str]:
+        given = {k: v for k, v in conninfo_to_dict(conninfo).items() if v not in (None, "")}
+        return {"port": "5432", **given}
+
     try:
-        return conninfo_to_dict(one) == conninfo_to_dict(other)
+        return params(one) == params(other)
     except psycopg.ProgrammingError:  # a malformed one: the connection fails later, naming it
         return False
 
@@ -125,19 +135,28 @@ def _kafka(conn_id: str, env: dict[str, str], who: str) -> KafkaConfig | None:
         try:
             fallback = kafka_from_env(env)
         except ConfigError as exc:  # not used: said, not raised
-            shown, same = f"unreadable: {exc}", False
+            ignored = f"unreadable: {exc}"
         else:
-            shown, same = str(fallback), fallback == config
-        _warn_ignored(who, conn_id, str(config), " and ".join(variables), shown, same)
+            ignored = None if fallback == config else str(fallback)
+            if ignored == str(config):  # the same servers and protocol: other properties
+                ignored += ", with other properties"
+        if ignored is not None:
+            _warn_ignored(who, conn_id, str(config), " and ".join(variables), ignored)
     return config
 
 
-def _warn_ignored(who: str, conn_id: str, used: str, variables: str, ignored: str, same: bool) -> None:
-    """Say that the Airflow connection wins over the environment's fallback, where that changes
-    anything: what each names (never a user name or a secret), so that a forgotten
-    connection or a stale variable does not go unnoticed."""
-    if same:
+_warned: set[tuple[str, ...]] = set()
+
+
+def _warn_ignored(who: str, conn_id: str, used: str, variables: str, ignored: str) -> None:
+    """Say that the Airflow connection wins over the environment's fallback that leads elsewhere:
+    what each names (never a user name or a secret), so that a forgotten connection or a stale
+    variable does not go unnoticed. Once per process for the same pair (a CLI command or a web
+    page reads every pipeline's services)."""
+    said = (who, conn_id, used, variables, ignored)
+    if said in _warned:
         return
+    _warned.add(said)
     log.warning(
         "%s: the Airflow connection %r (%s) is used; %s (%s) is set too and ignored: the connection "
         "wins. Delete the connection to use the variable, or unset the variable to silence this",

@@ -43,7 +43,7 @@ def hide_password(text: str, url: str) -> str:
     the URL: a password with an unencoded `/`, `@`, `?` or `#` is read partly as the host, port
     or database, which its messages and `describe` then show. A URL libpq reads as written
     shows no password anywhere: `text` is returned as it is."""
-    if not _password_misread(url):
+    if not password_misread(url):
         return text
     rest = url.partition("://")[2]
     password = rest[: rest.rfind("@")].partition(":")[2]
@@ -55,7 +55,7 @@ def hide_password(text: str, url: str) -> str:
     return text
 
 
-def _password_misread(url: str) -> bool:
+def password_misread(url: str) -> bool:
     """Whether libpq read part of a URL's user-info as its host, port or database."""
     if "://" not in url or "@" not in url:
         return False
@@ -87,7 +87,7 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
         ) from None
     except psycopg.OperationalError as exc:
         message = hide_password(_one_line(exc), url)
-        if _password_misread(url):
+        if password_misread(url):
             message = (
                 f"{_sentence(message)} Part of the URL's password was read as its host, port or database: in a "
                 "URL, percent-encode / @ ? # : in the password (%2F %40 %3F %23 %3A)"

@@ -43,7 +43,14 @@ def running_redis(work: Path):
             stderr=subprocess.STDOUT,
         )
     try:
-        wait_for(lambda: "Ready to accept connections" in (work / "redis.log").read_text(), 60, 0.2, "redis")
+
+        def ready() -> bool:
+            log = (work / "redis.log").read_text(errors="replace")
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {proc.returncode}:\n{log[-2000:]}")
+            return "Ready to accept connections" in log
+
+        wait_for(ready, 60, 0.2, "redis")
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()

@@ -172,3 +172,45 @@ def test_another_role_on_the_same_database_and_an_unreadable_kafka_fallback_are_
     assert "(db.example:5432/warehouse, with another user, password or option) is set too and ignored" in warnings
     assert "KAFKA2PG_KAFKA_CONFIG (unreadable: KAFKA2PG_KAFKA_CONFIG is not a JSON object" in warnings
     assert "S3cret" not in warnings and "owner" not in warnings
+
+
+def test_the_local_stacks_connection_and_fallback_say_the_same_once_warned_never(pipelines, monkeypatch, caplog):
+    # As `./kafka2pg stack start` writes them (stack.env): no password, the port given on both sides.
+    postgres = {"conn_type": "postgres", "host": "127.0.0.1", "port": 5433, "login": "postgres", "schema": "kafka2pg"}
+    kafka = {"conn_type": "kafka", "extra": {"bootstrap.servers": "127.0.0.1:9092"}}
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", json.dumps(postgres))
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", json.dumps(kafka))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://postgres@127.0.0.1:5433/kafka2pg")
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+
+    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
+        settings_for(pipelines["orders"])
+        monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://postgres@127.0.0.1/kafka2pg")  # 5432
+        monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", json.dumps({**postgres, "port": None}))
+        settings_for(pipelines["orders"])
+    assert [r.getMessage() for r in caplog.records] == []
+
+    # A different one is said once per process, however often the services are read.
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "127.0.0.1:19092")
+    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
+        for _ in range(3):
+            settings_for(pipelines["orders"])
+    assert len([r for r in caplog.records if "KAFKA2PG_BOOTSTRAP_SERVERS (127.0.0.1:19092)" in r.getMessage()]) == 1
+
+
+def test_an_ignored_url_libpq_misreads_is_not_shown(pipelines, monkeypatch, caplog):
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", "postgres://runner:pw@db.example:5432/warehouse")
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", json.dumps({"conn_type": "kafka", "host": "k1", "port": 9093}))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://admin:p/w@db/x")  # read as host 'admin', port 'p'
+    monkeypatch.setenv(
+        "KAFKA2PG_KAFKA_CONFIG",
+        json.dumps({"bootstrap.servers": "k1:9093", "client.id": "clientX", "sasl.password": "Kafka$ecret"}),
+    )
+
+    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
+        settings_for(pipelines["orders"])
+
+    warnings = " | ".join(r.getMessage() for r in caplog.records)
+    assert "KAFKA2PG_DATABASE_URL (a URL libpq misreads: percent-encode" in warnings
+    assert "KAFKA2PG_KAFKA_CONFIG (k1:9093, with other properties) is set too and ignored" in warnings
+    assert not any(secret in warnings for secret in ("admin", "p/w", "Kafka$ecret", "clientX"))
