@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -60,6 +61,9 @@ class StageOperator(SparkSubmitOperator):
             probe = self._get_hook()
             master, deploy_mode = probe._connection["master"], probe._connection["deploy_mode"]
             self._require_connection(probe, master)
+            home = pip_spark_home(probe._connection["spark_binary"], {**os.environ, **(self.env_vars or {})})
+            if home:
+                services["SPARK_HOME"] = home
             if not remote_env_master(master):
                 self.env_vars = {**(self.env_vars or {}), **services}
                 return self._submit(context)  # the provider builds its hook with these env_vars
@@ -223,6 +227,36 @@ def _descendants(root: int) -> list[int]:
 def remote_env_master(master: str) -> bool:
     """Masters for which the spark provider puts `env_vars` on the command line (its own test)."""
     return "yarn" in master or "k8s" in master
+
+
+def pip_spark_home(spark_binary: str, environ: dict[str, str]) -> str | None:
+    """The SPARK_HOME a pip-installed pyspark's spark-submit would find for itself, found here
+    when its own script cannot: `find-spark-home` runs `$PYSPARK_DRIVER_PYTHON` (else
+    `$PYSPARK_PYTHON`) unquoted, so a Python whose path has a space (a virtualenv under
+    `/opt/My Airflow`) fails every submit with "No such file or directory". Then this runs the
+    same `find_spark_home.py` beside that spark-submit with the same Python, quoted. None (leave
+    spark-submit alone) when SPARK_HOME is set, the Python's path has no whitespace, the
+    spark-submit is not pyspark's (a Spark distribution finds its home by its own location), or
+    the script fails (spark-submit then says why)."""
+    python = environ.get("PYSPARK_DRIVER_PYTHON") or environ.get("PYSPARK_PYTHON") or ""
+    if environ.get("SPARK_HOME") or not any(c.isspace() for c in python):
+        return None
+    found = shutil.which(spark_binary, path=environ.get("PATH"))
+    script = found and Path(found).parent / "find_spark_home.py"  # as find-spark-home names it: unresolved
+    if not script or not script.is_file():
+        return None
+    try:
+        done = subprocess.run([python, str(script)], env=environ, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("finding SPARK_HOME with %s failed (%s): spark-submit tries it itself", python, exc)
+        return None
+    home = done.stdout.strip()
+    if done.returncode or not home:
+        return None
+    log.info(
+        "SPARK_HOME for spark-submit: %s (pyspark's own script cannot run %r, whose path has a space)", home, python
+    )
+    return home
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
-"""kafka2pg as a user installs it: the wheel pip-installed into a fresh virtualenv outside the checkout, a
-DAGs folder holding only the DAG file and a pipelines.yaml, the services as Airflow Connections. That
-venv's `kafka2pg migrate` and `airflow dags test` land every produced event, and nothing they run reads
-the checkout: an audit hook in every Python process of the venv records any file opened or folder listed
-under it, and spark-submit is given the job file inside the installed package."""
+"""kafka2pg as a user installs it: the wheel pip-installed into a fresh virtualenv outside the checkout
+(under a path with a space, its Python the executors' PYSPARK_PYTHON), a DAGs folder holding only the
+DAG file and a pipelines.yaml, the services as Airflow Connections. That venv's `kafka2pg migrate` and
+`airflow dags test` land every produced event, and nothing they run reads the checkout: an audit hook
+in every Python process of the venv records any file opened or folder listed under it, and
+spark-submit is given the job file inside the installed package."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -99,7 +101,9 @@ def venv(tmp_path_factory) -> Path:
     # installed, so one missing from pyproject.toml fails this test; dev tools are not installed.
     constraints = work / "constraints.txt"
     constraints.write_text(re.sub(r"\[[^\]]*\]", "", (ROOT / "requirements.txt").read_text()))
-    target = work / "venv"
+    # Under a path with a space, as `/opt/My Airflow/venv` (pyspark's own spark-submit script runs
+    # $PYSPARK_PYTHON unquoted: the stage task finds SPARK_HOME for it).
+    target = work / "Airflow venv"
     run(["python3.11", "-m", "venv", str(target)], outside, work, work / "venv.log")
     # --no-compile: Python compiles what it imports; compiling every module of ~300 packages ahead
     # doubles the install time.
@@ -147,6 +151,7 @@ def test_the_installed_wheel_runs_a_dag_copied_alone_without_the_checkout(venv, 
         "HOME": str(home),
         "LANG": "C.UTF-8",
         "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": str(venv / "bin" / "python"),  # the executors' Python: this venv's
         "AIRFLOW_HOME": str(tmp_path / "airflow"),
         "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
@@ -172,7 +177,11 @@ def test_the_installed_wheel_runs_a_dag_copied_alone_without_the_checkout(venv, 
     submitted = [line for line in output.splitlines() if "Spark-Submit cmd:" in line]
     assert submitted and str(job) in submitted[0], output[-4000:]
     # Spark's logging configured from the log4j2 file the wheel ships.
-    assert f"-Dlog4j2.configurationFile={site_packages / 'kafka2pg' / 'log4j2.properties'} " in submitted[0]
+    # (quoted for Spark's split of the options: the venv's path has a space)
+    log_config = shlex.quote(str(site_packages / "kafka2pg" / "log4j2.properties"))
+    assert f"-Dlog4j2.configurationFile={log_config} " in submitted[0]
+    # pyspark's spark-submit could not find its home with that Python: the task found it.
+    assert f"SPARK_HOME for spark-submit: {site_packages / 'pyspark'} " in output, output[-4000:]
     assert str(ROOT) not in migrated + output
     # The default state directory of an installation: under HOME, not in site-packages.
     assert (home / ".cache" / "kafka2pg" / "spark").is_dir()

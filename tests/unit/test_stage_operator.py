@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk.exceptions import AirflowFailException
 
 from kafka2pg.scratch import folder_name
-from kafka2pg.stage_operator import StageOperator
+from kafka2pg.stage_operator import StageOperator, pip_spark_home
 
 SECRET = "pw-8c1f0e-never-printed"
 SERVICES = {
@@ -187,3 +188,43 @@ def test_a_spark_submit_that_airflow_itself_stopped_is_not_reported_as_killed(mo
     with pytest.raises(AirflowException, match="Cannot execute") as raised:
         operator.execute({})
     assert not isinstance(raised.value, SparkSessionLost)
+
+
+@pytest.fixture
+def pip_installed_spark(tmp_path, monkeypatch):
+    """A pyspark-like bin folder on PATH (a spark-submit and the find_spark_home.py beside it,
+    which prints the home it finds) and this test's Python under a path with a space."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "spark-submit").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "spark-submit").chmod(0o755)
+    (bin_dir / "find_spark_home.py").write_text("import sys\nprint('/opt/found home/pyspark:' + sys.executable)\n")
+    spaced = tmp_path / "My Airflow" / "python"
+    spaced.parent.mkdir()
+    spaced.symlink_to(sys.executable)
+    monkeypatch.delenv("SPARK_HOME", raising=False)
+    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("PYSPARK_DRIVER_PYTHON", str(spaced))
+    return spaced
+
+
+@pytest.mark.parametrize("connection", [{"host": "local[2]"}, {"host": "yarn"}], ids=["local", "yarn"])
+def test_a_python_whose_path_has_a_space_gets_spark_submit_its_spark_home(
+    monkeypatch, submitted, pip_installed_spark, connection
+):
+    """pyspark's find-spark-home runs $PYSPARK_DRIVER_PYTHON unquoted: the task runs its script
+    with that Python, quoted, and hands spark-submit the home it prints."""
+    run_stage(monkeypatch, connection)
+    assert submitted["env"]["SPARK_HOME"] == f"/opt/found home/pyspark:{pip_installed_spark}"
+    assert "SPARK_HOME" not in os.environ  # not left in the task's own environment
+
+
+def test_spark_home_is_left_to_spark_submit_unless_its_script_would_fail(monkeypatch, pip_installed_spark, tmp_path):
+    environ = dict(os.environ)
+    assert pip_spark_home("spark-submit", environ) == f"/opt/found home/pyspark:{pip_installed_spark}"
+    assert pip_spark_home("spark-submit", {**environ, "SPARK_HOME": "/opt/spark"}) is None
+    assert pip_spark_home("spark-submit", {**environ, "PYSPARK_DRIVER_PYTHON": sys.executable}) is None
+    # A Spark distribution's spark-submit (no find_spark_home.py beside it) finds its home by its place.
+    (tmp_path / "venv" / "bin" / "find_spark_home.py").unlink()
+    assert pip_spark_home("spark-submit", environ) is None
