@@ -61,11 +61,8 @@ class StageOperator(SparkSubmitOperator):
             probe = self._get_hook()
             master, deploy_mode = probe._connection["master"], probe._connection["deploy_mode"]
             self._require_connection(probe, master)
-            home = pip_spark_home(probe._connection["spark_binary"], {**os.environ, **(self.env_vars or {})})
-            if home:
-                services["SPARK_HOME"] = home
             if not remote_env_master(master):
-                self.env_vars = {**(self.env_vars or {}), **services}
+                self.env_vars = {**(self.env_vars or {}), **services, **self._spark_home(probe, self.env_vars)}
                 return self._submit(context)  # the provider builds its hook with these env_vars
             if deploy_mode == "cluster":
                 raise ConfigError(
@@ -76,8 +73,16 @@ class StageOperator(SparkSubmitOperator):
                     master=master,
                     deploy_mode=deploy_mode,
                 )
+            # spark-submit runs with this task's environment (the provider puts env_vars on the
+            # command line for these masters).
+            services.update(self._spark_home(probe, {}))
         with _environment(services):
             return self._submit(context)
+
+    def _spark_home(self, hook: Any, env_vars: dict[str, str] | None) -> dict[str, str]:
+        """SPARK_HOME for spark-submit, where pyspark's own script cannot find it (`pip_spark_home`)."""
+        home = pip_spark_home(hook._connection["spark_binary"], {**os.environ, **(env_vars or {})})
+        return {"SPARK_HOME": home} if home else {}
 
     def _submit(self, context: Any) -> None:
         """The provider's spark-submit; one that a signal ended (the stage job's Python driver's
@@ -241,12 +246,16 @@ def pip_spark_home(spark_binary: str, environ: dict[str, str]) -> str | None:
     python = environ.get("PYSPARK_DRIVER_PYTHON") or environ.get("PYSPARK_PYTHON") or ""
     if environ.get("SPARK_HOME") or not any(c.isspace() for c in python):
         return None
+    if not os.access(python, os.X_OK):  # a command with arguments (`/usr/bin/env python3`): the script runs it
+        return None
     found = shutil.which(spark_binary, path=environ.get("PATH"))
     script = found and Path(found).parent / "find_spark_home.py"  # as find-spark-home names it: unresolved
     if not script or not script.is_file():
         return None
     try:
-        done = subprocess.run([python, str(script)], env=environ, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [python, str(script)], env=environ, capture_output=True, text=True, errors="replace", timeout=120
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         log.warning("finding SPARK_HOME with %s failed (%s): spark-submit tries it itself", python, exc)
         return None

@@ -225,6 +225,13 @@ def test_spark_home_is_left_to_spark_submit_unless_its_script_would_fail(monkeyp
     assert pip_spark_home("spark-submit", environ) == f"/opt/found home/pyspark:{pip_installed_spark}"
     assert pip_spark_home("spark-submit", {**environ, "SPARK_HOME": "/opt/spark"}) is None
     assert pip_spark_home("spark-submit", {**environ, "PYSPARK_DRIVER_PYTHON": sys.executable}) is None
+    # Without PYSPARK_DRIVER_PYTHON, PYSPARK_PYTHON, as pyspark's script takes it.
+    fallback = {k: v for k, v in environ.items() if k != "PYSPARK_DRIVER_PYTHON"}
+    assert pip_spark_home("spark-submit", {**fallback, "PYSPARK_PYTHON": str(pip_installed_spark)}) == (
+        f"/opt/found home/pyspark:{pip_installed_spark}"
+    )
+    # A command with arguments is what the script runs, unquoted, as it should.
+    assert pip_spark_home("spark-submit", {**environ, "PYSPARK_DRIVER_PYTHON": "/usr/bin/env python3"}) is None
     # A Spark distribution's spark-submit (no find_spark_home.py beside it) finds its home by its place.
     (tmp_path / "venv" / "bin" / "find_spark_home.py").unlink()
     assert pip_spark_home("spark-submit", environ) is None
