@@ -116,20 +116,33 @@ def test_a_connection_variable_airflow_cannot_read_is_refused_not_skipped_for_th
     assert "S3cretPW" not in message
 
 
+K1 = json.dumps({"conn_type": "kafka", "host": "k1", "port": 9093})
+
+
+def warned(pipelines, monkeypatch, caplog, **variables: str) -> tuple:
+    """The orders pipeline's services with these variables set, and the warnings that logged."""
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
+        settings = settings_for(pipelines["orders"])
+    return settings, [r.getMessage() for r in caplog.records]
+
+
 def test_a_connection_beside_a_different_fallback_is_used_and_the_ignored_variable_named(
     pipelines, monkeypatch, caplog
 ):
-    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", "postgres://runner:C0nnPW@db.example:6432/warehouse")
-    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", json.dumps({"conn_type": "kafka", "host": "k1", "port": 9093}))
-    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://old:EnvPW@127.0.0.1:5432/kafka2pg")
-    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
-
-    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
-        settings = settings_for(pipelines["orders"])
+    settings, warnings = warned(
+        pipelines,
+        monkeypatch,
+        caplog,
+        AIRFLOW_CONN_KAFKA2PG_POSTGRES="postgres://runner:C0nnPW@db.example:6432/warehouse",
+        AIRFLOW_CONN_KAFKA2PG_KAFKA=K1,
+        KAFKA2PG_DATABASE_URL="postgresql://old:EnvPW@127.0.0.1:5432/kafka2pg",
+        KAFKA2PG_BOOTSTRAP_SERVERS="127.0.0.1:9092",
+    )
 
     assert conninfo_to_dict(settings.database_url)["host"] == "db.example"
     assert settings.kafka.servers == "k1:9093"
-    warnings = [r.getMessage() for r in caplog.records]
     assert any(
         "the Airflow connection 'kafka2pg_postgres' (db.example:6432/warehouse) is used; KAFKA2PG_DATABASE_URL "
         "(127.0.0.1:5432/kafka2pg) is set too and ignored" in w
@@ -144,31 +157,35 @@ def test_a_connection_beside_a_different_fallback_is_used_and_the_ignored_variab
 
 def test_the_same_services_from_a_connection_and_the_environment_say_nothing(pipelines, monkeypatch, caplog):
     url = "postgresql://u:pw@db.example:5432/warehouse"
-    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", "postgres://u:pw@db.example:5432/warehouse")
-    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", json.dumps({"conn_type": "kafka", "host": "k1", "port": 9093}))
-    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", url)
-    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "k1:9093")
-
-    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
-        settings = settings_for(pipelines["orders"])
+    settings, warnings = warned(
+        pipelines,
+        monkeypatch,
+        caplog,
+        AIRFLOW_CONN_KAFKA2PG_POSTGRES="postgres://u:pw@db.example:5432/warehouse",
+        AIRFLOW_CONN_KAFKA2PG_KAFKA=K1,
+        KAFKA2PG_DATABASE_URL=url,
+        KAFKA2PG_BOOTSTRAP_SERVERS="k1:9093",
+    )
 
     assert conninfo_to_dict(settings.database_url) == conninfo_to_dict(url)
-    assert [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()] == []
+    assert [w for w in warnings if "ignored" in w] == []
 
 
 def test_another_role_on_the_same_database_and_an_unreadable_kafka_fallback_are_named_not_raised(
     pipelines, monkeypatch, caplog
 ):
-    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", "postgres://runner:pw@db.example:5432/warehouse")
-    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", json.dumps({"conn_type": "kafka", "host": "k1", "port": 9093}))
-    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://owner:S3cret@db.example:5432/warehouse")
-    monkeypatch.setenv("KAFKA2PG_KAFKA_CONFIG", '{"bootstrap.servers": ')
-
-    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
-        settings = settings_for(pipelines["orders"])
+    settings, messages = warned(
+        pipelines,
+        monkeypatch,
+        caplog,
+        AIRFLOW_CONN_KAFKA2PG_POSTGRES="postgres://runner:pw@db.example:5432/warehouse",
+        AIRFLOW_CONN_KAFKA2PG_KAFKA=K1,
+        KAFKA2PG_DATABASE_URL="postgresql://owner:S3cret@db.example:5432/warehouse",
+        KAFKA2PG_KAFKA_CONFIG='{"bootstrap.servers": ',
+    )
 
     assert settings.kafka.servers == "k1:9093"
-    warnings = " | ".join(r.getMessage() for r in caplog.records)
+    warnings = " | ".join(messages)
     assert "(db.example:5432/warehouse, with another user, password or option) is set too and ignored" in warnings
     assert "KAFKA2PG_KAFKA_CONFIG (unreadable: KAFKA2PG_KAFKA_CONFIG is not a JSON object" in warnings
     assert "S3cret" not in warnings and "owner" not in warnings
@@ -199,18 +216,19 @@ def test_the_local_stacks_connection_and_fallback_say_the_same_once_warned_never
 
 
 def test_an_ignored_url_libpq_misreads_is_not_shown(pipelines, monkeypatch, caplog):
-    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", "postgres://runner:pw@db.example:5432/warehouse")
-    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", json.dumps({"conn_type": "kafka", "host": "k1", "port": 9093}))
-    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://admin:p/w@db/x")  # read as host 'admin', port 'p'
-    monkeypatch.setenv(
-        "KAFKA2PG_KAFKA_CONFIG",
-        json.dumps({"bootstrap.servers": "k1:9093", "client.id": "clientX", "sasl.password": "Kafka$ecret"}),
+    _, messages = warned(
+        pipelines,
+        monkeypatch,
+        caplog,
+        AIRFLOW_CONN_KAFKA2PG_POSTGRES="postgres://runner:pw@db.example:5432/warehouse",
+        AIRFLOW_CONN_KAFKA2PG_KAFKA=K1,
+        KAFKA2PG_DATABASE_URL="postgresql://admin:p/w@db/x",  # read as host 'admin', port 'p'
+        KAFKA2PG_KAFKA_CONFIG=json.dumps(
+            {"bootstrap.servers": "k1:9093", "client.id": "clientX", "sasl.password": "Kafka$ecret"}
+        ),
     )
 
-    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
-        settings_for(pipelines["orders"])
-
-    warnings = " | ".join(r.getMessage() for r in caplog.records)
+    warnings = " | ".join(messages)
     assert "KAFKA2PG_DATABASE_URL (a URL libpq misreads: percent-encode" in warnings
     assert "KAFKA2PG_KAFKA_CONFIG (k1:9093, with other properties) is set too and ignored" in warnings
     assert not any(secret in warnings for secret in ("admin", "p/w", "Kafka$ecret", "clientX"))
