@@ -4,6 +4,7 @@ line, whatever the master: the provider's real command builder is run and its ou
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import sys
@@ -235,3 +236,21 @@ def test_spark_home_is_left_to_spark_submit_unless_its_script_would_fail(monkeyp
     # A Spark distribution's spark-submit (no find_spark_home.py beside it) finds its home by its place.
     (tmp_path / "venv" / "bin" / "find_spark_home.py").unlink()
     assert pip_spark_home("spark-submit", environ) is None
+
+
+def test_spark_home_is_left_to_spark_submit_when_finding_it_fails(monkeypatch, pip_installed_spark, tmp_path, caplog):
+    """Whatever goes wrong while finding the home leaves spark-submit to try (and say why)."""
+    environ = dict(os.environ)
+    script = tmp_path / "venv" / "bin" / "find_spark_home.py"
+    script.write_text("import sys\nprint('/half/found')\nsys.exit('no pyspark here')\n")
+    assert pip_spark_home("spark-submit", environ) is None  # the script fails
+    script.write_text("pass\n")
+    assert pip_spark_home("spark-submit", environ) is None  # it prints no home
+    missing = str(tmp_path / "My Airflow" / "gone" / "python")
+    assert pip_spark_home("spark-submit", {**environ, "PYSPARK_DRIVER_PYTHON": missing}) is None
+    unrunnable = tmp_path / "My Airflow" / "not a program"
+    unrunnable.write_bytes(b"\x7fELF garbage")
+    unrunnable.chmod(0o755)
+    with caplog.at_level(logging.WARNING, logger="kafka2pg"):
+        assert pip_spark_home("spark-submit", {**environ, "PYSPARK_DRIVER_PYTHON": str(unrunnable)}) is None
+    assert "finding SPARK_HOME with" in caplog.text and "spark-submit tries it itself" in caplog.text
