@@ -188,16 +188,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _stage_locally(settings: Settings, pipeline: Pipeline, batch_id: int) -> None:
-    """Stage one batch with a Spark session of this process (KAFKA2PG_SPARK_MASTER), then stop it."""
-    from kafka2pg.jars import spark_jars
+    """Stage one batch with a Spark session of this process (KAFKA2PG_SPARK_MASTER), then stop it.
+    Spark's Kafka source comes as for the DAG's spark-submit (`spark_kafka_source`), and only for
+    a pipeline that reads with it."""
+    from kafka2pg.jars import spark_kafka_source
     from kafka2pg.scratch import job_scratch
     from kafka2pg.staging import package_zip, spark_session, stage_batch, stop_session
 
+    jars, conf = spark_kafka_source() if pipeline.kafka_reader == "spark" else (None, {})
+    if jars:
+        conf = {**conf, "spark.jars": jars}
     with job_scratch(settings.state_dir / "spark") as scratch:
         spark = spark_session(
             settings.spark_master,
             app_name=f"kafka2pg-stage-{pipeline.name}",
-            jars=spark_jars(settings.state_dir),
+            conf=conf,
             kafka_reader=pipeline.kafka_reader,
             scratch=scratch,
         )

@@ -7,15 +7,12 @@ Runs at DAG-parse time, so it reads only the YAML file: no database, Kafka, Spar
 from __future__ import annotations
 
 import functools
-import glob
-import os
 from datetime import datetime, timedelta
-from importlib import metadata
 from pathlib import Path
 
 from kafka2pg import stage_job
 from kafka2pg.config import Pipeline, load_pipelines, pipelines_file_from_env, stage_jvm_options
-from kafka2pg.locations import state_dir
+from kafka2pg.jars import spark_kafka_source
 
 SPARK_CONN_ID = "kafka2pg_spark"
 # What a `plan` task returns when there is no batch. Not None: Airflow stores no XCom for None, and
@@ -23,20 +20,6 @@ SPARK_CONN_ID = "kafka2pg_spark"
 NO_BATCH: dict = {}
 # What spark-submit runs: the job module's file inside the package, wherever it is installed.
 JOB = Path(stage_job.__file__).resolve()
-
-
-def spark_kafka_source() -> tuple[str | None, dict[str, str]]:
-    """How spark-submit gets Spark's Kafka source, as (`--jars`, Spark conf): KAFKA2PG_SPARK_JARS
-    (comma-separated jars or globs); else the jars set-up resolved (`kafka2pg stack install`) under the
-    state directory; else `spark.jars.packages`, the official package matching the installed pyspark,
-    which Spark resolves from Maven Central when the job starts. A pipeline's spark_conf wins over it."""
-    if os.environ.get("KAFKA2PG_SPARK_JARS"):
-        return os.environ["KAFKA2PG_SPARK_JARS"], {}
-    resolved = state_dir() / "jars" / "spark" / "*.jar"
-    if glob.glob(str(resolved)):
-        return str(resolved), {}
-    package = f"org.apache.spark:spark-sql-kafka-0-10_2.13:{metadata.version('pyspark')}"
-    return None, {"spark.jars.packages": package}
 
 
 def build_dag(pipeline: Pipeline, pipelines_file: Path):

@@ -5,16 +5,18 @@ with the Debezium JDBC sink, the benchmark's Kafka Connect contender (bench/comp
 Set-up (`kafka2pg stack install`) resolves the broker's and Spark's once under the state directory's
 `jars/`, and Connect's too with `--bench` (`./kafka2pg setup` and `./kafka2pg test` ask for it; the
 benchmark resolves it itself when missing); the DAG's spark-submit finds Spark's there
-(dag_factory.spark_kafka_source). Later calls are offline.
+(`spark_kafka_source`). Later calls are offline.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import shutil
 import subprocess
 import tarfile
+from importlib import metadata
 from pathlib import Path
 
 from kafka2pg.exceptions import StackError
@@ -96,6 +98,20 @@ def spark_jars(cache: Path | None = None) -> list[Path]:
     shipped = {_artifact(p.name) for p in (Path(pyspark.__file__).parent / "jars").glob("*.jar")}
     jars = resolve_jars(cache)["spark"]
     return sorted(p for p in jars.glob("*.jar") if _artifact(p.name) not in shipped)
+
+
+def spark_kafka_source() -> tuple[str | None, dict[str, str]]:
+    """How a stage job gets Spark's Kafka source, as (`--jars`, Spark conf): KAFKA2PG_SPARK_JARS
+    (comma-separated jars or globs); else the jars set-up resolved (`kafka2pg stack install`) under the
+    state directory; else `spark.jars.packages`, the official package matching the installed pyspark,
+    which Spark resolves from Maven Central when the job starts. A pipeline's spark_conf wins over it."""
+    if os.environ.get("KAFKA2PG_SPARK_JARS"):
+        return os.environ["KAFKA2PG_SPARK_JARS"], {}
+    resolved = state_dir() / "jars" / "spark" / "*.jar"
+    if glob.glob(str(resolved)):
+        return str(resolved), {}
+    package = f"org.apache.spark:spark-sql-kafka-0-10_2.13:{metadata.version('pyspark')}"
+    return None, {"spark.jars.packages": package}
 
 
 def _artifact(jar_name: str) -> str:

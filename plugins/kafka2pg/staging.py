@@ -345,7 +345,7 @@ def _kafka_error(text: str, settings: Settings, pipeline: Pipeline, batch: Batch
         return ConfigError(
             f"{where}: the Spark executors' Python has no module {missing.group(1)!r}. The stage job's tasks import "
             "pyspark, pyarrow, psycopg, msgspec, PyYAML and confluent-kafka (for kafka_reader: librdkafka, the "
-            "default): install them where spark.pyspark.python points on every worker (README, Deployment). "
+            "default): install them where spark.pyspark.python points on every worker (README, Run on your cluster). "
             "Nothing was staged; the batch stays planned."
         )
     # A Spark task's own kafka2pg error (the librdkafka reader), by its name in the Python traceback.

@@ -57,3 +57,50 @@ def test_stack_install_resolves_connect_only_for_the_benchmark(argv, expected, t
     assert cli.main(["stack", "install", *argv]) == 0
     assert asked == [expected]
     assert f"connect jars: {tmp_path / 'jars' / 'connect'}" in capsys.readouterr().out or "--bench" not in argv
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("reader", "environ", "expected"),
+    [
+        ("librdkafka", {"KAFKA2PG_SPARK_JARS": "/opt/jars/*.jar"}, {}),
+        ("spark", {"KAFKA2PG_SPARK_JARS": "/opt/jars/*.jar"}, {"spark.jars": "/opt/jars/*.jar"}),
+        ("spark", {}, {"spark.jars.packages": "org.apache.spark:spark-sql-kafka-0-10_2.13:"}),
+        ("spark", {"resolved": "1"}, {"spark.jars": "{state}/jars/spark/*.jar"}),
+    ],
+    ids=["librdkafka-needs-none", "given-jars", "packages", "resolved-jars"],
+)
+def test_the_cli_stages_with_the_kafka_source_the_dag_would_use(reader, environ, expected, tmp_path, monkeypatch):
+    """`kafka2pg stage` and `replay` stage in a Spark session of their own: Spark's Kafka source comes
+    as for the DAG's spark-submit, only for a pipeline reading with it, and never through Maven."""
+    from types import SimpleNamespace
+
+    from kafka2pg import cli, jars, staging
+
+    monkeypatch.setattr(jars, "resolve_jars", lambda *a, **k: pytest.fail("Maven asked for a stage's jars"))
+    monkeypatch.delenv("KAFKA2PG_SPARK_JARS", raising=False)
+    monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path))
+    if environ.pop("resolved", None):
+        (tmp_path / "jars" / "spark").mkdir(parents=True)
+        (tmp_path / "jars" / "spark" / "spark-sql-kafka.jar").write_bytes(b"jar")
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    seen = {}
+
+    def session(master, **kwargs):
+        seen.update(kwargs.get("conf") or {}, jars=kwargs.get("jars"))
+        raise _Stop
+
+    monkeypatch.setattr(staging, "spark_session", session)
+    settings = SimpleNamespace(state_dir=tmp_path, spark_master="local[1]")
+    with pytest.raises(_Stop):
+        cli._stage_locally(settings, SimpleNamespace(name="orders", kafka_reader=reader), 1)
+
+    assert seen.pop("jars") is None
+    expected = {key: value.format(state=tmp_path) for key, value in expected.items()}
+    if "spark.jars.packages" in expected:
+        assert seen.pop("spark.jars.packages").startswith(expected.pop("spark.jars.packages"))
+    assert seen == expected
