@@ -290,7 +290,7 @@ class Settings:
     its operator passes (`from_env`, `to_env`)."""
 
     kafka: KafkaConfig
-    database_url: str
+    database_url: str = field(repr=False)  # it may hold a password
     spark_master: str = "local[*]"
     pipelines_file: Path = field(default_factory=locations.default_pipelines_file)
     kafka_timeout_s: float = 10.0

@@ -8,9 +8,11 @@ the PEM files librdkafka would read, to pass them inline).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +80,13 @@ _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 @dataclass(frozen=True)
 class KafkaConfig:
     """Kafka client properties, librdkafka names (`bootstrap.servers`, `security.protocol`,
-    `sasl.*`, `ssl.*`, ...), plus Java-only ones prefixed `kafka.`."""
+    `sasl.*`, `ssl.*`, ...), plus Java-only ones prefixed `kafka.`. Its repr, like its str, names
+    the cluster only: a traceback or a debugger's view shows no secret."""
 
-    properties: tuple[tuple[str, str], ...]
+    properties: tuple[tuple[str, str], ...] = field(repr=False)
+
+    def __repr__(self) -> str:
+        return f"KafkaConfig({self})"
 
     @classmethod
     def of(cls, properties: Mapping[str, Any], where: str = "the Kafka configuration") -> KafkaConfig:
@@ -135,6 +141,20 @@ class KafkaConfig:
 
     def redacted(self) -> dict[str, str]:
         return {k: "***" if _secret(k) else v for k, v in self.properties}
+
+    def secrets(self) -> list[str]:
+        """What a log must never show: each secret property's value, and each line of a PEM key
+        (an inline one, or the file `ssl.key.location` names, when readable here: a log shows
+        a multi-line value one line at a time). Not a PEM's armour lines, nor pieces so short
+        they would hide innocent text."""
+        found = []
+        for key, value in self.properties:
+            if _secret(key):
+                found += [value, *_pem_lines(value)]
+            elif key == "ssl.key.location":
+                with contextlib.suppress(OSError, UnicodeDecodeError):
+                    found += _pem_lines(Path(value).read_text())
+        return list(dict.fromkeys(text for text in (t.strip() for t in found) if len(text) >= _SHORTEST_MASKED))
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict)
@@ -198,6 +218,17 @@ class KafkaConfig:
 def _secret(key: str) -> bool:
     bare = key.removeprefix(JAVA_ONLY_PREFIX)
     return bare in SECRET_PROPERTIES or "password" in bare or "secret" in bare
+
+
+_PEM_ARMOUR = re.compile(r"-----(BEGIN|END) [A-Z0-9 ]+-----")
+_SHORTEST_MASKED = 5  # Airflow's masker skips shorter ones by default ([logging] min_length_masked_secret)
+
+
+def _pem_lines(text: str) -> list[str]:
+    """The lines of a PEM text but its armour (none for a text that is not PEM)."""
+    if "-----BEGIN" not in text:
+        return []
+    return [line for line in text.splitlines() if not _PEM_ARMOUR.fullmatch(line.strip())]
 
 
 def _jaas(value: str) -> str:

@@ -519,7 +519,7 @@ def spark_session(
     settings = {**SPARK_DEFAULTS, **stage_jvm_conf(batches, kafka_reader=kafka_reader), **(conf or {})}
     starts_jvm = master is not None and _no_jvm_yet()
     launched = _launched_master(master)
-    settings = {**_worker_daemon_conf(launched, settings), **settings}
+    settings = redaction_conf({**_worker_daemon_conf(launched, settings), **settings}, launched.redaction_regex)
     if scratch is not None:
         settings = _in_scratch(settings, scratch, launched, starts_jvm=starts_jvm)
     for key, value in settings.items():
@@ -552,13 +552,18 @@ def _launched_master(master: str | None) -> _Launched:
         return _Launched(None, frozenset())
     SparkContext._ensure_initialized()  # spark-submit's JVM: connects, starts nothing
     launched = SparkConf()  # the spark.* system properties spark-submit set
-    return _Launched(launched.get("spark.master", ""), frozenset(key for key, _ in launched.getAll()))
+    return _Launched(
+        launched.get("spark.master", ""),
+        frozenset(key for key, _ in launched.getAll()),
+        launched.get(REDACTION_KEY, None),
+    )
 
 
 @dataclass(frozen=True)
 class _Launched:
     master: str | None
     keys: frozenset[str]  # the spark.* keys spark-submit set
+    redaction_regex: str | None = None  # its spark.redaction.regex
 
     @property
     def local(self) -> bool:
@@ -619,3 +624,20 @@ SPARK_DEFAULTS = {
     "spark.sql.shuffle.partitions": "4",
     "spark.sql.execution.arrow.maxRecordsPerBatch": "20000",
 }
+
+# What Spark hides where it shows settings (its Kafka source's client parameters in a DEBUG log,
+# its UI's environment): Spark's default, and kafka2pg's terms for the client key it passes
+# inline (kafka_config.spark_options) added to whatever regex is in force (`redaction_conf`).
+REDACTION_KEY = "spark.redaction.regex"
+SPARK_REDACTION_DEFAULT = "(?i)secret|password|token|access[.]?key"
+REDACTION_TERMS = "(?i:ssl[.]keystore[.]key|private key)"
+
+
+def redaction_conf(conf: dict[str, str], launched_regex: str | None) -> dict[str, str]:
+    """`conf` with kafka2pg's terms added to spark.redaction.regex: to the pipeline's spark_conf
+    value, else spark-submit's (--conf, spark-defaults.conf), else Spark's default; a site's
+    stricter regex is kept, never replaced."""
+    regex = conf.get(REDACTION_KEY) or launched_regex or SPARK_REDACTION_DEFAULT
+    if REDACTION_TERMS in regex:
+        return conf
+    return {**conf, REDACTION_KEY: f"{regex}|{REDACTION_TERMS}"}

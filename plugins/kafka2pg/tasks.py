@@ -10,8 +10,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from kafka2pg.config import Pipeline, Settings, get_pipeline, pipelines_file_from_env
 from kafka2pg.exceptions import Kafka2PgError, UnknownRunConfError
@@ -41,7 +42,31 @@ def resolve(pipeline_name: str, pipelines_file: Path | str | None = None) -> tup
 
     path = Path(pipelines_file) if pipelines_file else pipelines_file_from_env()
     pipeline = get_pipeline(pipeline_name, path)
-    return dataclasses.replace(settings_for(pipeline), pipelines_file=path), pipeline
+    settings = dataclasses.replace(settings_for(pipeline), pipelines_file=path)
+    mask_secrets(settings)
+    return settings, pipeline
+
+
+def mask_secrets(settings: Settings) -> None:
+    """Airflow's log masker learns the services' secrets, so that a task log line quoting one
+    (Spark's, a client library's, spark-submit's output) shows *** instead. Airflow registers a
+    connection's password and its extras under names it deems sensitive itself; not a password
+    in KAFKA2PG_DATABASE_URL, a `sasl.jaas.config`, an inline PEM key or the lines of the key
+    file `ssl.key.location` names."""
+    import psycopg
+    from airflow.sdk.log import mask_secret
+    from psycopg.conninfo import conninfo_to_dict
+
+    for secret in settings.kafka.secrets():
+        mask_secret(secret)
+    passwords = []
+    with suppress(psycopg.Error):  # a malformed URL fails the task where it is used, saying so
+        passwords.append(conninfo_to_dict(settings.database_url).get("password"))
+    with suppress(ValueError):  # as written in a URL too (percent-encoded)
+        passwords.append(urlsplit(settings.database_url).password)
+    for password in passwords:
+        if password:
+            mask_secret(str(password))
 
 
 def check_run_conf(dag_id: str, conf: Mapping | None, known: Iterable[str]) -> None:

@@ -3,9 +3,12 @@ then every output and log file searched for them."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+from psycopg import sql
 
 from kafka2pg.devtools.airflow_cli import dags_test
 from kafka2pg.devtools.producer import produce, sample_events
@@ -24,6 +27,25 @@ def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
 
 def files_under(*roots: Path) -> list[Path]:
     return [p for root in roots if root.exists() for p in root.rglob("*") if p.is_file()]
+
+
+def leaks(secrets: list[str], outputs: list[str], airflow_home, env, stack, tmp_path) -> list[tuple[str, str]]:
+    """Each secret found in an output or in a file a run may have written, with where."""
+    found = [(secret, "output") for secret in secrets for text in outputs if secret in text]
+    logs = files_under(
+        Path(airflow_home["AIRFLOW_HOME"]),  # task logs, and the metadata DB (rendered fields, XComs)
+        env.settings.state_dir,  # quality reports, Spark's package zip
+        tmp_path,  # the dags test logs
+        Path(stack.kafka.log_file).parent,  # the broker's logs
+        Path(stack.postgres.log_file).parent,
+    )
+    assert logs
+    for path in logs:
+        if path.name in ("credentials.json", "server.properties") or path.suffix in (".pem", ".key", ".jar", ".jsa"):
+            continue  # where the stack keeps its own secrets (0600)
+        content = path.read_bytes()
+        found += [(secret, str(path)) for secret in secrets if secret.encode() in content]
+    return found
 
 
 def test_no_password_in_any_output_or_log_of_runs_and_failures(stack, airflow_home, make_pipeline, db, tmp_path):
@@ -68,19 +90,33 @@ def test_no_password_in_any_output_or_log_of_runs_and_failures(stack, airflow_ho
     assert "the PostgreSQL connection string is malformed" in outputs[-4] + outputs[-3]
 
     secrets = [PG_PASSWORD, WRONG_KAFKA_PASSWORD, MALFORMED_PG_PASSWORD, secured.scram.password, secured.plain.password]
-    leaks = [(secret, "output") for secret in secrets for text in outputs if secret in text]
-    logs = files_under(
-        Path(airflow_home["AIRFLOW_HOME"]),  # task logs, and the metadata DB (rendered fields, XComs)
-        env.settings.state_dir,  # quality reports, Spark's package zip
-        tmp_path,  # the dags test logs
-        Path(stack.kafka.log_file).parent,  # the broker's logs
-        Path(stack.postgres.log_file).parent,
-    )
-    assert logs
-    for path in logs:
-        if path.name in ("credentials.json", "server.properties") or path.suffix in (".pem", ".jar", ".jsa"):
-            continue  # where the stack keeps its own secrets (0600)
-        content = path.read_bytes()
-        leaks += [(secret, str(path)) for secret in secrets if secret.encode() in content]
-    assert not leaks, leaks
+    assert not leaks(secrets, outputs, airflow_home, env, stack, tmp_path)
     assert os.environ.get("AIRFLOW_CONN_KAFKA2PG_KAFKA") is None
+
+
+def test_no_client_key_in_the_task_log_with_spark_logging_at_debug(stack, airflow_home, make_pipeline, db, tmp_path):
+    """Spark's Kafka source logs its Kafka clients' parameters at DEBUG, the client key kafka2pg
+    passes inline among them: a pipeline reading through it over mTLS at spark_log_level DEBUG
+    prints Spark's DEBUG lines, and not one line of the key."""
+    mtls = stack.kafka.secured_listener().client_config("mtls")
+    env = make_pipeline(partitions=1, kafka_reader="spark", spark_log_level="DEBUG")
+    produce(KafkaConfig.of(mtls), env.topic, sample_events(50, seed=112))
+    run_env = {k: v for k, v in airflow_home.items() if not k.startswith("KAFKA2PG_")}
+    run_env["KAFKA2PG_PIPELINES"] = str(env.settings.pipelines_file)
+    run_env["KAFKA2PG_STATE_DIR"] = str(env.settings.state_dir)
+    run_env["AIRFLOW_CONN_KAFKA2PG_KAFKA"] = json.dumps({"conn_type": "kafka", "extra": mtls})
+    run_env["AIRFLOW_CONN_KAFKA2PG_POSTGRES"] = json.dumps(stack.postgres.connection())
+
+    code, output, _ = dags_test(env.pipeline.dag_id, run_env, tmp_path / "debug.log")
+
+    assert code == 0, output[-3000:]
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 50
+    assert re.search(r" DEBUG [A-Za-z]+: ", output), "Spark did not log at DEBUG"
+    # Spark's Kafka source logged none of its clients' parameters (kafka2pg's logging configuration),
+    assert "Admin params" not in output and "ssl.keystore.key" not in output
+    key = Path(mtls["ssl.key.location"]).read_text().splitlines()
+    key_lines = [line for line in key if "-----" not in line and len(line) >= 40]
+    assert len(key_lines) >= 3
+    # and no line of the key shows anywhere (that, the redaction regex and Airflow's masker).
+    assert not leaks(key_lines, [output], airflow_home, env, stack, tmp_path)

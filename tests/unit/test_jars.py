@@ -75,7 +75,8 @@ class _Stop(Exception):
 )
 def test_the_cli_stages_with_the_kafka_source_the_dag_would_use(reader, environ, expected, tmp_path, monkeypatch):
     """`kafka2pg stage` and `replay` stage in a Spark session of their own: Spark's Kafka source comes
-    as for the DAG's spark-submit, only for a pipeline reading with it, and never through Maven."""
+    as for the DAG's spark-submit, only for a pipeline reading with it; kafka2pg resolves no jars
+    with Maven for it (the `spark.jars.packages` fallback is Spark's own)."""
     from types import SimpleNamespace
 
     from kafka2pg import cli, jars, staging
@@ -83,6 +84,7 @@ def test_the_cli_stages_with_the_kafka_source_the_dag_would_use(reader, environ,
     monkeypatch.setattr(jars, "resolve_jars", lambda *a, **k: pytest.fail("Maven asked for a stage's jars"))
     monkeypatch.delenv("KAFKA2PG_SPARK_JARS", raising=False)
     monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path))
+    environ = dict(environ)  # the parameter's own dict stays as it is for a rerun
     if environ.pop("resolved", None):
         (tmp_path / "jars" / "spark").mkdir(parents=True)
         (tmp_path / "jars" / "spark" / "spark-sql-kafka.jar").write_bytes(b"jar")

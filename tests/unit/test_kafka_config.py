@@ -1,6 +1,7 @@
 """One Kafka client dict -> confluent-kafka's config and Spark's Kafka source options, property by property."""
 
 import json
+import re
 
 import pytest
 
@@ -170,3 +171,77 @@ def test_a_configuration_librdkafka_refuses_is_a_config_error_naming_it_for_each
         admin_client(kafka, 1.0)
     with pytest.raises(ConfigError, match=message):
         RangeReader(kafka, "t", 1.0)
+
+
+def test_secrets_are_every_secret_value_and_each_line_of_the_client_key(tmp_path):
+    key = tmp_path / "client.key"
+    body = ["MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7", "VJTUt9Us8cKjMzEfYyjiWA4R4/M2bS1G"]
+    key.write_text("-----BEGIN PRIVATE KEY-----\n" + "\n".join(body) + "\n-----END PRIVATE KEY-----\n")
+    kafka = KafkaConfig.of(
+        {
+            "bootstrap.servers": "b:9093",
+            "sasl.username": "app-user",
+            "sasl.password": "pw-0451-x",
+            "kafka.sasl.jaas.config": 'Module required\n  clientSecret="cs-9911";',
+            "ssl.key.pem": "-----BEGIN PRIVATE KEY----- SU5MSU5FX0tFWQ== -----END PRIVATE KEY-----",
+            "ssl.key.location": str(key),
+            "ssl.ca.location": str(tmp_path / "not-read.pem"),
+        }
+    )
+    secrets = kafka.secrets()
+    one_line_pem = "-----BEGIN PRIVATE KEY----- SU5MSU5FX0tFWQ== -----END PRIVATE KEY-----"
+    assert {"pw-0451-x", 'Module required\n  clientSecret="cs-9911";', one_line_pem, *body} <= set(secrets)
+    assert not {"app-user", "b:9093", str(key), "Module required"} & set(secrets)  # a JAAS value is one secret
+    assert not [s for s in secrets if re.fullmatch(r"-----(BEGIN|END) [A-Z ]+-----", s) or s != s.strip() or not s]
+    shown = repr(Settings(database_url="postgresql://etl:Db-pass-7731@db/warehouse", kafka=kafka))
+    assert "b:9093" in shown
+    assert "pw-0451-x" not in shown and "cs-9911" not in shown and "Db-pass-7731" not in shown
+    # A key file the task cannot read: the other secrets still.
+    unreadable = KafkaConfig.of({"bootstrap.servers": "b", "ssl.key.location": str(tmp_path / "gone.key")})
+    assert unreadable.secrets() == []
+
+
+def test_a_task_has_airflow_mask_the_services_secrets_in_its_log(tmp_path, monkeypatch):
+    """Airflow masks a connection's password itself, not a password inside KAFKA2PG_DATABASE_URL
+    or the lines of a client key file: a task's resolve registers them."""
+    from airflow.sdk.log import redact
+
+    from kafka2pg.tasks import mask_secrets
+
+    key = tmp_path / "client.key"
+    key.write_text("-----BEGIN PRIVATE KEY-----\nQk9EWV9MSU5FX09GX1RIRV9LRVk=\n-----END PRIVATE KEY-----\n")
+    kafka = KafkaConfig.of({"bootstrap.servers": "b:9093", "ssl.key.location": str(key)})
+    settings = Settings(database_url="postgresql://etl:Db-pass%407731@db:5432/warehouse", kafka=kafka)
+    line = (
+        "at DEBUG: key Qk9EWV9MSU5FX09GX1RIRV9LRVk= url postgresql://etl:Db-pass%407731@db:5432/warehouse"
+        " pw Db-pass@7731"
+    )
+    assert redact(line) == line  # nothing known yet
+
+    mask_secrets(settings)
+
+    assert redact(line) == "at DEBUG: key *** url postgresql://etl:***@db:5432/warehouse pw ***"
+    mask_secrets(Settings(database_url="postgresql://etl:bad%zz@db/x", kafka=kafka))  # malformed: no raise
+
+
+@pytest.mark.parametrize(
+    ("conf", "launched", "expected_base"),
+    [
+        ({}, None, "(?i)secret|password|token|access[.]?key"),  # Spark's default
+        ({}, "(?i)credential|apikey", "(?i)credential|apikey"),  # a site's spark-defaults.conf, kept
+        ({"spark.redaction.regex": "(?i)pipeline"}, "(?i)site", "(?i)pipeline"),  # the pipeline's spark_conf
+    ],
+    ids=["spark-default", "site", "pipeline"],
+)
+def test_spark_hides_the_inline_client_key_with_the_redaction_regex_in_force(conf, launched, expected_base):
+    """Spark's Kafka source hides the client parameters its regex matches (by name or value):
+    kafka2pg adds the inline key's name and PEM armour to whatever regex is in force."""
+    from kafka2pg.staging import redaction_conf
+
+    regex = redaction_conf({"spark.app.name": "x", **conf}, launched)["spark.redaction.regex"]
+    assert regex.startswith(expected_base + "|")
+    java_like = re.compile(regex.replace("(?i)", "", 1), re.IGNORECASE if regex.startswith("(?i)") else 0)
+    for shown_as_hidden in ("ssl.keystore.key", "kafka.ssl.keystore.key", "-----BEGIN PRIVATE KEY-----\nMIIE"):
+        assert java_like.search(shown_as_hidden)
+    assert not java_like.search("kafka.ssl.keystore.type") and not java_like.search("bootstrap.servers")
+    assert redaction_conf({"spark.redaction.regex": regex}, None) == {"spark.redaction.regex": regex}  # added once
