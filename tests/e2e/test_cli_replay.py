@@ -58,3 +58,16 @@ def test_replay_verify_only_and_undo_from_the_command_line(make_pipeline, run_ba
         "SELECT operation, reason FROM kafka2pg.replays WHERE pipeline = %s ORDER BY replay_id", (name,)
     ).fetchall()
     assert ops == [("verify-only", "check"), ("undo", "bad batch")]
+
+
+def test_a_replay_from_the_command_line_reads_through_sparks_kafka_source(make_pipeline, run_batch, db):
+    """A pipeline reading with Spark's Kafka source: the CLI's own Spark session gets the source's
+    jars as the DAG's spark-submit does (here: the ones set-up resolved, by their glob)."""
+    env = make_pipeline(partitions=1, kafka_reader="spark")
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(30, seed=19))
+    run_batch(env)
+
+    out = cli(env, "replay", "--pipeline", env.pipeline.name, "--offsets", "0:0-30", "--mode", "verify-only")
+
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "0 difference(s)" in out.stdout, out.stdout
