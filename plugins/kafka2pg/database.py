@@ -45,14 +45,22 @@ def hide_password(text: str, url: str) -> str:
     shows no password anywhere: `text` is returned as it is."""
     if not password_misread(url):
         return text
-    rest = url.partition("://")[2]
-    password = rest[: rest.rfind("@")].partition(":")[2]
+    password = typed_password(url)
     pieces = {password, unquote(password)}
     pieces |= {p for piece in list(pieces) for p in re.split(r"[/@?#:]", piece)}
     for piece in sorted(pieces, key=len, reverse=True):
         if len(piece) >= 3:
             text = text.replace(piece, "***")
     return text
+
+
+def typed_password(url: str) -> str:
+    """The password as typed in a URL's user-info (everything up to the last `@`, so also a
+    password libpq misreads); '' for none, or for a key=value conninfo."""
+    if "://" not in url or "@" not in url:
+        return ""
+    rest = url.partition("://")[2]
+    return rest[: rest.rfind("@")].partition(":")[2]
 
 
 def password_misread(url: str) -> bool:

@@ -12,7 +12,7 @@ import contextlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,7 @@ class KafkaConfig:
     `sasl.*`, `ssl.*`, ...), plus Java-only ones prefixed `kafka.`. Its repr, like its str, names
     the cluster only: a traceback or a debugger's view shows no secret."""
 
-    properties: tuple[tuple[str, str], ...] = field(repr=False)
+    properties: tuple[tuple[str, str], ...]
 
     def __repr__(self) -> str:
         return f"KafkaConfig({self})"

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote
 
 from kafka2pg.config import Pipeline, Settings, get_pipeline, pipelines_file_from_env
 from kafka2pg.exceptions import Kafka2PgError, UnknownRunConfError
@@ -57,13 +57,14 @@ def mask_secrets(settings: Settings) -> None:
     from airflow.sdk.log import mask_secret
     from psycopg.conninfo import conninfo_to_dict
 
+    from kafka2pg.database import typed_password
+
     for secret in settings.kafka.secrets():
         mask_secret(secret)
-    passwords = []
+    typed = typed_password(settings.database_url)  # as written in a URL, and decoded
+    passwords = [typed, unquote(typed)]
     with suppress(psycopg.Error):  # a malformed URL fails the task where it is used, saying so
         passwords.append(conninfo_to_dict(settings.database_url).get("password"))
-    with suppress(ValueError):  # as written in a URL too (percent-encoded)
-        passwords.append(urlsplit(settings.database_url).password)
     for password in passwords:
         if password:
             mask_secret(str(password))
