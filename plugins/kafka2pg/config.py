@@ -85,11 +85,27 @@ def spark_log_options(level: str = SPARK_LOG_LEVELS[0]) -> str:
     return f"-Dlog4j2.configurationFile={shlex.quote(str(SPARK_LOG_CONFIG))} -Dkafka2pg.spark.log.level={level}"
 
 
+DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
+# A Log4j 2 configuration file named in JVM options (its property, and the older spelling it reads).
+_OWN_LOG_CONFIG = re.compile(r"-Dlog4j2?[.]configurationFile=", re.IGNORECASE)
+
+
+def keep_log_options(spark_conf: dict[str, str], level: str = SPARK_LOG_LEVELS[0]) -> dict[str, str]:
+    """A pipeline's `spark_conf`, where it sets the driver's JVM options (which replace
+    kafka2pg's), with kafka2pg's logging configuration at `level` added to them, unless they
+    name a log4j configuration file of their own: the pipeline's spark_log_level and the
+    filters that keep the Kafka clients' parameters out of the task log still apply."""
+    options = spark_conf.get(DRIVER_JAVA_OPTIONS)
+    if options is None or _OWN_LOG_CONFIG.search(options):
+        return spark_conf
+    return {**spark_conf, DRIVER_JAVA_OPTIONS: f"{options} {spark_log_options(level)}".strip()}
+
+
 def stage_jvm_conf(
     batches: int = 1, state_dir: Path | None = None, kafka_reader: str = KAFKA_READERS[0]
 ) -> dict[str, str]:
     """Spark conf with the stage JVM's options for a job that may finish `batches` batches with `kafka_reader`."""
-    return {"spark.driver.extraJavaOptions": stage_jvm_options(batches, state_dir, kafka_reader=kafka_reader)}
+    return {DRIVER_JAVA_OPTIONS: stage_jvm_options(batches, state_dir, kafka_reader=kafka_reader)}
 
 
 def class_archive_path(state_dir: Path | None = None) -> Path:

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from kafka2pg import stage_job
-from kafka2pg.config import Pipeline, load_pipelines, pipelines_file_from_env, stage_jvm_options
+from kafka2pg.config import Pipeline, keep_log_options, load_pipelines, pipelines_file_from_env, stage_jvm_options
 from kafka2pg.jars import spark_kafka_source
 
 SPARK_CONN_ID = "kafka2pg_spark"
@@ -203,7 +203,11 @@ def _stage_operator(pipeline: Pipeline, pipelines_file: Path, *, several_batches
         jars=jars,
         # kafka2pg's Spark defaults are applied by the job's session (staging.SPARK_DEFAULTS);
         # JVM options and packages only work on spark-submit's command line.
-        conf={"spark.driver.extraJavaOptions": jvm_options, **source_conf, **pipeline.spark_conf},
+        conf={
+            "spark.driver.extraJavaOptions": jvm_options,
+            **source_conf,
+            **keep_log_options(pipeline.spark_conf, level),
+        },
         application_args=[
             "--pipeline",
             pipeline.name,

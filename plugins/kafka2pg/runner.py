@@ -397,7 +397,7 @@ def _run_in_session(
             scratch=scratch,
         )
         # Where the JVM started without kafka2pg's log4j2 file (cluster deploy mode, spark_conf
-        # overriding the driver's JVM options) the level still applies from here on.
+        # naming a log4j2 file of its own) the level still applies from here on.
         spark.sparkContext.setLogLevel(pipeline.spark_log_level)
         log.info(
             "pipeline=%s Kafka reads use consumer group %s: assign only, nothing committed "

@@ -23,7 +23,7 @@ from pyspark.sql import Row, SparkSession
 
 from kafka2pg.batch_store import Batch, load_claimed, staging_lost, transition
 from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer
-from kafka2pg.config import KAFKA_READERS, Pipeline, Settings, stage_jvm_conf
+from kafka2pg.config import KAFKA_READERS, Pipeline, Settings, keep_log_options, stage_jvm_conf
 from kafka2pg.database import describe, hide_password, transaction
 from kafka2pg.exceptions import (
     BatchStateError,
@@ -516,7 +516,7 @@ def spark_session(
     builder = SparkSession.builder.appName(app_name)
     if master is not None:
         builder = builder.master(master)
-    settings = {**SPARK_DEFAULTS, **stage_jvm_conf(batches, kafka_reader=kafka_reader), **(conf or {})}
+    settings = {**SPARK_DEFAULTS, **stage_jvm_conf(batches, kafka_reader=kafka_reader), **keep_log_options(conf or {})}
     starts_jvm = master is not None and _no_jvm_yet()
     launched = _launched_master(master)
     settings = redaction_conf({**_worker_daemon_conf(launched, settings), **settings}, launched.redaction_regex)

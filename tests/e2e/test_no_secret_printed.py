@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from psycopg import sql
 
 from kafka2pg.devtools.airflow_cli import dags_test
@@ -94,12 +95,20 @@ def test_no_password_in_any_output_or_log_of_runs_and_failures(stack, airflow_ho
     assert os.environ.get("AIRFLOW_CONN_KAFKA2PG_KAFKA") is None
 
 
-def test_no_client_key_in_the_task_log_with_spark_logging_at_debug(stack, airflow_home, make_pipeline, db, tmp_path):
+@pytest.mark.parametrize(
+    "spark_conf",
+    [{}, {"spark.driver.extraJavaOptions": "-Dkafka2pg.test.site.option=1 -XX:+UseSerialGC"}],
+    ids=["kafka2pg-jvm-options", "pipelines-own-jvm-options"],
+)
+def test_no_client_key_in_the_task_log_with_spark_logging_at_debug(
+    stack, airflow_home, make_pipeline, db, tmp_path, spark_conf
+):
     """Spark's Kafka source logs its Kafka clients' parameters at DEBUG, the client key kafka2pg
     passes inline among them: a pipeline reading through it over mTLS at spark_log_level DEBUG
-    prints Spark's DEBUG lines, and not one line of the key."""
+    prints Spark's DEBUG lines, and not one line of the key; also where the pipeline gives the
+    driver JVM options of its own."""
     mtls = stack.kafka.secured_listener().client_config("mtls")
-    env = make_pipeline(partitions=1, kafka_reader="spark", spark_log_level="DEBUG")
+    env = make_pipeline(partitions=1, kafka_reader="spark", spark_log_level="DEBUG", spark_conf=spark_conf)
     produce(KafkaConfig.of(mtls), env.topic, sample_events(50, seed=112))
     run_env = {k: v for k, v in airflow_home.items() if not k.startswith("KAFKA2PG_")}
     run_env["KAFKA2PG_PIPELINES"] = str(env.settings.pipelines_file)

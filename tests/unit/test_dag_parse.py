@@ -133,6 +133,66 @@ def test_stage_jvm_options_follow_the_runs_batches_and_reader_and_name_the_class
     assert rendered_spark_reader(7)[0] == tiered + shared + logging
 
 
+def test_a_pipelines_own_driver_jvm_options_keep_kafka2pgs_logging_unless_they_name_a_log4j2_file(tmp_path):
+    """spark_conf's spark.driver.extraJavaOptions replaces kafka2pg's JIT and heap options, not its
+    log4j2 file: the pipeline's spark_log_level and the filters keeping the Kafka clients'
+    parameters out of the task log go on applying, unless the pipeline names its own file."""
+    from kafka2pg.config import keep_log_options, spark_log_options
+
+    shipped = (ROOT / "dags" / "pipelines.yaml").read_text()
+
+    def rendered(options: str) -> str:
+        own = tmp_path / "pipelines.yaml"
+        extra = f"    spark_log_level: DEBUG\n    spark_conf:\n      spark.driver.extraJavaOptions: '{options}'\n"
+        own.write_text(shipped.replace("    topic: orders\n", "    topic: orders\n" + extra, 1))
+        result = _parse_dag_file({"KAFKA2PG_PIPELINES": str(own)})
+        assert result["jvm_options"] == result["replay_jvm_options"]
+        return result["jvm_options"]
+
+    debug = spark_log_options("DEBUG")
+    assert rendered("-Djava.security.krb5.conf=/etc/krb5.conf") == f"-Djava.security.krb5.conf=/etc/krb5.conf {debug}"
+    # Log4j 2's mitigation property is not a configuration file.
+    assert rendered("-Dlog4j2.formatMsgNoLookups=true") == f"-Dlog4j2.formatMsgNoLookups=true {debug}"
+    assert rendered("-Dlog4j2.configurationFile=/site/log4j2.xml") == "-Dlog4j2.configurationFile=/site/log4j2.xml"
+    assert rendered("-XX:+UseG1GC -Dlog4j.configurationFile=/x.xml") == "-XX:+UseG1GC -Dlog4j.configurationFile=/x.xml"
+    assert keep_log_options({"spark.sql.shuffle.partitions": "8"}) == {"spark.sql.shuffle.partitions": "8"}
+    assert keep_log_options({"spark.driver.extraJavaOptions": ""}) == {
+        "spark.driver.extraJavaOptions": spark_log_options("WARN")
+    }
+
+
+def test_a_session_started_with_the_pipelines_driver_jvm_options_keeps_kafka2pgs_logging(monkeypatch):
+    """The CLI's, the bench's and the tests' Spark sessions (staging.spark_session, which starts
+    the JVM itself) take a pipeline's extraJavaOptions by the DAG's rule."""
+    from kafka2pg import staging
+    from kafka2pg.config import spark_log_options
+
+    given: dict[str, str] = {}
+
+    class Builder:
+        def appName(self, name):
+            return self
+
+        def master(self, master):
+            return self
+
+        def config(self, key, value):
+            given[key] = value
+            return self
+
+        def getOrCreate(self):
+            return "session"
+
+    class Session:
+        builder = Builder()
+
+    monkeypatch.setattr(staging, "SparkSession", Session)
+    own = {"spark.driver.extraJavaOptions": "-Dsite.option=1"}
+    assert staging.spark_session("local[1]", app_name="t", conf=own) == "session"
+    assert given["spark.driver.extraJavaOptions"] == f"-Dsite.option=1 {spark_log_options('WARN')}"
+    assert own == {"spark.driver.extraJavaOptions": "-Dsite.option=1"}, "the pipeline's conf is left as it was"
+
+
 COPIED = """
 import json, sys, runpy
 ns = runpy.run_path(sys.argv[1])
