@@ -8,6 +8,7 @@ listed, per column type, in docs/design.md ("What lands and what goes to quarant
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
+from operator import attrgetter
 from typing import Annotated, Any, NamedTuple
 
 import msgspec
@@ -69,7 +71,8 @@ class Refused(ValueError):
 @dataclass(frozen=True)
 class FieldRule:
     """How one target column is filled from one field of the JSON value's object (the record's own,
-    or the one at the pipeline's value_root)."""
+    or the one at the pipeline's value_root), or from the field at `path` from the record's own
+    object, whatever the root (a Debezium event's `op` or `source.ts_ms` beside its `after`)."""
 
     name: str
     field: str
@@ -77,6 +80,7 @@ class FieldRule:
     required: bool = False
     epoch: str | None = None  # timestamptz (a unit) or date (days): how a JSON number is read; None refuses numbers
     quoted_numbers: bool = False  # number kinds: a JSON string holding a number is read as that number
+    path: tuple[str, ...] = ()  # the field's names from the record's own object; () for `field` in the root
 
     @property
     def kind(self) -> str:
@@ -149,13 +153,22 @@ class RecordDecoder:
         self.rules = tuple(rules)
         self.root = tuple(root)
         self._converters = tuple(_converter(rule) for rule in self.rules)
-        self._shown = tuple(".".join((*self.root, rule.field)) for rule in self.rules)  # named so in reasons
+        # Each rule's field as its names from the record's own object; named so in reasons.
+        self._locations = tuple(rule.path or (*self.root, rule.field) for rule in self.rules)
+        self._shown = tuple(".".join(location) for location in self._locations)
         names = [r.name for r in self.rules]
         self._key_positions = tuple(names.index(k) for k in business_key)
         self._decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
-        self._fast_decoder, record = _fast_decoder(self.rules, self.root)
-        self._fields = tuple(f"f{index}" for index in range(len(self.rules)))  # the struct's attributes
-        self._unparsed = record and record()  # a record with every field absent
+        # Every field inside the root: one struct at the root's depth. A field outside it: a tree
+        # of structs from the record's own object, each rule's value found by its attributes.
+        if any(rule.path for rule in self.rules):
+            self._fast_decoder, self._getters, self._unparsed = _fast_tree(self.rules, self._locations, self.root)
+            self._depth = 0
+        else:
+            self._fast_decoder, record = _fast_decoder(self.rules, self.root)
+            self._getters = tuple(attrgetter(f"f{index}") for index in range(len(self.rules)))
+            self._unparsed = record and record()  # a record with every field absent
+            self._depth = len(self.root)
         self._columns = tuple(_fast_column(rule) for rule in self.rules)
 
     def decode(self, value: bytes | None) -> Admitted:
@@ -170,8 +183,8 @@ class RecordDecoder:
         else:
             records, doubts = self._parse(values)
             columns = [
-                column([getattr(record, name) for record in records], doubts)
-                for name, column in zip(self._fields, self._columns, strict=True)
+                column(list(map(get, records)), doubts)
+                for get, column in zip(self._getters, self._columns, strict=True)
             ]
             for rule, column in zip(self.rules, columns, strict=True):
                 if rule.required and column.null_count:
@@ -183,9 +196,10 @@ class RecordDecoder:
         return AdmittedBatch(tuple(columns), reasons)
 
     def _parse(self, values: Sequence[bytes | None]) -> tuple[list, set[int]]:
-        """Each record as the fast path's parse reads it (a `_fast_struct`), and the records it
-        cannot parse (in `records` with every field at its default)."""
-        parse, unparsed, depth = self._fast_decoder.decode, self._unparsed, len(self.root)
+        """Each record as the fast path's parse reads it (the struct of the root's object, or of
+        the record's own with `_fast_tree`), and the records it cannot parse (in `records` with
+        every field absent)."""
+        parse, unparsed, depth = self._fast_decoder.decode, self._unparsed, self._depth
         records: list = []
         doubts: set[int] = set()
         for index, value in enumerate(values):
@@ -255,11 +269,18 @@ class RecordDecoder:
             fields = self._decoder.decode(value)
         except (msgspec.DecodeError, RecursionError) as exc:
             raise Refused(_malformed(value, exc)) from None
+        record = fields
         for depth in range(len(self.root)):
             fields = self._descend(fields, depth)
+        objects: dict[tuple[str, ...], dict | None] = {(): record, self.root: fields}
         values = []
-        for rule, convert, shown in zip(self.rules, self._converters, self._shown, strict=True):
-            token = fields.get(rule.field)
+        for rule, convert, shown, location in zip(
+            self.rules, self._converters, self._shown, self._locations, strict=True
+        ):
+            if rule.path:
+                token = _object_at(objects, location[:-1], self._decoder).get(location[-1])
+            else:
+                token = fields.get(rule.field)
             raw = None if token is None else bytes(token)
             if raw is None or raw == b"null":
                 if rule.required:
@@ -304,6 +325,26 @@ class RecordDecoder:
             raise Refused(f"business key is {size} bytes, over the {KEY_INDEX_LIMIT}-byte index limit")
 
 
+def _object_at(objects: dict[tuple[str, ...], dict | None], path: tuple[str, ...], decoder) -> dict:
+    """The fields of the object at `path` from the record's own object (`objects` holds those
+    decoded so far, by path, and takes the ones decoded here); an empty mapping where a field on
+    the way is missing or null (the field read there is then missing). A field on the way that is
+    not an object refuses the record."""
+    known = objects.get(path, False)
+    if known is not False:
+        return known or {}
+    above = _object_at(objects, path[:-1], decoder)
+    token = above.get(path[-1])
+    raw = None if token is None else bytes(token)
+    found = None
+    if raw is not None and raw != b"null":
+        if raw[:1] != b"{":
+            raise Refused(f"field {'.'.join(path)!r}: expected a JSON object, got {_describe_token(raw)}")
+        found = decoder.decode(raw)
+    objects[path] = found
+    return found or {}
+
+
 # ---------------------------------------------------------------- the fast path
 
 _DOUBT = object()
@@ -326,27 +367,101 @@ def _fast_decoder(rules: Sequence[FieldRule], root: Sequence[str]) -> tuple[msgs
 def _fast_struct(rules: Sequence[FieldRule]) -> type:
     """A msgspec Struct reading every rule's field with the strictest type msgspec checks in C;
     kinds whose rules need the token's text (numbers, jsonb, epoch timestamps) stay raw."""
-    fields = []
-    for index, rule in enumerate(rules):
-        kind = rule.kind
-        if not _typed(rule):  # the rule's converter reads the raw token
-            fields.append((f"f{index}", msgspec.Raw, _ABSENT))
-            continue
-        if kind == "text":
-            spec: Any = str | None
-        elif kind in INT_RANGES:
-            low, high = INT_RANGES[kind]
-            spec = Annotated[int, msgspec.Meta(ge=low, le=high)] | None
-        elif kind == "boolean":
-            spec = bool | None
-        elif kind == "date":
-            spec = date | None
-        else:
-            fields.append((f"f{index}", msgspec.Raw, _ABSENT))
-            continue
-        fields.append((f"f{index}", spec, None))
+    fields = [(f"f{index}", *_fast_field(rule)) for index, rule in enumerate(rules)]
     rename = {f"f{index}": rule.field for index, rule in enumerate(rules)}
     return msgspec.defstruct("FastRecord", fields, rename=rename)
+
+
+def _fast_tree(
+    rules: Sequence[FieldRule], locations: Sequence[tuple[str, ...]], root: Sequence[str]
+) -> tuple[msgspec.json.Decoder | None, tuple | None, Any]:
+    """The fast path's parser where some rule reads a field outside the root: a struct per
+    object on the rules' paths, from the record's own object, the root's objects required (a
+    record without one is doubted), the others None when missing or null (their fields then
+    missing; a non-object there is doubted); with each rule's getter from the record's struct,
+    and a record with every field absent. (None, None, None) when msgspec cannot name a field (a
+    quote, a backslash or a control character in a name) or one rule's field is an object another
+    reads inside (the config refuses this one): the strict path only."""
+    if any(re.search(r'["\\\x00-\x1f]', name) for location in (root, *locations) for name in location):
+        return None, None, None
+    tree: dict = {}  # a field's name -> its rule's index, or the fields of the object it names
+    for index, location in enumerate(locations):
+        node = tree
+        for name in location[:-1]:
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                return None, None, None
+        if location[-1] in node:
+            return None, None, None
+        node[location[-1]] = index
+    node = tree
+    for name in root:
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            return None, None, None
+    getters: list = [None] * len(rules)
+    numbers = itertools.count()
+
+    def struct(node: dict, steps: tuple[tuple[str, bool], ...], root_below: tuple[str, ...] | None):
+        """The struct of one object's fields, `steps` the (attribute, may be None) to it."""
+        fields: list = []
+        required: dict[str, Any] = {}  # the root's objects: attribute -> a record of them absent
+        rename = {}
+        for name, child in node.items():
+            if isinstance(child, int):
+                attribute = f"f{child}"
+                spec, default = _fast_field(rules[child])
+                fields.append((attribute, spec, default))
+                getters[child] = _fast_getter(steps, attribute, default)
+            else:
+                attribute = f"n{next(numbers)}"
+                on_root = root_below is not None and root_below[:1] == (name,)
+                below = root_below[1:] if on_root else None
+                inner, absent = struct(child, (*steps, (attribute, not on_root)), below)
+                if on_root:
+                    fields.append((attribute, inner))
+                    required[attribute] = absent
+                else:
+                    fields.append((attribute, inner | None, None))
+            rename[attribute] = name
+        made = msgspec.defstruct("FastObject", fields, rename=rename, kw_only=True)
+        return made, lambda: made(**{attribute: absent() for attribute, absent in required.items()})
+
+    record, absent = struct(tree, (), tuple(root))
+    return msgspec.json.Decoder(record), tuple(getters), absent()
+
+
+def _fast_getter(steps: tuple[tuple[str, bool], ...], attribute: str, absent: Any):
+    """A function of a record's struct: its field `attribute` in the object `steps` lead to, or
+    `absent` where an object on the way is None (missing or null)."""
+    if not any(may_be_none for _, may_be_none in steps):
+        return attrgetter(".".join((*(step for step, _ in steps), attribute)))
+
+    def get(record):
+        for step, _ in steps:
+            record = getattr(record, step)
+            if record is None:
+                return absent
+        return getattr(record, attribute)
+
+    return get
+
+
+def _fast_field(rule: FieldRule) -> tuple[Any, Any]:
+    """The msgspec type and default (when absent) the fast path reads one rule's field with."""
+    kind = rule.kind
+    if not _typed(rule):  # the rule's converter reads the raw token
+        return msgspec.Raw, _ABSENT
+    if kind == "text":
+        return str | None, None
+    if kind in INT_RANGES:
+        low, high = INT_RANGES[kind]
+        return Annotated[int, msgspec.Meta(ge=low, le=high)] | None, None
+    if kind == "boolean":
+        return bool | None, None
+    if kind == "date":
+        return date | None, None
+    return msgspec.Raw, _ABSENT
 
 
 # Kinds msgspec parses and checks in C (`_fast_struct`); the others' tokens stay raw.
@@ -528,7 +643,9 @@ def _fast_timestamp(token: bytes) -> datetime | object:
 def rules_for(pipeline: Any) -> tuple[FieldRule, ...]:
     """The admission rules of a pipeline's columns (a `kafka2pg.config.Pipeline`)."""
     return tuple(
-        FieldRule(c.name, c.field, c.type, c.required or c.name in pipeline.business_key, c.epoch, c.quoted_numbers)
+        FieldRule(
+            c.name, c.field, c.type, c.required or c.name in pipeline.business_key, c.epoch, c.quoted_numbers, c.path
+        )
         for c in pipeline.columns
     )
 

@@ -197,7 +197,7 @@ def spark_type_for(pg_type: str) -> str | None:
 
 @dataclass(frozen=True)
 class Column:
-    """One target column filled from one top-level field of the JSON value."""
+    """One target column filled from one field of the JSON value (in the value_root's object, or at `path`)."""
 
     name: str
     type: str
@@ -214,6 +214,9 @@ class Column:
     #: number columns (bigint, integer, double precision, numeric): also read a number written as a
     #: JSON string ("12.50"), as Debezium's decimal.handling.mode=string and many APIs write money.
     quoted_numbers: bool = False
+    #: the field's names from the record's own object, whatever the value_root (`path: source.ts_ms`);
+    #: () reads `field` in the root's object.
+    path: tuple[str, ...] = ()
 
     @property
     def spark_type(self) -> str:
@@ -508,6 +511,8 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
     topic = _topic(raw.get("topic"), where)
     schema, table = _target(raw.get("target_table"), where)
     columns = _columns(raw.get("columns"), where)
+    value_root = _value_root(raw.get("value_root"), where)
+    _check_locations(columns, value_root, where)
     business_key = _business_key(raw.get("business_key"), columns, where)
     for index, spec in enumerate(raw["columns"]):
         if spec.get("required") is False and spec["name"] in business_key:
@@ -522,7 +527,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         target_table=table,
         columns=columns,
         business_key=business_key,
-        value_root=_value_root(raw.get("value_root"), where),
+        value_root=value_root,
         max_records_per_batch=_positive_int(raw, "max_records_per_batch", where, 100_000),
         max_records_per_partition=_positive_int(raw, "max_records_per_partition", where, None),
         batches_per_run=_positive_int(raw, "batches_per_run", where, 1),
@@ -554,22 +559,57 @@ def _field_name(name: Any) -> bool:
 
 
 def _value_root(value: Any, where: str) -> tuple[str, ...]:
+    return _field_path(value, f"{where}.value_root", "the JSON object the columns' fields are in")
+
+
+# The most names a value_root or a column's path may have (a record nests at most 900 levels).
+MAX_PATH_NAMES = 100
+
+
+def _field_path(value: Any, here: str, what: str) -> tuple[str, ...]:
     """A dotted path (`payload`, `envelope.data`) or a list of field names (for a name with a dot)."""
     if value is None:
         return ()
     names = value.split(".") if isinstance(value, str) else value
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise ConfigError(
-            f"{where}.value_root: expected the JSON object the columns' fields are in, as a dotted path "
-            f"(payload, after) or a list of field names, got {value!r}"
+            f"{here}: expected {what}, as a dotted path (payload, after) or a list of field names, got {value!r}"
         )
     for name in names:
         if not _field_name(name):
             raise ConfigError(
-                f"{where}.value_root: {value!r} has an empty field name, or one with a control character or a "
-                "lone surrogate"
+                f"{here}: {value!r} has an empty field name, or one with a control character or a lone surrogate"
             )
+    if len(names) > MAX_PATH_NAMES:
+        raise ConfigError(f"{here}: {len(names)} field names, at most {MAX_PATH_NAMES}")
     return tuple(names)
+
+
+def _check_locations(columns: tuple[Column, ...], root: tuple[str, ...], where: str) -> None:
+    """Each column reads its own field, and not an object the value_root is or another column's
+    field is in (a column reads one JSON value: the object itself, as jsonb, would be read twice)."""
+    located = [(c.path or (*root, c.field), index, "path" if c.path else "field") for index, c in enumerate(columns)]
+    seen: dict[tuple[str, ...], int] = {}
+    for location, index, key in located:
+        shown = ".".join(location)
+        if location in seen:
+            raise ConfigError(
+                f"{where}.columns[{index}].{key}: JSON field {shown!r} is already read by columns[{seen[location]}]: "
+                "each column reads its own field"
+            )
+        seen[location] = index
+        if root[: len(location)] == location:
+            raise ConfigError(
+                f"{where}.columns[{index}].{key}: {shown!r} is the value_root's object or holds it: read its fields "
+                "as columns instead"
+            )
+    for location, index, key in located:
+        for inner, other, _ in located:
+            if len(inner) > len(location) and inner[: len(location)] == location:
+                raise ConfigError(
+                    f"{where}.columns[{index}].{key}: {'.'.join(location)!r} is an object columns[{other}] reads a "
+                    f"field in ({'.'.join(inner)!r}): read its fields as columns instead"
+                )
 
 
 def _topic(value: Any, where: str) -> str:
@@ -688,7 +728,6 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{where}.columns: expected a non-empty list of columns")
     columns = []
-    fields: dict[str, int] = {}  # JSON field -> column index
     for index, raw in enumerate(value):
         here = f"{where}.columns[{index}]"
         if not isinstance(raw, dict):
@@ -705,13 +744,13 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
         if name in _SYSTEM_COLUMNS:
             raise ConfigError(f"{here}.name: {name!r} is a PostgreSQL system column of every table: rename it")
         pg_type = _column_type(raw.get("type"), here)
-        json_field = _json_field(raw.get("field", name), here)
-        if json_field in fields:
+        path = _field_path(raw.get("path"), f"{here}.path", "the field's names from the record's own object")
+        if path and "field" in raw:
             raise ConfigError(
-                f"{here}.field: JSON field {json_field!r} is already read by columns[{fields[json_field]}]: "
-                "each column reads its own field"
+                f"{here}: give field (a name in the value_root's object) or path (from the record's own "
+                "object), not both"
             )
-        fields[json_field] = index
+        json_field = ".".join(path) if path else _json_field(raw.get("field", name), here)
         required = raw.get("required", False)
         if not isinstance(required, bool):
             raise ConfigError(f"{here}.required: expected true or false, got {required!r}")
@@ -728,6 +767,7 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
                 on_violation,
                 epoch=_epoch(raw, here, pg_type),
                 quoted_numbers=_quoted_numbers(raw, here, pg_type),
+                path=path,
             )
         )
     names = [c.name for c in columns]
@@ -748,6 +788,7 @@ _COLUMN_KEYS = {
     "on_violation",
     "epoch",
     "quoted_numbers",
+    "path",
 }
 
 

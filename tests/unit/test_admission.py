@@ -564,6 +564,135 @@ def test_a_value_root_msgspec_cannot_name_is_read_by_the_strict_path():
     assert decoder.decode(value) == decoder.decode_strictly(value) == (("e", 3), None)
 
 
+# ---------------------------------------------------------------- fields outside the value_root (path)
+
+# A Debezium change event's row in `after`, its operation and source position beside it.
+CHANGES = RecordDecoder(
+    [
+        *RULES[:3],
+        FieldRule("op", "op", "text", required=True, path=("op",)),
+        FieldRule("source_ts", "source.ts_ms", "timestamptz", epoch="milliseconds", path=("source", "ts_ms")),
+        FieldRule("lsn", "source.lsn", "bigint", path=("source", "lsn")),
+        FieldRule("source", "source", "jsonb", path=("meta",)),
+    ],
+    ["event_id"],
+    ("after",),
+)
+CHANGE = b'"after":{"event_id":"e","customer_id":2,"amount":1.5}'
+
+
+def test_a_column_reads_a_field_outside_the_value_root_by_its_path_from_the_record():
+    value = b'{"before":null,' + CHANGE + b',"op":"c","source":{"ts_ms":1764064800000,"lsn":77}}'
+    event_id, customer_id, amount, op, source_ts, lsn, meta = rooted(CHANGES, value).values
+    assert (event_id, customer_id, amount, op, lsn, meta) == ("e", 2, "1.5", "c", 77, None)
+    assert source_ts == datetime(2025, 11, 25, 10, tzinfo=UTC)
+    # An object on the way missing or null: its field is missing, as a field in the root is.
+    for source in (b"", b',"source":null', b',"source":{}'):
+        value = b"{" + CHANGE + b',"op":"r"' + source + b"}"
+        assert rooted(CHANGES, value).values == ("e", 2, "1.5", "r", None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (b'{"after":null,"op":"d"}', "field 'after' (the pipeline's value_root): null"),
+        (b"{" + CHANGE + b"}", "field 'op': required but missing"),
+        (b"{" + CHANGE + b',"op":null}', "field 'op': required but null"),
+        (b"{" + CHANGE + b',"op":"u","source":"x"}', "field 'source': expected a JSON object, got a string"),
+        (b"{" + CHANGE + b',"op":"u","source":{"lsn":"7"}}', "field 'source.lsn': expected a JSON integer for bigint"),
+        (b"{" + CHANGE + b',"op":"u","meta":{"k":"\\u0000"}}', "field 'meta': contains NUL"),
+    ],
+)
+def test_a_field_outside_the_value_root_is_refused_by_the_same_rules_naming_its_path(value, expected):
+    admitted = rooted(CHANGES, value)
+    assert admitted.values is None and admitted.reason.startswith(expected), admitted.reason
+
+
+def test_records_whose_fields_outside_the_root_are_well_formed_take_the_fast_path():
+    """An object on a path missing or null too (Debezium's `before` on a create, `transaction`
+    without transaction metadata): not left to the strict path."""
+    values = [b"{" + CHANGE + b',"op":"u","source":{"ts_ms":1,"lsn":2}}', b"{" + CHANGE + b',"op":"c"}']
+    values.append(b"{" + CHANGE + b',"op":"c","source":null}')
+    _, doubts = CHANGES._parse(values)
+    assert doubts == set()
+
+
+changes = st.fixed_dictionaries(
+    {},
+    optional={
+        "after": documents | json_values,
+        "op": json_values | st.sampled_from(["c", "u", "d", "r"]),
+        "source": st.dictionaries(st.sampled_from(["ts_ms", "lsn", "db"]), field_values, max_size=3) | json_values,
+        "meta": json_values,
+    },
+)
+
+
+# Nothing required: the root's object alone decides whether a record without it is refused.
+LOOSE = RecordDecoder(
+    [FieldRule("note", "note", "text"), FieldRule("op", "op", "text", path=("op",)), *CHANGES.rules[4:6]],
+    root=("after",),
+)
+
+
+def test_a_record_without_the_value_root_is_refused_whatever_it_has_outside_it():
+    assert (
+        rooted(LOOSE, b'{"op":"c","source":{"lsn":1}}').reason == "field 'after' (the pipeline's value_root): missing"
+    )
+    assert rooted(LOOSE, b'{"after":{},"op":"c"}').values == (None, "c", None, None)
+
+
+# A root two objects deep, paths three deep beside it and through it.
+DEEPER = RecordDecoder(
+    [
+        FieldRule("x", "x", "bigint", required=True),
+        FieldRule("y", "y", "text"),
+        FieldRule("acd", "a.c.d", "text", path=("a", "c", "d")),
+        FieldRule("aby", "a.b.z", "jsonb", path=("a", "b", "z")),
+        FieldRule("cd", "c.d", "date", path=("c", "d")),
+        FieldRule("ccc", "c.c.c", "numeric(5,2)", path=("c", "c", "c")),
+    ],
+    ["acd"],
+    ("a", "b"),
+)
+nested = st.recursive(
+    field_values, lambda inner: st.dictionaries(st.sampled_from(["a", "b", "c", "d", "x", "y", "z"]), inner, max_size=4)
+)
+deeper = st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), nested, max_size=4)
+
+
+@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.lists(deeper.map(lambda document: _encode(document, True)), max_size=10))
+def test_records_with_a_deep_root_and_deep_paths_get_each_the_outcome_the_strict_path_gives(values):
+    admitted = DEEPER.admit(values)
+    assert [admitted.outcome(i) for i in range(len(values))] == [DEEPER.decode_strictly(v) for v in values]
+
+
+def test_paths_beside_and_through_a_deep_root_are_read_on_the_fast_path():
+    value = b'{"a":{"b":{"x":1,"y":"y","z":[1]},"c":{"d":"acd"}},"c":{"d":"2025-11-25","c":{"c":1.5}}}'
+    assert DEEPER._parse([value])[1] == set()
+    assert rooted(DEEPER, value).values == (1, "y", "acd", "[1]", date(2025, 11, 25), "1.5")
+    assert rooted(DEEPER, b'{"a":{"b":{"x":1},"c":{"d":"k"}},"c":null}').values == (1, None, "k", None, None, None)
+
+
+@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.lists(changes.map(lambda document: _encode(document, True)), max_size=10), st.sampled_from([CHANGES, LOOSE]))
+def test_records_with_fields_outside_the_root_get_each_the_outcome_the_strict_path_gives(values, decoder):
+    admitted = decoder.admit(values)
+    assert [admitted.outcome(i) for i in range(len(values))] == [decoder.decode_strictly(v) for v in values]
+
+
+def test_paths_msgspec_cannot_name_or_a_field_inside_another_columns_field_take_the_strict_path():
+    weird = RecordDecoder([RULES[0], FieldRule("op", "op", "text", path=('we"ird', "op"))], ["event_id"])
+    value = json.dumps({"event_id": "e", 'we"ird': {"op": "c"}}).encode()
+    assert weird.decode(value) == weird.decode_strictly(value) == (("e", "c"), None)
+    nested = RecordDecoder(
+        [RULES[0], FieldRule("s", "s", "jsonb", path=("s",)), FieldRule("lsn", "s.lsn", "bigint", path=("s", "lsn"))]
+    )
+    value = b'{"event_id":"e","s":{"lsn":3}}'
+    assert nested.decode(value) == nested.decode_strictly(value) == (("e", '{"lsn":3}', 3), None)
+
+
 # ---------------------------------------------------------------- dates as day counts (epoch: days)
 
 DAYS = RecordDecoder([FieldRule("event_id", "event_id", "text", True), FieldRule("day", "day", "date", epoch="days")])

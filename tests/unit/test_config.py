@@ -241,6 +241,58 @@ def test_a_value_root_that_names_no_object_path_is_refused(tmp_path, value):
         get_pipeline("orders", write(tmp_path, value_root=value))
 
 
+def test_a_column_reads_a_field_outside_the_value_root_by_its_path_from_the_record(tmp_path):
+    columns = [*GOOD["columns"], column("op", path="op"), column("lsn", type="bigint", path=["source", "lsn"])]
+    pipeline = get_pipeline("orders", write(tmp_path, value_root="after", columns=columns))
+    assert [(c.name, c.path) for c in pipeline.columns] == [
+        ("event_id", ()),
+        ("n", ()),
+        ("op", ("op",)),
+        ("lsn", ("source", "lsn")),
+    ]
+    from kafka2pg.admission import decoder_for
+
+    value = b'{"after":{"event_id":"e","n":1},"op":"c","source":{"lsn":9},"event_id":"outer"}'
+    assert decoder_for(pipeline).decode(value) == (("e", "1", "c", 9), None)
+
+
+@pytest.mark.parametrize(
+    ("root", "columns", "message"),
+    [
+        ("after", [column("op", path="op", field="op")], r"columns\[2\]: give field .* or path .*, not both"),
+        ("after", [column("op", path="a..b")], r"columns\[2\]\.path: 'a\.\.b' has an empty field name"),
+        ("after", [column("op", path=5)], r"columns\[2\]\.path: expected the field's names"),
+        ("after", [column("op", path=["a"] * 101)], r"columns\[2\]\.path: 101 field names, at most 100"),
+        # The same field as a column reading the root's object.
+        (
+            "after",
+            [column("n2", path="after.n")],
+            r"columns\[2\]\.path: JSON field 'after\.n' is already read by columns\[1\]",
+        ),
+        (
+            "after",
+            [column("raw", type="jsonb", path="after")],
+            r"columns\[2\]\.path: 'after' is the value_root's object",
+        ),
+        (
+            "a.b",
+            [column("raw", type="jsonb", path="a")],
+            r"columns\[2\]\.path: 'a' is the value_root's object or holds it",
+        ),
+        (
+            None,
+            [column("s", type="jsonb", path="source"), column("lsn", path="source.lsn")],
+            r"columns\[2\]\.path: 'source' is an object columns\[3\] reads a field in \('source\.lsn'\)",
+        ),
+        (None, [column("s", path="n")], r"columns\[2\]\.path: JSON field 'n' is already read by columns\[1\]"),
+    ],
+)
+def test_a_path_that_reads_no_field_of_its_own_is_refused(tmp_path, root, columns, message):
+    extra = {} if root is None else {"value_root": root}
+    with pytest.raises(ConfigError, match=message):
+        get_pipeline("orders", write(tmp_path, columns=[*GOOD["columns"], *columns], **extra))
+
+
 def test_quoted_numbers_is_for_number_columns_only(tmp_path):
     columns = [
         GOOD["columns"][0],
