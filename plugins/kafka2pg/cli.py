@@ -23,7 +23,7 @@ from kafka2pg.config import (
     pipelines_file_from_env,
 )
 from kafka2pg.exceptions import BatchStateError, ConfigError, Kafka2PgError
-from kafka2pg.locations import state_dir
+from kafka2pg.locations import COMMAND, state_dir
 
 log = logging.getLogger("kafka2pg")
 
@@ -73,13 +73,13 @@ def cmd_stack(args: argparse.Namespace) -> int:
     current = local_stack.load_stack(cache)
     if args.action == "status":
         if current is None:
-            print("no local stack recorded (start one with ./kafka2pg stack start)")
+            print(f"no local stack recorded (start one with {COMMAND} stack start)")
             return 1
         status = local_stack.stack_status(current)
         for name, line in status.items():
             print(f"{name}: {line}")
         if any(line.startswith("stopped") for line in status.values()):
-            print("`./kafka2pg stack start` restarts what is stopped, on its ports and with its data")
+            print(f"`{COMMAND} stack start` restarts what is stopped, on its ports and with its data")
         return 0
     if args.action == "stop":
         if current is None:
@@ -88,8 +88,8 @@ def cmd_stack(args: argparse.Namespace) -> int:
         local_stack.stop_stack(current)
         data = ", ".join(str(p) for p in local_stack.stack_data(current))
         print(
-            f"local stack stopped; its data stays in {data}: `./kafka2pg stack start` brings it back, "
-            "`./kafka2pg stack reset --confirm` deletes it"
+            f"local stack stopped; its data stays in {data}: `{COMMAND} stack start` brings it back, "
+            f"`{COMMAND} stack reset --confirm` deletes it"
         )
         return 0
     _, done = local_stack.start_or_resume(cache, secured=args.secured)
@@ -111,7 +111,7 @@ def _reset_stack(cache: Path, *, confirm: bool) -> int:
     if not confirm:
         print(
             f"would stop the local stack and delete:{listing}\n"
-            "nothing changed: re-run with --confirm to delete (`./kafka2pg stack stop` stops it and keeps the data)"
+            f"nothing changed: re-run with --confirm to delete (`{COMMAND} stack stop` stops it and keeps the data)"
         )
         return 1
     local_stack.reset_stack(cache)
@@ -134,7 +134,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             "pipeline tables ensured"
         )
     print(
-        "If the DAGs connect as another role, run `./kafka2pg grant --role THAT_ROLE` now for the tables this created."
+        f"If the DAGs connect as another role, run `{COMMAND} grant --role THAT_ROLE` now for the tables this created."
     )
     return 0
 

@@ -341,7 +341,8 @@ class Settings:
             raise ConfigError(
                 f"environment variable(s) {', '.join(missing)} not set: define the Airflow connections "
                 "kafka2pg_kafka and kafka2pg_postgres (README, Configuration), or set these variables, or start "
-                "the local stack with `./kafka2pg stack start` and `source .cache/stack/stack.env`"
+                f"the local stack with `{locations.COMMAND} stack start` and "
+                f"`source {locations.state_dir(env) / 'stack' / 'stack.env'}`"
             )
         return cls(
             kafka=kafka,

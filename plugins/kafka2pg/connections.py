@@ -27,7 +27,7 @@ from kafka2pg.config import (
 from kafka2pg.database import describe, password_misread
 from kafka2pg.exceptions import ConfigError
 from kafka2pg.kafka_config import KafkaConfig
-from kafka2pg.locations import state_dir
+from kafka2pg.locations import COMMAND, state_dir
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def _require(who: str, found: list[tuple[str, str, object]], env: dict[str, str]
         raise ConfigError(
             f"{who}: {'; '.join(missing)}. Define the connections (README, Configuration: "
             "AIRFLOW_CONN_* variables, the Airflow UI or a secrets backend), or start the local stack with "
-            f"`./kafka2pg stack start` and `source {stack_env}`"
+            f"`{COMMAND} stack start` and `source {stack_env}`"
         )
 
 

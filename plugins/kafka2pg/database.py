@@ -23,7 +23,7 @@ from kafka2pg.exceptions import (
     StatementTimeoutError,
     TableRefusesRowsError,
 )
-from kafka2pg.locations import migration_files
+from kafka2pg.locations import COMMAND, migration_files
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ def _statement_errors(url: str, conn: psycopg.Connection, outcome: str) -> Itera
         role = conn.info.user
         raise SchemaNotReadyError(
             f"PostgreSQL at {describe(url)} refused role {role!r} ({str(exc).strip()}); {outcome}. As the role "
-            f"owning kafka2pg's tables, run `./kafka2pg grant --role {role}` with the pipelines file (again after "
+            f"owning kafka2pg's tables, run `{COMMAND} grant --role {role}` with the pipelines file (again after "
             "adding a pipeline or applying a migration), then retry.",
             missing=(f"privilege: {exc.diag.message_primary}",),
             database=describe(url),

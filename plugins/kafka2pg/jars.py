@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 from kafka2pg.exceptions import StackError
-from kafka2pg.locations import PACKAGE_DIR, default_state_dir, state_dir
+from kafka2pg.locations import CHECKOUT, PACKAGE_DIR, default_state_dir, state_dir
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,8 @@ def resolve_jars(cache: Path | None = None, names: tuple[str, ...] = SET_UP) -> 
             result[name] = target
             continue
         if shutil.which("mvn") is None:
-            raise StackError("Maven (mvn) is not installed: `apt-get install maven`, or run ./kafka2pg setup")
+            setup = ", or run `./kafka2pg setup`" if CHECKOUT else ""
+            raise StackError(f"Maven (mvn) is not installed: `apt-get install maven`{setup}")
         shutil.rmtree(target, ignore_errors=True)
         settings = os.environ.get("KAFKA2PG_MAVEN_SETTINGS", str(MAVEN_DIR / "settings.xml"))
         command = [

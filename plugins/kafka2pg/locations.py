@@ -24,6 +24,9 @@ def _checkout() -> Path | None:
 
 #: The checkout's root when the package runs from it (`./kafka2pg`, the tests), None when installed.
 CHECKOUT = _checkout()
+#: How a user runs kafka2pg's command here, for messages that tell them to: the checkout's
+#: wrapper, or the installed package's console script.
+COMMAND = "./kafka2pg" if CHECKOUT else "kafka2pg"
 # The wheel carries the top-level sql/ inside the package (pyproject.toml's force-include).
 SQL_DIR = CHECKOUT / "sql" if CHECKOUT else PACKAGE_DIR / "sql"
 

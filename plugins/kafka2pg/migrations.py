@@ -16,7 +16,7 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect, describe, transaction
 from kafka2pg.exceptions import ConfigError, ObjectNameTakenError, SchemaNotReadyError
 from kafka2pg.lifecycle import OPEN
-from kafka2pg.locations import SQL_DIR, migration_files
+from kafka2pg.locations import COMMAND, SQL_DIR, migration_files
 
 log = logging.getLogger(__name__)
 
@@ -393,7 +393,7 @@ def _ensure_index(
         # The table's own index on other columns, e.g. of an earlier business_key (README, Known limits).
         log.warning(
             "pipeline=%s %s already has an index %s on other columns than %s (an earlier business_key?): "
-            "kafka2pg does not replace it; drop it and run `./kafka2pg migrate` to index %s",
+            f"kafka2pg does not replace it; drop it and run `{COMMAND} migrate` to index %s",
             pipeline.name,
             ".".join(schema_table),
             name,
@@ -405,7 +405,7 @@ def _ensure_index(
     raise ObjectNameTakenError(
         f"pipeline {pipeline.name!r}: cannot create index {schema_table[0]}.{name} on {'.'.join(schema_table)}: "
         f"that name is taken by {taken_by}. Rename or drop "
-        "that one (or change the pipeline's target_table), then run `./kafka2pg migrate` again.",
+        f"that one (or change the pipeline's target_table), then run `{COMMAND} migrate` again.",
         pipeline=pipeline.name,
         relation=f"{schema_table[0]}.{name}",
         taken_by=taken_by,
@@ -426,7 +426,7 @@ def _require_table(conn: Connection, pipeline: Pipeline, schema_table: tuple[str
     raise ObjectNameTakenError(
         f"pipeline {pipeline.name!r}: its {what} {'.'.join(schema_table)} is {taken_by}"
         f", not a table. Change the pipeline's {field} in the pipelines file (or rename that relation), then run "
-        "`./kafka2pg migrate` again.",
+        f"`{COMMAND} migrate` again.",
         pipeline=pipeline.name,
         relation=".".join(schema_table),
         taken_by=taken_by,

@@ -183,6 +183,8 @@ def test_the_installed_wheel_runs_a_dag_copied_alone_without_the_checkout(venv, 
     # pyspark's spark-submit could not find its home with that Python: the task found it.
     assert f"SPARK_HOME for spark-submit: {site_packages / 'pyspark'} " in output, output[-4000:]
     assert str(ROOT) not in migrated + output
+    # What it tells the user to run is the installed command, not the checkout's wrapper.
+    assert "run `kafka2pg grant --role THAT_ROLE`" in migrated and "./kafka2pg" not in migrated, migrated
     # The default state directory of an installation: under HOME, not in site-packages.
     assert (home / ".cache" / "kafka2pg" / "spark").is_dir()
 

@@ -15,7 +15,7 @@ from kafka2pg.devtools import local_stack
 from kafka2pg.devtools.airflow_cli import dags_test, ensure_airflow_db
 from kafka2pg.exceptions import StackError
 from kafka2pg.jars import resolve_jars
-from kafka2pg.locations import state_dir
+from kafka2pg.locations import COMMAND, state_dir
 
 PIPELINE = "orders"
 
@@ -40,7 +40,7 @@ def run(*, events: int, keep: bool) -> int:
         # The demo counts what it lands from an empty stack, and never deletes data it did not make.
         raise StackError(
             f"a local stack already exists in {local_stack.stack_dir(cache)}, with its data: the demo starts "
-            "its own, empty one. `./kafka2pg stack reset` shows what that stack holds, `./kafka2pg stack reset "
+            f"its own, empty one. `{COMMAND} stack reset` shows what that stack holds, `{COMMAND} stack reset "
             "--confirm` deletes it; then run the demo again."
         )
     stack = local_stack.start_stack(local_stack.stack_dir(cache), cache)
@@ -49,7 +49,7 @@ def run(*, events: int, keep: bool) -> int:
         return _run_with_stack(stack, events, cache)
     finally:
         if keep:
-            print(f"stack left running: `source {env_file}` to use it, `./kafka2pg stack stop` to stop it")
+            print(f"stack left running: `source {env_file}` to use it, `{COMMAND} stack stop` to stop it")
         else:
             local_stack.reset_stack(cache)
             print("the demo's stack stopped and deleted")

@@ -22,6 +22,7 @@ from kafka2pg.devtools.processes import (
     wait_for_exit,
 )
 from kafka2pg.exceptions import StackError
+from kafka2pg.locations import COMMAND
 
 
 @dataclass
@@ -91,7 +92,7 @@ def _new_cluster_dir(work_dir: Path) -> Path:
     if base.exists():
         raise StackError(
             f"{base} already exists (a cluster no recorded stack names?): nothing was started. "
-            "`./kafka2pg stack reset` shows what it would delete, `./kafka2pg stack reset --confirm` "
+            f"`{COMMAND} stack reset` shows what it would delete, `{COMMAND} stack reset --confirm` "
             "deletes it; or move the folder away."
         )
     base.mkdir(parents=True)
@@ -269,8 +270,8 @@ def start_recorded_postgres(pg: PostgresProcess, timeout_s: float = 60) -> tuple
     if not (data_dir / "PG_VERSION").exists():
         raise StackError(
             f"the PostgreSQL data directory recorded in {data_dir} is gone: nothing was started. "
-            "`./kafka2pg stack reset --confirm` forgets this stack (and deletes what is left of it); "
-            "`./kafka2pg stack start` then starts a new, empty one."
+            f"`{COMMAND} stack reset --confirm` forgets this stack (and deletes what is left of it); "
+            f"`{COMMAND} stack start` then starts a new, empty one."
         )
     wait_for_exit(pg.pid, f"the postmaster of {data_dir}")
     ended = _end_orphans(pg.data_dir)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from kafka2pg.exceptions import StackError
+from kafka2pg.locations import COMMAND
 
 # Ports are chosen from here on, outside the kernel's ephemeral range.
 _PORTS_FROM = 10_000
@@ -113,7 +114,7 @@ def wait_for_exit(pid: int, what: str, timeout_s: float = 30) -> None:
         if time.monotonic() > deadline:
             raise StackError(
                 f"{what} (pid {pid}) was killed but is not gone after {timeout_s:.0f}s (a zombie its parent "
-                "has not reaped?): it may still hold the port and data. Run `./kafka2pg stack start` again later."
+                f"has not reaped?): it may still hold the port and data. Run `{COMMAND} stack start` again later."
             )
         time.sleep(0.1)
 
@@ -129,7 +130,7 @@ def ensure_port_free(port: int, what: str) -> None:
             raise StackError(
                 f"{what} must listen on its recorded port 127.0.0.1:{port}, but another process holds it "
                 f"({exc.strerror}). Stop that process (`ss -ltnp 'sport = :{port}'` names it), then run "
-                "`./kafka2pg stack start` again; the stack's data is kept."
+                f"`{COMMAND} stack start` again; the stack's data is kept."
             ) from exc
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from kafka2pg.exceptions import StackError
+from kafka2pg.locations import COMMAND
 
 SECURED_DIR = "secured"  # under the broker's data dir: CA, certificates, keys, users and passwords
 SCRAM_MECHANISM = "SCRAM-SHA-512"
@@ -103,8 +104,8 @@ def secured_properties(secured: SecuredListener) -> list[str]:
 def unsecured_error(what: str) -> StackError:
     return StackError(
         f"{what} was started without secured listeners, and a recorded stack keeps the listeners it started "
-        "with: nothing was started or changed. For secured listeners: `./kafka2pg stack reset --confirm` "
-        "(deletes the stack's data), then `./kafka2pg stack start --secured` (in code: "
+        f"with: nothing was started or changed. For secured listeners: `{COMMAND} stack reset --confirm` "
+        f"(deletes the stack's data), then `{COMMAND} stack start --secured` (in code: "
         "start_stack(..., secured=True))."
     )
 
@@ -173,8 +174,8 @@ def load_secured(directory: Path, sasl_ssl_port: int, ssl_port: int) -> SecuredL
     except FileNotFoundError as exc:
         raise StackError(
             f"the secured listeners' users and passwords ({credentials}) are gone, and the SCRAM users formatted "
-            "into the broker's metadata cannot be recovered: `./kafka2pg stack reset --confirm`, then "
-            "`./kafka2pg stack start --secured` makes a new stack (its topics and records are deleted)."
+            f"into the broker's metadata cannot be recovered: `{COMMAND} stack reset --confirm`, then "
+            f"`{COMMAND} stack start --secured` makes a new stack (its topics and records are deleted)."
         ) from exc
     return SecuredListener(
         sasl_ssl_bootstrap_servers=f"127.0.0.1:{sasl_ssl_port}",
