@@ -356,12 +356,17 @@ def _fast_decoder(rules: Sequence[FieldRule], root: Sequence[str]) -> tuple[msgs
     nested in an object per field of `root` (each an `inner` attribute); (None, None) when
     msgspec cannot name a field (a quote, a backslash or a control character in its name): such
     a pipeline's records all take the strict path."""
-    if any(re.search(r'["\\\x00-\x1f]', name) for name in (*root, *(rule.field for rule in rules))):
+    if _unnameable((*root, *(rule.field for rule in rules))):
         return None, None
     record = parsed = _fast_struct(rules)
     for name in reversed(root):  # required and not null: a record without it is doubted
         parsed = msgspec.defstruct("FastRoot", [("inner", parsed)], rename={"inner": name})
     return msgspec.json.Decoder(parsed), record
+
+
+def _unnameable(names: Iterable[str]) -> bool:
+    """Whether msgspec cannot name one of these fields (a quote, a backslash or a control character)."""
+    return any(re.search(r'["\\\x00-\x1f]', name) for name in names)
 
 
 def _fast_struct(rules: Sequence[FieldRule]) -> type:
@@ -382,7 +387,7 @@ def _fast_tree(
     and a record with every field absent. (None, None, None) when msgspec cannot name a field (a
     quote, a backslash or a control character in a name) or one rule's field is an object another
     reads inside (the config refuses this one): the strict path only."""
-    if any(re.search(r'["\\\x00-\x1f]', name) for location in (root, *locations) for name in location):
+    if _unnameable(name for location in (root, *locations) for name in location):
         return None, None, None
     tree: dict = {}  # a field's name -> its rule's index, or the fields of the object it names
     for index, location in enumerate(locations):

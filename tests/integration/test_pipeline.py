@@ -58,6 +58,13 @@ def quarantined(db, env):
     ]
 
 
+def quarantine_reasons(db, env):
+    """The reasons of the pipeline's quarantined records, in offset order (one row each)."""
+    return db.execute(
+        "SELECT reason FROM kafka2pg.quarantine WHERE pipeline = %s ORDER BY kafka_offset", (env.pipeline.name,)
+    ).fetchall()
+
+
 def test_all_records_land_once_with_provenance(make_pipeline, run_batch, db, heads):
     env = make_pipeline()
     produce_sample(env.settings.bootstrap_servers, env.topic, 500, seed=1)
@@ -101,10 +108,7 @@ def test_kafka_connect_envelopes_with_string_amounts_land_by_value_root_and_quot
     assert (result.promoted, result.quarantined) == (3, 2)
     landed = db.execute(sql.SQL("SELECT event_id, amount FROM {} ORDER BY kafka_offset").format(target(env))).fetchall()
     assert landed == [(e["event_id"], Decimal(str(e["amount"]))) for e in events[:3]]
-    reasons = db.execute(
-        "SELECT reason FROM kafka2pg.quarantine WHERE pipeline = %s ORDER BY kafka_offset", (env.pipeline.name,)
-    ).fetchall()
-    assert reasons == [
+    assert quarantine_reasons(db, env) == [
         ("field 'payload' (the pipeline's value_root): null",),
         ("field 'payload' (the pipeline's value_root): missing",),
     ]
@@ -146,10 +150,7 @@ def test_debezium_change_events_land_with_their_operation_and_source_position(ma
         ("b", 2, "c", datetime(2025, 11, 25, 10, 0, 1, 500000, tzinfo=UTC), 101),
         ("d", 4, "c", None, None),
     ]
-    reasons = db.execute(
-        "SELECT reason FROM kafka2pg.quarantine WHERE pipeline = %s ORDER BY kafka_offset", (env.pipeline.name,)
-    ).fetchall()
-    assert reasons == [
+    assert quarantine_reasons(db, env) == [
         ("field 'after' (the pipeline's value_root): null",),
         ("field 'source': expected a JSON object, got a string ('\"shop\"')",),
     ]

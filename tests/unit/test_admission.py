@@ -35,6 +35,13 @@ def outcome(value: bytes | None):
     return admitted
 
 
+def admit_checked(decoder: RecordDecoder, values: list):
+    """`decoder.admit(values)`, checked: each record's outcome is its own, as the strict path gives it."""
+    admitted = decoder.admit(values)
+    assert [admitted.outcome(i) for i in range(len(values))] == [decoder.decode_strictly(v) for v in values]
+    return admitted
+
+
 def field(name: str, value: bytes | None):
     admitted = outcome(value)
     assert admitted.reason is None, admitted.reason
@@ -293,8 +300,7 @@ records = st.one_of(
 @settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.lists(records, max_size=12))
 def test_each_record_of_a_list_gets_its_own_outcome_as_the_strict_path_gives_it(values):
-    admitted = DECODER.admit(values)
-    assert [admitted.outcome(i) for i in range(len(values))] == [DECODER.decode_strictly(v) for v in values]
+    admit_checked(DECODER, values)
 
 
 def test_one_impossible_day_among_timestamps_leaves_the_others_as_they_are():
@@ -480,8 +486,7 @@ quoted_fields = st.dictionaries(
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.lists(quoted_fields.map(lambda document: json.dumps(document).encode()), max_size=12))
 def test_quoted_numbers_of_a_list_get_each_the_outcome_the_strict_path_gives(values):
-    admitted = QUOTED.admit(values)
-    assert [admitted.outcome(i) for i in range(len(values))] == [QUOTED.decode_strictly(v) for v in values]
+    admitted = admit_checked(QUOTED, values)
     for index, value in enumerate(values):  # a string holding a number lands as that number, as written, would
         document = json.loads(value)
         written = ", ".join(
@@ -549,8 +554,7 @@ enveloped = st.one_of(
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.lists(enveloped.map(lambda document: _encode(document, True)), max_size=10))
 def test_records_in_envelopes_get_each_the_outcome_the_strict_path_gives(values):
-    admitted = ROOTED.admit(values)
-    assert [admitted.outcome(i) for i in range(len(values))] == [ROOTED.decode_strictly(v) for v in values]
+    admit_checked(ROOTED, values)
 
 
 def test_a_repeated_value_root_keeps_its_last_object_as_a_repeated_field_does():
@@ -664,8 +668,7 @@ deeper = st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), nested, max_size
 @settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.lists(deeper.map(lambda document: _encode(document, True)), max_size=10))
 def test_records_with_a_deep_root_and_deep_paths_get_each_the_outcome_the_strict_path_gives(values):
-    admitted = DEEPER.admit(values)
-    assert [admitted.outcome(i) for i in range(len(values))] == [DEEPER.decode_strictly(v) for v in values]
+    admit_checked(DEEPER, values)
 
 
 def test_paths_beside_and_through_a_deep_root_are_read_on_the_fast_path():
@@ -678,8 +681,7 @@ def test_paths_beside_and_through_a_deep_root_are_read_on_the_fast_path():
 @settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.lists(changes.map(lambda document: _encode(document, True)), max_size=10), st.sampled_from([CHANGES, LOOSE]))
 def test_records_with_fields_outside_the_root_get_each_the_outcome_the_strict_path_gives(values, decoder):
-    admitted = decoder.admit(values)
-    assert [admitted.outcome(i) for i in range(len(values))] == [decoder.decode_strictly(v) for v in values]
+    admit_checked(decoder, values)
 
 
 def test_paths_msgspec_cannot_name_or_a_field_inside_another_columns_field_take_the_strict_path():
@@ -753,5 +755,4 @@ def test_without_epoch_a_day_count_is_refused():
 )
 def test_day_counts_of_a_list_get_each_the_outcome_the_strict_path_gives(days):
     values = [b'{"event_id":"e","day":' + d.encode() + b"}" for d in days]
-    admitted = DAYS.admit(values)
-    assert [admitted.outcome(i) for i in range(len(values))] == [DAYS.decode_strictly(v) for v in values]
+    admit_checked(DAYS, values)
