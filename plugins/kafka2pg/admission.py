@@ -68,6 +68,10 @@ class Refused(ValueError):
     """A record (or one field of it) that must go to quarantine; the message is the reason."""
 
 
+class _NoObject(Refused):
+    """The value_root's object (or the fallback's) is null or missing."""
+
+
 @dataclass(frozen=True)
 class FieldRule:
     """How one target column is filled from one field of the JSON value's object (the record's own,
@@ -147,15 +151,25 @@ class RecordDecoder:
     hold them to it).
     """
 
-    def __init__(self, rules: Sequence[FieldRule], business_key: Sequence[str] = (), root: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        rules: Sequence[FieldRule],
+        business_key: Sequence[str] = (),
+        root: Sequence[str] = (),
+        fallback: Sequence[str] = (),
+    ) -> None:
         """`root`: the path of fields from the record's JSON object to the object the rules' fields
-        are in (a pipeline's `value_root`; empty: the record's object itself)."""
+        are in (a pipeline's `value_root`; empty: the record's object itself). `fallback`: the
+        object they are read from instead where the root's is null or missing (a pipeline's
+        `value_root_fallback`: a Debezium delete's `before`); empty: none, such a record is refused."""
         self.rules = tuple(rules)
         self.root = tuple(root)
+        self.fallback = tuple(fallback)
         self._converters = tuple(_converter(rule) for rule in self.rules)
         # Each rule's field as its names from the record's own object; named so in reasons.
         self._locations = tuple(rule.path or (*self.root, rule.field) for rule in self.rules)
         self._shown = tuple(".".join(location) for location in self._locations)
+        self._shown_in_fallback = tuple(".".join(rule.path or (*self.fallback, rule.field)) for rule in self.rules)
         names = [r.name for r in self.rules]
         self._key_positions = tuple(names.index(k) for k in business_key)
         self._decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
@@ -270,13 +284,10 @@ class RecordDecoder:
         except (msgspec.DecodeError, RecursionError) as exc:
             raise Refused(_malformed(value, exc)) from None
         record = fields
-        for depth in range(len(self.root)):
-            fields = self._descend(fields, depth)
-        objects: dict[tuple[str, ...], dict | None] = {(): record, self.root: fields}
+        fields, root, names = self._root_object(record)
+        objects: dict[tuple[str, ...], dict | None] = {(): record, root: fields}
         values = []
-        for rule, convert, shown, location in zip(
-            self.rules, self._converters, self._shown, self._locations, strict=True
-        ):
+        for rule, convert, shown, location in zip(self.rules, self._converters, names, self._locations, strict=True):
             if rule.path:
                 token = _object_at(objects, location[:-1], self._decoder).get(location[-1])
             else:
@@ -297,18 +308,37 @@ class RecordDecoder:
         self._check_key_size(values)
         return tuple(values)
 
-    def _descend(self, fields: dict, depth: int) -> dict:
-        """The fields of the object at `self.root[depth]` in `fields` (the object one level up)."""
-        shown = ".".join(self.root[: depth + 1])
-        token = fields.get(self.root[depth])
-        raw = None if token is None else bytes(token)
-        if raw is None or raw == b"null":
-            raise Refused(f"field {shown!r} (the pipeline's value_root): {'missing' if raw is None else 'null'}")
-        if raw[:1] != b"{":
-            raise Refused(
-                f"field {shown!r} (the pipeline's value_root): expected a JSON object, got {_describe_token(raw)}"
-            )
-        return self._decoder.decode(raw)
+    def _root_object(self, record: dict) -> tuple[dict, tuple[str, ...], tuple[str, ...]]:
+        """The fields of the object the rules' fields are in (the root's, or the fallback's where
+        the root's is null or missing), its path, and the rules' fields named from there."""
+        try:
+            return self._descend(record, self.root, "value_root"), self.root, self._shown
+        except _NoObject as absent:
+            if not self.fallback:
+                raise Refused(str(absent)) from None
+            try:
+                return (
+                    self._descend(record, self.fallback, "value_root_fallback"),
+                    self.fallback,
+                    self._shown_in_fallback,
+                )
+            except _NoObject as neither:
+                raise Refused(f"{absent}, and {neither}") from None
+
+    def _descend(self, fields: dict, path: tuple[str, ...], key: str) -> dict:
+        """The fields of the object at `path` from `fields` (the record's own object)."""
+        for depth, name in enumerate(path):
+            shown = ".".join(path[: depth + 1])
+            token = fields.get(name)
+            raw = None if token is None else bytes(token)
+            if raw is None or raw == b"null":
+                raise _NoObject(f"field {shown!r} (the pipeline's {key}): {'missing' if raw is None else 'null'}")
+            if raw[:1] != b"{":
+                raise Refused(
+                    f"field {shown!r} (the pipeline's {key}): expected a JSON object, got {_describe_token(raw)}"
+                )
+            fields = self._decoder.decode(raw)
+        return fields
 
     def _check_key_size(self, values: list) -> None:
         if not self._key_positions:
@@ -656,7 +686,7 @@ def rules_for(pipeline: Any) -> tuple[FieldRule, ...]:
 
 
 def decoder_for(pipeline: Any) -> RecordDecoder:
-    return RecordDecoder(rules_for(pipeline), pipeline.business_key, pipeline.value_root)
+    return RecordDecoder(rules_for(pipeline), pipeline.business_key, pipeline.value_root, pipeline.value_root_fallback)
 
 
 # ---------------------------------------------------------------- whole-value checks

@@ -241,6 +241,9 @@ class Pipeline:
     # The path of fields from the record's JSON object to the object the columns' fields are in
     # (("payload",) for Kafka Connect's JSON with schemas, ("after",) for Debezium); () the record's own.
     value_root: tuple[str, ...] = ()
+    # Where the value_root's object is null or missing, the object the fields are read from
+    # instead (("before",) for a Debezium delete); () none: such a record is quarantined.
+    value_root_fallback: tuple[str, ...] = ()
     max_records_per_batch: int = 100_000
     max_records_per_partition: int | None = None
     batches_per_run: int = 1
@@ -480,6 +483,7 @@ _PIPELINE_KEYS = {
     "columns",
     "business_key",
     "value_root",
+    "value_root_fallback",
     "max_records_per_batch",
     "max_records_per_partition",
     "batches_per_run",
@@ -513,7 +517,10 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
     schema, table = _target(raw.get("target_table"), where)
     columns = _columns(raw.get("columns"), where)
     value_root = _value_root(raw.get("value_root"), where)
-    _check_locations(columns, value_root, where)
+    _check_locations(columns, value_root, "value_root", where)
+    fallback = _value_root_fallback(raw.get("value_root_fallback"), value_root, where)
+    if fallback:
+        _check_locations(columns, fallback, "value_root_fallback", where)
     business_key = _business_key(raw.get("business_key"), columns, where)
     for index, spec in enumerate(raw["columns"]):
         if spec.get("required") is False and spec["name"] in business_key:
@@ -529,6 +536,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         columns=columns,
         business_key=business_key,
         value_root=value_root,
+        value_root_fallback=fallback,
         max_records_per_batch=_positive_int(raw, "max_records_per_batch", where, 100_000),
         max_records_per_partition=_positive_int(raw, "max_records_per_partition", where, None),
         batches_per_run=_positive_int(raw, "batches_per_run", where, 1),
@@ -563,6 +571,23 @@ def _value_root(value: Any, where: str) -> tuple[str, ...]:
     return _field_path(value, f"{where}.value_root", "the JSON object the columns' fields are in")
 
 
+def _value_root_fallback(value: Any, root: tuple[str, ...], where: str) -> tuple[str, ...]:
+    here = f"{where}.value_root_fallback"
+    fallback = _field_path(value, here, "the JSON object the columns' fields are in where the value_root's is null")
+    if fallback and not root:
+        raise ConfigError(
+            f"{here}: there is no value_root to fall back from: the columns' fields are read from the record's own "
+            "object, which is never null; set value_root too (value_root: after, value_root_fallback: before)"
+        )
+    shorter = min(len(root), len(fallback))
+    if fallback and root[:shorter] == fallback[:shorter]:
+        raise ConfigError(
+            f"{here}: {'.'.join(fallback)!r} is the value_root {'.'.join(root)!r}, holds it or lies in it: "
+            "name an object beside it (value_root: after, value_root_fallback: before)"
+        )
+    return fallback
+
+
 # The most names a value_root or a column's path may have (a record nests at most 900 levels).
 MAX_PATH_NAMES = 100
 
@@ -586,9 +611,10 @@ def _field_path(value: Any, here: str, what: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _check_locations(columns: tuple[Column, ...], root: tuple[str, ...], where: str) -> None:
-    """Each column reads its own field, and not an object the value_root is or another column's
-    field is in (a column reads one JSON value: the object itself, as jsonb, would be read twice)."""
+def _check_locations(columns: tuple[Column, ...], root: tuple[str, ...], key_of_root: str, where: str) -> None:
+    """Each column reads its own field, and not an object the value_root (or its fallback,
+    `key_of_root` says which) is or another column's field is in (a column reads one JSON value:
+    the object itself, as jsonb, would be read twice)."""
     located = [(c.path or (*root, c.field), index, "path" if c.path else "field") for index, c in enumerate(columns)]
     seen: dict[tuple[str, ...], int] = {}
     for location, index, key in located:
@@ -601,8 +627,8 @@ def _check_locations(columns: tuple[Column, ...], root: tuple[str, ...], where: 
         seen[location] = index
         if root[: len(location)] == location:
             raise ConfigError(
-                f"{where}.columns[{index}].{key}: {shown!r} is the value_root's object or holds it: read its fields "
-                "as columns instead"
+                f"{where}.columns[{index}].{key}: {shown!r} is the {key_of_root}'s object or holds it: read its "
+                "fields as columns instead"
             )
     for location, index, key in located:
         for inner, other, _ in located:

@@ -117,9 +117,10 @@ def test_kafka_connect_envelopes_with_string_amounts_land_by_value_root_and_quot
 @pytest.mark.parametrize("reader", ["librdkafka", "spark"])
 def test_debezium_change_events_land_with_their_operation_and_source_position(make_pipeline, run_batch, db, reader):
     """Debezium's change events (JsonConverter without schemas): the row's columns from `after`
-    (`value_root`), the operation and the source's commit time and log position from beside it
-    (`path`), through the stage job's real reader; a delete (`after` null) and an event whose
-    `source` is not an object are quarantined, naming why."""
+    (`value_root`), a delete's from `before` (`value_root_fallback`), the operation and the
+    source's commit time and log position from beside it (`path`), through the stage job's real
+    reader; a delete without its row and an event whose `source` is not an object are
+    quarantined, naming why."""
     columns = [
         {"name": "event_id", "type": "text", "required": True},
         {"name": "customer_id", "type": "bigint", "required": True},
@@ -127,31 +128,43 @@ def test_debezium_change_events_land_with_their_operation_and_source_position(ma
         {"name": "committed_at", "type": "timestamptz", "epoch": "milliseconds", "path": "source.ts_ms"},
         {"name": "lsn", "type": "bigint", "path": ["source", "lsn"]},
     ]
-    env = make_pipeline(partitions=1, value_root="after", columns=columns, kafka_reader=reader)
+    env = make_pipeline(
+        partitions=1,
+        value_root="after",
+        value_root_fallback="before",
+        columns=columns,
+        business_key=[],
+        kafka_reader=reader,
+    )
 
-    def change(op, after, source):
-        return {"before": None, "after": after, "source": source, "op": op, "ts_ms": 1764064800999}
+    def change(op, after, source, before=None):
+        return {"before": before, "after": after, "source": source, "op": op, "ts_ms": 1764064800999}
 
     events = [
         change("r", {"event_id": "a", "customer_id": 1}, {"ts_ms": 1764064800000, "lsn": 100, "db": "shop"}),
         change("c", {"event_id": "b", "customer_id": 2}, {"ts_ms": 1764064801500, "lsn": 101, "db": "shop"}),
-        change("d", None, {"ts_ms": 1764064802000, "lsn": 102}),
+        change("d", None, {"ts_ms": 1764064802000, "lsn": 102}, before={"event_id": "a", "customer_id": 1}),
+        change("d", None, {"ts_ms": 1764064802000, "lsn": 103}),
         change("c", {"event_id": "c", "customer_id": 3}, "shop"),
         change("c", {"event_id": "d", "customer_id": 4}, None),
     ]
     produce(env.settings.bootstrap_servers, env.topic, events, key_field=None)
     result = run_batch(env)
-    assert (result.promoted, result.quarantined) == (3, 2)
+    assert (result.promoted, result.quarantined) == (4, 2)
     landed = db.execute(
         sql.SQL("SELECT event_id, customer_id, op, committed_at, lsn FROM {} ORDER BY kafka_offset").format(target(env))
     ).fetchall()
     assert landed == [
         ("a", 1, "r", datetime(2025, 11, 25, 10, tzinfo=UTC), 100),
         ("b", 2, "c", datetime(2025, 11, 25, 10, 0, 1, 500000, tzinfo=UTC), 101),
+        ("a", 1, "d", datetime(2025, 11, 25, 10, 0, 2, tzinfo=UTC), 102),
         ("d", 4, "c", None, None),
     ]
     assert quarantine_reasons(db, env) == [
-        ("field 'after' (the pipeline's value_root): null",),
+        (
+            "field 'after' (the pipeline's value_root): null, and field 'before' (the pipeline's "
+            "value_root_fallback): null",
+        ),
         ("field 'source': expected a JSON object, got a string ('\"shop\"')",),
     ]
 

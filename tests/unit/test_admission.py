@@ -621,15 +621,13 @@ def test_records_whose_fields_outside_the_root_are_well_formed_take_the_fast_pat
     assert doubts == set()
 
 
-changes = st.fixed_dictionaries(
-    {},
-    optional={
-        "after": documents | json_values,
-        "op": json_values | st.sampled_from(["c", "u", "d", "r"]),
-        "source": st.dictionaries(st.sampled_from(["ts_ms", "lsn", "db"]), field_values, max_size=3) | json_values,
-        "meta": json_values,
-    },
-)
+change_fields = {
+    "after": documents | json_values,
+    "op": json_values | st.sampled_from(["c", "u", "d", "r"]),
+    "source": st.dictionaries(st.sampled_from(["ts_ms", "lsn", "db"]), field_values, max_size=3) | json_values,
+    "meta": json_values,
+}
+changes = st.fixed_dictionaries({}, optional=change_fields)
 
 
 # Nothing required: the root's object alone decides whether a record without it is refused.
@@ -682,6 +680,72 @@ def test_paths_beside_and_through_a_deep_root_are_read_on_the_fast_path():
 @given(st.lists(changes.map(lambda document: _encode(document, True)), max_size=10), st.sampled_from([CHANGES, LOOSE]))
 def test_records_with_fields_outside_the_root_get_each_the_outcome_the_strict_path_gives(values, decoder):
     admit_checked(decoder, values)
+
+
+# The same change events with deletes read from `before` (value_root_fallback).
+DELETES = RecordDecoder(CHANGES.rules, ["event_id"], ("after",), ("before",))
+
+
+def test_where_the_value_root_is_null_or_missing_the_fields_are_read_from_the_fallback():
+    before = b'"before":{"event_id":"e","customer_id":2,"amount":1}'
+    deleted = rooted(DELETES, b"{" + before + b',"after":null,"op":"d","source":{"lsn":9}}')
+    assert deleted.values == ("e", 2, "1", "d", None, 9, None)
+    assert rooted(DELETES, b"{" + before + b',"op":"d"}').values == ("e", 2, "1", "d", None, None, None)
+    # Where the root's object is there, the fallback is never read, whatever it holds.
+    assert rooted(DELETES, b'{"before":"x",' + CHANGE + b',"op":"u"}').values == ("e", 2, "1.5", "u", None, None, None)
+    # Without a fallback the same delete is refused, as before.
+    assert rooted(CHANGES, b"{" + before + b',"after":null,"op":"d"}').reason == (
+        "field 'after' (the pipeline's value_root): null"
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (b'{"before":{"customer_id":2},"after":null,"op":"d"}', "field 'before.event_id': required but missing"),
+        (b'{"before":{"event_id":"e","customer_id":"2"},"op":"d"}', "field 'before.customer_id': expected a JSON"),
+        (
+            b'{"before":null,"after":null,"op":"d"}',
+            "field 'after' (the pipeline's value_root): null, and field 'before' (the pipeline's value_root_fallback): "
+            "null",
+        ),
+        (
+            b'{"op":"d"}',
+            "field 'after' (the pipeline's value_root): missing, and field 'before' (the pipeline's "
+            "value_root_fallback): missing",
+        ),
+        (b'{"before":[],"after":null}', "field 'before' (the pipeline's value_root_fallback): expected a JSON object"),
+        # A root's object that is not an object is refused, never replaced by the fallback.
+        (
+            b'{"before":{"event_id":"e","customer_id":2},"after":7}',
+            "field 'after' (the pipeline's value_root): expected",
+        ),
+    ],
+)
+def test_a_record_read_from_the_fallback_is_refused_naming_the_fallbacks_fields(value, expected):
+    admitted = rooted(DELETES, value)
+    assert admitted.values is None and admitted.reason.startswith(expected), admitted.reason
+
+
+# Rows that mostly land, beside any document, so that deletes read from the fallback land too.
+change_rows = st.fixed_dictionaries(
+    {"event_id": st.text(max_size=4), "customer_id": st.integers(-(2**64), 2**64)},
+    optional={"amount": st.integers(-(10**11), 10**11) | field_values},
+)
+deletes = st.fixed_dictionaries(
+    {
+        "op": st.sampled_from(["c", "u", "d"]) | json_values,
+        "before": st.none() | change_rows | documents | json_values,
+        "after": st.none() | change_rows | documents | json_values,
+    },
+    optional={key: values for key, values in change_fields.items() if key not in ("op", "after")},
+)
+
+
+@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.lists(deletes.map(lambda document: _encode(document, True)), max_size=10))
+def test_records_with_a_value_root_fallback_get_each_the_outcome_the_strict_path_gives(values):
+    admit_checked(DELETES, values)
 
 
 def test_paths_msgspec_cannot_name_or_a_field_inside_another_columns_field_take_the_strict_path():

@@ -293,6 +293,52 @@ def test_a_path_that_reads_no_field_of_its_own_is_refused(tmp_path, root, column
         get_pipeline("orders", write(tmp_path, columns=[*GOOD["columns"], *columns], **extra))
 
 
+def test_a_value_root_fallback_reads_a_deletes_row_from_before(tmp_path):
+    columns = [*GOOD["columns"], column("op", path="op")]
+    pipeline = get_pipeline(
+        "orders", write(tmp_path, value_root="after", value_root_fallback="before", columns=columns)
+    )
+    assert (pipeline.value_root, pipeline.value_root_fallback) == (("after",), ("before",))
+    assert get_pipeline("orders", write(tmp_path, value_root="after")).value_root_fallback == ()
+    from kafka2pg.admission import decoder_for
+
+    value = b'{"before":{"event_id":"e","n":1},"after":null,"op":"d"}'
+    assert decoder_for(pipeline).decode(value) == (("e", "1", "d"), None)
+
+
+@pytest.mark.parametrize(
+    ("root", "fallback", "columns", "message"),
+    [
+        (None, "before", [], r"value_root_fallback: there is no value_root to fall back from"),
+        ("after", "after", [], r"value_root_fallback: 'after' is the value_root 'after', holds it or lies in it"),
+        ("a.b", "a", [], r"value_root_fallback: 'a' is the value_root 'a\.b', holds it or lies in it"),
+        ("a", "a.b", [], r"value_root_fallback: 'a\.b' is the value_root 'a', holds it or lies in it"),
+        ("after", "a..b", [], r"value_root_fallback: 'a\.\.b' has an empty field name"),
+        ("after", ["a"] * 101, [], r"value_root_fallback: 101 field names, at most 100"),
+        # The fallback's fields are read as the root's are: by the columns' fields only.
+        (
+            "after",
+            "before",
+            [column("raw", type="jsonb", path="before")],
+            r"columns\[2\]\.path: 'before' is the value_root_fallback's object or holds it",
+        ),
+        (
+            "after",
+            "before",
+            [column("n2", path="before.n")],
+            r"columns\[2\]\.path: JSON field 'before\.n' is already read by columns\[1\]",
+        ),
+    ],
+)
+def test_a_value_root_fallback_that_is_no_other_object_is_refused(tmp_path, root, fallback, columns, message):
+    extra = {} if root is None else {"value_root": root}
+    with pytest.raises(ConfigError, match=message):
+        get_pipeline(
+            "orders",
+            write(tmp_path, value_root_fallback=fallback, columns=[*GOOD["columns"], *columns], **extra),
+        )
+
+
 def test_quoted_numbers_is_for_number_columns_only(tmp_path):
     columns = [
         GOOD["columns"][0],
