@@ -75,8 +75,9 @@ class _NoObject(Refused):
 @dataclass(frozen=True)
 class FieldRule:
     """How one target column is filled from one field of the JSON value's object (the record's own,
-    or the one at the pipeline's value_root), or from the field at `path` from the record's own
-    object, whatever the root (a Debezium event's `op` or `source.ts_ms` beside its `after`)."""
+    the one at the pipeline's value_root, or its fallback where that is null), or from the field at
+    `path` from the record's own object, whatever the root (a Debezium event's `op` or
+    `source.ts_ms` beside its `after`)."""
 
     name: str
     field: str

@@ -573,7 +573,9 @@ def _value_root(value: Any, where: str) -> tuple[str, ...]:
 
 def _value_root_fallback(value: Any, root: tuple[str, ...], where: str) -> tuple[str, ...]:
     here = f"{where}.value_root_fallback"
-    fallback = _field_path(value, here, "the JSON object the columns' fields are in where the value_root's is null")
+    fallback = _field_path(
+        value, here, "the JSON object the columns' fields are in where the value_root's is null or missing"
+    )
     if fallback and not root:
         raise ConfigError(
             f"{here}: there is no value_root to fall back from: the columns' fields are read from the record's own "
@@ -615,14 +617,15 @@ def _check_locations(columns: tuple[Column, ...], root: tuple[str, ...], key_of_
     """Each column reads its own field, and not an object the value_root (or its fallback,
     `key_of_root` says which) is or another column's field is in (a column reads one JSON value:
     the object itself, as jsonb, would be read twice)."""
+    reading = " in records read from the value_root_fallback" if key_of_root == "value_root_fallback" else ""
     located = [(c.path or (*root, c.field), index, "path" if c.path else "field") for index, c in enumerate(columns)]
     seen: dict[tuple[str, ...], int] = {}
     for location, index, key in located:
         shown = ".".join(location)
         if location in seen:
             raise ConfigError(
-                f"{where}.columns[{index}].{key}: JSON field {shown!r} is already read by columns[{seen[location]}]: "
-                "each column reads its own field"
+                f"{where}.columns[{index}].{key}: JSON field {shown!r} is already read by columns[{seen[location]}]"
+                f"{reading}: each column reads its own field"
             )
         seen[location] = index
         if root[: len(location)] == location:
@@ -635,7 +638,7 @@ def _check_locations(columns: tuple[Column, ...], root: tuple[str, ...], key_of_
             if len(inner) > len(location) and inner[: len(location)] == location:
                 raise ConfigError(
                     f"{where}.columns[{index}].{key}: {'.'.join(location)!r} is an object columns[{other}] reads a "
-                    f"field in ({'.'.join(inner)!r}): read its fields as columns instead"
+                    f"field in ({'.'.join(inner)!r}){reading}: read its fields as columns instead"
                 )
 
 

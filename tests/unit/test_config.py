@@ -326,7 +326,8 @@ def test_a_value_root_fallback_reads_a_deletes_row_from_before(tmp_path):
             "after",
             "before",
             [column("n2", path="before.n")],
-            r"columns\[2\]\.path: JSON field 'before\.n' is already read by columns\[1\]",
+            r"columns\[2\]\.path: JSON field 'before\.n' is already read by columns\[1\] in records read from the "
+            "value_root_fallback",
         ),
     ],
 )
