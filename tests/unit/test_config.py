@@ -304,6 +304,14 @@ def test_a_value_root_fallback_reads_a_deletes_row_from_before(tmp_path):
 
     value = b'{"before":{"event_id":"e","n":1},"after":null,"op":"d"}'
     assert decoder_for(pipeline).decode(value) == (("e", "1", "d"), None)
+    # The same event in the JsonConverter's envelope with schemas: beside each other in payload.
+    columns = [*GOOD["columns"], column("op", path="payload.op")]
+    enveloped = get_pipeline(
+        "orders",
+        write(tmp_path, value_root="payload.after", value_root_fallback="payload.before", columns=columns),
+    )
+    value = b'{"schema":{},"payload":{"before":{"event_id":"e","n":1},"after":null,"op":"d"}}'
+    assert decoder_for(enveloped).decode(value) == (("e", "1", "d"), None)
 
 
 @pytest.mark.parametrize(
