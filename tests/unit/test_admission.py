@@ -748,6 +748,30 @@ def test_records_with_a_value_root_fallback_get_each_the_outcome_the_strict_path
     admit_checked(DELETES, values)
 
 
+def test_debeziums_default_value_types_are_read_as_design_md_says():
+    """ZonedTimestamp (a UTC string), MicroTimestamp (epoch: microseconds), Date (epoch: days),
+    a numeric with decimal.handling.mode string (quoted_numbers); its default for numeric, base64
+    bytes, is refused."""
+    decoder = RecordDecoder(
+        [
+            FieldRule("id", "id", "bigint", required=True),
+            FieldRule("updated_at", "updated_at", "timestamptz"),
+            FieldRule("created_at", "created_at", "timestamptz", epoch="microseconds"),
+            FieldRule("born", "born", "date", epoch="days"),
+            FieldRule("price", "price", "numeric(10,2)", quoted_numbers=True),
+        ],
+        ["id"],
+        ("after",),
+        ("before",),
+    )
+    row = b'"id":1,"updated_at":"2025-11-25T10:00:00.123456Z","created_at":1764064800123456,"born":20417'
+    admitted = rooted(decoder, b'{"after":{' + row + b',"price":"12.50"},"op":"c"}')
+    moment = datetime(2025, 11, 25, 10, 0, 0, 123456, tzinfo=UTC)
+    assert admitted.values == (1, moment, moment, date(2025, 11, 25), "12.50")
+    refused = rooted(decoder, b'{"after":{' + row + b',"price":"BOI="},"op":"c"}').reason
+    assert refused.startswith("field 'after.price': expected a number or a string holding one"), refused
+
+
 def test_paths_msgspec_cannot_name_or_a_field_inside_another_columns_field_take_the_strict_path():
     weird = RecordDecoder([RULES[0], FieldRule("op", "op", "text", path=('we"ird', "op"))], ["event_id"])
     value = json.dumps({"event_id": "e", 'we"ird': {"op": "c"}}).encode()
