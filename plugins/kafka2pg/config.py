@@ -82,7 +82,25 @@ def spark_log_options(level: str = SPARK_LOG_LEVELS[0]) -> str:
     starts logging before any Python code could call setLogLevel: the level must be there first."""
     if level not in SPARK_LOG_LEVELS:
         raise ConfigError(f"Spark log level must be one of {', '.join(SPARK_LOG_LEVELS)}, got {level!r}")
-    return f"-Dlog4j2.configurationFile={shlex.quote(str(SPARK_LOG_CONFIG))} -Dkafka2pg.spark.log.level={level}"
+    return f"-Dlog4j2.configurationFile={shlex.quote(str(SPARK_LOG_CONFIG))} {_LOG_LEVEL_OPTION}{level}"
+
+
+_LOG_LEVEL_OPTION = "-Dkafka2pg.spark.log.level="
+
+
+# What a stage job says when its driver does not log through kafka2pg's log4j2 file.
+UNFILTERED_LOG = (
+    "Spark's driver does not log through kafka2pg's log4j2 file (its spark.driver.extraJavaOptions name a Log4j 2 "
+    "configuration file of their own, or carry none of kafka2pg's): the filters that keep the Kafka clients' "
+    "parameters out of the task log (at DEBUG they print the Kafka connection's settings, an inline key among "
+    "them) apply only if that file has them: copy them from kafka2pg/log4j2.properties"
+)
+
+
+def logs_through_kafka2pg(java_options: str | None) -> bool:
+    """Whether a driver started with these JVM options logs through kafka2pg's log4j2 file (its
+    filters included), not a file of its own or Spark's default."""
+    return _LOG_LEVEL_OPTION in (java_options or "")
 
 
 DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"

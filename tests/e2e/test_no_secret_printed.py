@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from psycopg import sql
 
+from kafka2pg.config import UNFILTERED_LOG
 from kafka2pg.devtools.airflow_cli import dags_test
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.kafka_config import KafkaConfig
@@ -124,6 +125,8 @@ def test_no_client_key_in_the_task_log_with_spark_logging_at_debug(
     assert re.search(r" DEBUG [A-Za-z]+: ", output), "Spark did not log at DEBUG"
     # Spark's Kafka source logged none of its clients' parameters (kafka2pg's logging configuration),
     assert "Admin params" not in output
+    # and the job says the driver logs through kafka2pg's file.
+    assert "kafka.group.id is filtered" in output and UNFILTERED_LOG not in output
     key = Path(mtls["ssl.key.location"]).read_text().splitlines()
     key_lines = [line for line in key if "-----" not in line and len(line) >= 40]
     assert len(key_lines) >= 3
