@@ -13,7 +13,7 @@ from psycopg import sql
 
 from kafka2pg.config import UNFILTERED_LOG
 from kafka2pg.devtools.airflow_cli import dags_test
-from kafka2pg.devtools.producer import produce, sample_events
+from kafka2pg.devtools.producer import produce, produce_sample, sample_events
 from kafka2pg.kafka_config import KafkaConfig
 
 PG_PASSWORD = "Pg-S3cret-4f9e"
@@ -132,3 +132,22 @@ def test_no_client_key_in_the_task_log_with_spark_logging_at_debug(
     assert len(key_lines) >= 3
     # and no line of the key shows anywhere (that, the redaction regex and Airflow's masker).
     assert not leaks(key_lines, [output], airflow_home, env, stack, tmp_path)
+
+
+def test_a_pipelines_own_log4j2_file_is_reported_in_the_task_log(airflow_env, make_pipeline, db, tmp_path):
+    """A pipeline whose driver JVM options name a Log4j 2 file of their own runs with that file,
+    not kafka2pg's: the stage job warns that kafka2pg's filters are not in force."""
+    own = tmp_path / "site-log4j2.properties"
+    own.write_text(
+        "appender.console.type = Console\nappender.console.name = console\n"
+        "rootLogger.level = warn\nrootLogger.appenderRef.stdout.ref = console\n"
+    )
+    env = make_pipeline(partitions=1, spark_conf={"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={own}"})
+    produce_sample(env.settings.bootstrap_servers, env.topic, 20, seed=113)
+
+    code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(env), tmp_path / "own-log4j2.log")
+
+    assert code == 0, output[-3000:]
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 20
+    assert UNFILTERED_LOG in output and "kafka.group.id is filtered" not in output
