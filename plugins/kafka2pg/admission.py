@@ -69,7 +69,12 @@ class Refused(ValueError):
 
 
 class _NoObject(Refused):
-    """The value_root's object (or the fallback's) is null or missing."""
+    """The value_root's object (or the fallback's) is null or missing: `shown` names the field
+    on the way that is, `state` says which."""
+
+    def __init__(self, shown: str, key: str, state: str) -> None:
+        super().__init__(f"field {shown!r} (the pipeline's {key}): {state}")
+        self.shown, self.state = shown, state
 
 
 @dataclass(frozen=True)
@@ -323,7 +328,11 @@ class RecordDecoder:
                     self.fallback,
                     self._shown_in_fallback,
                 )
-            except _NoObject as neither:
+            except Refused as neither:  # both named; once where they share the field that is not there
+                if isinstance(neither, _NoObject) and neither.shown == absent.shown:
+                    raise Refused(
+                        f"field {absent.shown!r} (the pipeline's value_root and value_root_fallback): {absent.state}"
+                    ) from None
                 raise Refused(f"{absent}, and {neither}") from None
 
     def _descend(self, fields: dict, path: tuple[str, ...], key: str) -> dict:
@@ -333,7 +342,7 @@ class RecordDecoder:
             token = fields.get(name)
             raw = None if token is None else bytes(token)
             if raw is None or raw == b"null":
-                raise _NoObject(f"field {shown!r} (the pipeline's {key}): {'missing' if raw is None else 'null'}")
+                raise _NoObject(shown, key, "missing" if raw is None else "null")
             if raw[:1] != b"{":
                 raise Refused(
                     f"field {shown!r} (the pipeline's {key}): expected a JSON object, got {_describe_token(raw)}"

@@ -82,25 +82,14 @@ def spark_log_options(level: str = SPARK_LOG_LEVELS[0]) -> str:
     starts logging before any Python code could call setLogLevel: the level must be there first."""
     if level not in SPARK_LOG_LEVELS:
         raise ConfigError(f"Spark log level must be one of {', '.join(SPARK_LOG_LEVELS)}, got {level!r}")
-    return f"-Dlog4j2.configurationFile={shlex.quote(str(SPARK_LOG_CONFIG))} {_LOG_LEVEL_OPTION}{level}"
+    return f"-Dlog4j2.configurationFile={shlex.quote(str(SPARK_LOG_CONFIG))} -Dkafka2pg.spark.log.level={level}"
 
 
-_LOG_LEVEL_OPTION = "-Dkafka2pg.spark.log.level="
-
-
-# What a stage job says when its driver does not log through kafka2pg's log4j2 file.
+# What a stage job reading through Spark's Kafka source says where the pipeline's own Log4j 2 file replaces kafka2pg's.
 UNFILTERED_LOG = (
-    "Spark's driver does not log through kafka2pg's log4j2 file (its spark.driver.extraJavaOptions name a Log4j 2 "
-    "configuration file of their own, or carry none of kafka2pg's): the filters that keep the Kafka clients' "
-    "parameters out of the task log (at DEBUG they print the Kafka connection's settings, an inline key among "
-    "them) apply only if that file has them: copy them from kafka2pg/log4j2.properties"
+    "spark_conf names a Log4j 2 file of its own: kafka2pg's filters for Spark's Kafka source (its DEBUG lines "
+    "print the client's settings) apply only if copied into it from kafka2pg/log4j2.properties"
 )
-
-
-def logs_through_kafka2pg(java_options: str | None) -> bool:
-    """Whether a driver started with these JVM options logs through kafka2pg's log4j2 file (its
-    filters included), not a file of its own or Spark's default."""
-    return _LOG_LEVEL_OPTION in (java_options or "")
 
 
 DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
@@ -114,9 +103,15 @@ def keep_log_options(spark_conf: dict[str, str], level: str = SPARK_LOG_LEVELS[0
     name a log4j configuration file of their own: the pipeline's spark_log_level and the
     filters that keep the Kafka clients' parameters out of the task log still apply."""
     options = spark_conf.get(DRIVER_JAVA_OPTIONS)
-    if options is None or _OWN_LOG_CONFIG.search(options):
+    if options is None or names_own_log_config(spark_conf):
         return spark_conf
     return {**spark_conf, DRIVER_JAVA_OPTIONS: f"{options} {spark_log_options(level)}".strip()}
+
+
+def names_own_log_config(spark_conf: dict[str, str]) -> bool:
+    """Whether a pipeline's `spark_conf` gives the driver a Log4j 2 configuration file of its
+    own, in place of kafka2pg's (and its filters)."""
+    return bool(_OWN_LOG_CONFIG.search(spark_conf.get(DRIVER_JAVA_OPTIONS) or ""))
 
 
 def stage_jvm_conf(

@@ -24,14 +24,7 @@ from pyspark.sql import SparkSession
 
 from kafka2pg.batch_store import Batch, abandon_unpromoted, load_claimed
 from kafka2pg.checks import ProbeAwaitsPrevious
-from kafka2pg.config import (
-    DRIVER_JAVA_OPTIONS,
-    UNFILTERED_LOG,
-    Pipeline,
-    Settings,
-    get_pipeline,
-    logs_through_kafka2pg,
-)
+from kafka2pg.config import UNFILTERED_LOG, Pipeline, Settings, get_pipeline, names_own_log_config
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import LedgerConflictError, StageInterrupted
 from kafka2pg.expectations import warm_up_in_background
@@ -406,14 +399,15 @@ def _run_in_session(
         # Where the JVM started without kafka2pg's log4j2 file (cluster deploy mode, spark_conf
         # naming a log4j2 file of its own) the level still applies from here on.
         spark.sparkContext.setLogLevel(pipeline.spark_log_level)
-        filtered = logs_through_kafka2pg(spark.sparkContext.getConf().get(DRIVER_JAVA_OPTIONS, None))
+        # kafka2pg's filters are for Spark's Kafka source (the librdkafka reader does not load it).
+        source, own = pipeline.kafka_reader == "spark", names_own_log_config(pipeline.spark_conf)
         log.info(
             "pipeline=%s Kafka reads use consumer group %s: assign only, nothing committed%s",
             pipeline.name,
             kafka_group_id(pipeline.name),
-            " (Spark's per-read warning about kafka.group.id is filtered)" if filtered else "",
+            " (Spark's per-read warning about kafka.group.id is filtered)" if source and not own else "",
         )
-        if not filtered:
+        if source and own:
             log.warning("pipeline=%s %s", pipeline.name, UNFILTERED_LOG)
         archive = package_zip(scratch)
         stop = threading.Event()

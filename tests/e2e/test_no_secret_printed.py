@@ -135,14 +135,16 @@ def test_no_client_key_in_the_task_log_with_spark_logging_at_debug(
 
 
 def test_a_pipelines_own_log4j2_file_is_reported_in_the_task_log(airflow_env, make_pipeline, db, tmp_path):
-    """A pipeline whose driver JVM options name a Log4j 2 file of their own runs with that file,
-    not kafka2pg's: the stage job warns that kafka2pg's filters are not in force."""
+    """A pipeline reading through Spark's Kafka source whose driver JVM options name a Log4j 2
+    file of their own runs with that file, not kafka2pg's: the stage job warns that kafka2pg's
+    filters are not in force."""
     own = tmp_path / "site-log4j2.properties"
     own.write_text(
         "appender.console.type = Console\nappender.console.name = console\n"
         "rootLogger.level = warn\nrootLogger.appenderRef.stdout.ref = console\n"
     )
-    env = make_pipeline(partitions=1, spark_conf={"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={own}"})
+    options = {"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={own}"}
+    env = make_pipeline(partitions=1, kafka_reader="spark", spark_conf=options)
     produce_sample(env.settings.bootstrap_servers, env.topic, 20, seed=113)
 
     code, output, _ = dags_test(env.pipeline.dag_id, airflow_env(env), tmp_path / "own-log4j2.log")

@@ -714,7 +714,11 @@ def test_where_the_value_root_is_null_or_missing_the_fields_are_read_from_the_fa
             "field 'after' (the pipeline's value_root): missing, and field 'before' (the pipeline's "
             "value_root_fallback): missing",
         ),
-        (b'{"before":[],"after":null}', "field 'before' (the pipeline's value_root_fallback): expected a JSON object"),
+        (
+            b'{"before":[],"after":null}',
+            "field 'after' (the pipeline's value_root): null, and field 'before' (the pipeline's value_root_fallback): "
+            "expected a JSON object",
+        ),
         # A root's object that is not an object is refused, never replaced by the fallback.
         (
             b'{"before":{"event_id":"e","customer_id":2},"after":7}',
@@ -725,6 +729,14 @@ def test_where_the_value_root_is_null_or_missing_the_fields_are_read_from_the_fa
 def test_a_record_read_from_the_fallback_is_refused_naming_the_fallbacks_fields(value, expected):
     admitted = rooted(DELETES, value)
     assert admitted.values is None and admitted.reason.startswith(expected), admitted.reason
+
+
+def test_a_root_and_fallback_that_share_the_missing_object_name_it_once():
+    enveloped = RecordDecoder(RULES[:2], ["event_id"], ("payload", "after"), ("payload", "before"))
+    assert rooted(enveloped, b'{"schema":{},"payload":null}').reason == (
+        "field 'payload' (the pipeline's value_root and value_root_fallback): null"
+    )
+    assert rooted(enveloped, b'{"payload":{"before":{"event_id":"e","customer_id":1}}}').values == ("e", 1)
 
 
 # Rows that mostly land, beside any document, so that deletes read from the fallback land too.
