@@ -21,6 +21,7 @@ from py4j.protocol import Py4JError, Py4JNetworkError
 from pyspark.errors import PySparkException
 from pyspark.sql import Row, SparkSession
 
+from kafka2pg.admission import strict_only_note
 from kafka2pg.batch_store import Batch, load_claimed, staging_lost, transition
 from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer
 from kafka2pg.config import KAFKA_READERS, Pipeline, Settings, keep_log_options, stage_jvm_conf
@@ -149,6 +150,8 @@ def stage_batch(
         batch.plan.record_budget,
         describe_ranges(batch.plan.ranges),
     )
+    if slow := strict_only_note(pipeline):
+        log.warning("pipeline=%s %s", pipeline.name, slow)
     rows = _read_and_write(spark, settings, pipeline, batch, stop) if batch.plan.ranges else []
     reads = _merge_stats(rows, batch)
     _raise_if_stopped(stop, pipeline, batch_id)

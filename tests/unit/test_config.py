@@ -444,3 +444,22 @@ def test_status_of_a_pipelines_file_without_pipelines_says_so(tmp_path, monkeypa
 def test_a_field_name_with_a_lone_surrogate_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"columns\[1\]\.field: expected the JSON field name"):
         get_pipeline("orders", write(tmp_path, columns=[GOOD["columns"][0], column("n", field="\ud800")]))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"columns": [*GOOD["columns"], column("odd", field='we"ird')]},
+        {"columns": [*GOOD["columns"], column("odd", path=["source", "back\\slash"])]},
+        {"value_root": ["after", "back\\slash"]},
+    ],
+)
+def test_a_run_says_when_a_field_name_keeps_every_record_off_the_fast_path(tmp_path, changes):
+    from kafka2pg.admission import strict_only_note
+
+    assert strict_only_note(get_pipeline("orders", write(tmp_path))) is None
+    # Only the records read from the fallback take the strict path, as every such record does.
+    fallback = get_pipeline("orders", write(tmp_path, value_root="after", value_root_fallback=['be"fore']))
+    assert strict_only_note(fallback) is None
+    note = strict_only_note(get_pipeline("orders", write(tmp_path, **changes)))
+    assert note and "a quote or a backslash" in note and "strict path" in note
