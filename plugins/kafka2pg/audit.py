@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from psycopg import sql
+from psycopg import Connection, IsolationLevel, sql
 
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect
@@ -46,8 +46,9 @@ class PartitionAudit:
         return self.missing == 0 and self.duplicated == 0 and self.unexplained == 0 and not self.ledger_breaks
 
 
-def _db_offsets(url: str, pipeline: Pipeline, partition: int, after_batch: int) -> Iterator[int]:
-    """Offsets of the partition in target and quarantine (since its last reset), ascending, duplicates kept."""
+def _db_offsets(conn: Connection, pipeline: Pipeline, partition: int, after_batch: int) -> Iterator[int]:
+    """Offsets of the partition in target and quarantine (since its last reset), ascending,
+    duplicates kept, as `conn`'s snapshot holds them."""
     query = sql.SQL(
         "SELECT kafka_offset FROM {target} WHERE kafka_topic = %(topic)s AND kafka_partition = %(p)s"
         " AND batch_id > %(after)s"
@@ -55,7 +56,7 @@ def _db_offsets(url: str, pipeline: Pipeline, partition: int, after_batch: int) 
         " WHERE pipeline = %(pipeline)s AND kafka_topic = %(topic)s AND kafka_partition = %(p)s"
         " AND batch_id > %(after)s ORDER BY 1"
     ).format(target=sql.Identifier(pipeline.target_schema, pipeline.target_table))
-    with connect(url) as conn, conn.cursor(name=f"audit_{partition}") as cur:
+    with conn.cursor(name=f"audit_{partition}") as cur:
         cur.itersize = 10_000
         params = {"topic": pipeline.topic, "p": partition, "pipeline": pipeline.name, "after": after_batch}
         cur.execute(query, params)
@@ -70,27 +71,39 @@ def _kafka_offsets(settings: Settings, topic: str, partition: int, ranges: list[
 
 
 def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudit]:
-    """Compare every ledgered offset range with what the database holds, per partition."""
-    watermarks = {o.partition: o for o in partition_offsets(settings.kafka, pipeline.topic)}
-    compacted = topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s).compacted
+    """Compare every ledgered offset range with what the database holds, per partition.
+
+    The ledger and the rows are read in one snapshot (a read-only REPEATABLE READ transaction),
+    so a batch promoted, undone or reset while the audit runs is wholly in it or not at all; the
+    watermarks are read from Kafka after the snapshot is taken, so every range it ledgers is below them."""
     with connect(settings.database_url) as conn:
-        resets = last_resets(conn, pipeline.name)
+        conn.isolation_level = IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+        resets = last_resets(conn, pipeline.name)  # the transaction's first query takes its snapshot
         stored, ledger = ranges_since_reset(conn, pipeline.name, resets)
         heads = read_heads(conn, pipeline.name)
-    audits = []
-    for partition in sorted(set(watermarks) | set(stored) | set(heads)):
-        # Kafka holds [low, last stable) now; ledgered offsets outside it are not there to read.
-        held = watermarks.get(partition)
-        low, stable = (held.low, held.last_stable) if held else (0, 0)
-        ranges = [(max(s, low), min(e, stable)) for s, e in ledger.get(partition, []) if e > low and s < stable]
-        result = PartitionAudit(partition, heads.get(partition))
-        after, reset_to = resets.get(partition, (0, None))
-        result.ledger_breaks = ledger_breaks(stored.get(partition, []), heads.get(partition), reset_to)
-        kafka = _kafka_offsets(settings, pipeline.topic, partition, ranges) if ranges else iter(())
-        database = _db_offsets(settings.database_url, pipeline, partition, after)
-        _merge(kafka, database, low, result, compacted_ranges=ranges if compacted else [])
-        audits.append(result)
-    return audits
+        offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+        watermarks = {o.partition: o for o in offsets}
+        compacted = topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s).compacted
+        audits = []
+        for partition in sorted(set(watermarks) | set(stored) | set(heads)):
+            # Kafka holds [low, last stable) now; ledgered offsets outside it are not there to read.
+            held = watermarks.get(partition)
+            low, stable = (held.low, held.last_stable) if held else (0, 0)
+            ranges = [(max(s, low), min(e, stable)) for s, e in ledger.get(partition, []) if e > low and s < stable]
+            result = PartitionAudit(partition, heads.get(partition))
+            after, reset_to = resets.get(partition, (0, None))
+            result.ledger_breaks = ledger_breaks(stored.get(partition, []), heads.get(partition), reset_to)
+            if held is None:
+                result.ledger_breaks.append(
+                    f"topic {pipeline.topic} has no partition {partition} now: its rows cannot be re-read (a "
+                    "recreated topic: see `kafka2pg reset`)"
+                )
+            kafka = _kafka_offsets(settings, pipeline.topic, partition, ranges) if ranges else iter(())
+            database = _db_offsets(conn, pipeline, partition, after)
+            _merge(kafka, database, low, result, compacted_ranges=ranges if compacted else [])
+            audits.append(result)
+        return audits
 
 
 def _note(sample: list[int], offset: int) -> None:
@@ -139,7 +152,10 @@ def _not_in_kafka(
     offset, group = item
     copies = sum(1 for _ in group)
     if offset < low:
-        result.expired += copies  # promoted, then removed by retention: cannot be re-read
+        result.expired += 1  # promoted, then removed by retention: cannot be re-read
+        if copies > 1:  # but landed more than once all the same
+            result.duplicated += copies - 1
+            _note(result.duplicated_offsets, offset)
         return
     if copies == 1 and any(start <= offset < end for start, end in compacted_ranges):
         result.compacted += 1  # promoted, then superseded by a newer record of its key
