@@ -18,7 +18,7 @@ from kafka2pg.exceptions import BatchStateError, LedgerConflictError
 from kafka2pg.ledger import lock_partitions
 from kafka2pg.lifecycle import Action, BatchState, promote_action
 from kafka2pg.planner import PartitionPlan
-from kafka2pg.rows import clear_staging, insert_quarantine, insert_target
+from kafka2pg.rows import clear_staging, insert_quarantine, insert_target, records_read, shortfall
 
 log = logging.getLogger(__name__)
 
@@ -73,31 +73,18 @@ def _promote_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> tuple[i
     state changes (no count of the staging rows beforehand)."""
     partitions = [p.partition for p in batch.plan.partitions]
     lock_partitions(conn, pipeline.name, partitions, f"promotion of batch {batch.batch_id}")
-    reads = _records_read(conn, batch.batch_id)
+    reads = records_read(conn, batch.batch_id)
     for part in batch.plan.partitions:
         _advance_head(conn, pipeline, batch, part)
         _record_ranges(conn, pipeline, batch, part, reads)
     promoted = insert_target(conn, pipeline, batch.batch_id)
     quarantined = insert_quarantine(conn, pipeline, batch.batch_id)
-    if promoted + quarantined != sum(reads.values()):
-        raise _StagingShort(
-            f"pipeline {pipeline.name!r} batch {batch.batch_id}: promotion moved {promoted + quarantined} staged rows "
-            f"but the batch read {sum(reads.values())} records; nothing was promoted. Either its staging rows "
-            f"changed since the quality gate, or {pipeline.target_schema}.{pipeline.target_table} does not keep "
-            "every row inserted into it (a trigger or rule that skips rows)",
-            pipeline=pipeline.name,
-            batch_id=batch.batch_id,
-        )
+    short = shortfall(pipeline, batch.batch_id, promoted + quarantined, sum(reads.values()), "nothing was promoted")
+    if short:
+        raise _StagingShort(short, pipeline=pipeline.name, batch_id=batch.batch_id)
     clear_staging(conn, pipeline, batch.batch_id)
     transition(conn, batch, BatchState.PROMOTED, rows_promoted=promoted, rows_quarantined=quarantined)
     return promoted, quarantined
-
-
-def _records_read(conn: Connection, batch_id: int) -> dict[int, int]:
-    rows = conn.execute(
-        "SELECT kafka_partition, records_read FROM kafka2pg.batch_partitions WHERE batch_id = %s", (batch_id,)
-    ).fetchall()
-    return {p: n or 0 for p, n in rows}
 
 
 def _advance_head(conn: Connection, pipeline: Pipeline, batch: Batch, part: PartitionPlan) -> None:

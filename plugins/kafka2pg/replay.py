@@ -42,7 +42,7 @@ from kafka2pg.lifecycle import Action, BatchState, promote_action, replay_outcom
 from kafka2pg.opening import OpenedBatch
 from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan, describe_ranges
 from kafka2pg.replay_request import ReplayRequest
-from kafka2pg.rows import clear_staging, insert_quarantine, insert_target, range_predicate
+from kafka2pg.rows import clear_staging, insert_quarantine, insert_target, range_predicate, records_read, shortfall
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +227,11 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
     delete_rows(conn, pipeline, in_range, replacing=batch.batch_id)
     promoted = insert_target(conn, pipeline, batch.batch_id)
     quarantined = insert_quarantine(conn, pipeline, batch.batch_id)
+    read = sum(records_read(conn, batch.batch_id).values())
+    # The caller's transaction rolls back whole: the range's rows deleted above come back.
+    short = shortfall(pipeline, batch.batch_id, promoted + quarantined, read, "nothing was replaced")
+    if short:
+        raise BatchStateError(short, pipeline=pipeline.name, batch_id=batch.batch_id)
     clear_staging(conn, pipeline, batch.batch_id)
     transition(conn, batch, BatchState.PROMOTED, rows_promoted=promoted, rows_quarantined=quarantined)
     after = count_rows(conn, pipeline, in_range)

@@ -35,6 +35,27 @@ def clear_staging(conn: Connection, pipeline: Pipeline, batch_id: int) -> None:
     )
 
 
+def records_read(conn: Connection, batch_id: int) -> dict[int, int]:
+    """Per partition: the records the batch's stage read (each one staged, to land or be quarantined)."""
+    rows = conn.execute(
+        "SELECT kafka_partition, records_read FROM kafka2pg.batch_partitions WHERE batch_id = %s", (batch_id,)
+    ).fetchall()
+    return {p: n or 0 for p, n in rows}
+
+
+def shortfall(pipeline: Pipeline, batch_id: int, moved: int, read: int, undone: str) -> str | None:
+    """Why a promotion (or a replay's finish) that moved `moved` staged rows into the target and the
+    quarantine must roll back, when the batch read `read` records; None when every one moved."""
+    if moved == read:
+        return None
+    return (
+        f"pipeline {pipeline.name!r} batch {batch_id}: {moved} staged rows moved to the target and the quarantine "
+        f"but the batch read {read} records; {undone}. Either its staging rows changed since the quality gate, "
+        f"or {pipeline.target_schema}.{pipeline.target_table} does not keep every row inserted into it (a trigger "
+        "or rule that skips rows)"
+    )
+
+
 def insert_target(conn: Connection, pipeline: Pipeline, batch_id: int) -> int:
     """Insert the batch's accepted staging rows into the target; rows the target refuses on data
     (a CHECK or a type the admission rules do not know of) are flagged to quarantine instead,

@@ -248,7 +248,9 @@ def test_a_target_trigger_that_skips_rows_stops_the_promotion_instead_of_losing_
         promote_batch(env.settings, env.pipeline, batch.batch_id)
 
     assert type(stopped.value) is BatchStateError  # a public error, as the CLI and the task log name it
-    assert "promotion moved 25 staged rows but the batch read 50 records; nothing was promoted" in str(stopped.value)
+    assert "25 staged rows moved to the target and the quarantine but the batch read 50 records; nothing was " in str(
+        stopped.value
+    )
     assert "does not keep every row inserted into it (a trigger or rule that skips rows)" in str(stopped.value)
     assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 0
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch.batch_id,)).fetchone()[0]
@@ -257,3 +259,28 @@ def test_a_target_trigger_that_skips_rows_stops_the_promotion_instead_of_losing_
     db.execute(sql.SQL("DROP TRIGGER skip_odd ON {}").format(target))
     assert promote_batch(env.settings, env.pipeline, batch.batch_id).promoted == 50
     assert heads(env) == {0: 50}
+
+    # A replay's finish deletes the range's rows before inserting the re-read ones: the same
+    # trigger rolls it back whole, the rows it was to replace kept.
+    from kafka2pg.planner import OffsetRange
+    from kafka2pg.replay import open_replay
+    from kafka2pg.replay_request import ReplayRequest
+
+    db.execute(
+        sql.SQL(
+            "CREATE TRIGGER skip_odd BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION public.kafka2pg_test_skip_odd()"
+        ).format(target)
+    )
+    request = ReplayRequest("replace", (OffsetRange(0, 10, 30),), requested_by="test")
+    replay = open_replay(env.settings, env.pipeline, request).batch
+    stage_batch(spark, env.settings, env.pipeline, replay.batch_id)
+    validate_batch(env.settings, env.pipeline, replay.batch_id)
+    with pytest.raises(BatchStateError) as stopped:
+        promote_batch(env.settings, env.pipeline, replay.batch_id)
+    assert type(stopped.value) is BatchStateError
+    assert "10 staged rows moved to the target and the quarantine but the batch read 20 records; nothing was " in str(
+        stopped.value
+    )
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 50
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (replay.batch_id,)).fetchone()[0]
+    assert state == "validated"
