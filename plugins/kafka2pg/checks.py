@@ -308,21 +308,33 @@ def _provenance_unique(conn: Connection, pipeline: Pipeline, batch: Batch) -> Ch
     return Check("provenance_unique", dupes == 0, dupes, f"{dupes} provenance duplicates in staging")
 
 
-def _replaced_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> sql.Composable | None:
-    """For a replay: the predicate of the target rows its promotion replaces (None for live batches)."""
+def _replaced_rows(conn: Connection, pipeline: Pipeline, batch: Batch, beside_staged: bool) -> sql.Composable | None:
+    """For a replay: the predicate of the target rows `t` its finish replaces (None for live
+    batches): those in its ranges whose record it re-read, as `delete_rows` deletes them. A row
+    whose record was compacted away since stays, and a staged row with its key is a duplicate.
+    `beside_staged`: in a join with a staged row `s`, a row at s's own offset needs no search of
+    the staging table (for most of a replay's keys, the row they match is their own)."""
     if batch.kind != "replay":
         return None
-
-    return range_predicate(batch.plan.ranges, reset_floors(conn, pipeline.name), alias="t")
+    reread = sql.SQL(
+        "EXISTS (SELECT 1 FROM {} r WHERE r.batch_id = %(batch)s"
+        " AND r.kafka_partition = t.kafka_partition AND r.kafka_offset = t.kafka_offset)"
+    ).format(_staging(pipeline))
+    if beside_staged:
+        reread = sql.SQL("(t.kafka_partition = s.kafka_partition AND t.kafka_offset = s.kafka_offset OR {})").format(
+            reread
+        )
+    in_range = range_predicate(batch.plan.ranges, reset_floors(conn, pipeline.name), alias="t")
+    return sql.SQL("t.kafka_topic = {} AND {} AND {}").format(sql.Literal(pipeline.topic), in_range, reread)
 
 
 def _replay_scope(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
     """A replay's staged offsets are meant to be in the target already: count what it replaces."""
     replaced = conn.execute(
-        sql.SQL("SELECT count(*) FROM {} t WHERE t.kafka_topic = %s AND {}").format(
-            _target(pipeline), _replaced_rows(conn, pipeline, batch)
+        sql.SQL("SELECT count(*) FROM {} t WHERE {}").format(
+            _target(pipeline), _replaced_rows(conn, pipeline, batch, beside_staged=False)
         ),
-        (pipeline.topic,),
+        {"batch": batch.batch_id},
     ).fetchone()[0]
     return Check(
         "replay_replaces_range",
@@ -446,16 +458,24 @@ def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: B
 
 def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
     join = sql.SQL(" AND ").join(sql.SQL("t.{k} = s.{k}").format(k=sql.Identifier(k)) for k in pipeline.business_key)
-    replaced = _replaced_rows(conn, pipeline, batch)
+    replaced = _replaced_rows(conn, pipeline, batch, beside_staged=True)
+    provenance = sql.SQL("")
     if replaced is not None:  # a replay replaces these rows: they are not duplicates of its own
-        join = sql.SQL("{} AND NOT (t.kafka_topic = {} AND {})").format(join, sql.Literal(pipeline.topic), replaced)
+        join = sql.SQL("{} AND NOT ({})").format(join, replaced)
+        provenance = sql.SQL(", s.kafka_partition, s.kafka_offset")
     # The count probes the target's unique business-key index once per staged key, in key order,
     # so consecutive probes share the index's pages. The planner's own choice, a hash join, reads
     # the whole target for every batch: several times slower against a large target.
     counted = sql.SQL(
-        "SELECT count(*) FROM (SELECT {keys} FROM {staging} s WHERE s.batch_id = %(batch)s"
+        "SELECT count(*) FROM (SELECT {keys}{provenance} FROM {staging} s WHERE s.batch_id = %(batch)s"
         " AND s.quarantine_reason IS NULL ORDER BY {keys} OFFSET 0) s JOIN {target} t ON {join}"
-    ).format(keys=_key_columns(pipeline, "s"), staging=_staging(pipeline), target=_target(pipeline), join=join)
+    ).format(
+        keys=_key_columns(pipeline, "s"),
+        provenance=provenance,
+        staging=_staging(pipeline),
+        target=_target(pipeline),
+        join=join,
+    )
     # Flagging joins the staged rows with the target directly, as the count does: never the
     # staged rows with themselves.
     flag = sql.SQL(

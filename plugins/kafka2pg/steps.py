@@ -97,20 +97,22 @@ def _promote_once(
 
 
 def _send_back(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None) -> bool:
-    """After a key collision: the validated batch goes back to `staged`. True when its gate had
-    deferred the promoted-key check to promotion (so running it now explains the collision)."""
+    """After a key collision: the validated batch goes back to `staged`. True when running the
+    promoted-key check now explains the collision: its gate had deferred the check to promotion,
+    or the batch is a replay (a live batch promoted the key after the replay's gate ran; no
+    other run resumes a replay)."""
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         if batch.state is not BatchState.VALIDATED:
             return False
         transition(conn, batch, BatchState.STAGED, error="business key promoted since validation: validate again")
-        return key_probe_deferred(conn, batch_id)
+        return batch.kind == "replay" or key_probe_deferred(conn, batch_id)
 
 
 def _sent_back(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None) -> bool:
-    """Whether the batch is `staged` by `_send_back` with its promoted-key check still deferred:
+    """Whether the batch is `staged` by `_send_back` with its promoted-key check still to run:
     an attempt stopped between the collision and the check (the check and then the promotion
     are what a retry of the promote task has left to do)."""
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
-        return batch.state is BatchState.STAGED and key_probe_deferred(conn, batch_id)
+        return batch.state is BatchState.STAGED and (batch.kind == "replay" or key_probe_deferred(conn, batch_id))

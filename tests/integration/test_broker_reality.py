@@ -479,3 +479,48 @@ def test_gap_that_does_not_add_up_holds_the_batch(make_pipeline, spark, db):
         "partition 0 [0, 30): Spark read 25 records but a read_committed consumer finds 30"
     )
     assert rows(db, env) == []
+
+
+def test_a_replay_over_a_compacted_record_keeps_its_row_and_flags_the_newer_duplicate(
+    make_pipeline, run_batch, replay, db
+):
+    """A row whose record was compacted away stays through a replay of its range (it cannot be
+    re-read), so the gate counts it as promoted: a later record of its key, quarantined as a
+    duplicate when it was first loaded, is flagged again instead of colliding at the finish."""
+    from kafka2pg.replay_request import ReplayRequest
+
+    env = make_pipeline(create_topic=False)
+    create_topic(
+        env,
+        **{
+            "cleanup.policy": "compact",
+            "segment.ms": "200",
+            "min.cleanable.dirty.ratio": "0.0001",
+            "min.compaction.lag.ms": "0",
+            "delete.retention.ms": "100",
+        },
+    )
+    events = list(sample_events(10, seed=35))
+    again = {**events[3], "amount": 1.0}  # the same business key, later
+    produce(env.settings.bootstrap_servers, env.topic, events, key_field="event_id")
+    run_batch(env)
+    produce(env.settings.bootstrap_servers, env.topic, [again], key_field="event_id")
+    second = run_batch(env)
+    assert (second.promoted, second.quarantined) == (0, 1)  # offset 10: key already promoted at offset 3
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # a new record rolls the segment; the cleaner then compacts it
+        produce(env.settings.bootstrap_servers, env.topic, [{**events[0], "event_id": f"filler-{time.time()}"}])
+        if 3 not in dict(kafka_reader.read_offsets(env.settings.bootstrap_servers, env.topic, 0, [(0, 11)], 10)):
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("the broker did not compact offset 3 within 90s")
+
+    result = replay(env, ReplayRequest("replace", (OffsetRange(0, 0, 11),), requested_by="test"))
+    assert (result.promoted, result.quarantined) == (9, 1)
+    reason = db.execute(
+        "SELECT reason FROM kafka2pg.quarantine WHERE pipeline = %s AND kafka_offset = 10", (env.pipeline.name,)
+    ).fetchone()[0]
+    assert "already promoted by batch" in reason and "offset 3" in reason
+    assert rows(db, env).count(events[3]["event_id"]) == 1
+    assert_audit_clean(env)

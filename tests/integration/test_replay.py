@@ -400,6 +400,46 @@ def test_a_key_a_replay_promoted_after_a_live_batch_was_validated_sends_the_batc
     assert_clean(relaxed)
 
 
+def test_a_key_a_live_batch_promoted_after_a_replay_was_validated_is_flagged_when_the_replay_finishes(
+    make_pipeline, run_batch, spark, db, sample_columns
+):
+    """No other run resumes a replay: its finish runs the promoted-key check again itself after
+    a collision, flags the key, and finishes (it was left `staged`, every retry refused)."""
+    strict = [
+        {**c, "allowed": ["EUR"], "on_violation": "quarantine"} if c["name"] == "currency" else c
+        for c in sample_columns
+    ]
+    env = make_pipeline(partitions=1, columns=strict)
+    first, again = [dict(e) for e in sample_events(2, seed=9)]
+    again["event_id"] = first["event_id"]
+    first["currency"], again["currency"] = "GBP", "EUR"
+    produce(env.settings.bootstrap_servers, env.topic, [first])
+    run_batch(env)  # GBP: quarantined by the strict rule; the key is not in the target
+    produce(env.settings.bootstrap_servers, env.topic, [again])
+    relaxed = make_pipeline(
+        name=env.pipeline.name,
+        topic=env.topic,
+        target_table=f"{env.pipeline.target_schema}.{env.pipeline.target_table}",
+        columns=sample_columns,
+        create_topic=False,
+    )
+    request = ReplayRequest("replace", (OffsetRange(0, 0, 1),), requested_by="test")
+    replaying = open_replay(relaxed.settings, relaxed.pipeline, request).batch
+    stage_batch(spark, relaxed.settings, relaxed.pipeline, replaying.batch_id)
+    validate_batch(relaxed.settings, relaxed.pipeline, replaying.batch_id)  # the key is new: accepted
+    live = run_batch(env)  # offset 1 lands the key
+    assert (live.promoted, live.quarantined) == (1, 0)
+
+    result = promote_batch(relaxed.settings, relaxed.pipeline, replaying.batch_id)
+
+    assert result.batch_id == replaying.batch_id and (result.promoted, result.quarantined) == (0, 1)
+    reason = db.execute(
+        "SELECT reason FROM kafka2pg.quarantine WHERE pipeline = %s AND kafka_offset = 0", (env.pipeline.name,)
+    ).fetchone()[0]
+    assert reason.startswith(f"business key already promoted by batch {live.batch_id} at partition 0 offset 1")
+    assert_clean(relaxed)
+
+
 def test_undoing_a_partitions_first_batch_says_the_partition_is_left_without_a_head(make_pipeline, run_batch, heads):
     env = make_pipeline(partitions=1)
     produce(env.settings.bootstrap_servers, env.topic, sample_events(5, seed=91))
