@@ -25,6 +25,15 @@ from kafka2pg.report import ledger_report
 from kafka2pg.rows import staged_counts
 from kafka2pg.staging import stage_batch
 
+# A compacted topic whose segments roll and are cleaned within seconds.
+COMPACTED_AT_ONCE = {
+    "cleanup.policy": "compact",
+    "segment.ms": "200",
+    "min.cleanable.dirty.ratio": "0.0001",
+    "min.compaction.lag.ms": "0",
+    "delete.retention.ms": "100",
+}
+
 
 def admin(env) -> AdminClient:
     return AdminClient(client_config(env.settings.bootstrap_servers, 10))
@@ -122,16 +131,7 @@ def test_transactions_aborted_never_promoted_markers_explained_open_one_waits(ma
 
 def test_compacted_topic_gaps_are_compaction_and_the_audit_does_not_call_them_loss(make_pipeline, run_batch, db):
     env = make_pipeline(create_topic=False)
-    create_topic(
-        env,
-        **{
-            "cleanup.policy": "compact",
-            "segment.ms": "200",
-            "min.cleanable.dirty.ratio": "0.0001",
-            "min.compaction.lag.ms": "0",
-            "delete.retention.ms": "100",
-        },
-    )
+    create_topic(env, **COMPACTED_AT_ONCE)
     events = list(sample_events(120, seed=32))
     for index, event in enumerate(events):
         event["customer_id"] = index % 10  # key: ten customers, each written 12 times
@@ -490,16 +490,7 @@ def test_a_replay_over_a_compacted_record_keeps_its_row_and_flags_the_newer_dupl
     from kafka2pg.replay_request import ReplayRequest
 
     env = make_pipeline(create_topic=False)
-    create_topic(
-        env,
-        **{
-            "cleanup.policy": "compact",
-            "segment.ms": "200",
-            "min.cleanable.dirty.ratio": "0.0001",
-            "min.compaction.lag.ms": "0",
-            "delete.retention.ms": "100",
-        },
-    )
+    create_topic(env, **COMPACTED_AT_ONCE)
     events = list(sample_events(10, seed=35))
     again = {**events[3], "amount": 1.0}  # the same business key, later
     produce(env.settings.bootstrap_servers, env.topic, events, key_field="event_id")
