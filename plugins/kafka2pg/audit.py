@@ -14,9 +14,9 @@ from psycopg import Connection, IsolationLevel, sql
 
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import connect
-from kafka2pg.kafka_offsets import partition_offsets, topic_retention
+from kafka2pg.kafka_offsets import partition_offsets, topic_id, topic_retention
 from kafka2pg.kafka_reader import read_offsets
-from kafka2pg.ledger import last_resets, ranges_since_reset, read_heads
+from kafka2pg.ledger import last_resets, ranges_since_reset, read_heads, recreated_partitions
 from kafka2pg.planner import ledger_breaks
 from kafka2pg.stuck import StuckBatch
 
@@ -85,6 +85,8 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
         offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
         watermarks = {o.partition: o for o in offsets}
         compacted = topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s).compacted
+        identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+        recreated = recreated_partitions(conn, pipeline.name, identity)
         audits = []
         for partition in sorted(set(watermarks) | set(stored) | set(heads)):
             # Kafka holds [low, last stable) now; ledgered offsets outside it are not there to read.
@@ -99,6 +101,14 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
                     f"topic {pipeline.topic} has no partition {partition} now: its rows cannot be re-read (a "
                     "recreated topic: see `kafka2pg reset`)"
                 )
+            if partition in recreated:  # the offsets of the topic it loaded are not this topic's
+                result.ledger_breaks.append(
+                    f"the ledger's head is an offset in the topic with ID {recreated[partition]}, but topic "
+                    f"{pipeline.topic} now has ID {identity} (deleted and recreated): its records are not the ones "
+                    "loaded, so they were not compared (see `kafka2pg reset`)"
+                )
+                audits.append(result)
+                continue
             kafka = _kafka_offsets(settings, pipeline.topic, partition, ranges) if ranges else iter(())
             database = _db_offsets(conn, pipeline, partition, after)
             _merge(kafka, database, low, result, compacted_ranges=ranges if compacted else [])

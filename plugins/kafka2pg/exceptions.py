@@ -290,6 +290,38 @@ class OffsetRegressionError(Kafka2PgError):
         )
 
     @classmethod
+    def recreated(cls, pipeline: str, topic: str, partitions: list[int], ledgered: str, now: str) -> Self:
+        """The ledger's heads of `partitions` are positions in a topic of the same name whose ID
+        was `ledgered`; the topic's ID is `now`: it was deleted and recreated, offsets from 0 again."""
+        return cls(
+            f"pipeline {pipeline!r}, topic {topic!r}: the ledger heads of partition(s) {partitions} are offsets in "
+            f"the topic with ID {ledgered}, but the topic now has ID {now}: it was deleted and recreated, and its "
+            "offsets start again from 0, so the heads no longer say what was loaded. Nothing was read. Realign "
+            f"each partition explicitly: `kafka2pg reset --pipeline {pipeline} --partition <p> --to-offset <offset> "
+            "--confirm` (`--archive-old-rows` moves the old topic's rows away, whose offsets the new records reuse).",
+            pipeline=pipeline,
+            topic=topic,
+            partitions=partitions,
+            ledgered_topic_id=ledgered,
+            topic_id=now,
+        )
+
+    @classmethod
+    def recreated_since_planned(cls, pipeline: str, topic: str, batch_id: int, planned: str, now: str | None) -> Self:
+        """Batch `batch_id` was planned in the topic with ID `planned`; it now has ID `now`."""
+        return cls(
+            f"pipeline {pipeline!r}, topic {topic!r}: batch {batch_id} was planned in the topic with ID {planned}, "
+            f"but the topic now has ID {now}: it was deleted and recreated, and the planned offsets are not the "
+            "records planned. Nothing was read. The next run abandons the batch, and says how to realign the "
+            "ledger if its heads are offsets in the old topic.",
+            pipeline=pipeline,
+            topic=topic,
+            batch_id=batch_id,
+            planned_topic_id=planned,
+            topic_id=now,
+        )
+
+    @classmethod
     def partitions_gone(cls, pipeline: str, topic: str, partitions: list[int]) -> Self:
         """The ledger has heads for `partitions`, which the topic no longer has."""
         return cls(

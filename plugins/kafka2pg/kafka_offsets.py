@@ -17,6 +17,7 @@ from confluent_kafka import (
     IsolationLevel,
     KafkaError,
     KafkaException,
+    TopicCollection,
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
@@ -180,6 +181,25 @@ class TopicRetention:
     deletes: bool
     retention_ms: int | None
     retention_bytes: int | None
+
+
+# What a broker without topic IDs (before Kafka 2.8) or a client that did not read one reports.
+_NO_TOPIC_ID = "AAAAAAAAAAAAAAAAAAAAAA"
+
+
+def topic_id(kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> str | None:
+    """The topic's ID (KIP-516), as Kafka's tools print it: a topic deleted and recreated under
+    the same name gets a new one. None when the cluster has none to give."""
+    admin = admin_client(kafka, timeout_s)
+    topic_partitions(admin, topic, kafka, timeout_s)  # a missing topic: TopicNotFoundError, as everywhere
+    try:
+        future = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout_s)[topic]
+        described = _answer(future, f"describing topic {topic!r}", kafka, timeout_s, admin, topic)
+    except KafkaException as exc:
+        raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
+    # librdkafka prints base64, Kafka's tools (`kafka-topics.sh --describe`) its URL-safe form.
+    found = str(described.topic_id or "").replace("+", "-").replace("/", "_")
+    return None if found in ("", _NO_TOPIC_ID) else found
 
 
 def topic_retention(kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> TopicRetention:

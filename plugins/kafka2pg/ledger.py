@@ -16,8 +16,8 @@ from psycopg import Connection, sql
 from kafka2pg.batch_store import abandon_lookaheads, load_batch, open_batch_id, transition
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, RangeLockedError
-from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets
+from kafka2pg.exceptions import BatchStateError, OffsetRegressionError, RangeLockedError
+from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_id
 from kafka2pg.lifecycle import BatchState
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,29 @@ def read_heads(conn: Connection, pipeline: str) -> dict[int, int]:
         (pipeline,),
     ).fetchall()
     return {partition: offset for partition, offset in rows}
+
+
+def recreated_partitions(conn: Connection, pipeline: str, topic_id: str | None) -> dict[int, str]:
+    """Partitions whose ledger head is an offset in another topic than the one with `topic_id`
+    (the same name, deleted and recreated since): partition -> the ID its head was written for.
+    Empty when the topic's ID is not known, and for heads written before IDs were recorded."""
+    if topic_id is None:
+        return {}
+    rows = conn.execute(
+        "SELECT kafka_partition, topic_id FROM kafka2pg.ledger_heads WHERE pipeline = %s"
+        " AND topic_id IS NOT NULL AND topic_id <> %s ORDER BY kafka_partition",
+        (pipeline, topic_id),
+    ).fetchall()
+    return dict(rows)
+
+
+def check_topic_identity(conn: Connection, pipeline: Pipeline, topic_id: str | None) -> None:
+    """`OffsetRegressionError` when a ledger head belongs to the topic as it was before it was
+    deleted and recreated (the offsets of the new one start again from 0)."""
+    recreated = recreated_partitions(conn, pipeline.name, topic_id)
+    if recreated:
+        ledgered = ", ".join(sorted(set(recreated.values())))
+        raise OffsetRegressionError.recreated(pipeline.name, pipeline.topic, sorted(recreated), ledgered, topic_id)
 
 
 def read_head_batches(conn: Connection, pipeline: str) -> dict[int, int | None]:
@@ -205,7 +228,8 @@ def reset_head(
     from the old topic keep their provenance; a recreated topic reuses offsets, so
     `archive_old_rows` moves them (target and quarantine) into kafka2pg.archived_rows.
     """
-    offsets = {o.partition: o for o in partition_offsets(settings.kafka, pipeline.topic)}
+    offsets = {o.partition: o for o in partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)}
+    identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     if to_offset is not None:
         broker = offsets.get(partition)
         if broker is None or not broker.low <= to_offset <= broker.high:
@@ -243,8 +267,15 @@ def reset_head(
         if open_id is not None:
             message += f"; unfinished batch {open_id} is abandoned"
         broker = offsets.get(partition)
-        if to_offset is not None and broker is not None and max(current or 0, broker.low) < to_offset:
-            skipped_from = max(current or 0, broker.low)
+        # A head in the topic as it was before it was recreated says nothing about the new one's offsets.
+        recreated = partition in recreated_partitions(conn, pipeline.name, identity)
+        if recreated:
+            message += (
+                f"; the head is an offset in the topic before it was recreated (the topic's ID is now {identity})"
+            )
+        start = broker and (broker.low if recreated else max(current or 0, broker.low))
+        if to_offset is not None and broker is not None and start < to_offset:
+            skipped_from = start
             message += (
                 f"; offsets [{skipped_from}, {to_offset}) that Kafka still holds ({to_offset - skipped_from} at most) "
                 "will never be loaded: they are skipped, not lost to Kafka, and no audit reports them"
@@ -276,9 +307,9 @@ def reset_head(
         )
         if to_offset is not None:
             conn.execute(
-                "INSERT INTO kafka2pg.ledger_heads (pipeline, topic, kafka_partition, next_offset)"
-                " VALUES (%s, %s, %s, %s)",
-                (pipeline.name, pipeline.topic, partition, to_offset),
+                "INSERT INTO kafka2pg.ledger_heads (pipeline, topic, kafka_partition, next_offset, topic_id)"
+                " VALUES (%s, %s, %s, %s, %s)",
+                (pipeline.name, pipeline.topic, partition, to_offset, identity),
             )
     log.warning("ledger reset: %s (reason: %s)", message, reason)
     return Reset(partition, current, to_offset, open_id, True, message)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from psycopg import Connection
 
@@ -23,10 +23,10 @@ from kafka2pg.batch_store import (
 )
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction, waits_logged
-from kafka2pg.exceptions import BatchStateError, LedgerConflictError
-from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_retention
+from kafka2pg.exceptions import BatchStateError, LedgerConflictError, OffsetRegressionError
+from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_id, topic_retention
 from kafka2pg.kafka_reader import first_timestamps
-from kafka2pg.ledger import lock_plan, read_head_batches, read_heads
+from kafka2pg.ledger import check_topic_identity, lock_plan, read_head_batches, read_heads
 from kafka2pg.lifecycle import OPEN, BatchState, resume_or_abandon
 from kafka2pg.planner import (
     BatchPlan,
@@ -66,6 +66,7 @@ def open_batch(
     (it never promoted anything, so nothing is undone) and a fresh batch is planned.
     """
     offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     with transaction(settings.database_url) as conn:
         with waits_logged(settings.database_url, conn, f"pipeline={pipeline.name} the plan"):
             # One planner per pipeline at a time; promotion is still fenced by compare-and-set.
@@ -76,7 +77,7 @@ def open_batch(
         if not dry_run:  # this run takes the pipeline over: an earlier run's lookahead is void
             abandon_lookaheads(conn, pipeline, f"run {run_id} took the pipeline over before it was promoted")
         heads = read_heads(conn, pipeline.name)
-        opened = _open(conn, pipeline, offsets, heads, open_id, max_records_per_batch, run_id, dry_run)
+        opened = _open(conn, pipeline, offsets, identity, heads, open_id, max_records_per_batch, run_id, dry_run)
     _warn_loss_horizons(settings, pipeline, offsets, heads)  # asks Kafka: after the plan lock is released
     return opened
 
@@ -85,20 +86,21 @@ def _open(
     conn: Connection,
     pipeline: Pipeline,
     offsets: list[PartitionOffsets],
+    identity: str | None,
     heads: dict[int, int],
     open_id: int | None,
     max_records_per_batch: int | None,
     run_id: str | None,
     dry_run: bool,
 ) -> OpenedBatch:
-    lows = {o.partition: o.low for o in offsets}
-    resumed = _resume_or_abandon(conn, pipeline, open_id, heads, lows, run_id, dry_run=dry_run)
+    resumed = _resume_or_abandon(conn, pipeline, open_id, heads, offsets, identity, run_id, dry_run=dry_run)
     if resumed is not None:
         verb = "dry run: would resume" if dry_run else "resuming"
         return OpenedBatch(
             resumed, True, f"{verb} unfinished batch {resumed.batch_id} ({resumed.state}, epoch {resumed.epoch})"
         )
-    plan = _plan_from(pipeline, offsets, heads, read_head_batches(conn, pipeline.name), max_records_per_batch)
+    check_topic_identity(conn, pipeline, identity)
+    plan = _plan_from(pipeline, offsets, identity, heads, read_head_batches(conn, pipeline.name), max_records_per_batch)
     if plan.is_empty:
         return OpenedBatch(None, False, _nothing_new(pipeline, offsets, heads))
     if dry_run:
@@ -197,8 +199,10 @@ def plan_lookahead(
     step) abandons the lookahead. None: nothing new.
     """
     offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     with transaction(settings.database_url) as conn:
         lock_plan(conn, pipeline.name)
+        check_topic_identity(conn, pipeline, identity)
         # Read, not locked: this run may be validating or promoting it meanwhile; the claim and
         # the plan (all a lookahead depends on) change only under the plan lock held here.
         current = load_claimed(conn, pipeline, after_id, after_epoch, lock=False)
@@ -237,7 +241,15 @@ def plan_lookahead(
                     )
         heads.update({p.partition: p.new_head for p in current.plan.partitions})
         moved.update({p.partition: after_id for p in current.plan.partitions})
-        plan = _plan_from(pipeline, offsets, heads, moved, max_records_per_batch)
+        if current.plan.topic_id not in (None, identity):
+            raise OffsetRegressionError.recreated(
+                pipeline.name,
+                pipeline.topic,
+                [p.partition for p in current.plan.partitions],
+                current.plan.topic_id,
+                identity,
+            )
+        plan = _plan_from(pipeline, offsets, identity, heads, moved, max_records_per_batch)
         if plan.is_empty:
             return None
         return insert_batch(conn, pipeline, plan, run_id, after_batch_id=after_id)
@@ -246,13 +258,14 @@ def plan_lookahead(
 def _plan_from(
     pipeline: Pipeline,
     offsets: list[PartitionOffsets],
+    identity: str | None,
     heads: dict[int, int],
     moved: dict[int, int | None],
     max_records_per_batch: int | None,
 ) -> BatchPlan:
     """The next batch's plan from these heads (last moved by the `moved` batches), with the
-    pipeline's limits and policies."""
-    return plan_batch(
+    pipeline's limits and policies, in the topic whose ID is `identity`."""
+    plan = plan_batch(
         pipeline.name,
         pipeline.topic,
         _states(offsets, heads, moved),
@@ -262,6 +275,7 @@ def _plan_from(
         new_partition_start=pipeline.new_partition_start,
         ledger_partitions=tuple(heads),
     )
+    return replace(plan, topic_id=identity)
 
 
 def _resume_or_abandon(
@@ -269,7 +283,8 @@ def _resume_or_abandon(
     pipeline: Pipeline,
     open_id: int | None,
     heads: dict[int, int],
-    lows: dict[int, int],
+    offsets: list[PartitionOffsets],
+    identity: str | None,
     run_id: str | None,
     *,
     dry_run: bool,
@@ -278,18 +293,37 @@ def _resume_or_abandon(
         return None
     batch = load_batch(conn, open_id)
     stale = [p.partition for p in batch.plan.partitions if heads.get(p.partition) != p.expected_head]
-    # Not read yet, and Kafka no longer holds its start (retention or delete-records since planning):
-    # re-reading it can only fail; planning afresh reports the loss (or records it, under `skip`).
-    expired = [r.partition for r in batch.plan.ranges if r.start < lows.get(r.partition, 0)]
+    # Not read yet, and Kafka no longer holds all of it (retention or delete-records since planning,
+    # or a partition that shrank or is gone): re-reading it can only fail; planning afresh reports
+    # the loss (or records it, under `skip`), or the offset regression.
+    held = {o.partition: o for o in offsets}
+    expired = [
+        r.partition
+        for r in batch.plan.ranges
+        if r.partition not in held or r.start < held[r.partition].low or r.end > held[r.partition].high
+    ]
+    # Planned in the topic as it was before it was deleted and recreated: its ranges are offsets
+    # of records that are gone (the plan then names the heads' topic, if they have one).
+    recreated = batch.plan.topic_id not in (None, identity)
+    if recreated:
+        expired = [p.partition for p in batch.plan.partitions]
     if resume_or_abandon(batch.state, stale, expired):
         return batch if dry_run else claim(conn, batch, run_id)
-    if stale:
+    if recreated:
+        why = error = (
+            f"topic {pipeline.topic!r} was deleted and recreated since it was planned "
+            f"(ID {batch.plan.topic_id} -> {identity})"
+        )
+    elif stale:
         why, error = (
             f"ledger heads of partitions {stale} moved since it was planned",
             f"heads of partitions {stale} moved before promotion",
         )
     else:
-        why = error = f"Kafka deleted planned offsets of partitions {expired} before they were read"
+        why = error = (
+            f"Kafka no longer holds planned offsets of partitions {expired} (deleted, or the partition shrank or is "
+            "gone) and they were not read"
+        )
     if dry_run:
         log.info("pipeline=%s dry run: would abandon batch %s (%s)", pipeline.name, batch.batch_id, why)
         return None

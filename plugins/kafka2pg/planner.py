@@ -94,6 +94,7 @@ class BatchPlan:
     pipeline: str
     topic: str
     partitions: tuple[PartitionPlan, ...] = field(default_factory=tuple)
+    topic_id: str | None = None  # the ID of the topic the offsets were planned in (None: not known)
 
     @property
     def ranges(self) -> tuple[OffsetRange, ...]:
@@ -124,6 +125,7 @@ class BatchPlan:
                 }
                 for p in self.partitions
             ],
+            "topic_id": self.topic_id,
         }
 
     @classmethod
@@ -140,7 +142,7 @@ class BatchPlan:
                     range=None if rng is None else OffsetRange(p["partition"], rng["start"], rng["end"]),
                 )
             )
-        return cls(data["pipeline"], data["topic"], tuple(parts))
+        return cls(data["pipeline"], data["topic"], tuple(parts), data.get("topic_id"))
 
 
 def plan_batch(

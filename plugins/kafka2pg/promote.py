@@ -90,15 +90,17 @@ def _promote_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> tuple[i
 def _advance_head(conn: Connection, pipeline: Pipeline, batch: Batch, part: PartitionPlan) -> None:
     if part.expected_head is None:
         moved = conn.execute(
-            "INSERT INTO kafka2pg.ledger_heads (pipeline, topic, kafka_partition, next_offset, last_batch_id)"
-            " VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-            (pipeline.name, pipeline.topic, part.partition, part.new_head, batch.batch_id),
+            "INSERT INTO kafka2pg.ledger_heads (pipeline, topic, kafka_partition, next_offset, last_batch_id, topic_id)"
+            " VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+            (pipeline.name, pipeline.topic, part.partition, part.new_head, batch.batch_id, batch.plan.topic_id),
         ).rowcount
     else:
+        # The head is an offset in the topic the batch was planned in (a plan made before kafka2pg
+        # recorded topic IDs keeps the head's).
         moved = conn.execute(
-            "UPDATE kafka2pg.ledger_heads SET next_offset = %s, last_batch_id = %s, updated_at = now()"
-            " WHERE pipeline = %s AND kafka_partition = %s AND next_offset = %s",
-            (part.new_head, batch.batch_id, pipeline.name, part.partition, part.expected_head),
+            "UPDATE kafka2pg.ledger_heads SET next_offset = %s, last_batch_id = %s, updated_at = now(),"
+            " topic_id = coalesce(%s, topic_id) WHERE pipeline = %s AND kafka_partition = %s AND next_offset = %s",
+            (part.new_head, batch.batch_id, batch.plan.topic_id, pipeline.name, part.partition, part.expected_head),
         ).rowcount
     if moved == 1:
         return

@@ -29,13 +29,14 @@ from kafka2pg.batch_store import (
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ReplayRefusedError
-from kafka2pg.kafka_offsets import offsets_for_times, partition_offsets
+from kafka2pg.kafka_offsets import offsets_for_times, partition_offsets, topic_id
 from kafka2pg.ledger import (
     last_resets,
     lock_partitions,
     lock_plan,
     ranges_since_reset,
     read_heads,
+    recreated_partitions,
     reset_floors,
 )
 from kafka2pg.lifecycle import Action, BatchState, promote_action, replay_outcome
@@ -77,17 +78,29 @@ def open_replay(
     if not ranges:
         return OpenedBatch(None, False, f"replay: no records to replay{window}; nothing recorded, Spark not launched")
     broker = {o.partition: o for o in partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)}
+    identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     with transaction(settings.database_url) as conn:
         # Serialised with planning, undo and reset: the heads read here stay valid until commit.
         lock_plan(conn, pipeline.name)
         heads = read_heads(conn, pipeline.name)
         loaded = ranges_since_reset(conn, pipeline.name, last_resets(conn, pipeline.name))[1]
+        recreated = recreated_partitions(conn, pipeline.name, identity)
         for r in ranges:
+            if r.partition in recreated:
+                raise ReplayRefusedError.range_refused(
+                    pipeline.name,
+                    r.partition,
+                    (r.start, r.end),
+                    f"the topic was deleted and recreated since the ledger loaded it (topic ID {recreated[r.partition]}"
+                    f" -> {identity}): its offsets now hold other records. Realign the ledger with `kafka2pg reset`.",
+                    topic_id=identity,
+                )
             _check_replayable(pipeline, r, heads.get(r.partition), loaded.get(r.partition, []), broker.get(r.partition))
         plan = BatchPlan(
             pipeline.name,
             pipeline.topic,
             tuple(PartitionPlan(r.partition, heads[r.partition], None, r) for r in ranges),
+            identity,
         )
         batch = insert_batch(conn, pipeline, plan, run_id, kind="replay")
         batch_id = batch.batch_id

@@ -34,12 +34,14 @@ from kafka2pg.exceptions import (
     KafkaAuthenticationError,
     KafkaRequestError,
     KafkaUnavailableError,
+    OffsetRegressionError,
     RetentionLossError,
     SparkSessionLost,
     StageInterrupted,
     StatementTimeoutError,
 )
 from kafka2pg.kafka_config import kafka_config
+from kafka2pg.kafka_offsets import topic_id
 from kafka2pg.kafka_reader import raw_records_at, read_ranges
 from kafka2pg.lifecycle import Action, BatchState, stage_action
 from kafka2pg.locations import PACKAGE_DIR
@@ -152,6 +154,12 @@ def stage_batch(
     )
     if slow := strict_only_note(pipeline):
         log.warning("pipeline=%s %s", pipeline.name, slow)
+    if batch.plan.topic_id is not None and batch.plan.ranges:
+        now = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+        if now != batch.plan.topic_id:
+            raise OffsetRegressionError.recreated_since_planned(
+                pipeline.name, pipeline.topic, batch_id, batch.plan.topic_id, now
+            )
     rows = _read_and_write(spark, settings, pipeline, batch, stop) if batch.plan.ranges else []
     reads = _merge_stats(rows, batch)
     _raise_if_stopped(stop, pipeline, batch_id)

@@ -15,7 +15,13 @@ from psycopg import sql
 from kafka2pg import kafka_reader
 from kafka2pg.audit import audit_pipeline
 from kafka2pg.devtools.producer import produce, sample_events
-from kafka2pg.exceptions import BatchStateError, OffsetRegressionError, QualityGateFailed, RetentionLossError
+from kafka2pg.exceptions import (
+    BatchStateError,
+    OffsetRegressionError,
+    QualityGateFailed,
+    ReplayRefusedError,
+    RetentionLossError,
+)
 from kafka2pg.kafka_offsets import client_config, offsets_for_times, partition_offsets
 from kafka2pg.kafka_reader import count_range, first_timestamps, raw_records_at, read_ranges
 from kafka2pg.ledger import reset_head
@@ -307,12 +313,54 @@ def test_a_topic_recreated_shorter_between_plan_and_read_stages_nothing(reader, 
     assert planned.plan.ranges == (OffsetRange(0, 0, 100),)
     recreate_topic(env)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(60, seed=41)))
-    with pytest.raises(RetentionLossError) as lost:
+    with pytest.raises(OffsetRegressionError) as recreated:
         stage_batch(spark, env.settings, env.pipeline, planned.batch_id, planned.epoch)
-    assert lost.value.batch_id == planned.batch_id
+    assert recreated.value.batch_id == planned.batch_id
+    assert recreated.value.planned_topic_id == planned.plan.topic_id != recreated.value.topic_id
+    assert "was deleted and recreated" in str(recreated.value)
     assert staged_counts(db, env.pipeline, planned.batch_id) == {}
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (planned.batch_id,)).fetchone()[0]
     assert state == "planned"
+    # The next run abandons it; the ledger has no head yet, so the new topic is planned from its start.
+    fresh = open_batch(env.settings, env.pipeline).batch
+    assert fresh.batch_id != planned.batch_id and fresh.plan.ranges == (OffsetRange(0, 0, 60),)
+    state, error = db.execute(
+        "SELECT state, error FROM kafka2pg.batches WHERE batch_id = %s", (planned.batch_id,)
+    ).fetchone()
+    assert state == "abandoned" and "was deleted and recreated since it was planned" in error
+
+
+def test_a_topic_recreated_and_refilled_beyond_the_head_is_refused_until_a_reset(make_pipeline, run_batch, replay, db):
+    """The new topic holds more records than the ledger's head: by offsets alone, planning would
+    go on from the old head and never load the new topic's first records. The topic's ID says it
+    is another topic: planning, replays and the audit refuse until a recorded reset."""
+    from kafka2pg.replay_request import ReplayRequest
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(50, seed=46)))
+    run_batch(env)
+    old_id = db.execute(
+        "SELECT topic_id FROM kafka2pg.ledger_heads WHERE pipeline = %s", (env.pipeline.name,)
+    ).fetchone()[0]
+    assert old_id
+    recreate_topic(env)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(80, seed=47)))
+    with pytest.raises(OffsetRegressionError) as regressed:
+        open_batch(env.settings, env.pipeline)
+    assert regressed.value.partitions == [0] and regressed.value.ledgered_topic_id == old_id
+    assert "deleted and recreated" in str(regressed.value) and "kafka2pg reset" in str(regressed.value)
+    with pytest.raises(ReplayRefusedError, match="deleted and recreated"):
+        replay(env, ReplayRequest("replace", (OffsetRange(0, 0, 50),), requested_by="test"))
+    (audit,) = audit_pipeline(env.settings, env.pipeline)
+    assert not audit.clean and audit.kafka_records == 0
+    assert any("deleted and recreated" in problem for problem in audit.ledger_breaks)
+
+    preview = reset_head(env.settings, env.pipeline, 0, 0, reason="topic recreated", confirm=False)
+    assert "the head is an offset in the topic before it was recreated" in preview.message
+    reset_head(env.settings, env.pipeline, 0, 0, reason="topic recreated", confirm=True, archive_old_rows=True)
+    assert run_batch(env).promoted == 80
+    assert rows(db, env) == [e["event_id"] for e in sample_events(80, seed=47)]
+    assert_audit_clean(env)
 
 
 def test_an_end_of_partition_below_the_range_end_goes_on_reading_when_the_leader_holds_the_offsets(
@@ -381,15 +429,21 @@ def test_records_larger_than_the_readers_prefetch_queue_are_read_whole(make_pipe
     }
 
 
-def test_the_audit_of_a_topic_recreated_shorter_reports_the_rows_kafka_no_longer_holds(make_pipeline, run_batch):
+def test_the_audit_of_a_topic_recreated_shorter_reports_the_rows_kafka_no_longer_holds(make_pipeline, run_batch, db):
     """Ledgered ranges that now lie partly or wholly beyond the partition's end: the audit reads
-    what Kafka holds and names the rest as rows without a record in Kafka, without failing."""
+    what Kafka holds and names the rest as rows without a record in Kafka, without failing. (A
+    topic whose ID changed is named as recreated instead, compared with nothing: below.)"""
     env = make_pipeline(partitions=1)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(100, seed=44)))
     run_batch(env, max_records_per_batch=50)
     run_batch(env, max_records_per_batch=50)  # ledgered: [0, 50) and [50, 100)
     recreate_topic(env)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(30, seed=45)))
+    (audit,) = audit_pipeline(env.settings, env.pipeline)
+    assert (audit.kafka_records, audit.matched, audit.unexplained) == (0, 0, 0)
+    assert [p for p in audit.ledger_breaks if "deleted and recreated" in p] and not audit.clean
+    # A head written before kafka2pg recorded topic IDs: only the offsets can say what changed.
+    db.execute("UPDATE kafka2pg.ledger_heads SET topic_id = NULL WHERE pipeline = %s", (env.pipeline.name,))
     (audit,) = audit_pipeline(env.settings, env.pipeline)
     assert (audit.kafka_records, audit.matched, audit.unexplained) == (30, 30, 70)
     assert audit.unexplained_offsets[0] == 30
@@ -402,6 +456,11 @@ def test_recreated_topic_is_an_offset_regression_until_an_explicit_recorded_rese
     run_batch(env)
     recreate_topic(env)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(10, seed=39)))
+    with pytest.raises(OffsetRegressionError) as regressed:
+        open_batch(env.settings, env.pipeline)
+    assert regressed.value.partitions == [0] and "deleted and recreated" in str(regressed.value)
+    # A head written before kafka2pg recorded topic IDs: the offsets say it.
+    db.execute("UPDATE kafka2pg.ledger_heads SET topic_id = NULL WHERE pipeline = %s", (env.pipeline.name,))
     with pytest.raises(OffsetRegressionError) as regressed:
         open_batch(env.settings, env.pipeline)
     assert (regressed.value.partition, regressed.value.head, regressed.value.high_watermark) == (0, 50, 10)

@@ -11,6 +11,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 import kafka2pg.migrations
+import kafka2pg.opening
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import ObjectNameTakenError, SchemaNotReadyError
 from kafka2pg.migrations import migrate, migration_files, require_ready
@@ -148,7 +149,12 @@ def test_a_database_migrated_up_to_0008_names_migration_0009_at_every_step(
     assert not_ready.value.missing == tuple(f"migration {name}" for name in pending)
 
     produce(settings.bootstrap_servers, env.topic, list(sample_events(3, seed=82)), key_field=None)
-    batch_id = open_batch(settings, env.pipeline).batch.batch_id
+    with pytest.raises(SchemaNotReadyError) as not_ready:  # the plan reads the heads' topic IDs (0012)
+        open_batch(settings, env.pipeline)
+    assert not_ready.value.missing == tuple(f"migration {name}" for name in pending)
+    with monkeypatch.context() as patch:  # a batch planned before the upgrade, by a kafka2pg without 0012
+        patch.setattr(kafka2pg.opening, "check_topic_identity", lambda *args: None)
+        batch_id = open_batch(settings, env.pipeline).batch.batch_id
     with pytest.raises(SchemaNotReadyError) as not_ready:  # staging or the gate, whichever needs it first
         stage_batch(spark, settings, env.pipeline, batch_id)
         validate_batch(settings, env.pipeline, batch_id)
