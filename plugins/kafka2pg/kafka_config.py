@@ -41,10 +41,8 @@ _SAME_IN_JAVA = frozenset(
         "security.protocol",
         "client.id",
         "client.dns.lookup",
-        "ssl.endpoint.identification.algorithm",
         "sasl.kerberos.service.name",
         "connections.max.idle.ms",
-        "request.timeout.ms",
         "metadata.max.age.ms",
         "reconnect.backoff.ms",
         "reconnect.backoff.max.ms",
@@ -52,13 +50,34 @@ _SAME_IN_JAVA = frozenset(
         "socket.connection.setup.timeout.ms",
         "fetch.min.bytes",
         "fetch.max.bytes",
-        "receive.buffer.bytes",
-        "send.buffer.bytes",
     }
 )
+# librdkafka properties the Java client knows under another name (the socket buffer sizes: 0,
+# librdkafka's "the system's default", is -1 in Java, where 0 is refused).
+_RENAMED_FOR_JAVA = {
+    "socket.receive.buffer.bytes": "receive.buffer.bytes",
+    "socket.send.buffer.bytes": "send.buffer.bytes",
+}
+# Names librdkafka does not take as a connection means them, refused with what to give instead:
+# the Java client's names for librdkafka's renamed properties (librdkafka has no such property),
+# and librdkafka's request.timeout.ms, the producer's acknowledgement timeout (a consumer ignores
+# it, with a warning), not the Java client's timeout for every request.
+_REFUSED = {
+    **{
+        java: f"the Java client's name, unknown to librdkafka: give `{name}` (Spark's source gets it as {java})"
+        for name, java in _RENAMED_FOR_JAVA.items()
+    },
+    "request.timeout.ms": (
+        "in librdkafka a producer's acknowledgement timeout, which kafka2pg's consumers ignore, not the Java "
+        "client's request timeout: give `socket.timeout.ms` for librdkafka's request timeout and "
+        "`kafka.request.timeout.ms` for Spark's source"
+    ),
+}
 # librdkafka properties handled by the mapping below (they become other Java properties).
 _MAPPED = frozenset(
     {
+        *_RENAMED_FOR_JAVA,
+        "ssl.endpoint.identification.algorithm",
         "sasl.mechanism",
         "sasl.mechanisms",
         "sasl.username",
@@ -75,6 +94,11 @@ _LOGIN_MODULES = {
     "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
 }
 _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+# A PEM private key's armour; Java's PEM support (Spark's `ssl.keystore.key`) reads only PKCS#8's:
+# `PRIVATE KEY` and `ENCRYPTED PRIVATE KEY`, not the legacy `RSA PRIVATE KEY` (PKCS#1), `EC PRIVATE
+# KEY` (SEC1), ... that librdkafka (OpenSSL) reads too.
+_PEM_KEY_BEGIN = re.compile(r"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY-----")
+_PKCS8_KINDS = ("", "ENCRYPTED ")
 
 
 @dataclass(frozen=True)
@@ -90,8 +114,9 @@ class KafkaConfig:
 
     @classmethod
     def of(cls, properties: Mapping[str, Any], where: str = "the Kafka configuration") -> KafkaConfig:
-        """Checked: `bootstrap.servers` present, values scalar, known security protocol, a user name
-        and password for the SASL mechanisms that log in with them."""
+        """Checked: `bootstrap.servers` present, values scalar, no name librdkafka does not take
+        as meant (`_REFUSED`), known security protocol, a mechanism for a SASL user name or
+        password, a user name and password for the SASL mechanisms that log in with them."""
         if not isinstance(properties, Mapping):
             raise ConfigError(
                 f"{where}: expected a mapping of Kafka client properties, got {type(properties).__name__}"
@@ -101,12 +126,23 @@ class KafkaConfig:
             if not isinstance(key, str) or isinstance(value, dict | list) or value is None:
                 raise ConfigError(f"{where}: property {key!r} must be a name with a string, number or boolean value")
             items[key] = str(value).lower() if isinstance(value, bool) else str(value)
+        refused = sorted(items.keys() & _REFUSED.keys())
+        if refused:
+            raise ConfigError(f"{where}: " + "; ".join(f"property `{key}` is {_REFUSED[key]}" for key in refused))
         if not items.get("bootstrap.servers", "").strip():
             raise ConfigError(f"{where}: `bootstrap.servers` is missing (e.g. broker1:9092,broker2:9092)")
         protocol = items.get("security.protocol", "PLAINTEXT").upper()
         if protocol not in _SECURITY_PROTOCOLS:
             raise ConfigError(f"{where}: security.protocol {protocol!r} is not one of {', '.join(_SECURITY_PROTOCOLS)}")
-        mechanism = (items.get("sasl.mechanism") or items.get("sasl.mechanisms") or "GSSAPI").upper()
+        given = items.get("sasl.mechanism") or items.get("sasl.mechanisms")
+        credentials = [k for k in ("sasl.username", "sasl.password") if items.get(k)]
+        if protocol.startswith("SASL_") and not given and credentials:
+            raise ConfigError(
+                f"{where}: security.protocol {protocol} with {' and '.join(credentials)} needs sasl.mechanism "
+                f"({', '.join(_LOGIN_MODULES)}): without one both clients would log in with GSSAPI (Kerberos), "
+                "which takes no user name or password"
+            )
+        mechanism = (given or "GSSAPI").upper()
         if protocol.startswith("SASL_") and mechanism in _LOGIN_MODULES:
             missing = [k for k in ("sasl.username", "sasl.password") if not items.get(k)]
             if missing:
@@ -166,19 +202,28 @@ class KafkaConfig:
     def spark_options(self) -> dict[str, str]:
         """Spark's Kafka source options (`kafka.`-prefixed Java client properties).
 
-        SASL username/password become `sasl.jaas.config` for PLAIN and SCRAM; PEM files given to
-        librdkafka (`ssl.ca.location`, `ssl.certificate.location` + `ssl.key.location`) are passed
-        inline (`ssl.truststore.certificates`, `ssl.keystore.certificate.chain` + `ssl.keystore.key`,
-        type PEM), so the executors need no files. Java-only properties pass as given.
+        SASL username/password become `sasl.jaas.config` for PLAIN and SCRAM (with the mechanism
+        given: no mechanism, no login; `of` refuses SASL credentials without one); PEM files given
+        to librdkafka (`ssl.ca.location`, `ssl.certificate.location` + `ssl.key.location`, a PKCS#8
+        key) are passed inline (`ssl.truststore.certificates`, `ssl.keystore.certificate.chain` +
+        `ssl.keystore.key`, type PEM), so the executors need no files. The socket buffer sizes take
+        their Java names; hostname verification's `none` is Java's empty value. Java-only
+        properties pass as given (and win).
         """
         props = self.as_dict
         options = {f"kafka.{k}": v for k, v in props.items() if k in _SAME_IN_JAVA}
+        for name, java in _RENAMED_FOR_JAVA.items():
+            if name in props:
+                options[f"kafka.{java}"] = "-1" if props[name].strip() == "0" else props[name]
+        if "ssl.endpoint.identification.algorithm" in props:
+            algorithm = props["ssl.endpoint.identification.algorithm"].strip().lower()  # as librdkafka reads it
+            options["kafka.ssl.endpoint.identification.algorithm"] = "" if algorithm == "none" else algorithm
         options.update({k: v for k, v in props.items() if k.startswith(JAVA_ONLY_PREFIX)})
         mechanism = (props.get("sasl.mechanism") or props.get("sasl.mechanisms") or "").upper()
         if mechanism:
             options["kafka.sasl.mechanism"] = mechanism
-        if "sasl.username" in props and "kafka.sasl.jaas.config" not in options:
-            module = _LOGIN_MODULES.get(mechanism or "PLAIN")
+        if "sasl.username" in props and mechanism and "kafka.sasl.jaas.config" not in options:
+            module = _LOGIN_MODULES.get(mechanism)
             if module is None:
                 raise ConfigError(
                     f"sasl.mechanism {mechanism!r} with sasl.username: kafka2pg builds Spark's JAAS login for "
@@ -197,7 +242,8 @@ class KafkaConfig:
                 "kafka.ssl.keystore.certificate.chain",
                 _pem(props.get("ssl.certificate.location", ""), "ssl.certificate.location"),
             )
-            options.setdefault("kafka.ssl.keystore.key", _pem(props.get("ssl.key.location", ""), "ssl.key.location"))
+            if "kafka.ssl.keystore.key" not in options:
+                options["kafka.ssl.keystore.key"] = _pkcs8_key(props.get("ssl.key.location", ""))
             if "ssl.key.password" in props:
                 options.setdefault("kafka.ssl.key.password", props["ssl.key.password"])
         return options
@@ -243,6 +289,23 @@ def _pem(path: str, key: str) -> str:
         raise ConfigError(f"Kafka property {key}: cannot read the PEM file {path!r} ({exc.strerror})") from None
     if "-----BEGIN" not in text:
         raise ConfigError(f"Kafka property {key}: {path!r} is not a PEM file")
+    return text
+
+
+def _pkcs8_key(path: str) -> str:
+    """The client key file for Spark's `ssl.keystore.key`: a legacy PEM key (PKCS#1 `RSA PRIVATE
+    KEY`, SEC1 `EC PRIVATE KEY`, ...) is refused, Java's PEM support would fail on it at the first
+    connection. The message names the file and the key's kind, never its content."""
+    text = _pem(path, "ssl.key.location")
+    legacy = [kind for kind in _PEM_KEY_BEGIN.findall(text) if kind not in _PKCS8_KINDS]
+    if legacy:
+        raise ConfigError(
+            f"Kafka property ssl.key.location: {path!r} holds a `{legacy[0]}PRIVATE KEY`, a format librdkafka "
+            "reads but Spark's Kafka source (Java) does not: it takes PKCS#8 keys only (`PRIVATE KEY`, "
+            "`ENCRYPTED PRIVATE KEY`). Convert it, e.g. `openssl pkcs8 -topk8 -nocrypt -in key.pem -out "
+            "key.pk8.pem` (to keep it encrypted, with ssl.key.password: `-v1 PBE-SHA1-3DES` instead of "
+            "`-nocrypt`), and name the new file in ssl.key.location (librdkafka reads it too)"
+        )
     return text
 
 

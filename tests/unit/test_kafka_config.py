@@ -132,8 +132,170 @@ def test_bad_kafka_configuration_is_refused_naming_the_property(properties, mess
         KafkaConfig.of(properties).spark_options()
 
 
+@pytest.mark.parametrize(("librdkafka", "java"), [("none", ""), ("NONE", ""), ("https", "https")])
+def test_hostname_verification_off_is_none_for_librdkafka_and_empty_for_java(librdkafka, java):
+    kafka = KafkaConfig.of(
+        {"bootstrap.servers": "b:9093", "security.protocol": "SSL", "ssl.endpoint.identification.algorithm": librdkafka}
+    )
+    assert kafka.confluent()["ssl.endpoint.identification.algorithm"] == librdkafka
+    assert kafka.spark_options()["kafka.ssl.endpoint.identification.algorithm"] == java
+    assert kafka.unmapped_for_spark() == []
+
+
+def test_socket_buffer_sizes_take_librdkafkas_names_and_javas_for_spark():
+    kafka = KafkaConfig.of(
+        {"bootstrap.servers": "b:1", "socket.receive.buffer.bytes": "262144", "socket.send.buffer.bytes": 0}
+    )
+    assert kafka.confluent() == {
+        "bootstrap.servers": "b:1",
+        "socket.receive.buffer.bytes": "262144",
+        "socket.send.buffer.bytes": "0",
+    }
+    assert kafka.spark_options() == {
+        "kafka.bootstrap.servers": "b:1",
+        "kafka.receive.buffer.bytes": "262144",
+        "kafka.send.buffer.bytes": "-1",  # librdkafka's 0 (the system's default) is Java's -1; Java refuses 0
+    }
+    assert kafka.unmapped_for_spark() == []
+
+
+def test_librdkafka_takes_the_names_kafka2pg_passes_it():
+    """librdkafka accepts the mapped names and values as the connection gives them (nothing connects:
+    creating the client checks its configuration)."""
+    from kafka2pg.kafka_offsets import admin_client
+
+    kafka = KafkaConfig.of(
+        {
+            "bootstrap.servers": "127.0.0.1:1",
+            "socket.receive.buffer.bytes": "262144",
+            "socket.send.buffer.bytes": "0",
+            "ssl.endpoint.identification.algorithm": "none",
+        }
+    )
+    admin_client(kafka, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        (
+            "receive.buffer.bytes",
+            "property `receive.buffer.bytes` is the Java client's name, unknown to librdkafka: "
+            "give `socket.receive.buffer.bytes`",
+        ),
+        (
+            "send.buffer.bytes",
+            "property `send.buffer.bytes` is the Java client's name, unknown to librdkafka: "
+            "give `socket.send.buffer.bytes`",
+        ),
+        (
+            "request.timeout.ms",
+            "property `request.timeout.ms` is in librdkafka a producer's acknowledgement timeout, .*"
+            "give `socket.timeout.ms` for librdkafka's request timeout and `kafka.request.timeout.ms` for Spark's",
+        ),
+    ],
+)
+def test_a_name_librdkafka_does_not_take_as_meant_is_refused_naming_what_to_give(name, message):
+    with pytest.raises(ConfigError, match=f"^the Airflow connection 'k' [(]its extra[)]: {message}"):
+        KafkaConfig.of({"bootstrap.servers": "b:1", name: "65536"}, "the Airflow connection 'k' (its extra)")
+    java_only = KafkaConfig.of({"bootstrap.servers": "b:1", f"kafka.{name}": "65536"})
+    assert java_only.spark_options()[f"kafka.{name}"] == "65536"
+    assert f"kafka.{name}" not in java_only.confluent()
+
+
+@pytest.mark.parametrize(
+    ("armour", "kind"),
+    [("RSA PRIVATE KEY", "RSA PRIVATE KEY"), ("EC PRIVATE KEY", "EC PRIVATE KEY")],
+)
+def test_a_legacy_pem_key_is_refused_for_spark_only_naming_the_conversion(armour, kind, pem_files, tmp_path):
+    key = tmp_path / "legacy.key"
+    key.write_text(f"-----BEGIN {armour}-----\nTUlJRW93SUJBQUtDQVFFQWtleS1ib2R5\n-----END {armour}-----\n")
+    kafka = KafkaConfig.of(
+        {
+            "bootstrap.servers": "b:9094",
+            "security.protocol": "SSL",
+            "ssl.ca.location": str(pem_files["ca"]),
+            "ssl.certificate.location": str(pem_files["cert"]),
+            "ssl.key.location": str(key),
+            "ssl.key.password": "key-pass-8812",
+        }
+    )
+    assert kafka.confluent()["ssl.key.location"] == str(key)  # librdkafka reads such a key
+    assert "TUlJRW93SUJBQUtDQVFFQWtleS1ib2R5" in kafka.secrets()
+    with pytest.raises(ConfigError) as refused:
+        kafka.spark_options()
+    message = str(refused.value)
+    assert f"ssl.key.location: {str(key)!r} holds a `{kind}`" in message
+    assert "PKCS#8" in message and "`openssl pkcs8 -topk8 -nocrypt -in key.pem -out key.pk8.pem`" in message
+    assert "TUlJRW93" not in message and "key-pass-8812" not in message
+    # A key given to Java itself: the file is not inlined, so not checked.
+    own = KafkaConfig.of({**kafka.as_dict, "kafka.ssl.keystore.key": KEY})
+    assert own.spark_options()["kafka.ssl.keystore.key"] == KEY
+
+
+def test_an_encrypted_pkcs8_key_goes_to_spark_inline(pem_files, tmp_path):
+    encrypted = "-----BEGIN ENCRYPTED PRIVATE KEY-----\nenc\n-----END ENCRYPTED PRIVATE KEY-----\n"
+    key = tmp_path / "enc.key"
+    key.write_text(encrypted)
+    kafka = KafkaConfig.of(
+        {
+            "bootstrap.servers": "b:9094",
+            "security.protocol": "SSL",
+            "ssl.certificate.location": str(pem_files["cert"]),
+            "ssl.key.location": str(key),
+            "ssl.key.password": "kp",
+        }
+    )
+    assert kafka.spark_options()["kafka.ssl.keystore.key"] == encrypted
+
+
+@pytest.mark.parametrize(
+    ("protocol", "credentials", "named"),
+    [
+        ("SASL_SSL", {"sasl.username": "u", "sasl.password": "pw"}, "sasl.username and sasl.password"),
+        ("sasl_plaintext", {"sasl.username": "u"}, "sasl.username"),
+        ("SASL_SSL", {"sasl.password": "pw"}, "sasl.password"),
+    ],
+)
+def test_sasl_credentials_without_a_mechanism_are_refused(protocol, credentials, named):
+    """Without sasl.mechanism both clients would use GSSAPI: no guess, the connection names it."""
+    with pytest.raises(
+        ConfigError,
+        match=f"security.protocol {protocol.upper()} with {named} needs sasl.mechanism "
+        "[(]PLAIN, SCRAM-SHA-256, SCRAM-SHA-512[)]",
+    ):
+        KafkaConfig.of({"bootstrap.servers": "b:1", "security.protocol": protocol, **credentials})
+
+
+def test_sasl_without_credentials_or_a_login_protocol_is_taken_as_before():
+    kerberos = KafkaConfig.of(
+        {"bootstrap.servers": "b:1", "security.protocol": "SASL_SSL", "sasl.kerberos.service.name": "kafka"}
+    )
+    assert kerberos.spark_options() == {
+        "kafka.bootstrap.servers": "b:1",
+        "kafka.security.protocol": "SASL_SSL",
+        "kafka.sasl.kerberos.service.name": "kafka",
+    }
+    gssapi = KafkaConfig.of(
+        {"bootstrap.servers": "b:1", "security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "GSSAPI"}
+    )
+    assert gssapi.spark_options()["kafka.sasl.mechanism"] == "GSSAPI"
+    # Credentials a PLAINTEXT client does not use: no login guessed for Java (nor a mechanism).
+    unused = KafkaConfig.of({"bootstrap.servers": "b:1", "sasl.username": "u", "sasl.password": "pw"})
+    assert unused.spark_options() == {"kafka.bootstrap.servers": "b:1"}
+    assert unused.confluent() == unused.as_dict
+
+
 def test_settings_round_trip_through_the_environment_the_stage_job_gets():
-    kafka = KafkaConfig.of({"bootstrap.servers": "b:1", "security.protocol": "SASL_SSL", "sasl.password": "s"})
+    kafka = KafkaConfig.of(
+        {
+            "bootstrap.servers": "b:1",
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": "PLAIN",
+            "sasl.username": "u",
+            "sasl.password": "s",
+        }
+    )
     settings = Settings(kafka=kafka, database_url="host=h password=p dbname=d")
     again = Settings.from_env(settings.to_env())
     assert (again.kafka, again.database_url, again.pipelines_file) == (
