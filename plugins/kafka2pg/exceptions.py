@@ -40,6 +40,10 @@ from typing import Self
 
 from kafka2pg.lifecycle import BatchState
 
+# The stage job's exit code for a terminal error (a rejected batch, a configuration error): the
+# stage operator fails its task without a retry, which could not mend it.
+TERMINAL_EXIT = 3
+
 
 class Kafka2PgError(Exception):
     """Base class of every deliberate kafka2pg error.
@@ -574,7 +578,8 @@ class QualityGateFailed(Kafka2PgError):
         return cls(
             f"pipeline {pipeline!r} batch {batch_id} rejected, nothing promoted, ledger unchanged: "
             f"{cls.summary(failed)}. Report: {written}. Inspect kafka2pg.batch_checks and the staging table "
-            f"kafka2pg.{staging_table}; fix the data or the pipeline config, then trigger a new run.",
+            f"kafka2pg.{staging_table} (its rows of batch {batch_id} stay until the next batch is planned); fix the "
+            "data or the pipeline config, then trigger a new run.",
             pipeline=pipeline,
             batch_id=batch_id,
             state=BatchState.REJECTED,

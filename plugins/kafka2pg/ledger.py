@@ -13,12 +13,11 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import Connection, sql
 
-from kafka2pg.batch_store import abandon_lookaheads, load_batch, open_batch_id, transition
+from kafka2pg.batch_store import abandon_lookaheads, abandon_unpromoted, load_batch, open_batch_id
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, OffsetRegressionError, RangeLockedError
 from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_id
-from kafka2pg.lifecycle import BatchState
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +290,7 @@ def reset_head(
         lock_partitions(conn, pipeline.name, [partition], f"ledger reset of partition {partition}")
         if open_id is not None:
             abandon_lookaheads(conn, pipeline, f"ledger reset: {reason}")
-            transition(conn, load_batch(conn, open_id), BatchState.ABANDONED, error=f"ledger reset: {reason}")
+            abandon_unpromoted(conn, pipeline, load_batch(conn, open_id), f"ledger reset: {reason}")
         last = conn.execute(
             "SELECT coalesce(max(batch_id), 0) FROM kafka2pg.batches WHERE pipeline = %s", (pipeline.name,)
         ).fetchone()[0]

@@ -13,13 +13,13 @@ from psycopg import Connection
 from kafka2pg.batch_store import (
     Batch,
     abandon_lookaheads,
+    abandon_unpromoted,
     claim,
     insert_batch,
     load_batch,
     load_claimed,
     open_batch_id,
     open_live_ids,
-    transition,
 )
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction, waits_logged
@@ -38,6 +38,7 @@ from kafka2pg.planner import (
     plan_batch,
     time_left,
 )
+from kafka2pg.rows import clear_finished_staging
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,9 @@ def _open(
         message = f"dry run: would read {plan.record_budget} offsets: {describe_ranges(plan.ranges)}; nothing recorded"
         return OpenedBatch(draft, False, message)
     batch = insert_batch(conn, pipeline, plan, run_id)
+    cleared = clear_finished_staging(conn, pipeline)
+    if cleared:
+        log.info("pipeline=%s %s staging rows of rejected or abandoned batches deleted", pipeline.name, cleared)
     return OpenedBatch(batch, False, f"planned batch {batch.batch_id}: {plan.record_budget} offsets")
 
 
@@ -328,5 +332,5 @@ def _resume_or_abandon(
         log.info("pipeline=%s dry run: would abandon batch %s (%s)", pipeline.name, batch.batch_id, why)
         return None
     log.warning("pipeline=%s batch_id=%s abandoned: %s", pipeline.name, batch.batch_id, why)
-    transition(conn, batch, BatchState.ABANDONED, error=error)
+    abandon_unpromoted(conn, pipeline, batch, error)
     return None

@@ -12,6 +12,7 @@ from psycopg import Connection, sql
 from kafka2pg.config import Column, Pipeline
 from kafka2pg.database import DATA_ERRORS, NO_NESTED_LOOPS, isolate_refused, planner
 from kafka2pg.exceptions import KeyCollisionError
+from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import target_columns
 from kafka2pg.planner import OffsetRange
 
@@ -33,6 +34,22 @@ def clear_staging(conn: Connection, pipeline: Pipeline, batch_id: int) -> None:
         sql.SQL("DELETE FROM {} WHERE batch_id = %s").format(sql.Identifier("kafka2pg", pipeline.staging_table)),
         (batch_id,),
     )
+
+
+def clear_finished_staging(conn: Connection, pipeline: Pipeline) -> int:
+    """Delete the staging rows of the pipeline's rejected and abandoned batches; how many. A
+    rejected batch keeps its rows for inspection until a newer batch is planned (which reads its
+    offsets again); an abandoned one's are normally dropped with it, but a fenced-off task's
+    COPY can commit after that."""
+    return conn.execute(
+        sql.SQL(
+            "DELETE FROM {} s USING kafka2pg.batches b WHERE b.batch_id = s.batch_id AND b.state IN ({}, {})"
+        ).format(
+            sql.Identifier("kafka2pg", pipeline.staging_table),
+            sql.Literal(str(BatchState.REJECTED)),
+            sql.Literal(str(BatchState.ABANDONED)),
+        )
+    ).rowcount
 
 
 def records_read(conn: Connection, batch_id: int) -> dict[int, int]:

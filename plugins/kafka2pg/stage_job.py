@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from kafka2pg.worker_daemon.kafka2pg_worker_daemon import skip_bundled_pyspark_zip
 
     skip_bundled_pyspark_zip(sys.path)
-    from kafka2pg.exceptions import Kafka2PgError, StageInterrupted
+    from kafka2pg.exceptions import TERMINAL_EXIT, Kafka2PgError, StageInterrupted
     from kafka2pg.runner import run_job
 
     try:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + 15
     except Kafka2PgError as exc:
         print(f"kafka2pg stage failed: {exc}", file=sys.stderr)
-        return 2
+        return TERMINAL_EXIT if exc.terminal else 2
     print(result.message)
     return 0
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
-from kafka2pg.exceptions import ConfigError, SparkSessionLost
+from kafka2pg.exceptions import TERMINAL_EXIT, ConfigError, SparkSessionLost
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,13 @@ class StageOperator(SparkSubmitOperator):
             process = getattr(self._hook, "_submit_sp", None) if self._hook is not None else None
             code = getattr(process, "returncode", None)
             failed = str(exc).startswith("Cannot execute")  # the provider's own: not Airflow stopping the task
+            if failed and not self._stopping and code == TERMINAL_EXIT:
+                from airflow.sdk.exceptions import AirflowFailException
+
+                raise AirflowFailException(
+                    f"pipeline {self.pipeline_name!r}: the stage job failed with an error a retry of this task cannot "
+                    "mend (`kafka2pg stage failed: …` in the log above says what to do); not retried"
+                ) from exc
             if not failed or self._stopping or not isinstance(code, int) or code >= 0:
                 raise
             try:

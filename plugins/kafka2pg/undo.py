@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kafka2pg.batch_store import abandon_lookaheads, load_batch, open_batch_id, transition
+from kafka2pg.batch_store import abandon_lookaheads, abandon_unpromoted, load_batch, open_batch_id, transition
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ReplayRefusedError
@@ -122,7 +122,7 @@ def undo_batch(
         rows = count_rows(conn, pipeline, in_range)
         if open_id is not None:
             abandon_lookaheads(conn, pipeline, f"batch {batch_id} was undone")
-            transition(conn, load_batch(conn, open_id), BatchState.ABANDONED, error=f"batch {batch_id} was undone")
+            abandon_unpromoted(conn, pipeline, load_batch(conn, open_id), f"batch {batch_id} was undone")
         delete_rows(conn, pipeline, in_range)
         conn.execute(
             "DELETE FROM kafka2pg.ledger_ranges WHERE pipeline = %s AND batch_id = %s", (pipeline.name, batch_id)

@@ -453,6 +453,28 @@ def test_under_the_fail_policy_a_key_refused_at_promotion_rejects_the_batch(make
     assert target_ids(db, env) == sorted(e["event_id"] for e in events[:2]) and quarantine(db, env) == []
     assert heads(env) == {0: 2}
 
+    # Its staged rows stay for inspection until the next batch is planned, which reads them again.
+    from kafka2pg.rows import staged_counts
+
+    assert staged_counts(db, env.pipeline, batch_id) == {0: 2}
+    staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    abandoned = db.execute(
+        "INSERT INTO kafka2pg.batches (pipeline, topic, state, plan) VALUES (%s, %s, 'abandoned', '{}')"
+        " RETURNING batch_id",
+        (env.pipeline.name, env.topic),
+    ).fetchone()[0]
+    db.execute(  # a row its fenced-off task committed after it was abandoned
+        sql.SQL(
+            "INSERT INTO {} (batch_id, chunk, kafka_topic, kafka_partition, kafka_offset) VALUES (%s, 0, %s, 0, 2)"
+        ).format(staging),
+        (abandoned, env.topic),
+    )
+    next_batch = open_batch(env.settings, env.pipeline).batch
+    assert next_batch.batch_id > batch_id
+    assert staged_counts(db, env.pipeline, batch_id) == {}
+    leftovers = db.execute(sql.SQL("SELECT count(*) FROM {}").format(staging)).fetchone()[0]
+    assert leftovers == 0
+
 
 def test_without_a_unique_business_key_index_the_check_is_never_deferred(make_pipeline, run_batch, db):
     env = make_pipeline(partitions=1)

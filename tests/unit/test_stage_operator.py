@@ -254,3 +254,41 @@ def test_spark_home_is_left_to_spark_submit_when_finding_it_fails(monkeypatch, p
     with caplog.at_level(logging.WARNING, logger="kafka2pg"):
         assert pip_spark_home("spark-submit", {**environ, "PYSPARK_DRIVER_PYTHON": str(unrunnable)}) is None
     assert "finding SPARK_HOME with" in caplog.text and "spark-submit tries it itself" in caplog.text
+
+
+@pytest.mark.parametrize(("code", "retried"), [(3, False), (2, True), (1, True)])
+def test_a_stage_job_that_exits_with_a_terminal_error_fails_the_task_without_a_retry(
+    monkeypatch, tmp_path, code, retried
+):
+    """The job exits 3 for an error a retry cannot mend (a rejected batch, a configuration
+    error): the task fails as Airflow's terminal failure, not retried; others stay retryable."""
+    from airflow.providers.common.compat.sdk import AirflowException
+
+    class Finished:
+        returncode = code
+
+    def submit(hook: SparkSubmitHook, application: str = "", **kwargs) -> None:
+        hook._submit_sp = Finished()
+        raise AirflowException(f"Cannot execute: spark-submit. Error code is: {code}.")
+
+    monkeypatch.setattr(SparkSubmitHook, "submit", submit)
+    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), None))
+    with pytest.raises(AirflowException) as failed:
+        run_stage(monkeypatch, {"host": "local[2]"})
+    assert isinstance(failed.value, AirflowFailException) is not retried
+    if not retried:
+        assert "a retry of this task cannot mend" in str(failed.value)
+
+
+def test_the_stage_job_exits_3_for_a_terminal_error_and_2_for_a_retryable_one(monkeypatch, capsys):
+    from kafka2pg import runner, stage_job
+    from kafka2pg.exceptions import ConfigError, DatabaseUnavailableError
+
+    for error, code in ((ConfigError("bad column"), 3), (DatabaseUnavailableError("db down"), 2)):
+
+        def fails(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(runner, "run_job", fails)
+        assert stage_job.main(["--pipeline", "orders", "--batch-id", "1"]) == code
+        assert f"kafka2pg stage failed: {error}" in capsys.readouterr().err
