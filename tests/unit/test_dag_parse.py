@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
@@ -20,6 +22,11 @@ print(json.dumps({
     "heavy": heavy,
     "tasks": sorted(dag.task_ids),
     "max_active_runs": dag.max_active_runs,
+    "allowed_run_types": None if dag.allowed_run_types is None else sorted(dag.allowed_run_types),
+    "stage_limit": dag.get_task("read_and_stage").max_active_tis_per_dag,
+    "replay_max_active_runs": replay.max_active_runs,
+    "replay_allowed_run_types": replay.allowed_run_types,
+    "replay_stage_limit": replay.get_task("read_and_stage").max_active_tis_per_dag,
     "params": sorted(dag.params.keys()),
     "replay_tasks": sorted(replay.task_ids),
     "outlets": [[type(o).__name__, o.name] for d, t in ((dag, "promote"), (replay, "finish"))
@@ -56,6 +63,18 @@ def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
     assert result["heavy"] == [], f"parsing the DAG imported {result['heavy']}"
     assert result["tasks"] == ["has_batch", "plan", "promote", "read_and_stage", "validate"]
     assert result["max_active_runs"] == 1
+    # No backfill of the live DAG: Airflow would start up to the backfill's own max_active_runs beside it.
+    assert result["allowed_run_types"] == [
+        "asset_materialization",
+        "asset_triggered",
+        "manual",
+        "operator_triggered",
+        "scheduled",
+    ]
+    assert result["stage_limit"] is None
+    # The replay DAG takes backfills; its Spark jobs at once are bounded for those runs too.
+    assert result["replay_allowed_run_types"] is None
+    assert result["replay_max_active_runs"] == result["replay_stage_limit"] == 4
     assert result["params"] == ["batches_per_run", "dry_run", "max_records_per_batch"]
     assert result["replay_tasks"] == ["finish", "has_batch", "plan", "read_and_stage", "validate"]
     params = result["replay_params"]
@@ -252,3 +271,30 @@ def test_the_dag_file_copied_alone_reads_the_pipelines_file_beside_it_and_submit
     (dags / "pipelines.yaml").write_text(json.dumps({"pipelines": [spec]}))  # the default reader: librdkafka
     default = parse(KAFKA2PG_STATE_DIR=str(empty_state), KAFKA2PG_SPARK_JARS="/opt/jars/*.jar")
     assert (default["jars"], default["packages"]) == (None, None)
+
+
+@pytest.mark.parametrize("schedule", [None, "@hourly"])
+def test_the_live_dag_takes_every_kind_of_run_but_a_backfill_as_airflow_reads_it(tmp_path, monkeypatch, schedule):
+    """What the dag-processor stores and the scheduler, the API and `airflow backfill create`
+    check: backfill left out (the UI's Backfill is offered only for a DAG that allows it), every
+    other kind of run Airflow has still allowed, with or without a schedule; the replay DAG
+    takes backfills."""
+    from airflow.sdk.api.datamodels._generated import DagRunType
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    from kafka2pg.dag_factory import build_dags
+
+    shipped = (ROOT / "dags" / "pipelines.yaml").read_text()
+    own = tmp_path / "pipelines.yaml"
+    own.write_text(
+        shipped.replace("    topic: orders\n", f"    topic: orders\n    schedule: {json.dumps(schedule)}\n", 1)
+    )
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(own))
+    dags = build_dags()
+    live = DagSerialization.from_dict(DagSerialization.to_dict(dags["kafka2pg_orders"]))
+    assert live.timetable.periodic is (schedule is not None)
+    assert set(live.allowed_run_types) == {t.value for t in DagRunType} - {"backfill"}
+    replay = DagSerialization.from_dict(DagSerialization.to_dict(dags["kafka2pg_orders_replay"]))
+    assert replay.allowed_run_types is None and replay.timetable.periodic
+    assert replay.get_task("read_and_stage").max_active_tis_per_dag == 4
+    assert "At most 4 runs stage" in replay.doc_md
