@@ -75,7 +75,7 @@ def build_dag(pipeline: Pipeline, pipelines_file: Path):
         def plan_batch(params: dict | None = None, run_id: str | None = None, dag_run=None, dag=None) -> dict:
             from kafka2pg import tasks
 
-            tasks.check_run_conf(dag.dag_id, getattr(dag_run, "conf", None), dag.params.keys())
+            tasks.check_run_conf(dag.dag_id, getattr(dag_run, "conf", None), dag.params.keys(), params)
             params = params or {}
             planned = tasks.plan(
                 name,
@@ -318,7 +318,7 @@ def build_replay_dag(pipeline: Pipeline, pipelines_file: Path):
             from kafka2pg import tasks
 
             dag = context["dag"]
-            tasks.check_run_conf(dag.dag_id, getattr(dag_run, "conf", None), dag.params.keys())
+            tasks.check_run_conf(dag.dag_id, getattr(dag_run, "conf", None), dag.params.keys(), params)
             user = getattr(dag_run, "triggering_user_name", None) or ""
             planned = tasks.plan_replay(
                 name,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -298,3 +299,63 @@ def test_the_live_dag_takes_every_kind_of_run_but_a_backfill_as_airflow_reads_it
     assert replay.allowed_run_types is None and replay.timetable.periodic
     assert replay.get_task("read_and_stage").max_active_tis_per_dag == 4
     assert "At most 4 runs stage" in replay.doc_md
+
+
+@pytest.fixture
+def dags(monkeypatch):
+    """The shipped pipelines file's DAGs, built in this process."""
+    from kafka2pg.dag_factory import build_dags
+
+    monkeypatch.delenv("KAFKA2PG_PIPELINES", raising=False)
+    return build_dags(ROOT / "dags")
+
+
+class Run:
+    """The DAG run a task's context holds: its conf."""
+
+    def __init__(self, conf: dict):
+        self.conf = conf
+        self.triggering_user_name = "ann"
+        self.run_type = "backfill"
+
+
+@pytest.mark.parametrize(
+    ("dag_id", "conf", "planner"),
+    [
+        ("kafka2pg_orders", {"dry_run": True}, "plan"),
+        ("kafka2pg_orders_replay", {"mode": "verify-only"}, "plan_replay"),
+    ],
+)
+def test_a_run_conf_airflow_does_not_apply_to_the_params_stops_the_plan_task(dags, monkeypatch, dag_id, conf, planner):
+    """The plan task gets the Params as Airflow's task runner resolves them (process_params):
+    with [core] dag_run_conf_overrides_params False, the DAG's defaults whatever the conf says
+    (a dry run would load, a verify-only backfill would replace rows). The task fails before
+    planning anything; with the setting True it plans with the conf's values."""
+    from airflow.sdk.definitions.param import process_params
+
+    from kafka2pg import tasks
+    from kafka2pg.exceptions import RunConfNotAppliedError
+
+    planned: list[dict] = []
+    monkeypatch.setattr(tasks, planner, lambda *args, **kwargs: planned.append({**kwargs, "args": args}))
+    dag = dags[dag_id]
+    plan = dag.get_task("plan")
+
+    def run_plan() -> None:
+        params = process_params(dag, plan, conf, suppress_exception=False)
+        plan.python_callable(params=params, run_id="backfill__x", dag_run=Run(conf), dag=dag)
+
+    monkeypatch.setenv("AIRFLOW__CORE__DAG_RUN_CONF_OVERRIDES_PARAMS", "False")
+    with pytest.raises(AirflowFailException, match="dag_run_conf_overrides_params is False") as raised:
+        run_plan()
+    assert isinstance(raised.value.__cause__, RunConfNotAppliedError)
+    assert raised.value.__cause__.keys == tuple(conf)
+    assert planned == []
+
+    monkeypatch.setenv("AIRFLOW__CORE__DAG_RUN_CONF_OVERRIDES_PARAMS", "True")
+    run_plan()
+    (call,) = planned
+    if planner == "plan":
+        assert call["dry_run"] is True
+    else:
+        assert call["args"][1]["mode"] == "verify-only"
