@@ -1,5 +1,6 @@
 """Builds two Airflow DAGs per pipeline: the live one (plan -> stage -> validate -> promote) and the
-replay one (plan_replay -> stage -> validate -> finish), which also serves backfills.
+replay one (plan_replay -> stage -> validate -> finish), which also serves backfills. The live DAG
+refuses backfills (`allowed_run_types`): each of its runs loads the next batch whatever its date.
 
 Runs at DAG-parse time, so it reads only the YAML file: no database, Kafka, Spark or GX here.
 """
@@ -20,6 +21,16 @@ SPARK_CONN_ID = "kafka2pg_spark"
 NO_BATCH: dict = {}
 # What spark-submit runs: the job module's file inside the package, wherever it is installed.
 JOB = Path(stage_job.__file__).resolve()
+# The live DAG's runs: every kind Airflow has but "backfill". Airflow caps a backfill's runs by the
+# backfill's own max_active_runs (10 by default), not the DAG's max_active_runs=1: each would
+# claim the open batch and fence the others' Spark jobs, and every run loads the next batch
+# whatever its date anyway. The scheduler, the API, the UI and `airflow backfill create` refuse a
+# backfill of a DAG whose allowed_run_types leave it out. Past dates go to the replay DAG.
+LIVE_RUN_TYPES = ("scheduled", "manual", "asset_triggered", "operator_triggered", "asset_materialization")
+# The replay DAG's Spark jobs at once, whatever starts its runs: its own max_active_runs, and
+# max_active_tis_per_dag on its read_and_stage task for a backfill's runs, which Airflow counts
+# apart from the DAG's (a backfill may have 10 active runs by default).
+REPLAY_SPARK_JOBS = 4
 
 
 def build_dag(pipeline: Pipeline, pipelines_file: Path):
@@ -33,6 +44,7 @@ def build_dag(pipeline: Pipeline, pipelines_file: Path):
         start_date=datetime(2026, 1, 1),
         catchup=False,
         max_active_runs=1,
+        allowed_run_types=LIVE_RUN_TYPES,
         tags=["kafka2pg"],
         default_args={"retries": 2, "retry_delay": timedelta(seconds=20)},
         params={
@@ -63,7 +75,7 @@ def build_dag(pipeline: Pipeline, pipelines_file: Path):
         def plan_batch(params: dict | None = None, run_id: str | None = None, dag_run=None, dag=None) -> dict:
             from kafka2pg import tasks
 
-            tasks.check_run_conf(dag.dag_id, getattr(dag_run, "conf", None), dag.params.keys())
+            tasks.check_run_conf(dag.dag_id, getattr(dag_run, "conf", None), dag.params.keys(), params)
             params = params or {}
             planned = tasks.plan(
                 name,
@@ -165,10 +177,18 @@ def _validate_task(name: str, pipelines_file: Path):
     return validate_batch
 
 
-def _stage_operator(pipeline: Pipeline, pipelines_file: Path, *, several_batches: bool = False):
+def _stage_operator(
+    pipeline: Pipeline,
+    pipelines_file: Path,
+    *,
+    several_batches: bool = False,
+    max_active_tis_per_dag: int | None = None,
+):
     """The Spark job reading the batch the `plan` task handed over (live and replay DAGs alike).
 
     `several_batches` (live DAG): the job may go on with further batches (Param batches_per_run).
+    `max_active_tis_per_dag` (replay DAG): the task's instances running at once over all the DAG's
+    runs, backfill runs included.
     """
     from kafka2pg.stage_operator import StageOperator
 
@@ -218,14 +238,17 @@ def _stage_operator(pipeline: Pipeline, pipelines_file: Path, *, several_batches
             *more,
         ],
         verbose=False,
+        max_active_tis_per_dag=max_active_tis_per_dag,
     )
 
 
-REPLAY_DOC = """Replay a range this pipeline already loaded: re-read it from Kafka with the current
+REPLAY_DOC = f"""Replay a range this pipeline already loaded: re-read it from Kafka with the current
 pipeline config, run the same quality gate, then in ONE transaction replace the range's target
 and quarantine rows (`replace`), or only report the differences (`verify-only`). The live
 ledger head never moves. Give **offset_ranges** or **from_time/to_time**; a backfill over dates
-replays each run's data interval. Recorded in `kafka2pg.replays`.
+replays each run's data interval. At most {REPLAY_SPARK_JOBS} runs stage (run a Spark job) at
+once, a backfill's included whatever its own max_active_runs; the others wait in `read_and_stage`.
+Recorded in `kafka2pg.replays`.
 """
 
 
@@ -242,7 +265,7 @@ def build_replay_dag(pipeline: Pipeline, pipelines_file: Path):
         start_date=datetime(2026, 1, 1),
         catchup=False,
         is_paused_upon_creation=True,
-        max_active_runs=4,
+        max_active_runs=REPLAY_SPARK_JOBS,
         tags=["kafka2pg", "replay"],
         default_args={"retries": 2, "retry_delay": timedelta(seconds=20)},
         params={
@@ -295,7 +318,7 @@ def build_replay_dag(pipeline: Pipeline, pipelines_file: Path):
             from kafka2pg import tasks
 
             dag = context["dag"]
-            tasks.check_run_conf(dag.dag_id, getattr(dag_run, "conf", None), dag.params.keys())
+            tasks.check_run_conf(dag.dag_id, getattr(dag_run, "conf", None), dag.params.keys(), params)
             user = getattr(dag_run, "triggering_user_name", None) or ""
             planned = tasks.plan_replay(
                 name,
@@ -320,7 +343,7 @@ def build_replay_dag(pipeline: Pipeline, pipelines_file: Path):
 
         planned = plan_replay()
         validated = _linked_to_report(_validate_task(name, pipelines_file)(planned), name)
-        stage = _stage_operator(pipeline, pipelines_file)
+        stage = _stage_operator(pipeline, pipelines_file, max_active_tis_per_dag=REPLAY_SPARK_JOBS)
         _has_batch_task()(planned) >> stage >> validated >> _linked_to_report(finish(planned), name)
     return dag
 

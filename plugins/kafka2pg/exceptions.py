@@ -4,6 +4,7 @@ Kafka2PgError
  ├── ConfigError              bad pipelines file / settings (names the field and the file)
  │    ├── UnknownPipelineError
  │    ├── UnknownRunConfError  a DAG run triggered with conf keys its DAG has no Param for
+ │    ├── RunConfNotAppliedError a DAG run's conf Airflow did not apply to the Params (dag_run_conf_overrides_params)
  │    └── ObjectNameTakenError a table or index name migrations need belongs to another relation
  ├── ServiceUnavailableError  transient: retrying may help
  │    ├── KafkaUnavailableError
@@ -33,6 +34,7 @@ Kafka2PgError
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -105,6 +107,37 @@ class UnknownRunConfError(ConfigError):
             unknown=unknown,
             known=known,
         )
+
+
+class RunConfNotAppliedError(ConfigError):
+    """A DAG run's conf sets a Param to a value the task did not get: Airflow's
+    `[core] dag_run_conf_overrides_params` is False, so the tasks run with the DAG's defaults."""
+
+    dag_id: str | None = None
+    keys: tuple[str, ...] = ()
+
+    @classmethod
+    def ignored(cls, dag_id: str, differing: Mapping[str, tuple[object, object]]) -> Self:
+        """`differing`: each Param the conf sets, with (the conf's value, the value the task got)."""
+        keys = tuple(sorted(differing))
+        shown = "; ".join(
+            f"{key}={_json(differing[key][0])} in the conf, {_json(differing[key][1])} in the task's params"
+            for key in keys
+        )
+        return cls(
+            f"DAG {dag_id!r}: Airflow did not apply the run's conf to the DAG's Params ({shown}): "
+            "[core] dag_run_conf_overrides_params is False where this task ran. Nothing was planned: set "
+            "it to True (AIRFLOW__CORE__DAG_RUN_CONF_OVERRIDES_PARAMS=True) for the Airflow components that "
+            "run tasks (the workers; the scheduler with the LocalExecutor), then clear this task or trigger "
+            "the run again.",
+            dag_id=dag_id,
+            keys=keys,
+        )
+
+
+def _json(value: object) -> str:
+    """A conf or Param value as the run's conf writes it (true, null, "replace")."""
+    return json.dumps(value, default=str)
 
 
 class ObjectNameTakenError(ConfigError):

@@ -39,7 +39,11 @@ class StageOperator(SparkSubmitOperator):
       the submit line of the log), so the services go into this task's own environment instead,
       which spark-submit and the driver it starts here inherit, and are taken out after;
     - cluster deploy mode on YARN or Kubernetes (a remote driver) is refused: the only way the
-      provider offers to reach a remote driver is that command line.
+      provider offers to reach a remote driver is that command line;
+    - cluster deploy mode on any other master (a standalone `spark://` one) is refused too: the
+      provider has no way at all to hand that driver an environment (it raises "env_vars is not
+      supported in standalone-cluster mode", which Airflow would retry), and Spark standalone
+      starts no Python driver in cluster mode anyway.
     """
 
     def __init__(self, *, pipeline_name: str, pipelines_file: str, **kwargs: Any) -> None:
@@ -61,6 +65,17 @@ class StageOperator(SparkSubmitOperator):
             probe = self._get_hook()
             master, deploy_mode = probe._connection["master"], probe._connection["deploy_mode"]
             self._require_connection(probe, master)
+            if deploy_mode == "cluster" and not remote_env_master(master):
+                raise ConfigError(
+                    f"Spark master {master!r} with deploy mode 'cluster': the spark provider refuses to hand "
+                    "a driver started there the pipeline's services (\"env_vars is not supported in "
+                    'standalone-cluster mode"), and Spark standalone starts no Python driver in cluster mode '
+                    "anyway; use deploy mode 'client' "
+                    "(the driver runs in this task, executors on the cluster): remove 'deploy-mode' from the extra "
+                    f"of connection {self._conn_id!r}, or set it to 'client'",
+                    master=master,
+                    deploy_mode=deploy_mode,
+                )
             if not remote_env_master(master):
                 self.env_vars = {**(self.env_vars or {}), **services, **self._spark_home(probe, self.env_vars)}
                 return self._submit(context)  # the provider builds its hook with these env_vars

@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from kafka2pg.config import Pipeline, Settings, get_pipeline, pipelines_file_from_env
-from kafka2pg.exceptions import Kafka2PgError, UnknownRunConfError
+from kafka2pg.exceptions import Kafka2PgError, RunConfNotAppliedError, UnknownRunConfError
 from kafka2pg.task_log import fit, promotion_summary, step_summary, validation_summary
 
 log = logging.getLogger("kafka2pg")
@@ -70,14 +70,28 @@ def mask_secrets(settings: Settings) -> None:
             mask_secret(str(password))
 
 
-def check_run_conf(dag_id: str, conf: Mapping | None, known: Iterable[str]) -> None:
-    """A plan task's first act: a run whose conf names a key the DAG has no Param for fails
-    (`UnknownRunConfError`, no retry) instead of running with that Param's default."""
+def check_run_conf(dag_id: str, conf: Mapping | None, known: Iterable[str], params: Mapping | None) -> None:
+    """A plan task's first act, fails without retry instead of running with a Param's default:
+
+    - a run whose conf names a key the DAG has no Param for (`known`): `UnknownRunConfError`;
+    - a run whose conf sets a Param to a value the task's `params` (what Airflow resolved for it)
+      do not hold: Airflow applies a run's conf to the Params only while `[core]
+      dag_run_conf_overrides_params` is True, and otherwise leaves them at the DAG's defaults
+      (`RunConfNotAppliedError`): a replay with `{"mode": "verify-only"}` would replace rows,
+      a `{"dry_run": true}` run would load.
+    """
     known = tuple(known)
-    unknown = set(conf or {}) - set(known)
+    conf = conf or {}
+    unknown = set(conf) - set(known)
     if unknown:
         with airflow_errors():
             raise UnknownRunConfError.keys(dag_id, unknown, known)
+    params = params or {}
+    missing = object()
+    differing = {key: (value, params.get(key)) for key, value in conf.items() if params.get(key, missing) != value}
+    if differing:
+        with airflow_errors():
+            raise RunConfNotAppliedError.ignored(dag_id, differing)
 
 
 def plan(

@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
@@ -20,6 +23,11 @@ print(json.dumps({
     "heavy": heavy,
     "tasks": sorted(dag.task_ids),
     "max_active_runs": dag.max_active_runs,
+    "allowed_run_types": None if dag.allowed_run_types is None else sorted(dag.allowed_run_types),
+    "stage_limit": dag.get_task("read_and_stage").max_active_tis_per_dag,
+    "replay_max_active_runs": replay.max_active_runs,
+    "replay_allowed_run_types": replay.allowed_run_types,
+    "replay_stage_limit": replay.get_task("read_and_stage").max_active_tis_per_dag,
     "params": sorted(dag.params.keys()),
     "replay_tasks": sorted(replay.task_ids),
     "outlets": [[type(o).__name__, o.name] for d, t in ((dag, "promote"), (replay, "finish"))
@@ -56,6 +64,18 @@ def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
     assert result["heavy"] == [], f"parsing the DAG imported {result['heavy']}"
     assert result["tasks"] == ["has_batch", "plan", "promote", "read_and_stage", "validate"]
     assert result["max_active_runs"] == 1
+    # No backfill of the live DAG: Airflow would start up to the backfill's own max_active_runs beside it.
+    assert result["allowed_run_types"] == [
+        "asset_materialization",
+        "asset_triggered",
+        "manual",
+        "operator_triggered",
+        "scheduled",
+    ]
+    assert result["stage_limit"] is None
+    # The replay DAG takes backfills; its Spark jobs at once are bounded for those runs too.
+    assert result["replay_allowed_run_types"] is None
+    assert result["replay_max_active_runs"] == result["replay_stage_limit"] == 4
     assert result["params"] == ["batches_per_run", "dry_run", "max_records_per_batch"]
     assert result["replay_tasks"] == ["finish", "has_batch", "plan", "read_and_stage", "validate"]
     params = result["replay_params"]
@@ -252,3 +272,90 @@ def test_the_dag_file_copied_alone_reads_the_pipelines_file_beside_it_and_submit
     (dags / "pipelines.yaml").write_text(json.dumps({"pipelines": [spec]}))  # the default reader: librdkafka
     default = parse(KAFKA2PG_STATE_DIR=str(empty_state), KAFKA2PG_SPARK_JARS="/opt/jars/*.jar")
     assert (default["jars"], default["packages"]) == (None, None)
+
+
+@pytest.mark.parametrize("schedule", [None, "@hourly"])
+def test_the_live_dag_takes_every_kind_of_run_but_a_backfill_as_airflow_reads_it(tmp_path, monkeypatch, schedule):
+    """What the dag-processor stores and the scheduler, the API and `airflow backfill create`
+    check: backfill left out (the UI's Backfill is offered only for a DAG that allows it), every
+    other kind of run Airflow has still allowed, with or without a schedule; the replay DAG
+    takes backfills."""
+    from airflow.sdk.api.datamodels._generated import DagRunType
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    from kafka2pg.dag_factory import build_dags
+
+    shipped = (ROOT / "dags" / "pipelines.yaml").read_text()
+    own = tmp_path / "pipelines.yaml"
+    own.write_text(
+        shipped.replace("    topic: orders\n", f"    topic: orders\n    schedule: {json.dumps(schedule)}\n", 1)
+    )
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(own))
+    dags = build_dags()
+    live = DagSerialization.from_dict(DagSerialization.to_dict(dags["kafka2pg_orders"]))
+    assert live.timetable.periodic is (schedule is not None)
+    assert set(live.allowed_run_types) == {t.value for t in DagRunType} - {"backfill"}
+    replay = DagSerialization.from_dict(DagSerialization.to_dict(dags["kafka2pg_orders_replay"]))
+    assert replay.allowed_run_types is None and replay.timetable.periodic
+    assert replay.get_task("read_and_stage").max_active_tis_per_dag == 4
+    assert "At most 4 runs stage" in replay.doc_md
+
+
+@pytest.fixture
+def dags(monkeypatch):
+    """The shipped pipelines file's DAGs, built in this process."""
+    from kafka2pg.dag_factory import build_dags
+
+    monkeypatch.delenv("KAFKA2PG_PIPELINES", raising=False)
+    return build_dags(ROOT / "dags")
+
+
+class Run:
+    """The DAG run a task's context holds: its conf."""
+
+    def __init__(self, conf: dict):
+        self.conf = conf
+        self.triggering_user_name = "ann"
+        self.run_type = "backfill"
+
+
+@pytest.mark.parametrize(
+    ("dag_id", "conf", "planner"),
+    [
+        ("kafka2pg_orders", {"dry_run": True}, "plan"),
+        ("kafka2pg_orders_replay", {"mode": "verify-only"}, "plan_replay"),
+    ],
+)
+def test_a_run_conf_airflow_does_not_apply_to_the_params_stops_the_plan_task(dags, monkeypatch, dag_id, conf, planner):
+    """The plan task gets the Params as Airflow's task runner resolves them (process_params):
+    with [core] dag_run_conf_overrides_params False, the DAG's defaults whatever the conf says
+    (a dry run would load, a verify-only backfill would replace rows). The task fails before
+    planning anything; with the setting True it plans with the conf's values."""
+    from airflow.sdk.definitions.param import process_params
+
+    from kafka2pg import tasks
+    from kafka2pg.exceptions import RunConfNotAppliedError
+
+    planned: list[dict] = []
+    monkeypatch.setattr(tasks, planner, lambda *args, **kwargs: planned.append({**kwargs, "args": args}))
+    dag = dags[dag_id]
+    plan = dag.get_task("plan")
+
+    def run_plan() -> None:
+        params = process_params(dag, plan, conf, suppress_exception=False)
+        plan.python_callable(params=params, run_id="backfill__x", dag_run=Run(conf), dag=dag)
+
+    monkeypatch.setenv("AIRFLOW__CORE__DAG_RUN_CONF_OVERRIDES_PARAMS", "False")
+    with pytest.raises(AirflowFailException, match="dag_run_conf_overrides_params is False") as raised:
+        run_plan()
+    assert isinstance(raised.value.__cause__, RunConfNotAppliedError)
+    assert raised.value.__cause__.keys == tuple(conf)
+    assert planned == []
+
+    monkeypatch.setenv("AIRFLOW__CORE__DAG_RUN_CONF_OVERRIDES_PARAMS", "True")
+    run_plan()
+    (call,) = planned
+    if planner == "plan":
+        assert call["dry_run"] is True
+    else:
+        assert call["args"][1]["mode"] == "verify-only"

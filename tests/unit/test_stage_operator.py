@@ -14,6 +14,7 @@ import pytest
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk.exceptions import AirflowFailException
 
+from kafka2pg.exceptions import ConfigError
 from kafka2pg.scratch import folder_name
 from kafka2pg.stage_operator import StageOperator, pip_spark_home
 
@@ -102,6 +103,27 @@ def test_spark_submits_jvm_keeps_its_temporary_files_in_the_tasks_scratch_folder
 def test_a_remote_driver_on_yarn_is_refused_before_submit(monkeypatch, submitted):
     with pytest.raises(AirflowFailException, match="deploy mode 'client'"):
         run_stage(monkeypatch, {"host": "yarn", "extra": {"deploy-mode": "cluster"}})
+    assert submitted == {}
+
+
+@pytest.mark.parametrize(
+    "connection",
+    [
+        {"host": "spark://spark-master", "port": 7077, "extra": {"deploy-mode": "cluster"}},
+        {"host": "local[2]", "extra": {"deploy-mode": "cluster"}},
+    ],
+    ids=["standalone", "local"],
+)
+def test_cluster_deploy_mode_outside_yarn_and_kubernetes_is_refused_before_submit(monkeypatch, submitted, connection):
+    """The provider would raise a plain AirflowException ("env_vars is not supported in
+    standalone-cluster mode") on every attempt: refused once, without retry, saying what to set."""
+    with pytest.raises(AirflowFailException) as raised:
+        run_stage(monkeypatch, connection)
+    error = raised.value.__cause__
+    assert isinstance(error, ConfigError) and error.terminal
+    assert error.deploy_mode == "cluster" and error.master.startswith(connection["host"])
+    assert "use deploy mode 'client'" in str(error)
+    assert "remove 'deploy-mode' from the extra of connection 'kafka2pg_spark', or set it to 'client'" in str(error)
     assert submitted == {}
 
 

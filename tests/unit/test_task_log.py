@@ -1,15 +1,18 @@
 """What task logs show: one summary line per batch and step, lines within the log viewer's width,
-and a DAG run's conf checked against its DAG's Params before anything is planned."""
+and a DAG run's conf checked against its DAG's Params, and against the Params Airflow resolved
+from it, before anything is planned."""
 
 import pytest
 from airflow.exceptions import AirflowFailException
 
-from kafka2pg.exceptions import UnknownRunConfError
+from kafka2pg.exceptions import RunConfNotAppliedError, UnknownRunConfError
 from kafka2pg.planner import OffsetRange
 from kafka2pg.task_log import LOG_WIDTH, fit, shorten_ranges, step_summary, table
 from kafka2pg.tasks import check_run_conf
 
 LIVE_PARAMS = ("max_records_per_batch", "batches_per_run", "dry_run")
+# The live DAG's Params as Airflow resolves them for a task when the run's conf sets none.
+DEFAULTS = {"max_records_per_batch": None, "batches_per_run": None, "dry_run": False}
 
 
 def test_a_summary_line_names_the_step_batch_ranges_counts_seconds_and_report():
@@ -85,7 +88,7 @@ def test_a_table_too_wide_wraps_its_last_column_a_narrow_one_stays_as_it_was():
 )
 def test_a_run_conf_with_a_key_the_dag_does_not_know_fails_without_retry_naming_it(conf, unknown, hint):
     with pytest.raises(AirflowFailException) as raised:
-        check_run_conf("kafka2pg_orders", conf, LIVE_PARAMS)
+        check_run_conf("kafka2pg_orders", conf, LIVE_PARAMS, DEFAULTS)
     error = raised.value.__cause__
     assert isinstance(error, UnknownRunConfError) and error.terminal
     assert (error.dag_id, error.unknown, error.known) == ("kafka2pg_orders", unknown, tuple(sorted(LIVE_PARAMS)))
@@ -94,4 +97,31 @@ def test_a_run_conf_with_a_key_the_dag_does_not_know_fails_without_retry_naming_
 
 @pytest.mark.parametrize("conf", [None, {}, {"dry_run": True, "batches_per_run": 3}])
 def test_a_run_conf_of_known_keys_or_none_passes(conf):
-    check_run_conf("kafka2pg_orders", conf, LIVE_PARAMS)
+    """As Airflow resolves the Params with [core] dag_run_conf_overrides_params True: the conf's values."""
+    check_run_conf("kafka2pg_orders", conf, LIVE_PARAMS, {**DEFAULTS, **(conf or {})})
+
+
+@pytest.mark.parametrize(
+    ("conf", "keys", "said"),
+    [
+        ({"dry_run": True}, ("dry_run",), "dry_run=true in the conf, false in the task's params"),
+        (
+            {"dry_run": False, "batches_per_run": 3, "max_records_per_batch": 5},
+            ("batches_per_run", "max_records_per_batch"),
+            "batches_per_run=3 in the conf, null in the task's params; max_records_per_batch=5 in the conf, null",
+        ),
+    ],
+)
+def test_a_run_conf_airflow_did_not_apply_to_the_params_fails_without_retry_naming_the_setting(conf, keys, said):
+    """[core] dag_run_conf_overrides_params False: the task gets the DAG's defaults, not the conf's
+    values (a dry run would load). A conf value equal to the default changes nothing and passes."""
+    with pytest.raises(AirflowFailException) as raised:
+        check_run_conf("kafka2pg_orders", conf, LIVE_PARAMS, DEFAULTS)
+    error = raised.value.__cause__
+    assert isinstance(error, RunConfNotAppliedError) and error.terminal
+    assert (error.dag_id, error.keys) == ("kafka2pg_orders", keys)
+    message = str(error)
+    assert said in message
+    assert "[core] dag_run_conf_overrides_params is False" in message
+    assert "AIRFLOW__CORE__DAG_RUN_CONF_OVERRIDES_PARAMS=True" in message and "Nothing was planned" in message
+    check_run_conf("kafka2pg_orders", {"dry_run": False, "batches_per_run": None}, LIVE_PARAMS, DEFAULTS)
