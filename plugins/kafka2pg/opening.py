@@ -94,14 +94,19 @@ def _open(
     run_id: str | None,
     dry_run: bool,
 ) -> OpenedBatch:
-    resumed = _resume_or_abandon(conn, pipeline, open_id, heads, offsets, identity, run_id, dry_run=dry_run)
+    resumed, abandoned = _resume_or_abandon(conn, pipeline, open_id, heads, offsets, identity, run_id, dry_run=dry_run)
     if resumed is not None:
         verb = "dry run: would resume" if dry_run else "resuming"
         return OpenedBatch(
             resumed, True, f"{verb} unfinished batch {resumed.batch_id} ({resumed.state}, epoch {resumed.epoch})"
         )
     check_topic_identity(conn, pipeline, identity)
-    plan = _plan_from(pipeline, offsets, identity, heads, read_head_batches(conn, pipeline.name), max_records_per_batch)
+    # A partition without a head that an abandoned batch (of this topic) meant to read from an offset.
+    planned_from = {}
+    if abandoned is not None and abandoned.plan.topic_id in (None, identity):
+        planned_from = {r.partition: r.start for r in abandoned.plan.ranges if r.partition not in heads}
+    moved = read_head_batches(conn, pipeline.name)
+    plan = _plan_from(pipeline, offsets, identity, heads, moved, max_records_per_batch, planned_from)
     if plan.is_empty:
         return OpenedBatch(None, False, _nothing_new(pipeline, offsets, heads))
     if dry_run:
@@ -165,11 +170,22 @@ def _warn_loss_horizons(
 
 
 def _states(
-    offsets: list[PartitionOffsets], heads: dict[int, int], moved: dict[int, int | None] | None = None
+    offsets: list[PartitionOffsets],
+    heads: dict[int, int],
+    moved: dict[int, int | None] | None = None,
+    planned_from: dict[int, int] | None = None,
 ) -> list[PartitionState]:
-    moved = moved or {}
+    moved, planned_from = moved or {}, planned_from or {}
     return [
-        PartitionState(o.partition, heads.get(o.partition), o.low, o.last_stable, o.high, moved.get(o.partition))
+        PartitionState(
+            o.partition,
+            heads.get(o.partition),
+            o.low,
+            o.last_stable,
+            o.high,
+            moved.get(o.partition),
+            planned_from.get(o.partition),
+        )
         for o in offsets
     ]
 
@@ -266,13 +282,15 @@ def _plan_from(
     heads: dict[int, int],
     moved: dict[int, int | None],
     max_records_per_batch: int | None,
+    planned_from: dict[int, int] | None = None,
 ) -> BatchPlan:
     """The next batch's plan from these heads (last moved by the `moved` batches), with the
-    pipeline's limits and policies, in the topic whose ID is `identity`."""
+    pipeline's limits and policies, in the topic whose ID is `identity`; `planned_from`: see
+    `PartitionState`."""
     plan = plan_batch(
         pipeline.name,
         pipeline.topic,
-        _states(offsets, heads, moved),
+        _states(offsets, heads, moved, planned_from),
         max_records_per_batch=max_records_per_batch or pipeline.max_records_per_batch,
         max_records_per_partition=pipeline.max_records_per_partition,
         on_retention_loss=pipeline.on_retention_loss,
@@ -292,9 +310,11 @@ def _resume_or_abandon(
     run_id: str | None,
     *,
     dry_run: bool,
-) -> Batch | None:
+) -> tuple[Batch | None, Batch | None]:
+    """(the open batch, resumed under a new claim; or the batch abandoned (or that a dry run
+    would abandon)); (None, None) when there is no open batch."""
     if open_id is None:
-        return None
+        return None, None
     batch = load_batch(conn, open_id)
     stale = [p.partition for p in batch.plan.partitions if heads.get(p.partition) != p.expected_head]
     # Not read yet, and Kafka no longer holds all of it (retention or delete-records since planning,
@@ -312,7 +332,7 @@ def _resume_or_abandon(
     if recreated:
         expired = [p.partition for p in batch.plan.partitions]
     if resume_or_abandon(batch.state, stale, expired):
-        return batch if dry_run else claim(conn, batch, run_id)
+        return (batch if dry_run else claim(conn, batch, run_id)), None
     if recreated:
         why = error = (
             f"topic {pipeline.topic!r} was deleted and recreated since it was planned "
@@ -330,7 +350,7 @@ def _resume_or_abandon(
         )
     if dry_run:
         log.info("pipeline=%s dry run: would abandon batch %s (%s)", pipeline.name, batch.batch_id, why)
-        return None
+        return None, batch
     log.warning("pipeline=%s batch_id=%s abandoned: %s", pipeline.name, batch.batch_id, why)
     abandon_unpromoted(conn, pipeline, batch, error)
-    return None
+    return None, batch

@@ -291,6 +291,36 @@ def test_new_partitions_start_at_low_watermark_or_are_skipped_as_a_recorded_gap(
     assert_audit_clean(latest)
 
 
+def test_records_deleted_before_a_first_batch_read_them_are_a_retention_loss_not_a_silent_start(
+    make_pipeline, run_batch, db
+):
+    """The pipeline's first batch planned [0, 100); Kafka deleted [0, 50) before it was read. The
+    next plan abandons it and knows where it had started: the loss fails the plan (or, under
+    `skip`, is recorded as a gap), where it used to start quietly at the new low watermark."""
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(100, seed=48)))
+    first = open_batch(env.settings, env.pipeline).batch
+    assert first.plan.ranges == (OffsetRange(0, 0, 100),)
+    deleted = admin(env).delete_records([TopicPartition(env.topic, 0, 50)])
+    assert next(iter(deleted.values())).result(timeout=10).low_watermark == 50
+    with pytest.raises(RetentionLossError) as lost:
+        open_batch(env.settings, env.pipeline)
+    assert (lost.value.partition, lost.value.offsets) == (0, (0, 50))
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (first.batch_id,)).fetchone()[0]
+    assert state == "planned"  # the plan failed whole: nothing abandoned yet
+
+    skipping = make_pipeline(
+        name=env.pipeline.name,
+        topic=env.topic,
+        target_table=f"{env.pipeline.target_schema}.{env.pipeline.target_table}",
+        create_topic=False,
+        on_retention_loss="skip",
+    )
+    assert run_batch(skipping).promoted == 50
+    assert ledger(db, env) == [(0, 0, 50, "retention_gap", 0), (0, 50, 100, "batch", 50)]
+    assert_audit_clean(skipping)
+
+
 def recreate_topic(env) -> None:
     client = admin(env)  # kept referenced until the deletion's future is resolved
     client.delete_topics([env.topic])[env.topic].result(timeout=10)

@@ -83,9 +83,36 @@ def test_new_partition_latest_skips_existing_records_as_a_gap():
     assert part.range is None and part.new_head == 9
 
 
+def test_a_headless_partition_an_abandoned_batch_planned_is_planned_from_where_it_started():
+    """The batch abandoned before it read the partition (never loaded: no head) had planned it
+    from an offset: retention since is a loss as below a head, and a skip ends where it did."""
+    from dataclasses import replace
+
+    def headless(planned_from, **kw):
+        return replace(state(0, None, **kw), planned_from=planned_from)
+
+    with pytest.raises(RetentionLossError) as lost:
+        plan([headless(0, low=50, stable=300)])
+    assert lost.value.offsets == (0, 50)
+    (part,) = plan([headless(0, low=50, stable=300)], on_retention_loss="skip").partitions
+    assert (part.gap.start, part.gap.end, part.gap.kind) == (0, 50, "retention_gap")
+    assert (part.range.start, part.range.end, part.expected_head) == (50, 300, None)
+    # Under `latest` it skipped [low, 9) and meant to read on from 9: not to the partition's new end.
+    (part,) = plan([headless(9, low=3, stable=40)], new_partition_start="latest").partitions
+    assert (part.gap.start, part.gap.end, part.gap.kind) == (3, 9, "skipped_new_partition")
+    assert (part.range.start, part.range.end) == (9, 40)
+    (part,) = plan([headless(3, low=3, stable=40)], new_partition_start="latest").partitions
+    assert part.gap is None and (part.range.start, part.range.end) == (3, 40)
+
+
 def test_plan_round_trips_through_json():
     result = plan([state(0, 10, low=40, stable=100), state(1, None, stable=5)], on_retention_loss="skip")
     assert BatchPlan.from_json(result.to_json()) == result
+    identified = BatchPlan(result.pipeline, result.topic, result.partitions, "6pykna1_Q0mG5Yh8ZNhvvQ")
+    assert BatchPlan.from_json(identified.to_json()) == identified
+    older = result.to_json()
+    del older["topic_id"]  # a plan recorded before kafka2pg recorded topic IDs
+    assert BatchPlan.from_json(older).topic_id is None
 
 
 def test_offset_range_rejects_inverted_bounds():
