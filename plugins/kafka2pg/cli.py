@@ -362,9 +362,7 @@ def cmd_reset(args: argparse.Namespace) -> int:
     from kafka2pg.ledger import reset_head
 
     settings, pipeline = _pipeline(args)
-    to_offset = None if args.drop else args.to_offset
-    if to_offset is None and not args.drop:
-        raise ConfigError("reset: give --to-offset N, or --drop for a partition the topic no longer has")
+    to_offset = None if args.drop else args.to_offset  # one of the two: the parser refuses both or neither
     reset = reset_head(
         settings,
         pipeline,
@@ -566,8 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reset", help="realign a partition's ledger head after the topic was recreated/restored")
     p.add_argument("--pipeline", required=True)
     p.add_argument("--partition", type=int, required=True)
-    p.add_argument("--to-offset", type=int, help="the new head (next offset to read)")
-    p.add_argument("--drop", action="store_true", help="drop the head of a partition the topic no longer has")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--to-offset", type=int, help="the new head (next offset to read)")
+    where.add_argument("--drop", action="store_true", help="drop the head of a partition the topic no longer has")
     p.add_argument("--reason", default="no reason given", help="why: recorded in kafka2pg.ledger_resets")
     p.add_argument(
         "--archive-old-rows",

@@ -61,3 +61,20 @@ def test_a_backfill_run_replays_its_data_interval_a_bare_manual_run_is_an_error_
         request_from_params({"offset_ranges": "0:0-1", "from_time": "2026-11-01"}, run_type="backfill")
     with pytest.raises(ConfigError, match="mode"):
         request_from_params({"mode": "delete", "offset_ranges": "0:0-1"})
+
+
+@pytest.mark.parametrize(
+    ("arguments", "refusal"),
+    [
+        (["--to-offset", "5", "--drop"], "argument --drop: not allowed with argument --to-offset"),
+        ([], "one of the arguments --to-offset --drop is required"),
+    ],
+)
+def test_reset_takes_a_new_offset_or_drop_never_both_nor_neither(capsys, arguments, refusal):
+    from kafka2pg.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["reset", "--pipeline", "orders", "--partition", "0", *arguments])
+    assert exited.value.code == 2 and refusal in capsys.readouterr().err
+    args = build_parser().parse_args(["reset", "--pipeline", "orders", "--partition", "0", "--drop"])
+    assert args.drop and args.to_offset is None
