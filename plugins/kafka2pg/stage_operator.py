@@ -181,7 +181,9 @@ class StageOperator(SparkSubmitOperator):
         super().on_kill()
 
 
-# Within Airflow's own wait between its SIGTERM and its SIGKILL of the task (60 s by default).
+# The longest on_kill waits for spark-submit to exit after the driver's SIGTERM. Airflow 3's task
+# supervisor, stopping a task, signals its whole process group and sends SIGKILL 5 s after SIGTERM:
+# then that comes first.
 STOP_GRACE_S = 30.0
 
 
