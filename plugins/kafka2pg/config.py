@@ -423,7 +423,19 @@ def pipelines_file_from_env(default: Path | None = None, env: dict[str, str] | N
 
 
 def load_pipelines(path: Path | None = None) -> dict[str, Pipeline]:
-    """Parse and validate the pipelines file into `Pipeline` objects keyed by name."""
+    """Parse and validate the pipelines file into `Pipeline` objects keyed by name; the first
+    error of any pipeline (in the file's order) is raised."""
+    pipelines, broken = read_pipelines(path)
+    if broken:
+        raise next(iter(broken.values()))
+    return pipelines
+
+
+def read_pipelines(path: Path | None = None) -> tuple[dict[str, Pipeline], dict[str, ConfigError]]:
+    """The pipelines file, each pipeline checked on its own: (the valid pipelines by name, the
+    error of every other one by its name, or `pipelines[i]` where it has no usable name), both in
+    the file's order. Two pipelines that take the same name, target table or DAG id are both
+    in error. An unreadable file, or one without a `pipelines:` list, raises `ConfigError`."""
     path = Path(path or pipelines_file_from_env())
     try:
         document = yaml.safe_load(path.read_text())
@@ -438,13 +450,28 @@ def load_pipelines(path: Path | None = None) -> dict[str, Pipeline]:
     if not isinstance(document, dict) or not isinstance(document.get("pipelines"), list):
         raise ConfigError(f"{path}: expected a top-level 'pipelines:' list")
     pipelines: dict[str, Pipeline] = {}
+    indexes: dict[str, int] = {}  # a valid pipeline's place in the file
+    broken: dict[str, ConfigError] = {}
     for index, raw in enumerate(document["pipelines"]):
-        pipeline = _parse_pipeline(raw, f"{path}: pipelines[{index}]")
-        if pipeline.name in pipelines:
-            raise ConfigError(f"{path}: pipelines[{index}].name: duplicate name {pipeline.name!r}")
+        named = raw.get("name") if isinstance(raw, dict) else None
+        usable = isinstance(named, str) and _IDENTIFIER.fullmatch(named) and len(named) <= MAX_PIPELINE_NAME
+        key = named if usable else f"pipelines[{index}]"
+        try:
+            pipeline = _parse_pipeline(raw, f"{path}: pipelines[{index}]")
+        except ConfigError as exc:
+            broken.setdefault(key, exc)
+            pipelines.pop(key, None)  # a name given twice: neither is the pipeline of that name
+            continue
+        if pipeline.name in pipelines or pipeline.name in broken:
+            broken[pipeline.name] = ConfigError(f"{path}: pipelines[{index}].name: duplicate name {pipeline.name!r}")
+            pipelines.pop(pipeline.name, None)
+            continue
         pipelines[pipeline.name] = pipeline
-    _check_distinct(path, list(pipelines.values()))
-    return pipelines
+        indexes[pipeline.name] = index
+    for name, error in _clashes(path, [(indexes[p.name], p) for p in pipelines.values()]).items():
+        broken.setdefault(name, error)
+        pipelines.pop(name, None)
+    return pipelines, broken
 
 
 def _claims(pipeline: Pipeline) -> list[tuple[tuple[str, str], str, str]]:
@@ -462,27 +489,35 @@ def _claims(pipeline: Pipeline) -> list[tuple[tuple[str, str], str, str]]:
     return claims
 
 
-def _check_distinct(path: Path, pipelines: list[Pipeline]) -> None:
+def _clashes(path: Path, pipelines: list[tuple[int, Pipeline]]) -> dict[str, ConfigError]:
     """Two pipelines must not share a target table, a DAG id or a name migrations create in one
-    schema: one of them would silently use (or never create) the other's."""
+    schema: one of them would silently use (or never create) the other's. Both are in error."""
     taken: dict[tuple[str, str], tuple[int, Pipeline, str]] = {}
-    for index, pipeline in enumerate(pipelines):
+    clashes: dict[str, ConfigError] = {}
+    for index, pipeline in pipelines:
         for key, field_name, what in _claims(pipeline):
             if key in taken:
                 other_index, other, other_what = taken[key]
-                raise ConfigError(
+                error = ConfigError(
                     f"{path}: pipelines[{index}] ({pipeline.name}).{field_name}: its {what} {key[1]!r} is also the "
                     f"{other_what} of pipeline {other.name!r} (pipelines[{other_index}]) among the {key[0]}. "
                     "Give each pipeline its own target table and name."
                 )
-            taken[key] = (index, pipeline, what)
+                clashes.setdefault(pipeline.name, error)
+                clashes.setdefault(other.name, error)
+            else:
+                taken[key] = (index, pipeline, what)
+    return clashes
 
 
 def get_pipeline(name: str, path: Path | None = None) -> Pipeline:
-    """The named pipeline, or `UnknownPipelineError` listing the known ones."""
-    pipelines = load_pipelines(path)
+    """The named pipeline (whatever errors the file's other pipelines have), its `ConfigError`,
+    or `UnknownPipelineError` listing the known ones."""
+    pipelines, broken = read_pipelines(path)
+    if name in broken:
+        raise broken[name]
     if name not in pipelines:
-        known = ", ".join(sorted(pipelines)) or "none"
+        known = ", ".join(sorted([*pipelines, *broken])) or "none"
         raise UnknownPipelineError(
             f"unknown pipeline {name!r} in {path or pipelines_file_from_env()} (known: {known})", pipeline=name
         )

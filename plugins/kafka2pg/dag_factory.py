@@ -8,12 +8,15 @@ Runs at DAG-parse time, so it reads only the YAML file: no database, Kafka, Spar
 from __future__ import annotations
 
 import functools
+import logging
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from kafka2pg import stage_job
-from kafka2pg.config import Pipeline, keep_log_options, load_pipelines, pipelines_file_from_env, stage_jvm_options
+from kafka2pg.config import Pipeline, keep_log_options, pipelines_file_from_env, read_pipelines, stage_jvm_options
 from kafka2pg.jars import spark_kafka_source
+
+log = logging.getLogger(__name__)
 
 SPARK_CONN_ID = "kafka2pg_spark"
 # What a `plan` task returns when there is no batch. Not None: Airflow stores no XCom for None, and
@@ -353,8 +356,49 @@ def build_dags(dag_folder: Path | None = None) -> dict:
     `pipelines.yaml` in `dag_folder` (the DAG file passes its own folder), else the default
     (`locations.default_pipelines_file`). Every task reads the pipeline from that same file."""
     pipelines_file = pipelines_file_from_env(dag_folder / "pipelines.yaml" if dag_folder else None)
+    pipelines, broken = read_pipelines(pipelines_file)
     dags = {}
-    for pipeline in load_pipelines(pipelines_file).values():
+    for pipeline in pipelines.values():
         dags[pipeline.dag_id] = build_dag(pipeline, pipelines_file)
         dags[pipeline.replay_dag_id] = build_replay_dag(pipeline, pipelines_file)
+    # A pipeline in error keeps its DAGs, which say why and run nothing; the others are unaffected.
+    stand_ins: dict[str, list[str]] = {}
+    for name, error in broken.items():
+        log.error("kafka2pg pipeline %s is not loaded: %s", name, error)
+        named = not name.startswith("pipelines[")
+        for dag_id in (f"kafka2pg_{name}", f"kafka2pg_{name}_replay") if named else (INVALID_PIPELINES_DAG,):
+            if dag_id not in dags:  # never in place of a valid pipeline's
+                stand_ins.setdefault(dag_id, []).append(str(error))
+    for dag_id, errors in stand_ins.items():
+        dags[dag_id] = build_broken_dag(dag_id, errors)
     return dags
+
+
+# The DAG that reports the pipelines whose entry has no usable name.
+INVALID_PIPELINES_DAG = "kafka2pg_invalid_pipelines"
+
+
+def build_broken_dag(dag_id: str, errors: list[str]):
+    """A DAG standing in for a pipeline whose configuration is in error: its description and doc
+    say why, it is not scheduled, and a run fails at once with the errors (no retry)."""
+    from airflow.sdk import DAG, task
+
+    with DAG(
+        dag_id=dag_id,
+        description="CONFIGURATION ERROR: " + errors[0].splitlines()[0][:200],
+        doc_md="**The pipelines file has an error here: this DAG runs nothing until it is fixed.**\n\n"
+        + "\n\n".join(f"```\n{e}\n```" for e in errors),
+        schedule=None,
+        start_date=datetime(2026, 1, 1),
+        catchup=False,
+        tags=["kafka2pg", "configuration-error"],
+    ) as dag:
+
+        @task(task_id="configuration_error", retries=0)
+        def configuration_error() -> None:
+            from airflow.sdk.exceptions import AirflowFailException
+
+            raise AirflowFailException("\n".join(errors))
+
+        configuration_error()
+    return dag

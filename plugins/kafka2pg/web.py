@@ -132,19 +132,25 @@ def _table(headers: list[str], rows: list[str], table_id: str) -> str:
     return f'<table id="{table_id}"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
-def readable_pipelines(may_read: Callable[[str], bool]) -> list[Pipeline]:
-    """The pipelines of the pipelines file whose DAG the user may read, in the file's order."""
-    from kafka2pg.config import load_pipelines, pipelines_file_from_env
+def readable_pipelines(may_read: Callable[[str], bool]) -> tuple[list[Pipeline], dict[str, Exception]]:
+    """The pipelines of the pipelines file whose DAG the user may read, in the file's order, and
+    the errors of those in error (by name) whose DAG the user may read."""
+    from kafka2pg.config import pipelines_file_from_env, read_pipelines
 
-    return [p for p in load_pipelines(pipelines_file_from_env()).values() if may_read(p.dag_id)]
+    pipelines, broken = read_pipelines(pipelines_file_from_env())
+    errors = {name: e for name, e in broken.items() if "[" not in name and may_read(f"kafka2pg_{name}")}
+    return [p for p in pipelines.values() if may_read(p.dag_id)], errors
 
 
 def _pipeline(name: str, may_read: Callable[[str], bool]) -> tuple[Settings, Pipeline]:
-    """The pipeline and its services; 404 for no such pipeline, 403 when its DAG is not the user's to read."""
-    from kafka2pg.config import load_pipelines, pipelines_file_from_env
+    """The pipeline and its services; 404 for no such pipeline, 403 when its DAG is not the user's
+    to read; a pipeline in error, its `ConfigError` (whatever the file's other pipelines hold)."""
+    from kafka2pg.config import pipelines_file_from_env, read_pipelines
     from kafka2pg.connections import settings_for
 
-    pipelines = load_pipelines(pipelines_file_from_env())
+    pipelines, broken = read_pipelines(pipelines_file_from_env())
+    if name in broken and may_read(f"kafka2pg_{name}"):
+        raise broken[name]
     if name not in pipelines:
         raise HTTPException(status_code=404, detail=f"no pipeline {name!r} in the pipelines file")
     if not may_read(pipelines[name].dag_id):
@@ -164,9 +170,14 @@ def _age(seconds: float) -> str:
 def overview(request: Request, may_read: MayRead) -> HTMLResponse:
     """Per pipeline and partition: head, last stable offset, lag, margin, time to data loss; last batch; STUCK."""
     base = _base(request)
-    pipelines = readable_pipelines(may_read)
+    pipelines, errors = readable_pipelines(may_read)
     with ThreadPoolExecutor(max_workers=OVERVIEW_WORKERS, thread_name_prefix="kafka2pg-overview") as pool:
         sections = list(pool.map(lambda p: _overview_section(base, p), pipelines))
+    sections += [
+        f'<h2 id="pipeline-{html.escape(name)}">pipeline {html.escape(name)}</h2>'
+        f'<p class="error">{html.escape(f"{type(error).__name__}: {error}")}</p>'
+        for name, error in errors.items()
+    ]
     return _page(
         request,
         "kafka2pg pipelines",

@@ -463,3 +463,32 @@ def test_a_run_says_when_a_field_name_keeps_every_record_off_the_fast_path(tmp_p
     assert strict_only_note(fallback) is None
     note = strict_only_note(get_pipeline("orders", write(tmp_path, **changes)))
     assert note and "a quote or a backslash" in note and "strict path" in note
+
+
+def test_each_pipeline_is_checked_on_its_own_and_a_broken_one_spoils_only_itself(tmp_path):
+    from kafka2pg.config import read_pipelines
+
+    path = write_all(
+        tmp_path,
+        GOOD,
+        {**GOOD, "name": "typo", "topic": "typo", "target_table": "public.typo", "colums": []},
+        {**GOOD, "name": "Bad Name"},
+        {**GOOD, "name": "twin", "topic": "twin"},  # the target table orders already has
+    )
+    pipelines, broken = read_pipelines(path)
+    assert list(pipelines) == [] and list(broken) == ["typo", "pipelines[2]", "twin", "orders"]
+    assert "unknown field(s) colums" in str(broken["typo"])
+    assert str(broken["twin"]).endswith(
+        "pipelines[3] (twin).target_table: its target table 'orders' is also the target table of pipeline 'orders' "
+        "(pipelines[0]) among the relations of schema public. Give each pipeline its own target table and name."
+    )
+    path = write_all(
+        tmp_path, GOOD, {**GOOD, "name": "typo", "topic": "typo", "target_table": "public.typo", "colums": []}
+    )
+    assert get_pipeline("orders", path).name == "orders"  # whatever its neighbour holds
+    with pytest.raises(ConfigError, match="colums"):
+        get_pipeline("typo", path)
+    with pytest.raises(ConfigError, match="colums"):
+        load_pipelines(path)  # the CLI's migrate, grant and status: the file must be right as a whole
+    with pytest.raises(UnknownPipelineError, match=r"known: orders, typo"):
+        get_pipeline("nope", path)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -359,3 +360,33 @@ def test_a_run_conf_airflow_does_not_apply_to_the_params_stops_the_plan_task(dag
         assert call["dry_run"] is True
     else:
         assert call["args"][1]["mode"] == "verify-only"
+
+
+def test_a_pipeline_in_error_gets_stand_in_dags_that_say_why_and_the_others_are_built(tmp_path, monkeypatch):
+    """One broken entry in the pipelines file no longer takes every pipeline's DAGs (and their
+    running tasks, which parse the file again) down with it."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from kafka2pg.dag_factory import INVALID_PIPELINES_DAG, build_dags
+
+    good = {"name": "good", "topic": "good", "target_table": "good", "columns": [{"name": "a", "type": "text"}]}
+    bad = {**good, "name": "bad", "topic": "bad", "target_table": "bad", "columns": [{"name": "a", "type": "text[]"}]}
+    unnamed = {**good, "name": "Not A Name", "target_table": "other"}
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(json.dumps({"pipelines": [good, bad, unnamed]}))
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(path))
+    dags = build_dags()
+    assert sorted(dags) == sorted(
+        ["kafka2pg_good", "kafka2pg_good_replay", "kafka2pg_bad", "kafka2pg_bad_replay", INVALID_PIPELINES_DAG]
+    )
+    assert "read_and_stage" in dags["kafka2pg_good"].task_ids
+    for dag_id, said in (
+        ("kafka2pg_bad", "text[]"),
+        ("kafka2pg_bad_replay", "text[]"),
+        (INVALID_PIPELINES_DAG, "Not A"),
+    ):
+        stand_in = dags[dag_id]
+        assert stand_in.task_ids == ["configuration_error"] and type(stand_in.timetable).__name__ == "NullTimetable"
+        assert stand_in.description.startswith("CONFIGURATION ERROR: ") and said in stand_in.doc_md
+        with pytest.raises(AirflowFailException, match=re.escape(said)):
+            stand_in.get_task("configuration_error").python_callable()

@@ -123,3 +123,25 @@ def test_a_page_whose_configuration_is_wrong_answers_500_naming_it(client, monke
     assert page.status_code == 500, page.text
     assert "a configuration error" in page.text
     assert "ConfigError: connection &#x27;kafka2pg_postgres&#x27;: no host" in page.text
+
+
+def test_a_pipeline_in_error_is_named_with_its_error_and_the_others_still_show(client, tmp_path, monkeypatch):
+    http, _ = client
+    path = tmp_path / "pipelines.yaml"
+    pipelines = yaml.safe_load(path.read_text())["pipelines"]
+    pipelines[0]["columns"] = [{**c} for c in pipelines[0]["columns"]]
+    pipelines[0]["columns"][0]["type"] = "nosuchtype"  # alpha's own
+    path.write_text(yaml.safe_dump({"pipelines": pipelines}))
+    monkeypatch.setattr(  # beta alone now: no barrier to meet
+        kafka2pg.status, "pipeline_status", lambda s, p, c: PipelineStatus(p.name, p.topic, "public.beta", (), None, ())
+    )
+    page = http.get("/")
+    assert page.status_code == 200, page.text
+    alpha = page.text[page.text.index('id="pipeline-alpha"') :]
+    assert alpha.startswith('id="pipeline-alpha">pipeline alpha</h2><p class="error">ConfigError: ')
+    assert "nosuchtype" in alpha and "beta" not in alpha  # after the others
+    beta = page.text[page.text.index('id="pipeline-beta"') : page.text.index('id="pipeline-alpha"')]
+    assert "no batch yet" in beta and "error" not in beta
+    assert "gamma" not in page.text
+    broken = http.get("/pipelines/alpha/batches")
+    assert broken.status_code == 500 and "nosuchtype" in broken.text
