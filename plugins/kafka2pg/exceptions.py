@@ -391,10 +391,12 @@ class LedgerConflictError(Kafka2PgError):
     def head_moved(
         cls, pipeline: str, batch_id: int, partition: int, expected: int | None, found: int | None, moved_by: int | None
     ):
-        now = "no head" if found is None else f"head {found} (moved by batch {moved_by})"
+        by = "a ledger reset" if moved_by is None else f"batch {moved_by}"
+        now = "no head" if found is None else f"head {found} (moved by {by})"
+        why = "Another run promoted these offsets first" if moved_by is not None else "The ledger moved since"
         return cls(
             f"pipeline {pipeline!r} batch {batch_id}, partition {partition}: planned from head {expected} but the "
-            f"ledger has {now}. Another run promoted these offsets first; nothing from this batch was written. "
+            f"ledger has {now}. {why}; nothing from this batch was written. "
             "Trigger a new run to plan from the current head.",
             pipeline=pipeline,
             batch_id=batch_id,

@@ -224,9 +224,14 @@ def _read_and_write(
         with transaction(settings.database_url) as conn:
             current = load_claimed(conn, pipeline, batch.batch_id, batch.epoch)
         if current.state is not BatchState.PLANNED:
+            why = (
+                "a newer run, a ledger reset or an undo abandoned it"
+                if current.state is BatchState.ABANDONED
+                else "a concurrent attempt finished first"
+            )
             raise BatchStateError(
-                f"batch {batch.batch_id} became {current.state} while this attempt was staging it (a concurrent "
-                "attempt finished first); this attempt wrote nothing that counts",
+                f"batch {batch.batch_id} became {current.state} while this attempt was staging it ({why}); this "
+                "attempt wrote nothing that counts",
                 pipeline=pipeline.name,
                 batch_id=batch.batch_id,
                 state=current.state,

@@ -220,3 +220,12 @@ ERRORS = [c for _, c in inspect.getmembers(exceptions, inspect.isclass) if issub
 @pytest.mark.parametrize("error", ERRORS, ids=lambda c: c.__name__)
 def test_only_transient_errors_are_retryable(error):
     assert error.terminal is (error not in RETRYABLE)
+
+
+def test_a_head_a_reset_moved_is_not_blamed_on_a_batch_named_none():
+    from kafka2pg.exceptions import LedgerConflictError
+
+    by_batch = str(LedgerConflictError.head_moved("orders", 7, 0, 100, 150, 6))
+    assert "has head 150 (moved by batch 6). Another run promoted these offsets first" in by_batch
+    by_reset = str(LedgerConflictError.head_moved("orders", 7, 0, 100, 0, None))
+    assert "has head 0 (moved by a ledger reset). The ledger moved since" in by_reset and "None" not in by_reset
