@@ -13,8 +13,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from kafka2pg import stage_job
-from kafka2pg.config import Pipeline, keep_log_options, pipelines_file_from_env, read_pipelines, stage_jvm_options
-from kafka2pg.jars import spark_kafka_source
+from kafka2pg.config import Pipeline, pipelines_file_from_env, read_pipelines
 
 log = logging.getLogger(__name__)
 
@@ -197,14 +196,7 @@ def _stage_operator(
 
     planned = "ti.xcom_pull(task_ids='plan')"
     more = []
-    # With the class-data archive, if set-up made one (checked when the DAG file is parsed).
-    level = pipeline.spark_log_level
-    jvm_options = stage_jvm_options(1, log_level=level, kafka_reader=pipeline.kafka_reader)
     if several_batches:
-        # The JIT options follow the run's batches_per_run and the reader (config.stage_jvm_options' choice).
-        several = stage_jvm_options(2, log_level=level, kafka_reader=pipeline.kafka_reader)
-        if several != jvm_options:
-            jvm_options = f"{{{{ {jvm_options!r} if {planned}['batches'] == 1 else {several!r} }}}}"
         more = [
             "--batches",
             f"{{{{ {planned}['batches'] }}}}",
@@ -214,8 +206,8 @@ def _stage_operator(
             "{{ run_id }}",
         ]
 
-    # Only Spark's Kafka source needs jars: the librdkafka reader is Python, shipped with the package.
-    jars, source_conf = spark_kafka_source() if pipeline.kafka_reader == "spark" else (None, {})
+    # spark-submit's JVM options and Spark's Kafka source (jars, or spark.jars.packages) are
+    # decided by the task on the worker, from what set-up made there (StageOperator.execute).
     return StageOperator(
         pipeline_name=pipeline.name,
         pipelines_file=str(pipelines_file),
@@ -223,14 +215,6 @@ def _stage_operator(
         application=str(JOB),
         conn_id=SPARK_CONN_ID,
         name=f"kafka2pg-{pipeline.name}",
-        jars=jars,
-        # kafka2pg's Spark defaults are applied by the job's session (staging.SPARK_DEFAULTS);
-        # JVM options and packages only work on spark-submit's command line.
-        conf={
-            "spark.driver.extraJavaOptions": jvm_options,
-            **source_conf,
-            **keep_log_options(pipeline.spark_conf, level),
-        },
         application_args=[
             "--pipeline",
             pipeline.name,

@@ -19,9 +19,27 @@ from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
+from kafka2pg.config import Pipeline, keep_log_options, stage_jvm_options
 from kafka2pg.exceptions import TERMINAL_EXIT, ConfigError, SparkSessionLost
+from kafka2pg.jars import spark_kafka_source
 
 log = logging.getLogger(__name__)
+
+
+def spark_submit_conf(pipeline: Pipeline, batches: int) -> tuple[str | None, dict[str, str]]:
+    """spark-submit's `--jars` and `--conf` for a stage job of `pipeline` that may finish
+    `batches` batches, from what this host has: the driver JVM's options (the JIT for the reader
+    and the batches, the class-data archive set-up made for this java, kafka2pg's log4j2 file
+    unless the pipeline's spark_conf names its own) and, for `kafka_reader: spark`, Spark's Kafka
+    source (the jars set-up resolved, KAFKA2PG_SPARK_JARS, or `spark.jars.packages`). kafka2pg's
+    Spark defaults are applied by the job's session (staging.SPARK_DEFAULTS); JVM options and
+    packages only work on spark-submit's command line."""
+    level = pipeline.spark_log_level
+    jvm_options = stage_jvm_options(batches, log_level=level, kafka_reader=pipeline.kafka_reader)
+    # Only Spark's Kafka source needs jars: the librdkafka reader is Python, shipped with the package.
+    jars, source_conf = spark_kafka_source() if pipeline.kafka_reader == "spark" else (None, {})
+    conf = {"spark.driver.extraJavaOptions": jvm_options, **source_conf, **keep_log_options(pipeline.spark_conf, level)}
+    return jars, conf
 
 
 class StageOperator(SparkSubmitOperator):
@@ -57,8 +75,13 @@ class StageOperator(SparkSubmitOperator):
         from kafka2pg.tasks import airflow_errors, resolve
 
         with airflow_errors():
-            settings, _ = resolve(self.pipeline_name, self.pipelines_file)
+            settings, pipeline = resolve(self.pipeline_name, self.pipelines_file)
             services = settings.to_env()
+            # Decided here, on the worker, not where the DAG file was parsed: its jars, its
+            # class-data archive (keyed on its java), its state directory.
+            jars, conf = spark_submit_conf(pipeline, self._batches())
+            self.jars = self.jars or jars
+            self.conf = {**conf, **(self.conf or {})}
             self._spark_dir = settings.state_dir / "spark"
             # Only to read the master: the provider builds the submitting hook itself, after it
             # added its own conf (OpenLineage), with what this method sets.
@@ -93,6 +116,14 @@ class StageOperator(SparkSubmitOperator):
             services.update(self._spark_home(probe, {}))
         with _environment(services):
             return self._submit(context)
+
+    def _batches(self) -> int:
+        """The batches this job may finish (`--batches`, rendered from the plan's XCom; 1 without)."""
+        args = [str(a) for a in self.application_args or []]
+        try:
+            return int(args[args.index("--batches") + 1])
+        except (ValueError, IndexError):
+            return 1
 
     def _spark_home(self, hook: Any, env_vars: dict[str, str] | None) -> dict[str, str]:
         """SPARK_HOME for spark-submit, where pyspark's own script cannot find it (`pip_spark_home`)."""

@@ -39,8 +39,9 @@ print(json.dumps({
     },
     "replay_paused": replay.is_paused_upon_creation,
     "replay_timetable": type(replay.timetable).__name__,
-    "jvm_options": dag.get_task("read_and_stage").conf["spark.driver.extraJavaOptions"],
-    "replay_jvm_options": replay.get_task("read_and_stage").conf["spark.driver.extraJavaOptions"],
+    "stage_decided_at_parse": [
+        [d.get_task("read_and_stage").conf, d.get_task("read_and_stage").jars] for d in (dag, replay)
+    ],
 }))
 """
 
@@ -88,23 +89,25 @@ def test_dag_file_builds_one_dag_per_pipeline_without_heavy_imports():
     assert result["replay_timetable"] == "CronDataIntervalTimetable"
     # The target's Asset (its URI names the server) is resolved at run time, through this alias.
     assert result["outlets"] == [["AssetAlias", "kafka2pg_orders"]] * 2
+    # spark-submit's conf and jars are the worker's to decide when the task runs (stage_operator).
+    assert result["stage_decided_at_parse"] == [[None, None], [None, None]]
 
 
 def test_stage_jvm_options_follow_the_runs_batches_and_reader_and_name_the_class_archive(tmp_path, monkeypatch):
     """C1-only JIT for the librdkafka reader (no per-record code in the JVM; a small young
     generation too) and for a job of one batch; tiered (C2) once Spark's Kafka source catches up
     several; the class-data archive once set-up has made one: what spark-submit gets once Airflow
-    renders the template with the plan task's XCom."""
-    import jinja2
-
+    runs (with the run's batches_per_run, from the plan task's XCom)."""
     from kafka2pg.config import (
         STAGE_JVM_OPTIONS_C1,
         STAGE_JVM_OPTIONS_LIBRDKAFKA,
         STAGE_JVM_OPTIONS_TIERED,
         class_archive_path,
+        get_pipeline,
         spark_log_options,
         stage_jvm_conf,
     )
+    from kafka2pg.stage_operator import spark_submit_conf
 
     assert "TieredStopAtLevel=1" in STAGE_JVM_OPTIONS_C1
     assert "TieredStopAtLevel" not in STAGE_JVM_OPTIONS_TIERED
@@ -115,20 +118,14 @@ def test_stage_jvm_options_follow_the_runs_batches_and_reader_and_name_the_class
     shipped = (ROOT / "dags" / "pipelines.yaml").read_text()
     spark_reader.write_text(shipped.replace("    topic: orders\n", "    topic: orders\n    kafka_reader: spark\n", 1))
 
-    class PlannedBatches:
-        def __init__(self, batches: int):
-            self.batches = batches
-
-        def xcom_pull(self, task_ids: str) -> dict:
-            assert task_ids == "plan"
-            return {"batches": self.batches}
-
-    def rendered(batches: int, env: dict[str, str] | None = None) -> tuple[str, str]:
-        result = _parse_dag_file(env)
-        return jinja2.Template(result["jvm_options"]).render(ti=PlannedBatches(batches)), result["replay_jvm_options"]
+    def rendered(batches: int, path: Path = ROOT / "dags" / "pipelines.yaml") -> tuple[str, str]:
+        """The live job's JVM options for a run of `batches`, and the replay job's (one batch)."""
+        pipeline = get_pipeline("orders", path)
+        live = spark_submit_conf(pipeline, batches)[1]["spark.driver.extraJavaOptions"]
+        return live, spark_submit_conf(pipeline, 1)[1]["spark.driver.extraJavaOptions"]
 
     def rendered_spark_reader(batches: int) -> tuple[str, str]:
-        return rendered(batches, {"KAFKA2PG_PIPELINES": str(spark_reader)})
+        return rendered(batches, spark_reader)
 
     # Spark's own logging at WARN (the pipelines' default spark_log_level) from kafka2pg's log4j2 file.
     logging = f" {spark_log_options('WARN')}"
@@ -158,7 +155,8 @@ def test_a_pipelines_own_driver_jvm_options_keep_kafka2pgs_logging_unless_they_n
     """spark_conf's spark.driver.extraJavaOptions replaces kafka2pg's JIT and heap options, not its
     log4j2 file: the pipeline's spark_log_level and the filters keeping the Kafka clients'
     parameters out of the task log go on applying, unless the pipeline names its own file."""
-    from kafka2pg.config import keep_log_options, names_own_log_config, spark_log_options
+    from kafka2pg.config import get_pipeline, keep_log_options, names_own_log_config, spark_log_options
+    from kafka2pg.stage_operator import spark_submit_conf
 
     shipped = (ROOT / "dags" / "pipelines.yaml").read_text()
 
@@ -166,9 +164,10 @@ def test_a_pipelines_own_driver_jvm_options_keep_kafka2pgs_logging_unless_they_n
         own = tmp_path / "pipelines.yaml"
         extra = f"    spark_log_level: DEBUG\n    spark_conf:\n      spark.driver.extraJavaOptions: '{options}'\n"
         own.write_text(shipped.replace("    topic: orders\n", "    topic: orders\n" + extra, 1))
-        result = _parse_dag_file({"KAFKA2PG_PIPELINES": str(own)})
-        assert result["jvm_options"] == result["replay_jvm_options"]
-        return result["jvm_options"]
+        pipeline = get_pipeline("orders", own)
+        one, several = (spark_submit_conf(pipeline, n)[1]["spark.driver.extraJavaOptions"] for n in (1, 5))
+        assert one == several
+        return one
 
     debug = spark_log_options("DEBUG")
     assert rendered("-Djava.security.krb5.conf=/etc/krb5.conf") == f"-Djava.security.krb5.conf=/etc/krb5.conf {debug}"
@@ -227,12 +226,14 @@ print(json.dumps({
     "application": stage.application,
     "pipelines_file": stage.pipelines_file,
     "jars": stage.jars,
-    "packages": stage.conf.get("spark.jars.packages"),
+    "conf": stage.conf,
 }))
 """
 
 
-def test_the_dag_file_copied_alone_reads_the_pipelines_file_beside_it_and_submits_the_packaged_job(tmp_path):
+def test_the_dag_file_copied_alone_reads_the_pipelines_file_beside_it_and_submits_the_packaged_job(
+    tmp_path, monkeypatch
+):
     """A DAGs folder holding only the DAG file and a pipelines.yaml: its DAGs come from that file, the
     tasks read that same file, spark-submit runs the job module inside the package, and without
     resolved jars Spark gets its Kafka source as spark.jars.packages for the installed pyspark (a
@@ -260,19 +261,27 @@ def test_the_dag_file_copied_alone_reads_the_pipelines_file_beside_it_and_submit
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     empty_state = tmp_path / "state"
-    result = parse(KAFKA2PG_STATE_DIR=str(empty_state))
+    result = parse(KAFKA2PG_STATE_DIR=str(empty_state), KAFKA2PG_SPARK_JARS="/opt/jars/*.jar")
     assert result["dags"] == ["kafka2pg_copied", "kafka2pg_copied_replay"]
     assert result["pipelines_file"] == str(dags / "pipelines.yaml")
     assert result["application"] == kafka2pg.stage_job.__file__
-    assert result["jars"] is None
-    assert result["packages"] == f"org.apache.spark:spark-sql-kafka-0-10_2.13:{metadata.version('pyspark')}"
+    assert (result["jars"], result["conf"]) == (None, None)  # the worker's to decide, when the task runs
 
-    given = parse(KAFKA2PG_STATE_DIR=str(empty_state), KAFKA2PG_SPARK_JARS="/opt/jars/*.jar")
-    assert (given["jars"], given["packages"]) == ("/opt/jars/*.jar", None)
+    from kafka2pg.config import get_pipeline
+    from kafka2pg.stage_operator import spark_submit_conf
+
+    monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(empty_state))
+    monkeypatch.delenv("KAFKA2PG_SPARK_JARS", raising=False)
+    jars, conf = spark_submit_conf(get_pipeline("copied", dags / "pipelines.yaml"), 1)
+    assert jars is None
+    assert conf["spark.jars.packages"] == f"org.apache.spark:spark-sql-kafka-0-10_2.13:{metadata.version('pyspark')}"
+    monkeypatch.setenv("KAFKA2PG_SPARK_JARS", "/opt/jars/*.jar")
+    jars, conf = spark_submit_conf(get_pipeline("copied", dags / "pipelines.yaml"), 1)
+    assert (jars, conf.get("spark.jars.packages")) == ("/opt/jars/*.jar", None)
 
     (dags / "pipelines.yaml").write_text(json.dumps({"pipelines": [spec]}))  # the default reader: librdkafka
-    default = parse(KAFKA2PG_STATE_DIR=str(empty_state), KAFKA2PG_SPARK_JARS="/opt/jars/*.jar")
-    assert (default["jars"], default["packages"]) == (None, None)
+    jars, conf = spark_submit_conf(get_pipeline("copied", dags / "pipelines.yaml"), 1)
+    assert (jars, conf.get("spark.jars.packages")) == (None, None)
 
 
 @pytest.mark.parametrize("schedule", [None, "@hourly"])

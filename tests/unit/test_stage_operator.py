@@ -14,6 +14,7 @@ import pytest
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk.exceptions import AirflowFailException
 
+from kafka2pg.config import get_pipeline
 from kafka2pg.exceptions import ConfigError
 from kafka2pg.scratch import folder_name
 from kafka2pg.stage_operator import StageOperator, pip_spark_home
@@ -23,6 +24,9 @@ SERVICES = {
     "KAFKA2PG_DATABASE_URL": f"postgresql://runtime:{SECRET}@db:5432/warehouse",
     "KAFKA2PG_KAFKA_CONFIG": json.dumps({"bootstrap.servers": "k1:9093", "sasl.password": SECRET}),
 }
+
+
+ORDERS = get_pipeline("orders", Path(__file__).resolve().parents[2] / "dags" / "pipelines.yaml")
 
 
 class FakeSettings:
@@ -45,7 +49,7 @@ def submitted(monkeypatch, tmp_path):
         seen["scratch"] = sorted((tmp_path / "spark" / "scratch").iterdir())
 
     monkeypatch.setattr(SparkSubmitHook, "submit", submit)
-    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), None))
+    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), ORDERS))
     for name in SERVICES:
         monkeypatch.delenv(name, raising=False)
     return seen
@@ -163,7 +167,7 @@ def test_a_missing_spark_connection_fails_before_submit_unless_yarn_is_configure
 def spark_submit_on_path(monkeypatch, tmp_path):
     """`spark_submit_on_path(script)`: a `spark-submit` first on PATH that runs `script` (sh),
     for the provider's real submit; the pipeline's services resolved to stand-ins."""
-    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), None))
+    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), ORDERS))
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 
     def place(script: str) -> None:
@@ -294,7 +298,7 @@ def test_a_stage_job_that_exits_with_a_terminal_error_fails_the_task_without_a_r
         raise AirflowException(f"Cannot execute: spark-submit. Error code is: {code}.")
 
     monkeypatch.setattr(SparkSubmitHook, "submit", submit)
-    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), None))
+    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), ORDERS))
     with pytest.raises(AirflowException) as failed:
         run_stage(monkeypatch, {"host": "local[2]"})
     assert isinstance(failed.value, AirflowFailException) is not retried
@@ -314,3 +318,27 @@ def test_the_stage_job_exits_3_for_a_terminal_error_and_2_for_a_retryable_one(mo
         monkeypatch.setattr(runner, "run_job", fails)
         assert stage_job.main(["--pipeline", "orders", "--batch-id", "1"]) == code
         assert f"kafka2pg stage failed: {error}" in capsys.readouterr().err
+
+
+def test_the_jars_and_jvm_options_are_the_workers_decided_when_the_task_runs(monkeypatch, submitted, tmp_path):
+    """Not where the DAG file was parsed: a dag-processor without resolved jars (or with them)
+    must not decide for the worker, nor its java the class-data archive's path."""
+    import dataclasses
+
+    from kafka2pg.config import STAGE_JVM_OPTIONS_C1, STAGE_JVM_OPTIONS_LIBRDKAFKA, STAGE_JVM_OPTIONS_TIERED
+
+    spark_reader = dataclasses.replace(ORDERS, kafka_reader="spark")
+    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), spark_reader))
+    monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("KAFKA2PG_SPARK_JARS", "/opt/worker/jars/*.jar")
+    run_stage(monkeypatch, {"host": "local[2]"}, application_args=["--pipeline", "orders", "--batches", "3"])
+    assert "--jars '/opt/worker/jars/*.jar'" in submitted["command"]
+    assert STAGE_JVM_OPTIONS_TIERED in submitted["command"]  # several batches through Spark's source
+    monkeypatch.delenv("KAFKA2PG_SPARK_JARS")
+    run_stage(monkeypatch, {"host": "local[2]"}, application_args=["--pipeline", "orders", "--batches", "1"])
+    assert "spark.jars.packages=org.apache.spark:spark-sql-kafka-0-10_2.13:" in submitted["command"]
+    assert "--jars" not in submitted["command"] and STAGE_JVM_OPTIONS_C1 in submitted["command"]
+    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), ORDERS))
+    run_stage(monkeypatch, {"host": "local[2]"})  # the librdkafka reader: no jars at all
+    assert "--jars" not in submitted["command"] and "spark.jars.packages" not in submitted["command"]
+    assert STAGE_JVM_OPTIONS_LIBRDKAFKA in submitted["command"]
