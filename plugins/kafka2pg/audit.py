@@ -79,7 +79,9 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
     with connect(settings.database_url) as conn:
         conn.isolation_level = IsolationLevel.REPEATABLE_READ
         conn.read_only = True
-        resets = last_resets(conn, pipeline.name)  # the transaction's first query takes its snapshot
+        # It reads Kafka between fetches, idle in its transaction for as long as a partition takes.
+        conn.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
+        resets = last_resets(conn, pipeline.name)  # the first query takes the transaction's snapshot
         stored, ledger = ranges_since_reset(conn, pipeline.name, resets)
         heads = read_heads(conn, pipeline.name)
         offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)

@@ -308,39 +308,39 @@ def _provenance_unique(conn: Connection, pipeline: Pipeline, batch: Batch) -> Ch
     return Check("provenance_unique", dupes == 0, dupes, f"{dupes} provenance duplicates in staging")
 
 
-def _replaced_rows(conn: Connection, pipeline: Pipeline, batch: Batch, beside_staged: bool) -> sql.Composable | None:
-    """For a replay: the predicate of the target rows `t` its finish replaces (None for live
-    batches): those in its ranges whose record it re-read, as `delete_rows` deletes them. A row
-    whose record was compacted away since stays, and a staged row with its key is a duplicate.
-    `beside_staged`: in a join with a staged row `s`, a row at s's own offset needs no search of
-    the staging table (for most of a replay's keys, the row they match is their own)."""
+def _replaced_rows(conn: Connection, pipeline: Pipeline, batch: Batch) -> tuple[sql.Composable, sql.Composable] | None:
+    """For a replay (None for live batches): a join giving each target row `t` its re-read row
+    `r` of this replay's staging (NULL where there is none), and the predicate of the target rows
+    its finish replaces: those in its ranges whose record it re-read, as `delete_rows` deletes
+    them. A row whose record was compacted away since stays, and a staged row with its key is a
+    duplicate. Joined, not searched row by row: run under NO_NESTED_LOOPS (a hash of the batch's
+    staged provenance; the staging table has no index on it)."""
     if batch.kind != "replay":
         return None
     reread = sql.SQL(
-        "EXISTS (SELECT 1 FROM {} r WHERE r.batch_id = %(batch)s"
-        " AND r.kafka_partition = t.kafka_partition AND r.kafka_offset = t.kafka_offset)"
+        " LEFT JOIN (SELECT DISTINCT kafka_partition, kafka_offset FROM {} WHERE batch_id = %(batch)s) r"
+        " ON r.kafka_partition = t.kafka_partition AND r.kafka_offset = t.kafka_offset"
     ).format(_staging(pipeline))
-    if beside_staged:
-        reread = sql.SQL("(t.kafka_partition = s.kafka_partition AND t.kafka_offset = s.kafka_offset OR {})").format(
-            reread
-        )
     in_range = range_predicate(batch.plan.ranges, reset_floors(conn, pipeline.name), alias="t")
-    return sql.SQL("t.kafka_topic = {} AND {} AND {}").format(sql.Literal(pipeline.topic), in_range, reread)
+    replaced = sql.SQL("t.kafka_topic = {} AND {} AND r.kafka_offset IS NOT NULL").format(
+        sql.Literal(pipeline.topic), in_range
+    )
+    return reread, replaced
 
 
 def _replay_scope(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
     """A replay's staged offsets are meant to be in the target already: count what it replaces."""
-    replaced = conn.execute(
-        sql.SQL("SELECT count(*) FROM {} t WHERE {}").format(
-            _target(pipeline), _replaced_rows(conn, pipeline, batch, beside_staged=False)
-        ),
-        {"batch": batch.batch_id},
-    ).fetchone()[0]
+    reread, replaced = _replaced_rows(conn, pipeline, batch)
+    with planner(conn, **NO_NESTED_LOOPS):
+        count = conn.execute(
+            sql.SQL("SELECT count(*) FROM {} t{} WHERE {}").format(_target(pipeline), reread, replaced),
+            {"batch": batch.batch_id},
+        ).fetchone()[0]
     return Check(
         "replay_replaces_range",
         True,
         0,
-        f"replay: {replaced} target rows of the range (and its quarantine rows) are replaced when it is finished",
+        f"replay: {count} target rows of the range (and its quarantine rows) are replaced when it is finished",
     )
 
 
@@ -458,34 +458,44 @@ def _business_key_unique_in_batch(conn: Connection, pipeline: Pipeline, batch: B
 
 def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) -> Check:
     join = sql.SQL(" AND ").join(sql.SQL("t.{k} = s.{k}").format(k=sql.Identifier(k)) for k in pipeline.business_key)
-    replaced = _replaced_rows(conn, pipeline, batch, beside_staged=True)
-    provenance = sql.SQL("")
-    if replaced is not None:  # a replay replaces these rows: they are not duplicates of its own
-        join = sql.SQL("{} AND NOT ({})").format(join, replaced)
-        provenance = sql.SQL(", s.kafka_partition, s.kafka_offset")
+    # Without an index that leads with a key column, probing key by key would be a nested loop
+    # over the whole target: hash joins then, for the count and the flagging alike.
+    plan = INDEX_PROBES if _key_indexed(conn, pipeline) else NO_NESTED_LOOPS
+    reread, where = sql.SQL(""), sql.SQL("")
+    replay = _replaced_rows(conn, pipeline, batch)
+    if replay is not None:  # a replay replaces these rows: they are not duplicates of its own
+        reread, replaced = replay
+        where = sql.SQL(" AND NOT ({})").format(replaced)
+        plan = NO_NESTED_LOOPS  # the re-read rows hashed once; a replay reads the target once
     # The count probes the target's unique business-key index once per staged key, in key order,
     # so consecutive probes share the index's pages. The planner's own choice, a hash join, reads
     # the whole target for every batch: several times slower against a large target.
     counted = sql.SQL(
-        "SELECT count(*) FROM (SELECT {keys}{provenance} FROM {staging} s WHERE s.batch_id = %(batch)s"
-        " AND s.quarantine_reason IS NULL ORDER BY {keys} OFFSET 0) s JOIN {target} t ON {join}"
+        "SELECT count(*) FROM (SELECT {keys} FROM {staging} s WHERE s.batch_id = %(batch)s"
+        " AND s.quarantine_reason IS NULL ORDER BY {keys} OFFSET 0) s JOIN {target} t ON {join}{reread}"
+        " WHERE TRUE{where}"
     ).format(
         keys=_key_columns(pipeline, "s"),
-        provenance=provenance,
         staging=_staging(pipeline),
         target=_target(pipeline),
         join=join,
+        reread=reread,
+        where=where,
     )
     # Flagging joins the staged rows with the target directly, as the count does: never the
     # staged rows with themselves.
     flag = sql.SQL(
         "UPDATE {staging} s SET quarantine_reason = 'business key already promoted by batch ' || t.batch_id"
         " || ' at partition ' || t.kafka_partition || ' offset ' || t.kafka_offset || {key}"
-        " FROM {target} t WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL AND {join}"
-    ).format(staging=_staging(pipeline), key=_key_shown(pipeline), target=_target(pipeline), join=join)
-    # Without an index that leads with a key column, probing key by key would be a nested loop
-    # over the whole target: hash joins then, for the count and the flagging alike.
-    plan = INDEX_PROBES if _key_indexed(conn, pipeline) else NO_NESTED_LOOPS
+        " FROM {target} t{reread} WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL AND {join}{where}"
+    ).format(
+        staging=_staging(pipeline),
+        key=_key_shown(pipeline),
+        target=_target(pipeline),
+        reread=reread,
+        join=join,
+        where=where,
+    )
     return _flag_duplicates(conn, pipeline, batch, KEY_PROMOTED_CHECK, counted, flag, plan, plan)
 
 

@@ -423,8 +423,8 @@ def pipelines_file_from_env(default: Path | None = None, env: dict[str, str] | N
 
 
 def load_pipelines(path: Path | None = None) -> dict[str, Pipeline]:
-    """Parse and validate the pipelines file into `Pipeline` objects keyed by name; the first
-    error of any pipeline (in the file's order) is raised."""
+    """Parse and validate the pipelines file into `Pipeline` objects keyed by name; any error
+    in it is raised (an entry's own errors first, in the file's order, then clashes)."""
     pipelines, broken = read_pipelines(path)
     if broken:
         raise next(iter(broken.values()))
@@ -434,8 +434,9 @@ def load_pipelines(path: Path | None = None) -> dict[str, Pipeline]:
 def read_pipelines(path: Path | None = None) -> tuple[dict[str, Pipeline], dict[str, ConfigError]]:
     """The pipelines file, each pipeline checked on its own: (the valid pipelines by name, the
     error of every other one by its name, or `pipelines[i]` where it has no usable name), both in
-    the file's order. Two pipelines that take the same name, target table or DAG id are both
-    in error. An unreadable file, or one without a `pipelines:` list, raises `ConfigError`."""
+    the file's order. Of two pipelines that take the same name, target table or DAG id, the
+    later one is in error (a duplicate name as `pipelines[i]`). An unreadable file, or one
+    without a `pipelines:` list, raises `ConfigError`."""
     path = Path(path or pipelines_file_from_env())
     try:
         document = yaml.safe_load(path.read_text())
@@ -456,21 +457,18 @@ def read_pipelines(path: Path | None = None) -> tuple[dict[str, Pipeline], dict[
         named = raw.get("name") if isinstance(raw, dict) else None
         usable = isinstance(named, str) and _IDENTIFIER.fullmatch(named) and len(named) <= MAX_PIPELINE_NAME
         key = named if usable else f"pipelines[{index}]"
+        if key in pipelines or key in broken:  # the name an earlier entry has: this one is in error
+            key = f"pipelines[{index}]"
+            broken[key] = ConfigError(f"{path}: pipelines[{index}].name: duplicate name {named!r}")
+            continue
         try:
-            pipeline = _parse_pipeline(raw, f"{path}: pipelines[{index}]")
+            pipelines[key] = _parse_pipeline(raw, f"{path}: pipelines[{index}]")
+            indexes[key] = index
         except ConfigError as exc:
-            broken.setdefault(key, exc)
-            pipelines.pop(key, None)  # a name given twice: neither is the pipeline of that name
-            continue
-        if pipeline.name in pipelines or pipeline.name in broken:
-            broken[pipeline.name] = ConfigError(f"{path}: pipelines[{index}].name: duplicate name {pipeline.name!r}")
-            pipelines.pop(pipeline.name, None)
-            continue
-        pipelines[pipeline.name] = pipeline
-        indexes[pipeline.name] = index
+            broken[key] = exc
     for name, error in _clashes(path, [(indexes[p.name], p) for p in pipelines.values()]).items():
-        broken.setdefault(name, error)
-        pipelines.pop(name, None)
+        broken[name] = error
+        del pipelines[name]
     return pipelines, broken
 
 
@@ -491,7 +489,8 @@ def _claims(pipeline: Pipeline) -> list[tuple[tuple[str, str], str, str]]:
 
 def _clashes(path: Path, pipelines: list[tuple[int, Pipeline]]) -> dict[str, ConfigError]:
     """Two pipelines must not share a target table, a DAG id or a name migrations create in one
-    schema: one of them would silently use (or never create) the other's. Both are in error."""
+    schema: one of them would silently use (or never create) the other's. The later entry in the
+    file is in error (a pipeline added beside a running one does not stop it)."""
     taken: dict[tuple[str, str], tuple[int, Pipeline, str]] = {}
     clashes: dict[str, ConfigError] = {}
     for index, pipeline in pipelines:
@@ -504,7 +503,6 @@ def _clashes(path: Path, pipelines: list[tuple[int, Pipeline]]) -> dict[str, Con
                     "Give each pipeline its own target table and name."
                 )
                 clashes.setdefault(pipeline.name, error)
-                clashes.setdefault(other.name, error)
             else:
                 taken[key] = (index, pipeline, what)
     return clashes

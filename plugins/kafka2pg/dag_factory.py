@@ -359,7 +359,7 @@ def build_dags(dag_folder: Path | None = None) -> dict:
 
 
 # The DAG that reports the pipelines whose entry has no usable name.
-INVALID_PIPELINES_DAG = "kafka2pg_invalid_pipelines"
+INVALID_PIPELINES_DAG = "kafka2pg-invalid-pipelines"  # a hyphen: no pipeline's DAG id has one
 
 
 def build_broken_dag(dag_id: str, errors: list[str]):

@@ -43,6 +43,9 @@ _SAME_IN_JAVA = frozenset(
         "client.dns.lookup",
         "sasl.kerberos.service.name",
         "connections.max.idle.ms",
+        # Java's timeout of every request; librdkafka's consumers ignore it (a producer property
+        # there, with a warning): passed to both, as connections written for Spark's source give it.
+        "request.timeout.ms",
         "metadata.max.age.ms",
         "reconnect.backoff.ms",
         "reconnect.backoff.max.ms",
@@ -58,20 +61,11 @@ _RENAMED_FOR_JAVA = {
     "socket.receive.buffer.bytes": "receive.buffer.bytes",
     "socket.send.buffer.bytes": "send.buffer.bytes",
 }
-# Names librdkafka does not take as a connection means them, refused with what to give instead:
-# the Java client's names for librdkafka's renamed properties (librdkafka has no such property),
-# and librdkafka's request.timeout.ms, the producer's acknowledgement timeout (a consumer ignores
-# it, with a warning), not the Java client's timeout for every request.
+# Names librdkafka does not take, refused with what to give instead: the Java client's names for
+# librdkafka's renamed properties (librdkafka has no such property).
 _REFUSED = {
-    **{
-        java: f"the Java client's name, unknown to librdkafka: give `{name}` (Spark's source gets it as {java})"
-        for name, java in _RENAMED_FOR_JAVA.items()
-    },
-    "request.timeout.ms": (
-        "in librdkafka a producer's acknowledgement timeout, which kafka2pg's consumers ignore, not the Java "
-        "client's request timeout: give `socket.timeout.ms` for librdkafka's request timeout and "
-        "`kafka.request.timeout.ms` for Spark's source"
-    ),
+    java: f"the Java client's name, unknown to librdkafka: give `{name}` (Spark's source gets it as {java})"
+    for name, java in _RENAMED_FOR_JAVA.items()
 }
 # librdkafka properties handled by the mapping below (they become other Java properties).
 _MAPPED = frozenset(

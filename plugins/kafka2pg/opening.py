@@ -261,7 +261,7 @@ def plan_lookahead(
                     )
         heads.update({p.partition: p.new_head for p in current.plan.partitions})
         moved.update({p.partition: after_id for p in current.plan.partitions})
-        if current.plan.topic_id not in (None, identity):
+        if identity is not None and current.plan.topic_id not in (None, identity):
             raise OffsetRegressionError.recreated(
                 pipeline.name,
                 pipeline.topic,
@@ -326,12 +326,12 @@ def _resume_or_abandon(
         for r in batch.plan.ranges
         if r.partition not in held or r.start < held[r.partition].low or r.end > held[r.partition].high
     ]
-    # Planned in the topic as it was before it was deleted and recreated: its ranges are offsets
-    # of records that are gone (the plan then names the heads' topic, if they have one).
-    recreated = batch.plan.topic_id not in (None, identity)
-    if recreated:
-        expired = [p.partition for p in batch.plan.partitions]
-    if resume_or_abandon(batch.state, stale, expired):
+    # Planned in the topic as it was before it was deleted and recreated: abandoned whatever its
+    # state. Its ranges are offsets of records that are gone, and rows it staged from them cannot
+    # be checked against Kafka (the gate's witnesses, the quarantine's raw bytes would read the new
+    # topic's records); the plan then names the heads' topic, if they have one.
+    recreated = identity is not None and batch.plan.topic_id not in (None, identity)
+    if not recreated and resume_or_abandon(batch.state, stale, expired):
         return (batch if dry_run else claim(conn, batch, run_id)), None
     if recreated:
         why = error = (

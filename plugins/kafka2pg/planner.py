@@ -59,8 +59,8 @@ class PartitionState:
     `last_batch_id` is the batch that last moved the head (None: none has): when the budget
     cannot give every partition a record, the partitions whose heads moved longest ago go first.
     `planned_from`: for a partition without a head, where an abandoned batch had planned to start
-    reading it: the records from there on were meant to load (those Kafka has deleted since are
-    a retention loss, as below a head; under `new_partition_start: latest` the skip ends there).
+    reading it: the records from there on were meant to load, and those Kafka has deleted since
+    are a retention loss, as below a head.
     """
 
     partition: int
@@ -201,14 +201,10 @@ def _start_of(
 ) -> tuple[int | None, int, Gap | None]:
     """(expected head, first offset to read, gap to record before it) for one partition."""
     if state.head is None:
-        if state.planned_from is not None:  # where an abandoned plan started it, a skip included
-            if state.planned_from < state.low:
-                if on_retention_loss == "skip":
-                    return None, state.low, Gap(state.partition, state.planned_from, state.low, "retention_gap")
-                raise RetentionLossError.expired(pipeline, topic, state.partition, state.planned_from, state.low)
-            skipped = state.planned_from > state.low
-            gap = Gap(state.partition, state.low, state.planned_from, "skipped_new_partition") if skipped else None
-            return None, state.planned_from, gap
+        if state.planned_from is not None and state.planned_from < state.low:  # deleted before it was read
+            if on_retention_loss == "skip":
+                return None, state.low, Gap(state.partition, state.planned_from, state.low, "retention_gap")
+            raise RetentionLossError.expired(pipeline, topic, state.partition, state.planned_from, state.low)
         if new_partition_start == "latest" and state.last_stable > state.low:
             gap = Gap(state.partition, state.low, state.last_stable, "skipped_new_partition")
             return None, state.last_stable, gap

@@ -476,12 +476,17 @@ def test_each_pipeline_is_checked_on_its_own_and_a_broken_one_spoils_only_itself
         {**GOOD, "name": "twin", "topic": "twin"},  # the target table orders already has
     )
     pipelines, broken = read_pipelines(path)
-    assert list(pipelines) == [] and list(broken) == ["typo", "pipelines[2]", "twin", "orders"]
+    assert list(pipelines) == ["orders"] and list(broken) == ["typo", "pipelines[2]", "twin"]
     assert "unknown field(s) colums" in str(broken["typo"])
     assert str(broken["twin"]).endswith(
         "pipelines[3] (twin).target_table: its target table 'orders' is also the target table of pipeline 'orders' "
         "(pipelines[0]) among the relations of schema public. Give each pipeline its own target table and name."
     )
+    # The same name twice: the later entry is in error, the earlier keeps its name.
+    pipelines, broken = read_pipelines(write_all(tmp_path, GOOD, {**GOOD, "topic": "other"}))
+    assert list(pipelines) == ["orders"] and pipelines["orders"].topic == "orders"
+    assert list(broken) == ["pipelines[1]"]
+    assert "pipelines[1].name: duplicate name 'orders'" in str(broken["pipelines[1]"])
     path = write_all(
         tmp_path, GOOD, {**GOOD, "name": "typo", "topic": "typo", "target_table": "public.typo", "colums": []}
     )

@@ -188,11 +188,6 @@ def test_librdkafka_takes_the_names_kafka2pg_passes_it():
             "property `send.buffer.bytes` is the Java client's name, unknown to librdkafka: "
             "give `socket.send.buffer.bytes`",
         ),
-        (
-            "request.timeout.ms",
-            "property `request.timeout.ms` is in librdkafka a producer's acknowledgement timeout, .*"
-            "give `socket.timeout.ms` for librdkafka's request timeout and `kafka.request.timeout.ms` for Spark's",
-        ),
     ],
 )
 def test_a_name_librdkafka_does_not_take_as_meant_is_refused_naming_what_to_give(name, message):
@@ -407,3 +402,11 @@ def test_spark_hides_the_inline_client_key_with_the_redaction_regex_in_force(con
         assert java_like.search(shown_as_hidden)
     assert not java_like.search("kafka.ssl.keystore.type") and not java_like.search("bootstrap.servers")
     assert redaction_conf({"spark.redaction.regex": regex}, None) == {"spark.redaction.regex": regex}  # added once
+
+
+def test_request_timeout_ms_reaches_both_clients_as_before():
+    """Java's timeout of every request; librdkafka's consumers ignore it (a producer property
+    there): a connection written for Spark's source keeps working, and Spark gets it."""
+    config = KafkaConfig.of({"bootstrap.servers": "b:1", "request.timeout.ms": "45000"})
+    assert config.spark_options()["kafka.request.timeout.ms"] == "45000"
+    assert config.as_dict["request.timeout.ms"] == "45000"

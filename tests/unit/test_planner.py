@@ -85,7 +85,7 @@ def test_new_partition_latest_skips_existing_records_as_a_gap():
 
 def test_a_headless_partition_an_abandoned_batch_planned_is_planned_from_where_it_started():
     """The batch abandoned before it read the partition (never loaded: no head) had planned it
-    from an offset: retention since is a loss as below a head, and a skip ends where it did."""
+    from an offset: retention since is a loss as below a head."""
     from dataclasses import replace
 
     def headless(planned_from, **kw):
@@ -97,12 +97,11 @@ def test_a_headless_partition_an_abandoned_batch_planned_is_planned_from_where_i
     (part,) = plan([headless(0, low=50, stable=300)], on_retention_loss="skip").partitions
     assert (part.gap.start, part.gap.end, part.gap.kind) == (0, 50, "retention_gap")
     assert (part.range.start, part.range.end, part.expected_head) == (50, 300, None)
-    # Under `latest` it skipped [low, 9) and meant to read on from 9: not to the partition's new end.
-    (part,) = plan([headless(9, low=3, stable=40)], new_partition_start="latest").partitions
-    assert (part.gap.start, part.gap.end, part.gap.kind) == (3, 9, "skipped_new_partition")
-    assert (part.range.start, part.range.end) == (9, 40)
-    (part,) = plan([headless(3, low=3, stable=40)], new_partition_start="latest").partitions
+    # Still held (or a topic recreated where no ID tells): planned as any partition without a head.
+    (part,) = plan([headless(3, low=3, stable=40)]).partitions
     assert part.gap is None and (part.range.start, part.range.end) == (3, 40)
+    (part,) = plan([headless(90, low=0, stable=40)]).partitions
+    assert part.gap is None and (part.range.start, part.range.end) == (0, 40)
 
 
 def test_plan_round_trips_through_json():
