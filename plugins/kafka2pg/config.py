@@ -756,10 +756,27 @@ def _positive_number(raw: dict, key: str, where: str, default: float) -> float:
     return float(value)
 
 
+# Airflow's schedule presets (its cron presets, @once and @continuous).
+SCHEDULE_PRESETS = ("@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly", "@once", "@continuous")
+
+
 def _schedule(raw: dict, where: str) -> str | None:
     value = raw.get("schedule")
-    if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise ConfigError(f"{where}.schedule: expected a cron expression or preset like '@hourly', got {value!r}")
+    if value is None:
+        return None
+    expected = f"{where}.schedule: expected a cron expression or one of {', '.join(SCHEDULE_PRESETS)}"
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{expected}, got {value!r}")
+    if value.strip().lower() in ("none", "null", "~"):
+        raise ConfigError(
+            f"{expected}, got the text {value!r}: for runs only when triggered, leave schedule out (or write null)"
+        )
+    try:
+        from croniter import croniter  # Airflow's own cron parser; not where the config is read without Airflow
+    except ImportError:
+        return value
+    if value.strip() not in SCHEDULE_PRESETS and not croniter.is_valid(value):
+        raise ConfigError(f"{expected}, got {value!r} (not a cron expression croniter reads)")
     return value
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kafka2pg import stage_job
 from kafka2pg.config import Pipeline, pipelines_file_from_env, read_pipelines
+from kafka2pg.exceptions import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -343,8 +344,14 @@ def build_dags(dag_folder: Path | None = None) -> dict:
     pipelines, broken = read_pipelines(pipelines_file)
     dags = {}
     for pipeline in pipelines.values():
-        dags[pipeline.dag_id] = build_dag(pipeline, pipelines_file)
-        dags[pipeline.replay_dag_id] = build_replay_dag(pipeline, pipelines_file)
+        try:
+            live, replay = build_dag(pipeline, pipelines_file), build_replay_dag(pipeline, pipelines_file)
+        except Exception as exc:  # noqa: BLE001 - a DAG Airflow refuses to build: this pipeline's error alone
+            broken[pipeline.name] = ConfigError(
+                f"{pipelines_file}: pipeline {pipeline.name!r}: Airflow refused its DAG ({type(exc).__name__}: {exc})"
+            )
+            continue
+        dags[pipeline.dag_id], dags[pipeline.replay_dag_id] = live, replay
     # A pipeline in error keeps its DAGs, which say why and run nothing; the others are unaffected.
     stand_ins: dict[str, list[str]] = {}
     for name, error in broken.items():

@@ -1,5 +1,7 @@
 """The pipelines file is validated with errors that name the file and the field."""
 
+import re
+
 import pytest
 import yaml
 
@@ -497,3 +499,19 @@ def test_each_pipeline_is_checked_on_its_own_and_a_broken_one_spoils_only_itself
         load_pipelines(path)  # the CLI's migrate, grant and status: the file must be right as a whole
     with pytest.raises(UnknownPipelineError, match=r"known: orders, typo"):
         get_pipeline("nope", path)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "refusal"),
+    [
+        ("None", "got the text 'None': for runs only when triggered, leave schedule out"),
+        ("every hour", "got 'every hour' (not a cron expression croniter reads)"),
+        ("61 * * * *", "(not a cron expression croniter reads)"),
+        ("", "got ''"),
+    ],
+)
+def test_a_schedule_airflow_could_not_read_is_refused(tmp_path, schedule, refusal):
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        get_pipeline("orders", write(tmp_path, schedule=schedule))
+    for fine in ("@hourly", "@once", "*/5 * * * *", "0 3 * * 1-5", None):
+        assert get_pipeline("orders", write(tmp_path, schedule=fine)).schedule == fine

@@ -399,3 +399,25 @@ def test_a_pipeline_in_error_gets_stand_in_dags_that_say_why_and_the_others_are_
         assert stand_in.description.startswith("CONFIGURATION ERROR: ") and said in stand_in.doc_md
         with pytest.raises(AirflowFailException, match=re.escape(said)):
             stand_in.get_task("configuration_error").python_callable()
+
+
+def test_a_pipeline_whose_dag_airflow_refuses_to_build_stands_in_alone(tmp_path, monkeypatch):
+    from kafka2pg import dag_factory
+
+    good = {"name": "good", "topic": "good", "target_table": "good", "columns": [{"name": "a", "type": "text"}]}
+    other = {**good, "name": "other", "topic": "other", "target_table": "other"}
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(json.dumps({"pipelines": [good, other]}))
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(path))
+    real = dag_factory.build_dag
+
+    def refused(pipeline, pipelines_file):
+        if pipeline.name == "other":
+            raise ValueError("a schedule Airflow cannot read")
+        return real(pipeline, pipelines_file)
+
+    monkeypatch.setattr(dag_factory, "build_dag", refused)
+    dags = dag_factory.build_dags()
+    assert "read_and_stage" in dags["kafka2pg_good"].task_ids
+    assert dags["kafka2pg_other"].task_ids == ["configuration_error"]
+    assert "Airflow refused its DAG (ValueError: a schedule Airflow cannot read)" in dags["kafka2pg_other"].doc_md
