@@ -268,6 +268,25 @@ def reset_head(
         broker = offsets.get(partition)
         # A head in the topic as it was before it was recreated says nothing about the new one's offsets.
         recreated = partition in recreated_partitions(conn, pipeline.name, identity)
+        head_id = conn.execute(
+            "SELECT topic_id FROM kafka2pg.ledger_heads WHERE pipeline = %s AND kafka_partition = %s",
+            (pipeline.name, partition),
+        ).fetchone()
+        back = to_offset is not None and current is not None and to_offset < current
+        if back and identity is not None and head_id == (identity,) and not archive_old_rows:
+            raise BatchStateError(
+                f"pipeline {pipeline.name!r}: partition {partition}'s head {current} is an offset in topic "
+                f"{pipeline.topic!r} as it is now (ID {identity}), not a recreated one: moving it back to {to_offset} "
+                f"would read [{to_offset}, {current}) again, whose rows are in the target or the quarantine, and the "
+                "quality gate would reject every such batch as already promoted. To load a range again with the "
+                "current config, use `kafka2pg replay`; to discard those rows and load the records as new, add "
+                "--archive-old-rows. Nothing was changed",
+                pipeline=pipeline.name,
+                topic=pipeline.topic,
+                partition=partition,
+                offsets=to_offset,
+                head=current,
+            )
         if recreated:
             message += (
                 f"; the head is an offset in the topic before it was recreated (the topic's ID is now {identity})"

@@ -528,6 +528,13 @@ def test_a_reset_forward_says_which_offsets_kafka_holds_that_will_never_be_loade
     assert "offsets [20, 25) that Kafka still holds (5 at most) will never be loaded" in preview.message
     with pytest.raises(BatchStateError, match="partition 7 has no ledger head to drop"):
         reset_head(env.settings, env.pipeline, 7, None, reason="typo", confirm=True)
+    # Backwards on the same topic: its rows are there, every batch would be rejected as promoted.
+    with pytest.raises(BatchStateError, match=r"moving it back to 5 would read \[5, 20\) again") as back:
+        reset_head(env.settings, env.pipeline, 0, 5, reason="load again", confirm=True)
+    assert "kafka2pg replay" in str(back.value) and "--archive-old-rows" in str(back.value)
+    moved = reset_head(env.settings, env.pipeline, 0, 5, reason="load again", confirm=True, archive_old_rows=True)
+    assert moved.applied and run_batch(env).promoted == 25
+    assert_audit_clean(env)
 
 
 def test_a_time_window_maps_to_per_partition_offsets(make_pipeline):
