@@ -375,6 +375,17 @@ def _kafka_error(text: str, settings: Settings, pipeline: Pipeline, batch: Batch
                 topic=pipeline.topic,
                 cluster=str(settings.kafka),
             )
+    locked = re.search(r"psycopg\.errors\.LockNotAvailable: ([^\n]*)", text)
+    if locked is not None:  # a lock_timeout a DBA set for the role or the database
+        return StatementTimeoutError(
+            f"{where}: a Spark task's statement waited for a lock longer than PostgreSQL's lock_timeout "
+            f"({hide_password(locked.group(1).strip(), settings.database_url)}): another session held a lock on "
+            "the staging table or the batch (a long transaction, a VACUUM FULL, a DBA's lock). Nothing was "
+            "staged; the batch stays planned and the retry stages it again. If it recurs, unset lock_timeout "
+            "for kafka2pg's role (ALTER ROLE … RESET lock_timeout) or find the session holding the lock.",
+            pipeline=pipeline.name,
+            batch_id=batch.batch_id,
+        )
     lost_db = _LOST_DATABASE.search(text)
     if lost_db is not None:  # a chunk writer's connection ended under it (terminated, a restart)
         return DatabaseUnavailableError(

@@ -242,3 +242,18 @@ def test_stopping_the_session_does_not_wait_for_the_accumulator_server():
         released.set()
     assert shut.wait(timeout=60), "the accumulator server was never shut down"
     assert events == ["spark stopped", "server shutdown"]
+
+
+def test_a_task_stopped_by_a_lock_timeout_fails_retryably_saying_what_held_it():
+    from kafka2pg.exceptions import StatementTimeoutError
+
+    text = task_failure("X", "y").replace(
+        "kafka2pg.exceptions.X: y", "psycopg.errors.LockNotAvailable: canceling statement due to lock timeout"
+    )
+    raised = _kafka_error(text, SETTINGS, _Pipeline, _Batch)
+    assert isinstance(raised, StatementTimeoutError) and not raised.terminal
+    assert str(raised).startswith(
+        "pipeline 'orders' batch 7: a Spark task's statement waited for a lock longer than PostgreSQL's "
+        "lock_timeout (canceling statement due to lock timeout)"
+    )
+    assert "ALTER ROLE … RESET lock_timeout" in str(raised) and "SQLSTATE" not in str(raised)
