@@ -301,7 +301,8 @@ def test_records_deleted_before_a_first_batch_read_them_are_a_retention_loss_not
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(100, seed=48)))
     first = open_batch(env.settings, env.pipeline).batch
     assert first.plan.ranges == (OffsetRange(0, 0, 100),)
-    deleted = admin(env).delete_records([TopicPartition(env.topic, 0, 50)])
+    client = admin(env)  # kept referenced until the deletion's future is resolved
+    deleted = client.delete_records([TopicPartition(env.topic, 0, 50)])
     assert next(iter(deleted.values())).result(timeout=10).low_watermark == 50
     with pytest.raises(RetentionLossError) as lost:
         open_batch(env.settings, env.pipeline)
