@@ -159,6 +159,8 @@ def test_stop_keeps_the_data_a_taken_port_is_refused_and_only_reset_confirm_dele
     assert all(path.is_dir() for path in data) and local_stack.load_stack(state_dir) == before
 
     with socket.socket() as squatter:
+        # Like any server: the stopped postgres's connections in TIME_WAIT must not stop the bind.
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", before.postgres.port))
         squatter.listen()
         code, output = stack_command(capsys, "start")
