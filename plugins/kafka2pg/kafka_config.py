@@ -42,7 +42,6 @@ _SAME_IN_JAVA = frozenset(
         "client.id",
         "client.dns.lookup",
         "sasl.kerberos.service.name",
-        "connections.max.idle.ms",
         # Java's timeout of every request; librdkafka's consumers ignore it (a producer property
         # there, with a warning): passed to both, as connections written for Spark's source give it.
         "request.timeout.ms",
@@ -61,6 +60,16 @@ _RENAMED_FOR_JAVA = {
     "socket.receive.buffer.bytes": "receive.buffer.bytes",
     "socket.send.buffer.bytes": "send.buffer.bytes",
 }
+# librdkafka properties whose 0 means "off" where Java's off is -1 (Java takes 0 and means
+# something else by it: an idle time of 0 would close every connection as soon as it idles).
+_ZERO_IS_MINUS_ONE_IN_JAVA = {**_RENAMED_FOR_JAVA, "connections.max.idle.ms": "connections.max.idle.ms"}
+# The PEM material librdkafka takes as a file or inline, and the Java property (type PEM) Spark's
+# source gets it in, inline: (file property, inline property, Java property).
+_PEM_SOURCES = (
+    ("ssl.ca.location", "ssl.ca.pem", "ssl.truststore.certificates"),
+    ("ssl.certificate.location", "ssl.certificate.pem", "ssl.keystore.certificate.chain"),
+    ("ssl.key.location", "ssl.key.pem", "ssl.keystore.key"),
+)
 # Names librdkafka does not take, refused with what to give instead: the Java client's names for
 # librdkafka's renamed properties (librdkafka has no such property).
 _REFUSED = {
@@ -70,15 +79,13 @@ _REFUSED = {
 # librdkafka properties handled by the mapping below (they become other Java properties).
 _MAPPED = frozenset(
     {
-        *_RENAMED_FOR_JAVA,
+        *_ZERO_IS_MINUS_ONE_IN_JAVA,
+        *(name for source in _PEM_SOURCES for name in source[:2]),
         "ssl.endpoint.identification.algorithm",
         "sasl.mechanism",
         "sasl.mechanisms",
         "sasl.username",
         "sasl.password",
-        "ssl.ca.location",
-        "ssl.certificate.location",
-        "ssl.key.location",
         "ssl.key.password",
     }
 )
@@ -201,12 +208,13 @@ class KafkaConfig:
         to librdkafka (`ssl.ca.location`, `ssl.certificate.location` + `ssl.key.location`, a PKCS#8
         key) are passed inline (`ssl.truststore.certificates`, `ssl.keystore.certificate.chain` +
         `ssl.keystore.key`, type PEM), so the executors need no files. The socket buffer sizes take
-        their Java names; hostname verification's `none` is Java's empty value. Java-only
+        their Java names; librdkafka's 0 for them and for `connections.max.idle.ms` (the system's
+        default; never close) is Java's -1; hostname verification's `none` is Java's empty value. Java-only
         properties pass as given (and win).
         """
         props = self.as_dict
         options = {f"kafka.{k}": v for k, v in props.items() if k in _SAME_IN_JAVA}
-        for name, java in _RENAMED_FOR_JAVA.items():
+        for name, java in _ZERO_IS_MINUS_ONE_IN_JAVA.items():
             if name in props:
                 options[f"kafka.{java}"] = "-1" if props[name].strip() == "0" else props[name]
         if "ssl.endpoint.identification.algorithm" in props:
@@ -227,17 +235,23 @@ class KafkaConfig:
                 f"{module} required username={_jaas(props['sasl.username'])} "
                 f"password={_jaas(props.get('sasl.password', ''))};"
             )
-        if "ssl.ca.location" in props:
-            options.setdefault("kafka.ssl.truststore.type", "PEM")
-            options.setdefault("kafka.ssl.truststore.certificates", _pem(props["ssl.ca.location"], "ssl.ca.location"))
-        if "ssl.certificate.location" in props or "ssl.key.location" in props:
-            options.setdefault("kafka.ssl.keystore.type", "PEM")
-            options.setdefault(
-                "kafka.ssl.keystore.certificate.chain",
-                _pem(props.get("ssl.certificate.location", ""), "ssl.certificate.location"),
+        both = [f"`{file}` and `{inline}`" for file, inline, _ in _PEM_SOURCES if file in props and inline in props]
+        if both:
+            raise ConfigError(
+                f"Kafka properties {'; '.join(both)} give the same PEM material twice (a file, and inline): "
+                "Spark's Kafka source takes one; give one"
             )
+        ca, certificate, key = _PEM_SOURCES
+        if _given(props, ca):
+            options.setdefault("kafka.ssl.truststore.type", "PEM")
+            if "kafka.ssl.truststore.certificates" not in options:
+                options["kafka.ssl.truststore.certificates"] = _pem_of(props, ca)
+        if _given(props, certificate) or _given(props, key):
+            options.setdefault("kafka.ssl.keystore.type", "PEM")
+            if "kafka.ssl.keystore.certificate.chain" not in options:
+                options["kafka.ssl.keystore.certificate.chain"] = _pem_of(props, certificate)
             if "kafka.ssl.keystore.key" not in options:
-                options["kafka.ssl.keystore.key"] = _pkcs8_key(props.get("ssl.key.location", ""))
+                options["kafka.ssl.keystore.key"] = _pkcs8_key(props, key)
             if "ssl.key.password" in props:
                 options.setdefault("kafka.ssl.key.password", props["ssl.key.password"])
         return options
@@ -276,29 +290,48 @@ def _jaas(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _pem(path: str, key: str) -> str:
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"Kafka property {key}: cannot read the PEM file {path!r} ({exc.strerror})") from None
+def _given(props: Mapping[str, str], source: tuple[str, str, str]) -> bool:
+    return source[0] in props or source[1] in props
+
+
+def _pem_of(props: Mapping[str, str], source: tuple[str, str, str]) -> str:
+    """The PEM text of a (file, inline, Java) source: the inline value, or the file's content.
+    A message names the property and the file, never the content."""
+    file, inline, _ = source
+    if inline in props:
+        text, what = props[inline], f"Kafka property {inline}"
+    else:
+        path = props.get(file, "")
+        what = f"Kafka property {file}: {path!r}"
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"Kafka property {file}: cannot read the PEM file {path!r} ({exc.strerror})") from None
     if "-----BEGIN" not in text:
-        raise ConfigError(f"Kafka property {key}: {path!r} is not a PEM file")
+        raise ConfigError(f"{what} is not PEM (no `-----BEGIN` line)")
     return text
 
 
-def _pkcs8_key(path: str) -> str:
-    """The client key file for Spark's `ssl.keystore.key`: a legacy PEM key (PKCS#1 `RSA PRIVATE
-    KEY`, SEC1 `EC PRIVATE KEY`, ...) is refused, Java's PEM support would fail on it at the first
-    connection. The message names the file and the key's kind, never its content."""
-    text = _pem(path, "ssl.key.location")
+def _pkcs8_key(props: Mapping[str, str], source: tuple[str, str, str]) -> str:
+    """The client key for Spark's `ssl.keystore.key`: a legacy PEM key (PKCS#1 `RSA PRIVATE KEY`,
+    SEC1 `EC PRIVATE KEY`, ...) is refused, Java's PEM support would fail on it at the first
+    connection. The message names the property (and file) and the key's kind, never its content."""
+    text = _pem_of(props, source)
     legacy = [kind for kind in _PEM_KEY_BEGIN.findall(text) if kind not in _PKCS8_KINDS]
     if legacy:
+        file, inline, _ = source
+        where = f"{inline}: the key" if inline in props else f"{file}: {props[file]!r}"
+        then = (
+            f"and give the new key in {inline}"
+            if inline in props
+            else f"and name the new file in {file} (librdkafka reads it too)"
+        )
         raise ConfigError(
-            f"Kafka property ssl.key.location: {path!r} holds a `{legacy[0]}PRIVATE KEY`, a format librdkafka "
+            f"Kafka property {where} holds a `{legacy[0]}PRIVATE KEY`, a format librdkafka "
             "reads but Spark's Kafka source (Java) does not: it takes PKCS#8 keys only (`PRIVATE KEY`, "
             "`ENCRYPTED PRIVATE KEY`). Convert it, e.g. `openssl pkcs8 -topk8 -nocrypt -in key.pem -out "
             "key.pk8.pem` (to keep it encrypted, with ssl.key.password: `-v1 PBE-SHA1-3DES` instead of "
-            "`-nocrypt`), and name the new file in ssl.key.location (librdkafka reads it too)"
+            f"`-nocrypt`), {then}"
         )
     return text
 

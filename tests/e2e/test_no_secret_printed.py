@@ -97,18 +97,23 @@ def test_no_password_in_any_output_or_log_of_runs_and_failures(stack, airflow_ho
 
 
 @pytest.mark.parametrize(
-    "spark_conf",
-    [{}, {"spark.driver.extraJavaOptions": "-Dkafka2pg.test.site.option=1 -XX:+UseSerialGC"}],
-    ids=["kafka2pg-jvm-options", "pipelines-own-jvm-options"],
+    ("spark_conf", "inline_pem"),
+    [({}, False), ({"spark.driver.extraJavaOptions": "-Dkafka2pg.test.site.option=1 -XX:+UseSerialGC"}, True)],
+    ids=["kafka2pg-jvm-options-pem-files", "pipelines-own-jvm-options-inline-pem"],
 )
 def test_no_client_key_in_the_task_log_with_spark_logging_at_debug(
-    stack, airflow_home, make_pipeline, db, tmp_path, spark_conf
+    stack, airflow_home, make_pipeline, db, tmp_path, spark_conf, inline_pem
 ):
     """Spark's Kafka source logs its Kafka clients' parameters at DEBUG, the client key kafka2pg
     passes inline among them: a pipeline reading through it over mTLS at spark_log_level DEBUG
     prints Spark's DEBUG lines, and not one line of the key; also where the pipeline gives the
-    driver JVM options of its own."""
+    driver JVM options of its own, and the connection gives the CA, certificate and key inline
+    (librdkafka's `ssl.*.pem`, which both readers then use)."""
     mtls = stack.kafka.secured_listener().client_config("mtls")
+    key = Path(mtls["ssl.key.location"]).read_text().splitlines()
+    if inline_pem:
+        for kind in ("ca", "certificate", "key"):
+            mtls[f"ssl.{kind}.pem"] = Path(mtls.pop(f"ssl.{kind}.location")).read_text()
     env = make_pipeline(partitions=1, kafka_reader="spark", spark_log_level="DEBUG", spark_conf=spark_conf)
     produce(KafkaConfig.of(mtls), env.topic, sample_events(50, seed=112))
     run_env = {k: v for k, v in airflow_home.items() if not k.startswith("KAFKA2PG_")}
@@ -127,7 +132,6 @@ def test_no_client_key_in_the_task_log_with_spark_logging_at_debug(
     assert "Admin params" not in output
     # and the job says the driver logs through kafka2pg's file.
     assert "kafka.group.id is filtered" in output and UNFILTERED_LOG not in output
-    key = Path(mtls["ssl.key.location"]).read_text().splitlines()
     key_lines = [line for line in key if "-----" not in line and len(line) >= 40]
     assert len(key_lines) >= 3
     # and no line of the key shows anywhere (that, the redaction regex and Airflow's masker).

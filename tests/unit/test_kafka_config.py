@@ -83,6 +83,51 @@ def test_mtls_files_go_to_spark_inline(pem_files):
     assert "ssl.key.location" in kafka.confluent()
 
 
+def test_inline_pems_go_to_spark_inline_as_files_do():
+    kafka = KafkaConfig.of(
+        {
+            "bootstrap.servers": "b:9094",
+            "security.protocol": "SSL",
+            "ssl.ca.pem": CA,
+            "ssl.certificate.pem": CERT,
+            "ssl.key.pem": KEY,
+        }
+    )
+    assert kafka.confluent()["ssl.key.pem"] == KEY  # librdkafka reads them itself
+    assert kafka.spark_options() == {
+        "kafka.bootstrap.servers": "b:9094",
+        "kafka.security.protocol": "SSL",
+        "kafka.ssl.truststore.type": "PEM",
+        "kafka.ssl.truststore.certificates": CA,
+        "kafka.ssl.keystore.type": "PEM",
+        "kafka.ssl.keystore.certificate.chain": CERT,
+        "kafka.ssl.keystore.key": KEY,
+    }
+    assert kafka.unmapped_for_spark() == []
+
+
+def test_a_pem_given_as_a_file_and_inline_or_a_legacy_inline_key_is_refused_for_spark_only(pem_files):
+    both = KafkaConfig.of({"bootstrap.servers": "b:1", "ssl.ca.location": str(pem_files["ca"]), "ssl.ca.pem": CA})
+    assert both.confluent()["ssl.ca.pem"] == CA  # librdkafka takes both
+    with pytest.raises(ConfigError, match="`ssl.ca.location` and `ssl.ca.pem` give the same PEM material twice"):
+        both.spark_options()
+    legacy = "-----BEGIN RSA PRIVATE KEY-----\nc2VjcmV0LWtleS1ib2R5\n-----END RSA PRIVATE KEY-----\n"
+    kafka = KafkaConfig.of({"bootstrap.servers": "b:1", "ssl.certificate.pem": CERT, "ssl.key.pem": legacy})
+    with pytest.raises(ConfigError, match="ssl.key.pem: the key holds a `RSA PRIVATE KEY`") as refused:
+        kafka.spark_options()
+    assert "c2VjcmV0LWtleS1ib2R5" not in str(refused.value) and "give the new key in ssl.key.pem" in str(refused.value)
+    with pytest.raises(ConfigError, match="Kafka property ssl.ca.pem is not PEM"):
+        KafkaConfig.of({"bootstrap.servers": "b:1", "ssl.ca.pem": "/etc/ssl/ca.pem"}).spark_options()
+
+
+@pytest.mark.parametrize(("librdkafka", "java"), [("0", "-1"), ("60000", "60000")])
+def test_an_idle_time_of_0_never_closes_for_librdkafka_and_is_minus_1_for_java(librdkafka, java):
+    """Java's client takes 0 too, and closes every connection the moment it idles; its "never" is -1."""
+    kafka = KafkaConfig.of({"bootstrap.servers": "b:1", "connections.max.idle.ms": librdkafka})
+    assert kafka.confluent()["connections.max.idle.ms"] == librdkafka
+    assert kafka.spark_options()["kafka.connections.max.idle.ms"] == java
+
+
 def test_java_only_properties_go_to_spark_only_and_unknown_ones_to_librdkafka_only():
     kafka = KafkaConfig.of(
         {
