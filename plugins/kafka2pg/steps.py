@@ -64,19 +64,34 @@ def mirror_heads(settings: Settings, pipeline: Pipeline) -> None:
         )
 
 
+# What `_sent_back` found: the deferred check is still to run (or the batch is past it: its state).
+_CHECK = "check"
+
+
 def _promote(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None) -> PromoteResult | ReplayResult:
     try:
         return _promote_once(settings, pipeline, batch_id, epoch)
     except KeyCollisionError as exc:
         if not _send_back(settings, pipeline, batch_id, epoch):
             raise
-        why = f"a business key is already in the target ({exc.__cause__ or exc})"
-    except BatchStateError:
-        if not _sent_back(settings, pipeline, batch_id, epoch):
+        after, why = _CHECK, f"a business key is already in the target ({exc.__cause__ or exc})"
+    except BatchStateError as exc:
+        after = _sent_back(settings, pipeline, batch_id, epoch, exc)
+        if after is None:
             raise
-        why = "an earlier attempt stopped after a key collision"  # a retry of the promote task
-    log.warning("pipeline=%s batch_id=%s %s: running the deferred promoted-key check", pipeline.name, batch_id, why)
-    validate_batch(settings, pipeline, batch_id, epoch, probe_promoted_keys=True)
+        if after is _CHECK:
+            why = "an earlier attempt stopped after a key collision"  # a retry of the promote task
+        else:
+            log.info(
+                "pipeline=%s batch_id=%s was staged when this attempt read it and is %s now (another attempt "
+                "checked it since): promoting it",
+                pipeline.name,
+                batch_id,
+                after,
+            )
+    if after is _CHECK:
+        log.warning("pipeline=%s batch_id=%s %s: running the deferred promoted-key check", pipeline.name, batch_id, why)
+        validate_batch(settings, pipeline, batch_id, epoch, probe_promoted_keys=True)
     try:
         return _promote_once(settings, pipeline, batch_id, epoch)
     except KeyCollisionError:
@@ -109,10 +124,19 @@ def _send_back(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int
         return batch.kind == "replay" or key_probe_deferred(conn, batch_id)
 
 
-def _sent_back(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None) -> bool:
-    """Whether the batch is `staged` by `_send_back` with its promoted-key check still to run:
-    an attempt stopped between the collision and the check (the check and then the promotion
-    are what a retry of the promote task has left to do)."""
+def _sent_back(
+    settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None, refused: BatchStateError
+) -> str | None:
+    """After a promotion refused the batch as `staged`: `_CHECK` when `_send_back` put it there
+    with its promoted-key check still to run (an attempt stopped between the collision and the
+    check, or one is at it now: the check and the promotion are what is left to do); its state
+    when it is `validated` or `promoted` by now (another attempt, sent back by a collision, ran
+    the check since this one read it: the promotion is what is left, or nothing); else None."""
+    if refused.evidence.get("state") != BatchState.STAGED:
+        return None
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
-        return batch.state is BatchState.STAGED and (batch.kind == "replay" or key_probe_deferred(conn, batch_id))
+        if batch.state in (BatchState.VALIDATED, BatchState.PROMOTED, BatchState.VERIFIED):
+            return batch.state.value
+        sent_back = batch.state is BatchState.STAGED and (batch.kind == "replay" or key_probe_deferred(conn, batch_id))
+        return _CHECK if sent_back else None

@@ -537,6 +537,45 @@ def test_a_batch_sent_back_by_a_collision_keeps_its_findings_when_the_next_run_v
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
 
 
+def test_a_promote_attempt_that_finds_the_batch_sent_back_and_checked_again_by_its_twin_promotes_it(
+    make_pipeline, spark, run_batch, db, monkeypatch
+):
+    """Two attempts of the promote task at once (Airflow retried one whose worker it lost): one
+    collides on a business key and sends the batch back to `staged`; the other reads it `staged`,
+    and by the time it asks why, the first has run the deferred check and the batch is
+    `validated` again. The second promotes it (it failed as `is staged`, with no retry, while
+    the batch was promotable); the rows land once."""
+    import kafka2pg.steps
+
+    env = make_pipeline(partitions=1)
+    events = list(sample_events(4, seed=81))
+    produce(env.settings.bootstrap_servers, env.topic, events[:2], key_field=None)
+    assert run_batch(env).promoted == 2
+    produce(env.settings.bootstrap_servers, env.topic, [{**events[2], "event_id": events[0]["event_id"]}, events[3]])
+    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, batch_id)
+    validate_batch(env.settings, env.pipeline, batch_id)
+    promote_dying_in_the_deferred_check(monkeypatch, env, batch_id)  # the first attempt: sent back
+
+    tries = []
+    promote_once = kafka2pg.steps._promote_once
+
+    def twin_checks_meanwhile(*args):
+        tries.append(args)
+        try:
+            return promote_once(*args)
+        finally:
+            if len(tries) == 1:  # the first attempt runs the deferred check between the read and the why
+                validate_batch(env.settings, env.pipeline, batch_id, probe_promoted_keys=True)
+
+    monkeypatch.setattr(kafka2pg.steps, "_promote_once", twin_checks_meanwhile)
+    promoted = promote_batch(env.settings, env.pipeline, batch_id)
+    assert (promoted.promoted, promoted.quarantined, promoted.already_promoted) == (1, 1, False)
+    assert len(tries) == 2
+    assert target_ids(db, env) == sorted(e["event_id"] for e in [*events[:2], events[3]])
+    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+
+
 def test_a_deferred_batch_whose_offsets_landed_meanwhile_is_rejected_at_promotion(
     make_pipeline, spark, run_batch, db, heads
 ):
