@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shlex
@@ -264,6 +265,9 @@ class Pipeline:
     new_partition_start: Literal["earliest", "latest"] = "earliest"
     duplicate_policy: Literal["quarantine", "fail"] = "quarantine"
     data_loss_warning_hours: float = 24.0
+    # Each task of the pipeline's DAGs fails (and is retried) after this long (Airflow's
+    # execution_timeout; the stage task's Spark job is stopped): None, no limit.
+    task_timeout_minutes: float | None = None
     # How the stage job's Spark tasks read Kafka: librdkafka (confluent-kafka) in the Python task that
     # also admits and COPYs the records, or Spark's Kafka source (the Java client) feeding it.
     kafka_reader: Literal["librdkafka", "spark"] = KAFKA_READERS[0]
@@ -537,6 +541,7 @@ _PIPELINE_KEYS = {
     "new_partition_start",
     "duplicate_policy",
     "data_loss_warning_hours",
+    "task_timeout_minutes",
     "kafka_reader",
     "spark_conf",
     "spark_log_level",
@@ -590,6 +595,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         new_partition_start=_choice(raw, "new_partition_start", where, ("earliest", "latest")),
         duplicate_policy=_choice(raw, "duplicate_policy", where, ("quarantine", "fail")),
         data_loss_warning_hours=_positive_number(raw, "data_loss_warning_hours", where, 24.0),
+        task_timeout_minutes=_positive_number(raw, "task_timeout_minutes", where, None),
         kafka_reader=_choice(raw, "kafka_reader", where, KAFKA_READERS),
         spark_conf=_spark_conf(raw.get("spark_conf"), where),
         spark_log_level=_choice(raw, "spark_log_level", where, SPARK_LOG_LEVELS),
@@ -749,11 +755,18 @@ def _consumer_group(raw: dict, where: str) -> str | None:
     return value
 
 
-def _positive_number(raw: dict, key: str, where: str, default: float) -> float:
+def _positive_number(raw: dict, key: str, where: str, default: float | None) -> float | None:
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ConfigError(f"{where}.{key}: expected a positive number, got {value!r}")
+    if value is None and default is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(f"{where}.{key}: expected a positive number, got {value!r}{_null_note(value, default)}")
     return float(value)
+
+
+def _null_note(value: Any, default: Any) -> str:
+    """For a field given as null that has a default: how to get it (null is not "no limit")."""
+    return f" (leave it out for the default, {default})" if value is None else ""
 
 
 # Airflow's schedule presets (its cron presets, @once and @continuous).
@@ -977,10 +990,10 @@ def _rules(raw: dict, here: str, pg_type: str) -> tuple:
 
 def _positive_int(raw: dict, key: str, where: str, default: int | None) -> int | None:
     value = raw.get(key, default)
-    if value is None:
+    if value is None and default is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}.{key}: expected a positive integer, got {value!r}")
+        raise ConfigError(f"{where}.{key}: expected a positive integer, got {value!r}{_null_note(value, default)}")
     return value
 
 

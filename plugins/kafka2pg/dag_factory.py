@@ -49,7 +49,7 @@ def build_dag(pipeline: Pipeline, pipelines_file: Path):
         max_active_runs=1,
         allowed_run_types=LIVE_RUN_TYPES,
         tags=["kafka2pg"],
-        default_args={"retries": 2, "retry_delay": timedelta(seconds=20)},
+        default_args=_default_args(pipeline),
         params={
             "max_records_per_batch": Param(
                 None,
@@ -109,6 +109,16 @@ def build_dag(pipeline: Pipeline, pipelines_file: Path):
         promoted = _linked_to_report(promote_batch(planned), name)
         _has_batch_task()(planned) >> stage >> validated >> promoted
     return dag
+
+
+def _default_args(pipeline: Pipeline) -> dict:
+    """Every task's: two retries 20 s apart; with `task_timeout_minutes`, Airflow's
+    execution_timeout (a task past it fails and is retried; the stage task's `on_kill` stops its
+    Spark job, whose batch the next attempt resumes)."""
+    args: dict = {"retries": 2, "retry_delay": timedelta(seconds=20)}
+    if pipeline.task_timeout_minutes is not None:
+        args["execution_timeout"] = timedelta(minutes=pipeline.task_timeout_minutes)
+    return args
 
 
 def _report_hooks(pipeline_name: str) -> dict:
@@ -255,7 +265,7 @@ def build_replay_dag(pipeline: Pipeline, pipelines_file: Path):
         is_paused_upon_creation=True,
         max_active_runs=REPLAY_SPARK_JOBS,
         tags=["kafka2pg", "replay"],
-        default_args={"retries": 2, "retry_delay": timedelta(seconds=20)},
+        default_args=_default_args(pipeline),
         params={
             "mode": Param(
                 "replace",

@@ -46,6 +46,9 @@ def test_good_file_parses_with_defaults(tmp_path):
     assert get_pipeline("orders", write(tmp_path, spark_log_level="INFO")).spark_log_level == "INFO"
     assert pipeline.kafka_reader == "librdkafka"
     assert get_pipeline("orders", write(tmp_path, kafka_reader="spark")).kafka_reader == "spark"
+    assert pipeline.task_timeout_minutes is None
+    assert get_pipeline("orders", write(tmp_path, task_timeout_minutes=None)).task_timeout_minutes is None
+    assert get_pipeline("orders", write(tmp_path, task_timeout_minutes=45)).task_timeout_minutes == 45.0
 
 
 @pytest.mark.parametrize(
@@ -56,6 +59,14 @@ def test_good_file_parses_with_defaults(tmp_path):
             r"pipelines\[0\] \(orders\)\.max_records_per_batch: expected a positive integer",
         ),
         ({"batches_per_run": -2}, r"\(orders\)\.batches_per_run: expected a positive integer"),
+        (
+            {"max_records_per_batch": None},
+            r"max_records_per_batch: expected a positive integer, got None \(leave it out for the default, 100000\)",
+        ),
+        ({"data_loss_warning_hours": None}, r"data_loss_warning_hours: expected a positive number, got None \(leave"),
+        ({"task_timeout_minutes": 0}, r"\(orders\)\.task_timeout_minutes: expected a positive number, got 0$"),
+        ({"task_timeout_minutes": float("inf")}, r"task_timeout_minutes: expected a positive number, got inf"),
+        ({"task_timeout_minutes": "1h"}, r"task_timeout_minutes: expected a positive number, got '1h'"),
         ({"on_retention_loss": "ignore"}, r"on_retention_loss: expected one of fail, skip"),
         ({"kafka_reader": "java"}, r"\(orders\)\.kafka_reader: expected one of librdkafka, spark, got 'java'"),
         ({"columns": [{"name": "x", "type": "money"}]}, r"columns\[0\]\.type: unsupported type 'money'"),

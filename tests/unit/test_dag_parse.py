@@ -311,6 +311,30 @@ def test_the_live_dag_takes_every_kind_of_run_but_a_backfill_as_airflow_reads_it
     assert "At most 4 runs stage" in replay.doc_md
 
 
+@pytest.mark.parametrize("minutes", [None, 90, 0.5])
+def test_task_timeout_minutes_is_every_tasks_execution_timeout_as_airflow_reads_it(tmp_path, monkeypatch, minutes):
+    """A wedged task (a lock wait, a Spark job that hangs) would hold the live DAG's one run for
+    good: with `task_timeout_minutes` every task of both DAGs, in the DAG the scheduler reads,
+    fails after that long (the stage task's Spark job stopped by its on_kill) and is retried."""
+    from datetime import timedelta
+
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    from kafka2pg.dag_factory import build_dags
+
+    shipped = (ROOT / "dags" / "pipelines.yaml").read_text()
+    own = tmp_path / "pipelines.yaml"
+    setting = "" if minutes is None else f"    task_timeout_minutes: {minutes}\n"
+    own.write_text(shipped.replace("    topic: orders\n", f"    topic: orders\n{setting}", 1))
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(own))
+    built = build_dags()
+    expected = None if minutes is None else timedelta(minutes=minutes)
+    for dag_id in ("kafka2pg_orders", "kafka2pg_orders_replay"):
+        dag = DagSerialization.from_dict(DagSerialization.to_dict(built[dag_id]))
+        assert dag.task_dict and {t.execution_timeout for t in dag.tasks} == {expected}, dag_id
+        assert {t.retries for t in dag.tasks} == {2}
+
+
 @pytest.fixture
 def dags(monkeypatch):
     """The shipped pipelines file's DAGs, built in this process."""
