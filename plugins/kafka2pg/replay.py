@@ -48,6 +48,8 @@ from kafka2pg.rows import clear_staging, insert_quarantine, insert_target, range
 log = logging.getLogger(__name__)
 
 SAMPLE = 20
+# The suffix of a verify-only kind for rows whose record the replay could not read (compacted away).
+RECORD_GONE = "_record_gone"
 # The run id of a replay started from the command line (`kafka2pg replay`): no Airflow DAG run.
 CLI_RUN_ID = "cli"
 
@@ -230,10 +232,12 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
         clear_staging(conn, pipeline, batch.batch_id)
         transition(conn, batch, BatchState.VERIFIED)
         finish_record(conn, batch.batch_id, before, before, found)
-        total = sum(v["count"] for v in found.values())
+        total = sum(v["count"] for kind, v in found.items() if not kind.endswith(RECORD_GONE))
+        gone = sum(v["count"] for kind, v in found.items() if kind.endswith(RECORD_GONE))
+        kept = f"; {gone} row(s) whose record Kafka no longer holds (compacted away): kept" if gone else ""
         message = (
             f"replay batch {batch.batch_id} verify-only: {total} difference(s) between Kafka re-read with the "
-            f"current logic and the target/quarantine ({_describe_differences(found)}); nothing changed"
+            f"current logic and the target/quarantine ({_describe_differences(found)}){kept}; nothing changed"
         )
         log.info("pipeline=%s %s", pipeline.name, message)
         return ReplayResult(batch.batch_id, mode, 0, 0, False, message, before, found)
@@ -346,7 +350,10 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
 
     Kinds: only_in_target, only_in_replay, changed (same offset, other values); for the
     quarantine: quarantined_only_before, quarantined_only_by_replay, quarantine_reason_changed.
-    Each: count and up to SAMPLE "partition:offset" samples.
+    A row of the target or the quarantine at an offset where the replay read no record at all
+    (compacted away since it was loaded) is `only_in_target_record_gone` or
+    `quarantined_only_before_record_gone`: what Kafka no longer holds, not a difference of the
+    logic (a `replace` keeps such a row). Each: count and up to SAMPLE "partition:offset" samples.
     """
     values = sql.SQL(", ").join(
         [sql.Identifier(c.name) for c in pipeline.columns] + [sql.Identifier("kafka_timestamp")]
@@ -374,21 +381,29 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
         "target": ("only_in_target", "only_in_replay", "changed"),
         "quarantine": ("quarantined_only_before", "quarantined_only_by_replay", "quarantine_reason_changed"),
     }
+    # Every offset the replay read a record at (for the target's rows or the quarantine's).
+    reread = sql.SQL("SELECT kafka_partition AS p, kafka_offset AS o FROM {} WHERE batch_id = %(batch)s").format(
+        staging
+    )
     found: dict[str, dict] = {}
     for side, old, new in (("target", old_rows, new_rows), ("quarantine", old_q, new_q)):
         only_old, only_new, changed = kinds[side]
         joined = sql.SQL(
-            "SELECT CASE WHEN n.p IS NULL THEN {only_old} WHEN o.p IS NULL THEN {only_new} ELSE {changed} END,"
+            "SELECT CASE WHEN n.p IS NULL AND r.p IS NULL THEN {gone} WHEN n.p IS NULL THEN {only_old}"
+            " WHEN o.p IS NULL THEN {only_new} ELSE {changed} END,"
             " coalesce(o.p, n.p), coalesce(o.o, n.o)"
             " FROM (SELECT kafka_partition AS p, kafka_offset AS o, v FROM ({old}) x) o"
             " FULL JOIN (SELECT kafka_partition AS p, kafka_offset AS o, v FROM ({new}) y) n ON o.p = n.p AND o.o = n.o"
+            " LEFT JOIN ({reread}) r ON r.p = o.p AND r.o = o.o"
             " WHERE o.p IS NULL OR n.p IS NULL OR o.v IS DISTINCT FROM n.v ORDER BY 2, 3"
         ).format(
+            gone=sql.Literal(only_old + RECORD_GONE),
             only_old=sql.Literal(only_old),
             only_new=sql.Literal(only_new),
             changed=sql.Literal(changed),
             old=old,
             new=new,
+            reread=reread,
         )
         for kind, partition, offset in conn.execute(joined, params):
             entry = found.setdefault(kind, {"count": 0, "sample": []})
@@ -399,6 +414,7 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
 
 
 def _describe_differences(found: dict) -> str:
-    if not found:
+    shown = {kind: v for kind, v in found.items() if not kind.endswith(RECORD_GONE)}
+    if not shown:
         return "none"
-    return "; ".join(f"{kind} {v['count']} (e.g. {', '.join(v['sample'][:5])})" for kind, v in sorted(found.items()))
+    return "; ".join(f"{kind} {v['count']} (e.g. {', '.join(v['sample'][:5])})" for kind, v in sorted(shown.items()))

@@ -583,7 +583,8 @@ def test_a_replay_over_a_compacted_record_keeps_its_row_and_flags_the_newer_dupl
 ):
     """A row whose record was compacted away stays through a replay of its range (it cannot be
     re-read), so the gate counts it as promoted: a later record of its key, quarantined as a
-    duplicate when it was first loaded, is flagged again instead of colliding at the finish."""
+    duplicate when it was first loaded, is flagged again instead of colliding at the finish. A
+    verify-only replay reports the row as gone from Kafka, not as a difference."""
     from kafka2pg.replay_request import ReplayRequest
 
     env = make_pipeline(create_topic=False)
@@ -604,6 +605,10 @@ def test_a_replay_over_a_compacted_record_keeps_its_row_and_flags_the_newer_dupl
     else:
         pytest.fail("the broker did not compact offset 3 within 90s")
 
+    verified = replay(env, ReplayRequest("verify-only", (OffsetRange(0, 0, 11),), requested_by="test"))
+    assert verified.differences == {"only_in_target_record_gone": {"count": 1, "sample": ["0:3"]}}
+    assert " 0 difference(s) " in verified.message, verified.message
+    assert "1 row(s) whose record Kafka no longer holds (compacted away): kept" in verified.message
     result = replay(env, ReplayRequest("replace", (OffsetRange(0, 0, 11),), requested_by="test"))
     assert (result.promoted, result.quarantined) == (9, 1)
     reason = db.execute(
