@@ -138,6 +138,20 @@ def make_pipeline(base_settings, tmp_path):
     return make
 
 
+@pytest.fixture
+def reconfigured(make_pipeline):
+    """The same pipeline (name, topic, target table) with settings changed, as an operator edits
+    its entry in the pipelines file: `reconfigured(env, on_retention_loss="skip")`."""
+
+    def again(env: PipelineEnv, **changes) -> PipelineEnv:
+        target = f"{env.pipeline.target_schema}.{env.pipeline.target_table}"
+        return make_pipeline(
+            name=env.pipeline.name, topic=env.topic, target_table=target, create_topic=False, **changes
+        )
+
+    return again
+
+
 def drive(spark, env: PipelineEnv, opened):
     """Stage, validate and promote (or finish, for a replay) an opened batch; None if none was opened."""
     from kafka2pg.quality import validate_batch

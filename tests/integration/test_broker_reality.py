@@ -165,7 +165,7 @@ def test_compacted_topic_gaps_are_compaction_and_the_audit_does_not_call_them_lo
     assert_audit_clean(env)
 
 
-def test_retention_loss_fails_naming_the_offsets_then_skip_records_the_gap(make_pipeline, run_batch, db):
+def test_retention_loss_fails_naming_the_offsets_then_skip_records_the_gap(make_pipeline, reconfigured, run_batch, db):
     env = make_pipeline(partitions=1)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(100, seed=33)))
     run_batch(env)
@@ -179,13 +179,7 @@ def test_retention_loss_fails_naming_the_offsets_then_skip_records_the_gap(make_
     assert (lost.value.pipeline, lost.value.partition, lost.value.offsets) == (env.pipeline.name, 0, (100, 150))
     assert ledger(db, env) == before
 
-    skipping = make_pipeline(
-        name=env.pipeline.name,
-        topic=env.topic,
-        target_table=f"{env.pipeline.target_schema}.{env.pipeline.target_table}",
-        create_topic=False,
-        on_retention_loss="skip",
-    )
+    skipping = reconfigured(env, on_retention_loss="skip")
     result = run_batch(skipping)
     assert result.promoted == 50
     assert ledger(db, env) == [
@@ -292,7 +286,7 @@ def test_new_partitions_start_at_low_watermark_or_are_skipped_as_a_recorded_gap(
 
 
 def test_records_deleted_before_a_first_batch_read_them_are_a_retention_loss_not_a_silent_start(
-    make_pipeline, run_batch, db
+    make_pipeline, reconfigured, run_batch, db
 ):
     """The pipeline's first batch planned [0, 100); Kafka deleted [0, 50) before it was read. The
     next plan abandons it and knows where it had started: the loss fails the plan (or, under
@@ -310,13 +304,7 @@ def test_records_deleted_before_a_first_batch_read_them_are_a_retention_loss_not
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (first.batch_id,)).fetchone()[0]
     assert state == "planned"  # the plan failed whole: nothing abandoned yet
 
-    skipping = make_pipeline(
-        name=env.pipeline.name,
-        topic=env.topic,
-        target_table=f"{env.pipeline.target_schema}.{env.pipeline.target_table}",
-        create_topic=False,
-        on_retention_loss="skip",
-    )
+    skipping = reconfigured(env, on_retention_loss="skip")
     assert run_batch(skipping).promoted == 50
     assert ledger(db, env) == [(0, 0, 50, "retention_gap", 0), (0, 50, 100, "batch", 50)]
     assert_audit_clean(skipping)

@@ -361,33 +361,35 @@ def test_replays_racing_live_batches_never_duplicate_or_lose(make_pipeline, run_
     assert_clean(env)
 
 
-def test_a_key_a_replay_promoted_after_a_live_batch_was_validated_sends_the_batch_back_to_validation(
-    make_pipeline, run_batch, replay, spark, db, sample_columns
-):
+def a_quarantined_key_then_the_same_key_valid(make_pipeline, run_batch, sample_columns, seed: int):
+    """A pipeline whose strict rule (currency EUR only) quarantined the record at offset 0, loaded;
+    offset 1, not loaded yet, holds its business key again, valid. The pipeline without the rule
+    (`reconfigured(env, columns=sample_columns)`) would promote the key at offset 0."""
     strict = [
         {**c, "allowed": ["EUR"], "on_violation": "quarantine"} if c["name"] == "currency" else c
         for c in sample_columns
     ]
     env = make_pipeline(partitions=1, columns=strict)
-    first, again = [dict(e) for e in sample_events(2, seed=8)]
+    first, again = [dict(e) for e in sample_events(2, seed=seed)]
     again["event_id"] = first["event_id"]
     first["currency"], again["currency"] = "GBP", "EUR"
     produce(env.settings.bootstrap_servers, env.topic, [first])
     run_batch(env)  # GBP: quarantined by the strict rule; the key is not in the target
     produce(env.settings.bootstrap_servers, env.topic, [again])
+    return env
+
+
+def test_a_key_a_replay_promoted_after_a_live_batch_was_validated_sends_the_batch_back_to_validation(
+    make_pipeline, reconfigured, run_batch, replay, spark, db, sample_columns
+):
+    env = a_quarantined_key_then_the_same_key_valid(make_pipeline, run_batch, sample_columns, seed=8)
     live = open_batch(env.settings, env.pipeline).batch
     stage_batch(spark, env.settings, env.pipeline, live.batch_id)
     # The key is new: accepted. The promoted-key check runs here (it would otherwise be left to
     # promotion, which then runs it itself: see test_quality_gate); so a replay that lands the key
     # after it is a race that only the unique index sees.
     validate_batch(env.settings, env.pipeline, live.batch_id, probe_promoted_keys=True)
-    relaxed = make_pipeline(
-        name=env.pipeline.name,
-        topic=env.topic,
-        target_table=f"{env.pipeline.target_schema}.{env.pipeline.target_table}",
-        columns=sample_columns,
-        create_topic=False,
-    )
+    relaxed = reconfigured(env, columns=sample_columns)
     replay(relaxed, ReplayRequest("replace", (OffsetRange(0, 0, 1),)))  # now offset 0 holds the key
     with pytest.raises(KeyCollisionError) as collision:
         promote_batch(relaxed.settings, relaxed.pipeline, live.batch_id)
@@ -401,28 +403,12 @@ def test_a_key_a_replay_promoted_after_a_live_batch_was_validated_sends_the_batc
 
 
 def test_a_key_a_live_batch_promoted_after_a_replay_was_validated_is_flagged_when_the_replay_finishes(
-    make_pipeline, run_batch, spark, db, sample_columns
+    make_pipeline, reconfigured, run_batch, spark, db, sample_columns
 ):
     """No other run resumes a replay: its finish runs the promoted-key check again itself after
     a collision, flags the key, and finishes (it was left `staged`, every retry refused)."""
-    strict = [
-        {**c, "allowed": ["EUR"], "on_violation": "quarantine"} if c["name"] == "currency" else c
-        for c in sample_columns
-    ]
-    env = make_pipeline(partitions=1, columns=strict)
-    first, again = [dict(e) for e in sample_events(2, seed=9)]
-    again["event_id"] = first["event_id"]
-    first["currency"], again["currency"] = "GBP", "EUR"
-    produce(env.settings.bootstrap_servers, env.topic, [first])
-    run_batch(env)  # GBP: quarantined by the strict rule; the key is not in the target
-    produce(env.settings.bootstrap_servers, env.topic, [again])
-    relaxed = make_pipeline(
-        name=env.pipeline.name,
-        topic=env.topic,
-        target_table=f"{env.pipeline.target_schema}.{env.pipeline.target_table}",
-        columns=sample_columns,
-        create_topic=False,
-    )
+    env = a_quarantined_key_then_the_same_key_valid(make_pipeline, run_batch, sample_columns, seed=9)
+    relaxed = reconfigured(env, columns=sample_columns)
     request = ReplayRequest("replace", (OffsetRange(0, 0, 1),), requested_by="test")
     replaying = open_replay(relaxed.settings, relaxed.pipeline, request).batch
     stage_batch(spark, relaxed.settings, relaxed.pipeline, replaying.batch_id)
