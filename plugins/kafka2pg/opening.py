@@ -103,7 +103,7 @@ def _open(
     check_topic_identity(conn, pipeline, identity)
     # A partition without a head that an abandoned batch (of this topic) meant to read from an offset.
     planned_from = {}
-    if abandoned is not None and abandoned.plan.topic_id in (None, identity):
+    if abandoned is not None and not abandoned.plan.in_another_topic(identity):
         planned_from = {r.partition: r.start for r in abandoned.plan.ranges if r.partition not in heads}
     moved = read_head_batches(conn, pipeline.name)
     plan = _plan_from(pipeline, offsets, identity, heads, moved, max_records_per_batch, planned_from)
@@ -261,7 +261,7 @@ def plan_lookahead(
                     )
         heads.update({p.partition: p.new_head for p in current.plan.partitions})
         moved.update({p.partition: after_id for p in current.plan.partitions})
-        if identity is not None and current.plan.topic_id not in (None, identity):
+        if current.plan.in_another_topic(identity):
             raise OffsetRegressionError.recreated(
                 pipeline.name,
                 pipeline.topic,
@@ -330,7 +330,7 @@ def _resume_or_abandon(
     # state. Its ranges are offsets of records that are gone, and rows it staged from them cannot
     # be checked against Kafka (the gate's witnesses, the quarantine's raw bytes would read the new
     # topic's records); the plan then names the heads' topic, if they have one.
-    recreated = identity is not None and batch.plan.topic_id not in (None, identity)
+    recreated = batch.plan.in_another_topic(identity)
     if not recreated and resume_or_abandon(batch.state, stale, expired):
         return (batch if dry_run else claim(conn, batch, run_id)), None
     if recreated:

@@ -116,6 +116,12 @@ class BatchPlan:
     def is_empty(self) -> bool:
         return not self.partitions
 
+    def in_another_topic(self, topic_id: str | None) -> bool:
+        """Whether these offsets were planned in another topic than the one with `topic_id` (the
+        name's topic deleted and recreated since). Only IDs tell: where the plan or Kafka has
+        none (a cluster before topic IDs, a plan made before they were recorded), not."""
+        return None not in (self.topic_id, topic_id) and self.topic_id != topic_id
+
     def to_json(self) -> dict:
         return {
             "pipeline": self.pipeline,

@@ -156,7 +156,7 @@ def stage_batch(
         log.warning("pipeline=%s %s", pipeline.name, slow)
     if batch.plan.topic_id is not None and batch.plan.ranges:
         now = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
-        if now is not None and now != batch.plan.topic_id:  # None: the cluster gives no ID now
+        if batch.plan.in_another_topic(now):
             raise OffsetRegressionError.recreated_since_planned(
                 pipeline.name, pipeline.topic, batch_id, batch.plan.topic_id, now
             )

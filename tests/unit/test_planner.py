@@ -114,6 +114,15 @@ def test_plan_round_trips_through_json():
     assert BatchPlan.from_json(older).topic_id is None
 
 
+def test_only_two_known_topic_ids_that_differ_make_a_plan_another_topics():
+    result = plan([state(0, 10, low=0, stable=100)])
+    identified = BatchPlan(result.pipeline, result.topic, result.partitions, "6pykna1_Q0mG5Yh8ZNhvvQ")
+    assert identified.in_another_topic("Nw8aU4bDQ1yJz2h3sLk0Pg")
+    assert not identified.in_another_topic("6pykna1_Q0mG5Yh8ZNhvvQ")
+    assert not identified.in_another_topic(None)  # the cluster gives no ID (now)
+    assert not result.in_another_topic("Nw8aU4bDQ1yJz2h3sLk0Pg")  # planned before IDs were recorded
+
+
 def test_offset_range_rejects_inverted_bounds():
     with pytest.raises(ValueError):
         OffsetRange(0, 5, 4)
