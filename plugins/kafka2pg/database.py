@@ -232,7 +232,8 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
     conn = connect(url)
     try:
         with _statement_errors(url, conn, "its transaction was rolled back"), conn.transaction():
-            yield conn
+            with _interruptions_end_the_statement(conn):
+                yield conn
     except psycopg.OperationalError as exc:
         if not conn.broken:
             raise
@@ -253,10 +254,30 @@ def session(url: str) -> Iterator[psycopg.Connection]:
     a missing table or privilege is a `SchemaNotReadyError`, as in `transaction`."""
     conn = connect(url, autocommit=True)
     try:
-        with _statement_errors(url, conn, "nothing was changed"):
+        with _statement_errors(url, conn, "nothing was changed"), _interruptions_end_the_statement(conn):
             yield conn
     finally:
         conn.close()
+
+
+@contextmanager
+def _interruptions_end_the_statement(conn: psycopg.Connection) -> Iterator[None]:
+    """A task interrupted while PostgreSQL runs its statement (Airflow's execution_timeout raises
+    AirflowTaskTimeout, no Exception, wherever the task waits): the statement is cancelled and the
+    connection closed, so the transaction ends now. psycopg cancels only for Ctrl-C; otherwise
+    the backend would go on waiting in a lock queue, its client gone, until the lock came free
+    (it notices a closed socket only when it next writes to it), holding the locks it has."""
+    try:
+        yield
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.ACTIVE:
+                try:
+                    conn.cancel_safe(timeout=5.0)
+                except psycopg.Error as failed:  # the connection is closed next anyway
+                    log.warning("could not cancel the interrupted statement: %s", failed)
+            conn.close()
+        raise
 
 
 @contextmanager

@@ -70,12 +70,14 @@ class StageOperator(SparkSubmitOperator):
         self.pipelines_file = pipelines_file
         self._stopping = False  # on_kill was called: Airflow stops the task
         self._spark_dir: Path | None = None  # the state dir's spark folder, where the JVM's temporary files go
+        self._settings: Any = None  # the pipeline's services, once resolved
 
     def execute(self, context: Any) -> None:
         from kafka2pg.tasks import airflow_errors, resolve
 
         with airflow_errors():
             settings, pipeline = resolve(self.pipeline_name, self.pipelines_file)
+            self._settings = settings
             services = settings.to_env()
             # Decided here, on the worker, not where the DAG file was parsed: its jars, its
             # class-data archive (keyed on its java), its state directory.
@@ -119,11 +121,15 @@ class StageOperator(SparkSubmitOperator):
 
     def _batches(self) -> int:
         """The batches this job may finish (`--batches`, rendered from the plan's XCom; 1 without)."""
+        return self._int_arg("--batches") or 1
+
+    def _int_arg(self, name: str) -> int | None:
+        """A job argument's value as rendered from the plan's XCom (None: not given)."""
         args = [str(a) for a in self.application_args or []]
         try:
-            return int(args[args.index("--batches") + 1])
+            return int(args[args.index(name) + 1])
         except (ValueError, IndexError):
-            return 1
+            return None
 
     def _spark_home(self, hook: Any, env_vars: dict[str, str] | None) -> dict[str, str]:
         """SPARK_HOME for spark-submit, where pyspark's own script cannot find it (`pip_spark_home`)."""
@@ -162,6 +168,22 @@ class StageOperator(SparkSubmitOperator):
             except ValueError:
                 name = f"signal {-code}"
             raise SparkSessionLost.submit_killed(self.pipeline_name, name) from exc
+        except BaseException as exc:
+            if not isinstance(exc, Exception | KeyboardInterrupt | SystemExit | GeneratorExit):
+                self._interrupted(exc)  # Airflow's execution_timeout: AirflowTaskTimeout
+            raise
+
+    def _interrupted(self, exc: BaseException) -> None:
+        """The task interrupted (its execution_timeout): the job is stopped now (its driver gets
+        SIGTERM and exits 143 recording nothing: it cannot tell a timeout from a hand stopping the
+        task), then the timeout is recorded as the batch's stage failure, so a stage that times
+        out run after run makes the batch STUCK. Airflow's own on_kill follows and finds it stopped."""
+        from kafka2pg.stuck import record_failure
+
+        self.on_kill()
+        batch_id = self._int_arg("--batch-id")
+        if batch_id is not None and self._settings is not None:
+            record_failure(self._settings, self.pipeline_name, batch_id, self._int_arg("--epoch"), "stage", exc)
 
     def _temporary_files_in(self, scratch: Path) -> None:
         """spark-submit's JVM (the job's driver) keeps its temporary files (lz4's native library,

@@ -62,17 +62,28 @@ def recording_failures(
     when the same step failed in the previous run too), then re-raise."""
     try:
         yield
-    except _NOT_FAILURES:
+    except (*_NOT_FAILURES, *_STOPS):
         raise
-    except Exception as exc:
-        _record(settings, pipeline, batch_id, epoch, step, exc)
+    except BaseException as exc:  # Airflow's AirflowTaskTimeout (execution_timeout) is no Exception
+        record_failure(settings, pipeline, batch_id, epoch, step, exc)
         raise
 
 
-def _record(settings: Settings, pipeline: str, batch_id: int, epoch: int | None, step: str, exc: Exception) -> None:
-    error = f"{type(exc).__name__}: {_first_lines(str(exc))}"[:_ERROR_CHARS]
+# The longest the record of a failure waits for the batch's row.
+RECORD_LOCK_WAIT_S = 10
+# Stopping the process, not a failure of the step.
+_STOPS = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def record_failure(
+    settings: Settings, pipeline: str, batch_id: int, epoch: int | None, step: str, exc: BaseException
+) -> None:
+    error = f"{type(exc).__name__}: {_first_lines(str(exc)) or 'no message'}"[:_ERROR_CHARS]
     try:
         with transaction(settings.database_url) as conn:
+            # Not a wait of its own on a batch another process holds (a step that timed out waiting
+            # for that process would wait again here, past its timeout): unrecorded, logged.
+            conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{RECORD_LOCK_WAIT_S}s",))
             row = conn.execute(
                 "UPDATE kafka2pg.batches SET"
                 " failures = CASE WHEN failed_step = %(step)s AND failed_epoch = epoch THEN failures"

@@ -1,5 +1,7 @@
 """A batch that fails the same step run after run is reported STUCK, never left silent."""
 
+import logging
+import logging.handlers
 import os
 import subprocess
 import sys
@@ -28,7 +30,7 @@ def verify(env) -> subprocess.CompletedProcess:
 
 
 def test_a_batch_failing_promotion_in_two_runs_is_stuck_in_status_verify_and_the_log(
-    make_pipeline, spark, db, monkeypatch, caplog
+    make_pipeline, spark, db, monkeypatch
 ):
     env = make_pipeline(partitions=2)
     produce(env.settings.bootstrap_servers, env.topic, sample_events(20, seed=71))
@@ -53,17 +55,24 @@ def test_a_batch_failing_promotion_in_two_runs_is_stuck_in_status_verify_and_the
 
     resumed = open_batch(env.settings, env.pipeline, run_id="run-2").batch
     assert (resumed.batch_id, resumed.epoch) == (batch.batch_id, batch.epoch + 1)
-    with pytest.raises(Exception, match="read-only for maintenance"):
-        tasks.promote(env.pipeline.name, resumed.batch_id, resumed.epoch)
-    with pytest.raises(Exception, match="read-only for maintenance"):  # a retry in the same run counts once
-        tasks.promote(env.pipeline.name, resumed.batch_id, resumed.epoch)
+    # A handler on the logger itself: Airflow's logging set-up (on the first task, when the test
+    # runs alone) takes pytest's handler off the root logger.
+    logged = logging.handlers.BufferingHandler(100)
+    logging.getLogger("kafka2pg.stuck").addHandler(logged)
+    try:
+        with pytest.raises(Exception, match="read-only for maintenance"):
+            tasks.promote(env.pipeline.name, resumed.batch_id, resumed.epoch)
+        with pytest.raises(Exception, match="read-only for maintenance"):  # a retry in the same run counts once
+            tasks.promote(env.pipeline.name, resumed.batch_id, resumed.epoch)
+    finally:
+        logging.getLogger("kafka2pg.stuck").removeHandler(logged)
 
     status = ledger_report(env.settings, env.pipeline)
     expected = f"STUCK: pipeline '{env.pipeline.name}' batch {batch.batch_id} (validated, offsets p0[0,"
     assert expected in status, status
     assert "failed at promote in 2 consecutive runs since" in status
     assert "target is read-only for maintenance" in status
-    assert any(r.levelname == "ERROR" and "STUCK" in r.getMessage() for r in caplog.records)
+    assert any(r.levelname == "ERROR" and "STUCK" in r.getMessage() for r in logged.buffer)
     failed = verify(env)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "result: STUCK" in failed.stdout and f"batch {batch.batch_id} (validated" in failed.stdout
@@ -74,6 +83,53 @@ def test_a_batch_failing_promotion_in_two_runs_is_stuck_in_status_verify_and_the
     assert "STUCK" not in ledger_report(env.settings, env.pipeline)
     passed = verify(env)
     assert passed.returncode == 0 and "result: clean" in passed.stdout
+
+
+def test_a_step_stopped_by_airflows_execution_timeout_is_a_recorded_failure_and_leaves_no_statement_waiting(
+    make_pipeline, spark, db, monkeypatch
+):
+    """`task_timeout_minutes` stops a promote task waiting for a partition another process holds
+    (Airflow raises AirflowTaskTimeout, no Exception, inside the wait): its statement is cancelled
+    at once (its backend went on waiting in the lock queue, holding the batch's row, until the
+    holder let go) and the timeout is recorded as the step's failure, as any other (it was not:
+    a step timing out run after run never became STUCK)."""
+    import time
+
+    from airflow.sdk.exceptions import AirflowTaskTimeout
+    from airflow.sdk.execution_time.timeout import timeout
+
+    from kafka2pg.ledger import lock_partitions
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(5, seed=72))
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    batch = open_batch(env.settings, env.pipeline, run_id="run-1").batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id, batch.epoch)
+    validate_batch(env.settings, env.pipeline, batch.batch_id, batch.epoch)
+
+    def waiting() -> int:
+        return db.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        ).fetchone()[0]
+
+    with psycopg.connect(env.settings.database_url) as holder:  # an undo, say, frozen with the partition
+        lock_partitions(holder, env.pipeline.name, [0], "a frozen holder")
+        with pytest.raises(AirflowTaskTimeout), timeout(3):
+            tasks.promote(env.pipeline.name, batch.batch_id, batch.epoch)
+        deadline = time.monotonic() + 30
+        while waiting():
+            assert time.monotonic() < deadline, "the timed-out promotion still waits in PostgreSQL"
+            time.sleep(0.1)
+        holder.rollback()
+
+    failed = db.execute(
+        "SELECT state, failed_step, failures, last_failure FROM kafka2pg.batches WHERE batch_id = %s",
+        (batch.batch_id,),
+    ).fetchone()
+    assert failed[:3] == ("validated", "promote", 1) and failed[3].startswith("AirflowTaskTimeout"), failed
+    assert tasks.promote(env.pipeline.name, batch.batch_id, batch.epoch)["promoted"] == 5
 
 
 def test_a_frozen_process_holding_the_open_batch_is_named_while_the_plan_waits_and_ended_by_postgresql(

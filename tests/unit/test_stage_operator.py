@@ -342,3 +342,45 @@ def test_the_jars_and_jvm_options_are_the_workers_decided_when_the_task_runs(mon
     run_stage(monkeypatch, {"host": "local[2]"})  # the librdkafka reader: no jars at all
     assert "--jars" not in submitted["command"] and "spark.jars.packages" not in submitted["command"]
     assert STAGE_JVM_OPTIONS_LIBRDKAFKA in submitted["command"]
+
+
+def test_a_stage_task_timing_out_stops_the_job_then_records_the_timeout_as_the_batchs_stage_failure(
+    monkeypatch, tmp_path
+):
+    """Airflow's execution_timeout raises AirflowTaskTimeout (no Exception) in the task while
+    spark-submit runs: the job is stopped first, then the timeout is the batch's stage failure
+    (the job's driver, stopped by SIGTERM, records nothing), and the timeout goes on to Airflow."""
+    from airflow.sdk.exceptions import AirflowTaskTimeout
+
+    events = []
+
+    class Running:
+        returncode = None
+
+        def poll(self):
+            return self.returncode
+
+        def kill(self):  # the provider's on_kill, after ours
+            events.append("provider kill")
+            self.returncode = -9
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+    def submit(hook: SparkSubmitHook, application: str = "", **kwargs) -> None:
+        hook._submit_sp = Running()
+        raise AirflowTaskTimeout("Timeout, PID: 4242")
+
+    monkeypatch.setattr(SparkSubmitHook, "submit", submit)
+    monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), ORDERS))
+    monkeypatch.setattr("kafka2pg.stage_operator.stop_job", lambda process, application, grace: events.append("stop"))
+    monkeypatch.setattr(
+        "kafka2pg.stuck.record_failure",
+        lambda settings, pipeline, batch_id, epoch, step, exc: events.append((pipeline, batch_id, epoch, step, exc)),
+    )
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_SPARK", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    operator = stage_operator(application_args=["--pipeline", "orders", "--batch-id", "7", "--epoch", "3"])
+    with pytest.raises(AirflowTaskTimeout) as raised:
+        operator.execute({})
+    assert events[0] == "stop" and events[-1] == ("orders", 7, 3, "stage", raised.value), events
+    assert operator._stopping
