@@ -595,7 +595,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         new_partition_start=_choice(raw, "new_partition_start", where, ("earliest", "latest")),
         duplicate_policy=_choice(raw, "duplicate_policy", where, ("quarantine", "fail")),
         data_loss_warning_hours=_positive_number(raw, "data_loss_warning_hours", where, 24.0),
-        task_timeout_minutes=_positive_number(raw, "task_timeout_minutes", where, None),
+        task_timeout_minutes=_task_timeout(raw, where),
         kafka_reader=_choice(raw, "kafka_reader", where, KAFKA_READERS),
         spark_conf=_spark_conf(raw.get("spark_conf"), where),
         spark_log_level=_choice(raw, "spark_log_level", where, SPARK_LOG_LEVELS),
@@ -762,6 +762,15 @@ def _positive_number(raw: dict, key: str, where: str, default: float | None) -> 
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise ConfigError(f"{where}.{key}: expected a positive number, got {value!r}{_null_note(value, default)}")
     return float(value)
+
+
+def _task_timeout(raw: dict, where: str) -> float | None:
+    """At least a minute: a task's fixed costs (Airflow's start, spark-submit's JVM) take seconds,
+    and Airflow reads a timeout that rounds to 0 as none."""
+    minutes = _positive_number(raw, "task_timeout_minutes", where, None)
+    if minutes is not None and minutes < 1:
+        raise ConfigError(f"{where}.task_timeout_minutes: expected at least 1 (minute), got {minutes:g}")
+    return minutes
 
 
 def _null_note(value: Any, default: Any) -> str:

@@ -65,6 +65,7 @@ def test_good_file_parses_with_defaults(tmp_path):
         ),
         ({"data_loss_warning_hours": None}, r"data_loss_warning_hours: expected a positive number, got None \(leave"),
         ({"task_timeout_minutes": 0}, r"\(orders\)\.task_timeout_minutes: expected a positive number, got 0$"),
+        ({"task_timeout_minutes": 0.5}, r"\(orders\)\.task_timeout_minutes: expected at least 1 \(minute\), got 0.5$"),
         ({"task_timeout_minutes": float("inf")}, r"task_timeout_minutes: expected a positive number, got inf"),
         ({"task_timeout_minutes": "1h"}, r"task_timeout_minutes: expected a positive number, got '1h'"),
         ({"on_retention_loss": "ignore"}, r"on_retention_loss: expected one of fail, skip"),

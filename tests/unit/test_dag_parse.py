@@ -311,7 +311,7 @@ def test_the_live_dag_takes_every_kind_of_run_but_a_backfill_as_airflow_reads_it
     assert "At most 4 runs stage" in replay.doc_md
 
 
-@pytest.mark.parametrize("minutes", [None, 90, 0.5])
+@pytest.mark.parametrize("minutes", [None, 90, 1.5])
 def test_task_timeout_minutes_is_every_tasks_execution_timeout_as_airflow_reads_it(tmp_path, monkeypatch, minutes):
     """A wedged task (a lock wait, a Spark job that hangs) would hold the live DAG's one run for
     good: with `task_timeout_minutes` every task of both DAGs, in the DAG the scheduler reads,
