@@ -266,7 +266,8 @@ class KafkaAuthenticationError(Kafka2PgError):
         return cls(
             f"Kafka at {cluster} {refusal}: {cause}. Check the pipeline's Kafka connection "
             "(kafka_config_id, default kafka2pg_kafka): sasl.username / sasl.password / sasl.mechanism, "
-            "or ssl.ca.location, ssl.certificate.location and ssl.key.location. Retrying will not help.",
+            "or ssl.ca.location, ssl.certificate.location and ssl.key.location (or their inline ssl.*.pem). "
+            "Retrying will not help.",
             cluster=cluster,
             refusal=refusal,
             cause=cause,

@@ -54,14 +54,13 @@ _SAME_IN_JAVA = frozenset(
         "fetch.max.bytes",
     }
 )
-# librdkafka properties the Java client knows under another name (the socket buffer sizes: 0,
-# librdkafka's "the system's default", is -1 in Java, where 0 is refused).
+# librdkafka properties the Java client knows under another name (the socket buffer sizes).
 _RENAMED_FOR_JAVA = {
     "socket.receive.buffer.bytes": "receive.buffer.bytes",
     "socket.send.buffer.bytes": "send.buffer.bytes",
 }
-# librdkafka properties whose 0 means "off" where Java's off is -1 (Java takes 0 and means
-# something else by it: an idle time of 0 would close every connection as soon as it idles).
+# librdkafka properties whose 0 Java writes -1: the socket buffer sizes' "the system's default"
+# (Java refuses 0), the idle time's "never close" (Java's 0 closes a connection as soon as it idles).
 _ZERO_IS_MINUS_ONE_IN_JAVA = {**_RENAMED_FOR_JAVA, "connections.max.idle.ms": "connections.max.idle.ms"}
 # The PEM material librdkafka takes as a file or inline, and the Java property (type PEM) Spark's
 # source gets it in, inline: (file property, inline property, Java property).
@@ -204,13 +203,14 @@ class KafkaConfig:
         """Spark's Kafka source options (`kafka.`-prefixed Java client properties).
 
         SASL username/password become `sasl.jaas.config` for PLAIN and SCRAM (with the mechanism
-        given: no mechanism, no login; `of` refuses SASL credentials without one); PEM files given
-        to librdkafka (`ssl.ca.location`, `ssl.certificate.location` + `ssl.key.location`, a PKCS#8
-        key) are passed inline (`ssl.truststore.certificates`, `ssl.keystore.certificate.chain` +
-        `ssl.keystore.key`, type PEM), so the executors need no files. The socket buffer sizes take
-        their Java names; librdkafka's 0 for them and for `connections.max.idle.ms` (the system's
-        default; never close) is Java's -1; hostname verification's `none` is Java's empty value. Java-only
-        properties pass as given (and win).
+        given: no mechanism, no login; `of` refuses SASL credentials without one); the PEMs given
+        to librdkafka as files (`ssl.ca.location`, `ssl.certificate.location` + `ssl.key.location`, a
+        PKCS#8 key) or inline (`ssl.ca.pem`, `ssl.certificate.pem`, `ssl.key.pem`) are passed inline
+        (`ssl.truststore.certificates`, both CAs if both are given, `ssl.keystore.certificate.chain` +
+        `ssl.keystore.key`, type PEM), so the executors need no files; a certificate or key given both
+        ways is refused. The socket buffer sizes take their Java names; librdkafka's 0 for them (the
+        system's default) and for `connections.max.idle.ms` (never close) is Java's -1; hostname
+        verification's `none` is Java's empty value. Java-only properties pass as given (and win).
         """
         props = self.as_dict
         options = {f"kafka.{k}": v for k, v in props.items() if k in _SAME_IN_JAVA}
@@ -235,17 +235,22 @@ class KafkaConfig:
                 f"{module} required username={_jaas(props['sasl.username'])} "
                 f"password={_jaas(props.get('sasl.password', ''))};"
             )
-        both = [f"`{file}` and `{inline}`" for file, inline, _ in _PEM_SOURCES if file in props and inline in props]
+        ca, certificate, key = _PEM_SOURCES
+        # librdkafka trusts the CAs of both `ssl.ca.location` and `ssl.ca.pem`; of a certificate or
+        # key given both ways it uses one, which one unsaid: refused rather than guessed.
+        both = [
+            f"`{file}` and `{inline}`" for file, inline, _ in (certificate, key) if file in props and inline in props
+        ]
         if both:
             raise ConfigError(
-                f"Kafka properties {'; '.join(both)} give the same PEM material twice (a file, and inline): "
-                "Spark's Kafka source takes one; give one"
+                f"Kafka properties {'; '.join(both)} give the client's certificate or key twice (a file, and "
+                "inline): Spark's Kafka source takes one; give one"
             )
-        ca, certificate, key = _PEM_SOURCES
         if _given(props, ca):
             options.setdefault("kafka.ssl.truststore.type", "PEM")
             if "kafka.ssl.truststore.certificates" not in options:
-                options["kafka.ssl.truststore.certificates"] = _pem_of(props, ca)
+                cas = [_pem_of({name: props[name]}, ca) for name in ca[:2] if name in props]
+                options["kafka.ssl.truststore.certificates"] = "\n".join(text.strip() for text in cas) + "\n"
         if _given(props, certificate) or _given(props, key):
             options.setdefault("kafka.ssl.keystore.type", "PEM")
             if "kafka.ssl.keystore.certificate.chain" not in options:

@@ -106,11 +106,18 @@ def test_inline_pems_go_to_spark_inline_as_files_do():
     assert kafka.unmapped_for_spark() == []
 
 
-def test_a_pem_given_as_a_file_and_inline_or_a_legacy_inline_key_is_refused_for_spark_only(pem_files):
-    both = KafkaConfig.of({"bootstrap.servers": "b:1", "ssl.ca.location": str(pem_files["ca"]), "ssl.ca.pem": CA})
-    assert both.confluent()["ssl.ca.pem"] == CA  # librdkafka takes both
-    with pytest.raises(ConfigError, match="`ssl.ca.location` and `ssl.ca.pem` give the same PEM material twice"):
-        both.spark_options()
+def test_a_key_given_as_a_file_and_inline_or_a_legacy_inline_key_is_refused_for_spark_only(pem_files):
+    other_ca = CA.replace("ca", "other-ca")
+    both_cas = KafkaConfig.of(
+        {"bootstrap.servers": "b:1", "ssl.ca.location": str(pem_files["ca"]), "ssl.ca.pem": other_ca}
+    )
+    assert both_cas.confluent()["ssl.ca.pem"] == other_ca  # librdkafka trusts both
+    assert both_cas.spark_options()["kafka.ssl.truststore.certificates"] == CA + other_ca
+    both = {"bootstrap.servers": "b:1", "ssl.certificate.pem": CERT, "ssl.key.location": str(pem_files["key"])}
+    both["ssl.key.pem"] = KEY
+    assert KafkaConfig.of(both).confluent()["ssl.key.pem"] == KEY  # librdkafka takes one of them
+    with pytest.raises(ConfigError, match="`ssl.key.location` and `ssl.key.pem` give the client's certificate or key"):
+        KafkaConfig.of(both).spark_options()
     legacy = "-----BEGIN RSA PRIVATE KEY-----\nc2VjcmV0LWtleS1ib2R5\n-----END RSA PRIVATE KEY-----\n"
     kafka = KafkaConfig.of({"bootstrap.servers": "b:1", "ssl.certificate.pem": CERT, "ssl.key.pem": legacy})
     with pytest.raises(ConfigError, match="ssl.key.pem: the key holds a `RSA PRIVATE KEY`") as refused:
