@@ -140,8 +140,9 @@ def make_pipeline(base_settings, tmp_path):
 
 @pytest.fixture
 def reconfigured(make_pipeline):
-    """The same pipeline (name, topic, target table) with settings changed, as an operator edits
-    its entry in the pipelines file: `reconfigured(env, on_retention_loss="skip")`."""
+    """A pipeline with the same name, topic and target table as `env`'s, as an operator edits its
+    entry in the pipelines file, with `changes` (every other setting: `make_pipeline`'s default,
+    not `env`'s): `reconfigured(env, on_retention_loss="skip")`."""
 
     def again(env: PipelineEnv, **changes) -> PipelineEnv:
         target = f"{env.pipeline.target_schema}.{env.pipeline.target_table}"

@@ -386,7 +386,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Plan, read (local Spark), validate and finish one replay in this process."""
     from kafka2pg.migrations import require_ready
     from kafka2pg.quality import validate_batch
-    from kafka2pg.replay import CLI_RUN_ID, open_replay
+    from kafka2pg.replay import CLI_RUN_ID, open_replay, split_differences
     from kafka2pg.replay_request import request_from_params
     from kafka2pg.steps import promote_batch
 
@@ -412,8 +412,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(validate_batch(settings, pipeline, batch_id).message)
     result = promote_batch(settings, pipeline, batch_id)
     print(result.message)
-    for kind, found in sorted(result.differences.items()):
-        print(f"  {kind}: {found['count']} (e.g. {', '.join(found['sample'][:10])})")
+    differences, gone = split_differences(result.differences)
+    for label, findings in (("", differences), ("record gone, not a difference: ", gone)):
+        for kind, found in sorted(findings.items()):
+            print(f"  {label}{kind}: {found['count']} (e.g. {', '.join(found['sample'][:10])})")
     return 0
 
 

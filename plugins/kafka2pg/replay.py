@@ -232,11 +232,12 @@ def finish_replay(conn: Connection, pipeline: Pipeline, batch: Batch) -> ReplayR
         clear_staging(conn, pipeline, batch.batch_id)
         transition(conn, batch, BatchState.VERIFIED)
         finish_record(conn, batch.batch_id, before, before, found)
-        total = sum(v["count"] for kind, v in found.items() if not kind.endswith(RECORD_GONE))
-        gone = sum(v["count"] for kind, v in found.items() if kind.endswith(RECORD_GONE))
-        kept = f"; {gone} row(s) whose record Kafka no longer holds (compacted away): kept" if gone else ""
+        differences, gone = (sum(v["count"] for v in part.values()) for part in split_differences(found))
+        kept = (
+            f"; {gone} row(s) whose record Kafka no longer holds (compacted away; a replace keeps them)" if gone else ""
+        )
         message = (
-            f"replay batch {batch.batch_id} verify-only: {total} difference(s) between Kafka re-read with the "
+            f"replay batch {batch.batch_id} verify-only: {differences} difference(s) between Kafka re-read with the "
             f"current logic and the target/quarantine ({_describe_differences(found)}){kept}; nothing changed"
         )
         log.info("pipeline=%s %s", pipeline.name, message)
@@ -413,8 +414,14 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
     return found
 
 
+def split_differences(found: dict) -> tuple[dict, dict]:
+    """A verify-only replay's findings: the differences, and the rows whose record is gone from Kafka."""
+    gone = {kind: v for kind, v in found.items() if kind.endswith(RECORD_GONE)}
+    return {kind: v for kind, v in found.items() if kind not in gone}, gone
+
+
 def _describe_differences(found: dict) -> str:
-    shown = {kind: v for kind, v in found.items() if not kind.endswith(RECORD_GONE)}
+    shown = split_differences(found)[0]
     if not shown:
         return "none"
     return "; ".join(f"{kind} {v['count']} (e.g. {', '.join(v['sample'][:5])})" for kind, v in sorted(shown.items()))

@@ -84,7 +84,7 @@ def _promote(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int |
         else:
             log.info(
                 "pipeline=%s batch_id=%s was staged when this attempt read it and is %s now (another attempt "
-                "checked it since): promoting it",
+                "checked it since): trying again",
                 pipeline.name,
                 batch_id,
                 after,
@@ -130,13 +130,14 @@ def _sent_back(
     """After a promotion refused the batch as `staged`: `_CHECK` when `_send_back` put it there
     with its promoted-key check still to run (an attempt stopped between the collision and the
     check, or one is at it now: the check and the promotion are what is left to do); its state
-    when it is `validated` or `promoted` by now (another attempt, sent back by a collision, ran
-    the check since this one read it: the promotion is what is left, or nothing); else None."""
+    when it is `validated`, `promoted`, `verified` or `rejected` by now (another attempt, sent
+    back by a collision, ran the check since this one read it: trying again promotes it, reports
+    it done, or says it was rejected); else None."""
     if refused.evidence.get("state") != BatchState.STAGED:
         return None
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
-        if batch.state in (BatchState.VALIDATED, BatchState.PROMOTED, BatchState.VERIFIED):
+        if batch.state in (BatchState.VALIDATED, BatchState.PROMOTED, BatchState.VERIFIED, BatchState.REJECTED):
             return batch.state.value
         sent_back = batch.state is BatchState.STAGED and (batch.kind == "replay" or key_probe_deferred(conn, batch_id))
         return _CHECK if sent_back else None

@@ -259,6 +259,7 @@ def finish_replay(
     """The replay DAG's last task: replace the range's rows, or report the differences (verify-only).
     `asset_event`: the replaced range's event (None for verify-only: the target did not change)."""
     from kafka2pg.asset_events import run_event_of
+    from kafka2pg.replay import split_differences
     from kafka2pg.steps import promote_batch
 
     started = time.monotonic()
@@ -268,8 +269,10 @@ def finish_replay(
         event = run_event_of(settings, pipeline, batch_id, None)
     seconds = time.monotonic() - started
     log.info("pipeline=%s %s", pipeline_name, result.message)
-    for kind, found in sorted(result.differences.items()):
-        log.info("%s", fit(f"difference {kind:<28} {found['count']:>6}  e.g. {', '.join(found['sample'])}"))
+    differences, gone = split_differences(result.differences)
+    for label, findings in (("difference", differences), ("record gone", gone)):
+        for kind, found in sorted(findings.items()):
+            log.info("%s", fit(f"{label} {kind:<35} {found['count']:>6}  e.g. {', '.join(found['sample'])}"))
     log.info("%s", promotion_summary(pipeline_name, result, seconds))
     return {
         "batch_id": batch_id,
@@ -277,6 +280,7 @@ def finish_replay(
         "promoted": result.promoted,
         "quarantined": result.quarantined,
         "rows_before": list(result.before),
-        "differences": {kind: found["count"] for kind, found in result.differences.items()},
+        "differences": {kind: found["count"] for kind, found in differences.items()},
+        "records_gone": {kind: found["count"] for kind, found in gone.items()},
         "asset_event": _logged(pipeline_name, event),
     }

@@ -596,7 +596,7 @@ def test_a_replay_over_a_compacted_record_keeps_its_row_and_flags_the_newer_dupl
     verified = replay(env, ReplayRequest("verify-only", (OffsetRange(0, 0, 11),), requested_by="test"))
     assert verified.differences == {"only_in_target_record_gone": {"count": 1, "sample": ["0:3"]}}
     assert " 0 difference(s) " in verified.message, verified.message
-    assert "1 row(s) whose record Kafka no longer holds (compacted away): kept" in verified.message
+    assert "1 row(s) whose record Kafka no longer holds (compacted away; a replace keeps them)" in verified.message
     result = replay(env, ReplayRequest("replace", (OffsetRange(0, 0, 11),), requested_by="test"))
     assert (result.promoted, result.quarantined) == (9, 1)
     reason = db.execute(
