@@ -149,7 +149,12 @@ class StageOperator(SparkSubmitOperator):
         try:
             with job_scratch(self._spark_dir) as scratch:
                 self._temporary_files_in(scratch)
-                return super().execute(context)
+                try:
+                    return super().execute(context)
+                except BaseException as exc:  # the job stopped while its scratch folder is still there
+                    if not isinstance(exc, Exception | KeyboardInterrupt | SystemExit | GeneratorExit):
+                        self._interrupted(exc)  # Airflow's execution_timeout: AirflowTaskTimeout
+                    raise
         except AirflowException as exc:
             process = getattr(self._hook, "_submit_sp", None) if self._hook is not None else None
             code = getattr(process, "returncode", None)
@@ -168,22 +173,23 @@ class StageOperator(SparkSubmitOperator):
             except ValueError:
                 name = f"signal {-code}"
             raise SparkSessionLost.submit_killed(self.pipeline_name, name) from exc
-        except BaseException as exc:
-            if not isinstance(exc, Exception | KeyboardInterrupt | SystemExit | GeneratorExit):
-                self._interrupted(exc)  # Airflow's execution_timeout: AirflowTaskTimeout
-            raise
 
     def _interrupted(self, exc: BaseException) -> None:
         """The task interrupted (its execution_timeout): the job is stopped now (its driver gets
         SIGTERM and exits 143 recording nothing: it cannot tell a timeout from a hand stopping the
         task), then the timeout is recorded as the batch's stage failure, so a stage that times
-        out run after run makes the batch STUCK. Airflow's own on_kill follows and finds it stopped."""
+        out run after run makes the batch STUCK. Only for a job of one batch: one of several
+        (`batches_per_run`) may be at any batch and step when it is stopped. Airflow's own on_kill
+        follows and returns at once. Whatever goes wrong here is logged: the timeout stands."""
         from kafka2pg.stuck import record_failure
 
-        self.on_kill()
-        batch_id = self._int_arg("--batch-id")
-        if batch_id is not None and self._settings is not None:
-            record_failure(self._settings, self.pipeline_name, batch_id, self._int_arg("--epoch"), "stage", exc)
+        try:
+            self.on_kill()
+            batch_id = self._int_arg("--batch-id")
+            if batch_id is not None and self._settings is not None and self._batches() == 1:
+                record_failure(self._settings, self.pipeline_name, batch_id, self._int_arg("--epoch"), "stage", exc)
+        except Exception:
+            log.exception("pipeline=%s: could not stop or record the timed-out stage job", self.pipeline_name)
 
     def _temporary_files_in(self, scratch: Path) -> None:
         """spark-submit's JVM (the job's driver) keeps its temporary files (lz4's native library,
@@ -222,11 +228,12 @@ class StageOperator(SparkSubmitOperator):
 
     def on_kill(self) -> None:
         """Airflow stopping the task (marked failed or success by hand, a timeout, a worker shutting
-        down). The provider SIGKILLs spark-submit, so the job's driver, left without its JVM,
-        fails on its next call into Spark and records that as the batch's failure: two such stops
-        in a row and `status` calls the batch STUCK. The job's Python driver gets SIGTERM first
-        (it cancels Spark's jobs and exits 143, the batch left as it was; not a failure); the
-        provider's kill follows if spark-submit is still there after `STOP_GRACE_S`."""
+        down). The job's Python driver gets SIGTERM first (it cancels Spark's jobs and exits 143,
+        the batch left as it was; not a failure of the batch, but a timeout is: `_interrupted`);
+        the provider's SIGKILL follows if spark-submit is still there after `STOP_GRACE_S` (a
+        driver left without its JVM then fails on its next call into Spark and records that)."""
+        if self._stopping:  # Airflow's call after ours (`_interrupted`): the job is stopped
+            return
         self._stopping = True
         process = getattr(self._hook, "_submit_sp", None) if self._hook is not None else None
         if process is not None and process.poll() is None:

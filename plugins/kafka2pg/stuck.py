@@ -83,7 +83,10 @@ def record_failure(
         with transaction(settings.database_url) as conn:
             # Not a wait of its own on a batch another process holds (a step that timed out waiting
             # for that process would wait again here, past its timeout): unrecorded, logged.
-            conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{RECORD_LOCK_WAIT_S}s",))
+            conn.execute(
+                "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)",
+                (f"{RECORD_LOCK_WAIT_S}s", f"{RECORD_LOCK_WAIT_S + 5}s"),
+            )
             row = conn.execute(
                 "UPDATE kafka2pg.batches SET"
                 " failures = CASE WHEN failed_step = %(step)s AND failed_epoch = epoch THEN failures"

@@ -93,6 +93,8 @@ def test_a_step_stopped_by_airflows_execution_timeout_is_a_recorded_failure_and_
     at once (its backend went on waiting in the lock queue, holding the batch's row, until the
     holder let go) and the timeout is recorded as the step's failure, as any other (it was not:
     a step timing out run after run never became STUCK)."""
+    import signal
+    import threading
     import time
 
     from airflow.sdk.exceptions import AirflowTaskTimeout
@@ -114,10 +116,29 @@ def test_a_step_stopped_by_airflows_execution_timeout_is_a_recorded_failure_and_
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
         ).fetchone()[0]
 
+    def alarm_once_waiting(seen: list) -> None:
+        """Airflow's timeout (SIGALRM) to the main thread once the promotion waits for the partition."""
+        deadline = time.monotonic() + 120
+        with psycopg.connect(env.settings.database_url, autocommit=True) as watcher:
+            while time.monotonic() < deadline:
+                if watcher.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"
+                    " AND datname = current_database()"
+                ).fetchone()[0]:
+                    seen.append(True)
+                    break
+                time.sleep(0.05)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
+
     with psycopg.connect(env.settings.database_url) as holder:  # an undo, say, frozen with the partition
         lock_partitions(holder, env.pipeline.name, [0], "a frozen holder")
-        with pytest.raises(AirflowTaskTimeout), timeout(3):
+        seen: list = []
+        watcher = threading.Thread(target=alarm_once_waiting, args=(seen,), daemon=True)
+        with pytest.raises(AirflowTaskTimeout), timeout(600):  # its handler raises at the watcher's SIGALRM
+            watcher.start()
             tasks.promote(env.pipeline.name, batch.batch_id, batch.epoch)
+        watcher.join(10)
+        assert seen, "the promotion never waited for the partition"
         deadline = time.monotonic() + 30
         while waiting():
             assert time.monotonic() < deadline, "the timed-out promotion still waits in PostgreSQL"
