@@ -537,7 +537,38 @@ def recheck_after_collision(conn: Connection, pipeline: Pipeline, batch: Batch) 
     """The checks of a batch sent back by a key collision at promotion (staging a batch clears
     its results, so stored results mean that): the rows the other checks judged did not change,
     and the rows they flagged are out of their reach now (run again, they would report 0). Their
-    results stand; what looks into the target runs again: the deferred key check, and the
-    offsets one (the collision may have been on the target's primary key: offsets landed since)."""
-    fresh = [_not_already_promoted(conn, pipeline, batch), _business_key_not_promoted(conn, pipeline, batch)]
-    return _with_stored_checks(conn, batch.batch_id, fresh)
+    results stand; what looks into the target runs again: the key check (deferred, or run at
+    validation: the rows it flagged then are counted with those it flags now), and the offsets
+    one (the collision may have been on the target's primary key: offsets landed since; for a
+    replay, what it replaces)."""
+    earlier = conn.execute(
+        "SELECT unexpected_count FROM kafka2pg.batch_checks WHERE batch_id = %s AND check_name = %s AND success",
+        (batch.batch_id, KEY_PROMOTED_CHECK),
+    ).fetchone()
+    scope = (
+        _replay_scope(conn, pipeline, batch) if batch.kind == "replay" else _not_already_promoted(conn, pipeline, batch)
+    )
+    key = _business_key_not_promoted(conn, pipeline, batch)
+    if earlier and earlier[0] and key.success:
+        total = earlier[0] + key.unexpected
+        key = replace(
+            key,
+            unexpected=total,
+            details=f"{total} duplicate(s) flagged to quarantine ({earlier[0]} when the batch was validated, "
+            f"{key.unexpected} after a key collision at promotion)",
+        )
+    return _with_stored_checks(conn, batch.batch_id, [scope, key])
+
+
+def probe_keys_again(conn: Connection, batch_id: int) -> bool:
+    """After a key collision at promotion: the batch's promoted-key check is to run again
+    (`recheck_after_collision`), whether its gate had deferred it or run it (a key a replay or a
+    manual write promoted since); its stored count is kept. False when the batch has no such
+    check (no business key: the collision was on another unique index)."""
+    return (
+        conn.execute(
+            "UPDATE kafka2pg.batch_checks SET deferred = true WHERE batch_id = %s AND check_name = %s RETURNING 1",
+            (batch_id, KEY_PROMOTED_CHECK),
+        ).fetchone()
+        is not None
+    )

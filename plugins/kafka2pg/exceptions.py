@@ -26,7 +26,7 @@ Kafka2PgError
  ├── StageInterrupted         SIGTERM stopped the Spark job; the batch stays resumable
  ├── TableRefusesRowsError    PostgreSQL refused most rows of a batch: the table is at fault, not the records
  ├── QualityGateFailed        validation blocked promotion
- │    └── KeyCollisionError   a business key promoted since validation; batch back to re-validation
+ │    └── KeyCollisionError   a key promoted since validation the checks run again did not explain
  ├── InstallationError        kafka2pg's own files (SQL) are missing from its installation
  └── StackError               the local embedded Kafka/PostgreSQL stack failed
 """
@@ -630,9 +630,9 @@ class KeyCollisionError(QualityGateFailed):
     def __init__(self, pipeline: str, batch_id: int, constraint: str | None, detail: str | None) -> None:
         super().__init__(
             f"pipeline {pipeline!r} batch {batch_id}: promotion hit a unique key already in the target ({detail}); "
-            "nothing was promoted. A replay or a manual write loaded it after this batch was validated. The batch "
-            "goes back to staged: the next run (trigger one) validates it again, and the duplicate check then flags "
-            "the row.",
+            "nothing was promoted. A replay or a manual write loaded it after this batch was validated, and the "
+            "duplicate checks run again did not explain it (no business key, or the key landed while they ran). "
+            "The batch goes back to staged: the next run (trigger one) validates it again and judges the row.",
             pipeline=pipeline,
             batch_id=batch_id,
             constraint=constraint,

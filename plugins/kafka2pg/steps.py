@@ -10,6 +10,7 @@ import psycopg
 from confluent_kafka import KafkaException
 
 from kafka2pg.batch_store import key_probe_deferred, load_claimed, raise_staging_lost, transition
+from kafka2pg.checks import probe_keys_again
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, Kafka2PgError, KeyCollisionError, timeouts_named
@@ -112,16 +113,16 @@ def _promote_once(
 
 
 def _send_back(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None) -> bool:
-    """After a key collision: the validated batch goes back to `staged`. True when running the
-    promoted-key check now explains the collision: its gate had deferred the check to promotion,
-    or the batch is a replay (a live batch promoted the key after the replay's gate ran; no
-    other run resumes a replay)."""
+    """After a key collision: the validated batch goes back to `staged`, its promoted-key check
+    to run again. True when that check can explain the collision (the batch has one: its gate
+    deferred it to promotion, or ran it before a key was promoted since, by a live batch after a
+    replay's gate, by a replay or by hand after a live batch's)."""
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         if batch.state is not BatchState.VALIDATED:
             return False
         transition(conn, batch, BatchState.STAGED, error="business key promoted since validation: validate again")
-        return batch.kind == "replay" or key_probe_deferred(conn, batch_id)
+        return probe_keys_again(conn, batch_id)
 
 
 def _sent_back(
@@ -139,5 +140,5 @@ def _sent_back(
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         if batch.state in (BatchState.VALIDATED, BatchState.PROMOTED, BatchState.VERIFIED, BatchState.REJECTED):
             return batch.state.value
-        sent_back = batch.state is BatchState.STAGED and (batch.kind == "replay" or key_probe_deferred(conn, batch_id))
+        sent_back = batch.state is BatchState.STAGED and key_probe_deferred(conn, batch_id)
         return _CHECK if sent_back else None

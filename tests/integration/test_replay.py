@@ -13,8 +13,9 @@ import pytest
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline, format_audit
+from kafka2pg.checks import KEY_PROMOTED_CHECK
 from kafka2pg.devtools.producer import produce, sample_events
-from kafka2pg.exceptions import KeyCollisionError, ReplayRefusedError
+from kafka2pg.exceptions import KeyCollisionError, QualityGateFailed, ReplayRefusedError
 from kafka2pg.opening import open_batch
 from kafka2pg.planner import OffsetRange
 from kafka2pg.quality import validate_batch
@@ -379,27 +380,67 @@ def a_quarantined_key_then_the_same_key_valid(make_pipeline, run_batch, sample_c
     return env
 
 
-def test_a_key_a_replay_promoted_after_a_live_batch_was_validated_sends_the_batch_back_to_validation(
+def test_a_key_a_replay_promoted_after_a_live_batch_was_validated_is_flagged_at_promotion_counting_both(
     make_pipeline, reconfigured, run_batch, replay, spark, db, sample_columns
 ):
+    """The live batch's gate ran the promoted-key check (it flagged one key a manual write had
+    promoted); a replay then lands another of its keys, which only the unique index sees at
+    promotion: the promotion runs the check again, flags that row too and promotes the rest; the
+    stored check counts both rows (it counted only the second: its first were out of its reach)."""
     env = a_quarantined_key_then_the_same_key_valid(make_pipeline, run_batch, sample_columns, seed=8)
+    (by_hand,) = [{**e, "currency": "EUR"} for e in sample_events(1, seed=10)]  # valid under the strict rule
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (event_id, customer_id, kafka_topic, kafka_partition, kafka_offset, batch_id)"
+            " VALUES (%s, 1, %s, 7, 0, 0)"
+        ).format(target),
+        (by_hand["event_id"], env.topic),
+    )
+    produce(env.settings.bootstrap_servers, env.topic, [by_hand])  # offset 2: its key already in the target
     live = open_batch(env.settings, env.pipeline).batch
     stage_batch(spark, env.settings, env.pipeline, live.batch_id)
-    # The key is new: accepted. The promoted-key check runs here (it would otherwise be left to
-    # promotion, which then runs it itself: see test_quality_gate); so a replay that lands the key
-    # after it is a race that only the unique index sees.
+    # The promoted-key check runs here (it would otherwise be left to promotion, which then runs
+    # it itself: see test_quality_gate); a replay that lands a key after it only the index sees.
     validate_batch(env.settings, env.pipeline, live.batch_id, probe_promoted_keys=True)
+    stored = "SELECT unexpected_count, details FROM kafka2pg.batch_checks WHERE batch_id = %s AND check_name = %s"
+    assert db.execute(stored, (live.batch_id, KEY_PROMOTED_CHECK)).fetchone()[0] == 1
     relaxed = reconfigured(env, columns=sample_columns)
-    replay(relaxed, ReplayRequest("replace", (OffsetRange(0, 0, 1),)))  # now offset 0 holds the key
-    with pytest.raises(KeyCollisionError) as collision:
-        promote_batch(relaxed.settings, relaxed.pipeline, live.batch_id)
-    assert (collision.value.pipeline, collision.value.batch_id) == (relaxed.pipeline.name, live.batch_id)
-    assert collision.value.constraint  # the target's business-key index named by PostgreSQL
-    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (live.batch_id,)).fetchone()[0]
-    assert state == "staged"
-    result = run_batch(relaxed)  # resumes the batch: validated again, the duplicate flagged
-    assert result.batch_id == live.batch_id and (result.promoted, result.quarantined) == (0, 1)
+    replay(relaxed, ReplayRequest("replace", (OffsetRange(0, 0, 1),)))  # now offset 0 holds offset 1's key
+
+    result = promote_batch(relaxed.settings, relaxed.pipeline, live.batch_id)
+
+    assert result.batch_id == live.batch_id and (result.promoted, result.quarantined) == (0, 2)
+    count, details = db.execute(stored, (live.batch_id, KEY_PROMOTED_CHECK)).fetchone()
+    assert count == 2 and "(1 when the batch was validated, 1 after a key collision at promotion)" in details
     assert_clean(relaxed)
+
+
+def test_a_collision_no_check_explains_fails_the_promotion_and_the_next_gate_judges_it(make_pipeline, spark, db):
+    """Without a business key the gate has no promoted-key check to run again: a row written by
+    hand at one of the batch's offsets after validation makes the promotion fail naming the
+    target's primary key; the batch goes back to staged, and its next validation rejects it."""
+    env = make_pipeline(partitions=1, business_key=None)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(2, seed=11)))
+    batch = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    validate_batch(env.settings, env.pipeline, batch.batch_id)
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (event_id, customer_id, kafka_topic, kafka_partition, kafka_offset, batch_id)"
+            " VALUES ('written-by-hand', 1, %s, 0, 1, 0)"
+        ).format(sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)),
+        (env.topic,),
+    )
+    with pytest.raises(KeyCollisionError) as collision:
+        promote_batch(env.settings, env.pipeline, batch.batch_id)
+    assert (collision.value.pipeline, collision.value.batch_id) == (env.pipeline.name, batch.batch_id)
+    assert collision.value.constraint  # the target's primary key, named by PostgreSQL
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch.batch_id,)).fetchone()[0]
+    assert state == "staged"
+    with pytest.raises(QualityGateFailed) as rejected:
+        validate_batch(env.settings, env.pipeline, batch.batch_id)
+    assert rejected.value.failed["provenance_not_already_promoted"].startswith("1 staged offsets already in the target")
 
 
 def test_a_key_a_live_batch_promoted_after_a_replay_was_validated_is_flagged_when_the_replay_finishes(
