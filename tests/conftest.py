@@ -139,6 +139,24 @@ def make_pipeline(base_settings, tmp_path):
 
 
 @pytest.fixture
+def write_by_hand(db):
+    """`write_by_hand(env, event_id, topic, partition, offset)`: a row in `env`'s target as a
+    manual write (or another loader) puts it there, with batch_id 0."""
+    from psycopg import sql
+
+    def write(env: PipelineEnv, event_id: str, topic: str, partition: int, offset: int) -> None:
+        db.execute(
+            sql.SQL(
+                "INSERT INTO {} (event_id, customer_id, kafka_topic, kafka_partition, kafka_offset, batch_id)"
+                " VALUES (%s, 1, %s, %s, %s, 0)"
+            ).format(sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)),
+            (event_id, topic, partition, offset),
+        )
+
+    return write
+
+
+@pytest.fixture
 def reconfigured(make_pipeline):
     """A pipeline with the same name, topic and target table as `env`'s, as an operator edits its
     entry in the pipelines file, with `changes` (every other setting: `make_pipeline`'s default,

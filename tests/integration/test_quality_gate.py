@@ -577,7 +577,7 @@ def test_a_promote_attempt_that_finds_the_batch_sent_back_and_checked_again_by_i
 
 
 def test_a_deferred_batch_whose_offsets_landed_meanwhile_is_rejected_at_promotion(
-    make_pipeline, spark, run_batch, db, heads
+    make_pipeline, spark, run_batch, db, heads, write_by_hand
 ):
     """The collision that sends a batch back may be on the target's primary key (a row of the
     same offset written after validation, say by hand): the offsets check runs again with the
@@ -591,13 +591,7 @@ def test_a_deferred_batch_whose_offsets_landed_meanwhile_is_rejected_at_promotio
     stage_batch(spark, env.settings, env.pipeline, batch_id)
     validate_batch(env.settings, env.pipeline, batch_id)
     assert key_check(db, batch_id) == (True, 0, DEFERRED_KEY_PROBE)
-    db.execute(
-        sql.SQL(
-            "INSERT INTO {} (event_id, customer_id, kafka_topic, kafka_partition, kafka_offset, batch_id)"
-            " VALUES ('written-by-hand', 1, %s, 0, 3, 0)"
-        ).format(sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)),
-        (env.topic,),
-    )
+    write_by_hand(env, "written-by-hand", env.topic, 0, 3)
     with pytest.raises(QualityGateFailed) as rejected:
         promote_batch(env.settings, env.pipeline, batch_id)
     assert rejected.value.batch_id == batch_id

@@ -381,7 +381,7 @@ def a_quarantined_key_then_the_same_key_valid(make_pipeline, run_batch, sample_c
 
 
 def test_a_key_a_replay_promoted_after_a_live_batch_was_validated_is_flagged_at_promotion_counting_both(
-    make_pipeline, reconfigured, run_batch, replay, spark, db, sample_columns
+    make_pipeline, reconfigured, run_batch, replay, spark, db, sample_columns, write_by_hand
 ):
     """The live batch's gate ran the promoted-key check (it flagged one key a manual write had
     promoted); a replay then lands another of its keys, which only the unique index sees at
@@ -389,14 +389,7 @@ def test_a_key_a_replay_promoted_after_a_live_batch_was_validated_is_flagged_at_
     stored check counts both rows (it counted only the second: its first were out of its reach)."""
     env = a_quarantined_key_then_the_same_key_valid(make_pipeline, run_batch, sample_columns, seed=8)
     (by_hand,) = [{**e, "currency": "EUR"} for e in sample_events(1, seed=10)]  # valid under the strict rule
-    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
-    db.execute(
-        sql.SQL(
-            "INSERT INTO {} (event_id, customer_id, kafka_topic, kafka_partition, kafka_offset, batch_id)"
-            " VALUES (%s, 1, %s, 7, 0, 0)"
-        ).format(target),
-        (by_hand["event_id"], env.topic),
-    )
+    write_by_hand(env, by_hand["event_id"], env.topic, 7, 0)
     produce(env.settings.bootstrap_servers, env.topic, [by_hand])  # offset 2: its key already in the target
     live = open_batch(env.settings, env.pipeline).batch
     stage_batch(spark, env.settings, env.pipeline, live.batch_id)
@@ -416,7 +409,9 @@ def test_a_key_a_replay_promoted_after_a_live_batch_was_validated_is_flagged_at_
     assert_clean(relaxed)
 
 
-def test_a_collision_no_check_explains_fails_the_promotion_and_the_next_gate_judges_it(make_pipeline, spark, db):
+def test_a_collision_no_check_explains_fails_the_promotion_and_the_next_gate_judges_it(
+    make_pipeline, spark, db, write_by_hand
+):
     """Without a business key the gate has no promoted-key check to run again: a row written by
     hand at one of the batch's offsets after validation makes the promotion fail naming the
     target's primary key; the batch goes back to staged, and its next validation rejects it."""
@@ -425,13 +420,7 @@ def test_a_collision_no_check_explains_fails_the_promotion_and_the_next_gate_jud
     batch = open_batch(env.settings, env.pipeline).batch
     stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
     validate_batch(env.settings, env.pipeline, batch.batch_id)
-    db.execute(
-        sql.SQL(
-            "INSERT INTO {} (event_id, customer_id, kafka_topic, kafka_partition, kafka_offset, batch_id)"
-            " VALUES ('written-by-hand', 1, %s, 0, 1, 0)"
-        ).format(sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)),
-        (env.topic,),
-    )
+    write_by_hand(env, "written-by-hand", env.topic, 0, 1)
     with pytest.raises(KeyCollisionError) as collision:
         promote_batch(env.settings, env.pipeline, batch.batch_id)
     assert (collision.value.pipeline, collision.value.batch_id) == (env.pipeline.name, batch.batch_id)

@@ -94,7 +94,7 @@ def test_a_target_no_row_fits_fails_the_promotion_loudly_instead_of_quarantining
     assert state == "validated" and heads(env) == {}
 
 
-def test_a_key_collision_behind_a_refused_row_still_goes_to_the_quality_gate(make_pipeline, spark, db):
+def test_a_key_collision_behind_a_refused_row_still_goes_to_the_quality_gate(make_pipeline, spark, db, write_by_hand):
     from kafka2pg.opening import open_batch
     from kafka2pg.quality import validate_batch
     from kafka2pg.staging import stage_batch
@@ -110,13 +110,7 @@ def test_a_key_collision_behind_a_refused_row_still_goes_to_the_quality_gate(mak
     stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
     validate_batch(env.settings, env.pipeline, batch.batch_id)
     # After validation, a manual write lands the key of offset 12 (behind the refused row).
-    db.execute(
-        sql.SQL(
-            "INSERT INTO {} (event_id, customer_id, kafka_topic, kafka_partition, kafka_offset, batch_id)"
-            " VALUES (%s, 1, 'manual', 0, 0, 0)"
-        ).format(target),
-        (events[12]["event_id"],),
-    )
+    write_by_hand(env, events[12]["event_id"], "manual", 0, 0)
 
     result = promote_batch(env.settings, env.pipeline, batch.batch_id)
 
