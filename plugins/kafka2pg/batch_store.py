@@ -227,7 +227,8 @@ def _describe(plan: BatchPlan) -> str:
 
 
 def key_probe_deferred(conn: Connection, batch_id: int) -> bool:
-    """Whether the batch's last validation left a check (the promoted-key probe) to promotion."""
+    """Whether the batch's promoted-key check is still to run: its last validation left it to
+    promotion, or a key collision at promotion sent the batch back to run it again."""
     return conn.execute(
         "SELECT EXISTS (SELECT FROM kafka2pg.batch_checks WHERE batch_id = %s AND deferred)", (batch_id,)
     ).fetchone()[0]

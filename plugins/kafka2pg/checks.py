@@ -34,7 +34,9 @@ class Check:
     unexpected: int
     details: str
     flagged: int = 0
-    deferred: bool = False  # left to promotion (the target's unique index), which runs it on a collision
+    # Left to promotion (the target's unique index), which runs it on a collision; or to run again
+    # after a collision at promotion (`probe_keys_again`), until it has.
+    deferred: bool = False
 
 
 def store_checks(conn: Connection, batch_id: int, checks: list[Check]) -> None:
@@ -565,10 +567,17 @@ def probe_keys_again(conn: Connection, batch_id: int) -> bool:
     (`recheck_after_collision`), whether its gate had deferred it or run it (a key a replay or a
     manual write promoted since); its stored count is kept. False when the batch has no such
     check (no business key: the collision was on another unique index)."""
-    return (
-        conn.execute(
-            "UPDATE kafka2pg.batch_checks SET deferred = true WHERE batch_id = %s AND check_name = %s RETURNING 1",
-            (batch_id, KEY_PROMOTED_CHECK),
-        ).fetchone()
-        is not None
+    # Deleted and inserted again, marked: the runtime role may not UPDATE stored checks (sql/grants.sql).
+    stored = conn.execute(
+        "DELETE FROM kafka2pg.batch_checks WHERE batch_id = %s AND check_name = %s"
+        " RETURNING success, unexpected_count, details",
+        (batch_id, KEY_PROMOTED_CHECK),
+    ).fetchone()
+    if stored is None:
+        return False
+    conn.execute(
+        "INSERT INTO kafka2pg.batch_checks (batch_id, check_name, success, unexpected_count, details, deferred)"
+        " VALUES (%s, %s, %s, %s, %s, true)",
+        (batch_id, KEY_PROMOTED_CHECK, *stored),
     )
+    return True

@@ -631,8 +631,10 @@ class KeyCollisionError(QualityGateFailed):
         super().__init__(
             f"pipeline {pipeline!r} batch {batch_id}: promotion hit a unique key already in the target ({detail}); "
             "nothing was promoted. A replay or a manual write loaded it after this batch was validated, and the "
-            "duplicate checks run again did not explain it (no business key, or the key landed while they ran). "
-            "The batch goes back to staged: the next run (trigger one) validates it again and judges the row.",
+            "duplicate checks run again did not explain it (no business key; the key landed while they ran; or a "
+            "unique index stricter than equality, e.g. another collation, which refuses keys the checks do not "
+            "find: see docs/design.md). The batch goes back to staged: the next run (trigger one) validates it "
+            "again and judges the row.",
             pipeline=pipeline,
             batch_id=batch_id,
             constraint=constraint,

@@ -32,9 +32,9 @@ def promote_batch(
 
     `epoch` is the run's claim (None: the current one): a fenced-off zombie run fails with
     `LedgerConflictError` here even if the heads have not moved yet. When the target's unique
-    index refuses a business key the gate left to it, the gate's promoted-key check runs now,
-    flags those rows to quarantine (or rejects the batch under duplicate_policy: fail), and the
-    rest is promoted.
+    index refuses a business key (one the gate left to it, or one promoted since the gate ran),
+    the gate's promoted-key check runs again now, flags those rows to quarantine (or rejects the
+    batch under duplicate_policy: fail), and the rest is promoted.
     """
     with timeouts_named(pipeline.name, batch_id, "promotion"):
         result = _promote(settings, pipeline, batch_id, epoch)
@@ -91,7 +91,7 @@ def _promote(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int |
                 after,
             )
     if after is _CHECK:
-        log.warning("pipeline=%s batch_id=%s %s: running the deferred promoted-key check", pipeline.name, batch_id, why)
+        log.warning("pipeline=%s batch_id=%s %s: running the promoted-key check again", pipeline.name, batch_id, why)
         validate_batch(settings, pipeline, batch_id, epoch, probe_promoted_keys=True)
     try:
         return _promote_once(settings, pipeline, batch_id, epoch)
@@ -140,5 +140,6 @@ def _sent_back(
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         if batch.state in (BatchState.VALIDATED, BatchState.PROMOTED, BatchState.VERIFIED, BatchState.REJECTED):
             return batch.state.value
-        sent_back = batch.state is BatchState.STAGED and key_probe_deferred(conn, batch_id)
+        # A replay: no other run resumes it (one sent back before the check was marked to run again, too).
+        sent_back = batch.state is BatchState.STAGED and (batch.kind == "replay" or key_probe_deferred(conn, batch_id))
         return _CHECK if sent_back else None
