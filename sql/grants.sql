@@ -18,6 +18,9 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON kafka2pg.ledger_heads TO {role};
 -- Deleted only where something is taken back: an undo deletes its batch's ledger ranges; a replay,
 -- an undo or `reset --archive-old-rows` their range's quarantine rows; (re-)validation a batch's checks.
 GRANT SELECT, INSERT, DELETE ON kafka2pg.ledger_ranges, kafka2pg.quarantine, kafka2pg.batch_checks TO {role};
+-- A row PostgreSQL refused at promotion is quarantined first, its raw bytes read again from Kafka
+-- after the promotion commits: updated in those columns only.
+GRANT UPDATE (raw_key, raw_value, raw_headers) ON kafka2pg.quarantine TO {role};
 GRANT SELECT, INSERT ON kafka2pg.ledger_resets TO {role};
 -- Each batch's quality result: written (or replaced) with the gate's verdict, cleared when the
 -- batch is read again; the operator's pages and `kafka2pg report` read it.

@@ -123,6 +123,12 @@ def test_every_step_runs_as_a_runtime_role_holding_only_the_granted_privileges(
     produce(env.settings.bootstrap_servers, env.topic, second)
     promoted = live_run(spark, env, "live-2")
     assert (promoted["promoted"], promoted["quarantined"]) == (len(second) - refused - 1, refused + 1)
+    # Each quarantined row keeps the record's raw bytes, filled after the promotion committed.
+    kept = db.execute(
+        "SELECT count(*) FILTER (WHERE raw_value IS NOT NULL), count(*) FROM kafka2pg.quarantine WHERE batch_id = %s",
+        (promoted["batch_id"],),
+    ).fetchone()
+    assert kept == (refused + 1, refused + 1)
 
     undone = undo_batch(env.settings, env.pipeline, promoted["batch_id"], confirm=True, reason="least privilege")
     assert undone.applied and counts(db, env) == (len(first), 0)
