@@ -8,8 +8,9 @@ import logging
 
 import psycopg
 from confluent_kafka import KafkaException
+from psycopg import Connection
 
-from kafka2pg.batch_store import key_probe_deferred, load_claimed, raise_staging_lost, transition
+from kafka2pg.batch_store import Batch, key_probe_deferred, load_claimed, raise_staging_lost, transition
 from kafka2pg.checks import probe_keys_again
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
@@ -38,7 +39,7 @@ def promote_batch(
     """
     with timeouts_named(pipeline.name, batch_id, "promotion"):
         result = _promote(settings, pipeline, batch_id, epoch)
-    if result.quarantined and not result.already_promoted:
+    if result.quarantined:  # again when already promoted: an attempt may have stopped before the fill
         keep_raw_bytes(settings, pipeline, batch_id, QUARANTINE)  # the rows PostgreSQL refused at promotion
     if pipeline.lag_consumer_group and isinstance(result, PromoteResult) and not result.already_promoted:
         mirror_heads(settings, pipeline)  # a live promotion moved the heads (a replay moves none)
@@ -65,7 +66,7 @@ def mirror_heads(settings: Settings, pipeline: Pipeline) -> None:
         )
 
 
-# What `_sent_back` found: the deferred check is still to run (or the batch is past it: its state).
+# What `_send_back` and `_sent_back` find: the deferred check is still to run (or the batch is past it: its state).
 _CHECK = "check"
 
 
@@ -73,26 +74,25 @@ def _promote(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int |
     try:
         return _promote_once(settings, pipeline, batch_id, epoch)
     except KeyCollisionError as exc:
-        if not _send_back(settings, pipeline, batch_id, epoch):
+        after = _send_back(settings, pipeline, batch_id, epoch)
+        if after is None:
             raise
-        after, why = _CHECK, f"a business key is already in the target ({exc.__cause__ or exc})"
+        why = f"a business key is already in the target ({exc.__cause__ or exc})"
     except BatchStateError as exc:
         after = _sent_back(settings, pipeline, batch_id, epoch, exc)
         if after is None:
             raise
-        if after is _CHECK:
-            why = "an earlier attempt stopped after a key collision"  # a retry of the promote task
-        else:
-            log.info(
-                "pipeline=%s batch_id=%s was staged when this attempt read it and is %s now (another attempt "
-                "checked it since): trying again",
-                pipeline.name,
-                batch_id,
-                after,
-            )
+        why = "an earlier attempt stopped after a key collision"  # a retry of the promote task
     if after is _CHECK:
         log.warning("pipeline=%s batch_id=%s %s: running the promoted-key check again", pipeline.name, batch_id, why)
         validate_batch(settings, pipeline, batch_id, epoch, probe_promoted_keys=True)
+    else:
+        log.info(
+            "pipeline=%s batch_id=%s is %s now (another attempt checked it since this one read it): trying again",
+            pipeline.name,
+            batch_id,
+            after,
+        )
     try:
         return _promote_once(settings, pipeline, batch_id, epoch)
     except KeyCollisionError:
@@ -112,34 +112,41 @@ def _promote_once(
     return result
 
 
-def _send_back(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None) -> bool:
+def _send_back(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None) -> str | None:
     """After a key collision: the validated batch goes back to `staged`, its promoted-key check
-    to run again. True when that check can explain the collision (the batch has one: its gate
+    to run again; `_CHECK` when that check can explain the collision (the batch has one: its gate
     deferred it to promotion, or ran it before a key was promoted since, by a live batch after a
-    replay's gate, by a replay or by hand after a live batch's)."""
+    replay's gate, by a replay or by hand after a live batch's), else None. A batch no longer
+    `validated` was sent back (or sent back and checked) by a twin attempt that collided too:
+    what `_after_twin` says."""
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         if batch.state is not BatchState.VALIDATED:
-            return False
+            return _after_twin(conn, batch)
         transition(conn, batch, BatchState.STAGED, error="business key promoted since validation: validate again")
-        return probe_keys_again(conn, batch_id)
+        return _CHECK if probe_keys_again(conn, batch_id) else None
 
 
 def _sent_back(
     settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int | None, refused: BatchStateError
 ) -> str | None:
-    """After a promotion refused the batch as `staged`: `_CHECK` when `_send_back` put it there
-    with its promoted-key check still to run (an attempt stopped between the collision and the
-    check, or one is at it now: the check and the promotion are what is left to do); its state
-    when it is `validated`, `promoted`, `verified` or `rejected` by now (another attempt, sent
-    back by a collision, ran the check since this one read it: trying again promotes it, reports
-    it done, or says it was rejected); else None."""
+    """After a promotion refused the batch as `staged`: what `_after_twin` says of it now (an
+    attempt stopped between a collision and the check, or one is at it now, or has run it since
+    this one read the batch); None when it was refused for another state."""
     if refused.evidence.get("state") != BatchState.STAGED:
         return None
     with transaction(settings.database_url) as conn:
-        batch = load_claimed(conn, pipeline, batch_id, epoch)
-        if batch.state in (BatchState.VALIDATED, BatchState.PROMOTED, BatchState.VERIFIED, BatchState.REJECTED):
-            return batch.state.value
-        # A replay: no other run resumes it (one sent back before the check was marked to run again, too).
-        sent_back = batch.state is BatchState.STAGED and (batch.kind == "replay" or key_probe_deferred(conn, batch_id))
-        return _CHECK if sent_back else None
+        return _after_twin(conn, load_claimed(conn, pipeline, batch_id, epoch))
+
+
+def _after_twin(conn: Connection, batch: Batch) -> str | None:
+    """What is left of a promotion another attempt may have sent back: its state when it is
+    `validated`, `promoted`, `verified` or `rejected` (trying again promotes it, reports it
+    done, or says it was rejected); `_CHECK` when it is `staged` with its promoted-key check to
+    run again (or a replay: no other run resumes it); else None."""
+    if batch.state in (BatchState.VALIDATED, BatchState.PROMOTED, BatchState.VERIFIED, BatchState.REJECTED):
+        return batch.state.value
+    sent_back = batch.state is BatchState.STAGED and (
+        batch.kind == "replay" or key_probe_deferred(conn, batch.batch_id)
+    )
+    return _CHECK if sent_back else None

@@ -576,6 +576,42 @@ def test_a_promote_attempt_that_finds_the_batch_sent_back_and_checked_again_by_i
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
 
 
+def test_two_promote_attempts_that_both_collide_on_a_key_promote_the_batch_once(
+    make_pipeline, spark, run_batch, db, monkeypatch
+):
+    """Two attempts of the promote task at once both read the batch `validated` and collide on
+    a business key; the twin sends it back to `staged` first. This attempt finds it sent back
+    with its check to run: it runs the check and promotes (it failed with a KeyCollisionError,
+    not retried, while the twin went on)."""
+    import kafka2pg.steps
+
+    env = make_pipeline(partitions=1)
+    events = list(sample_events(4, seed=82))
+    produce(env.settings.bootstrap_servers, env.topic, events[:2], key_field=None)
+    assert run_batch(env).promoted == 2
+    produce(env.settings.bootstrap_servers, env.topic, [{**events[2], "event_id": events[0]["event_id"]}, events[3]])
+    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, batch_id)
+    validate_batch(env.settings, env.pipeline, batch_id)
+    assert key_check(db, batch_id) == (True, 0, DEFERRED_KEY_PROBE)
+
+    send_back = kafka2pg.steps._send_back
+    calls = []
+
+    def twin_sends_back_first(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            assert send_back(*args) == kafka2pg.steps._CHECK  # the twin, which collided too
+        return send_back(*args)
+
+    monkeypatch.setattr(kafka2pg.steps, "_send_back", twin_sends_back_first)
+    promoted = promote_batch(env.settings, env.pipeline, batch_id)
+    assert (promoted.promoted, promoted.quarantined, promoted.already_promoted) == (1, 1, False)
+    assert len(calls) == 1
+    assert target_ids(db, env) == sorted(e["event_id"] for e in [*events[:2], events[3]])
+    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+
+
 def test_a_deferred_batch_whose_offsets_landed_meanwhile_is_rejected_at_promotion(
     make_pipeline, spark, run_batch, db, heads, write_by_hand
 ):
