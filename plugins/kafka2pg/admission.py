@@ -787,7 +787,8 @@ def _malformed(value: bytes, error: Exception) -> str:
     try:
         document = json.loads(text, parse_constant=_no_constant, parse_int=Decimal)
     except json.JSONDecodeError as exc:
-        return f"value is not valid JSON ({exc.msg} at character {exc.pos}: {_show(text[exc.pos : exc.pos + 20])})"
+        what = exc.msg.removesuffix(" at")  # "Invalid control character at": the position follows
+        return f"value is not valid JSON ({what} at character {exc.pos}: {_show(text[exc.pos : exc.pos + 20])})"
     except Refused as refused:
         return f"value is not valid JSON ({refused})"
     except RecursionError:

@@ -47,6 +47,16 @@ from kafka2pg.lifecycle import BatchState
 TERMINAL_EXIT = 3
 
 
+# Stopping the process, not a failure of what it was doing.
+PROCESS_STOPS = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def is_task_timeout(exc: BaseException) -> bool:
+    """An interruption that is neither an error nor the process stopping: Airflow's
+    AirflowTaskTimeout (a task's execution_timeout), which is no Exception."""
+    return not isinstance(exc, (Exception, *PROCESS_STOPS))
+
+
 class Kafka2PgError(Exception):
     """Base class of every deliberate kafka2pg error.
 

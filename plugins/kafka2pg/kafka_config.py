@@ -62,12 +62,13 @@ _RENAMED_FOR_JAVA = {
 # librdkafka properties whose 0 Java writes -1: the socket buffer sizes' "the system's default"
 # (Java refuses 0), the idle time's "never close" (Java's 0 closes a connection as soon as it idles).
 _ZERO_IS_MINUS_ONE_IN_JAVA = {**_RENAMED_FOR_JAVA, "connections.max.idle.ms": "connections.max.idle.ms"}
-# The PEM material librdkafka takes as a file or inline, and the Java property (type PEM) Spark's
-# source gets it in, inline: (file property, inline property, Java property).
+# The PEM material librdkafka takes as a file or inline: (file property, inline property). Spark's
+# source gets each inline, type PEM: the CAs as `ssl.truststore.certificates`, the certificate as
+# `ssl.keystore.certificate.chain`, the key as `ssl.keystore.key`.
 _PEM_SOURCES = (
-    ("ssl.ca.location", "ssl.ca.pem", "ssl.truststore.certificates"),
-    ("ssl.certificate.location", "ssl.certificate.pem", "ssl.keystore.certificate.chain"),
-    ("ssl.key.location", "ssl.key.pem", "ssl.keystore.key"),
+    ("ssl.ca.location", "ssl.ca.pem"),
+    ("ssl.certificate.location", "ssl.certificate.pem"),
+    ("ssl.key.location", "ssl.key.pem"),
 )
 # Names librdkafka does not take, refused with what to give instead: the Java client's names for
 # librdkafka's renamed properties (librdkafka has no such property).
@@ -79,7 +80,7 @@ _REFUSED = {
 _MAPPED = frozenset(
     {
         *_ZERO_IS_MINUS_ONE_IN_JAVA,
-        *(name for source in _PEM_SOURCES for name in source[:2]),
+        *(name for source in _PEM_SOURCES for name in source),
         "ssl.endpoint.identification.algorithm",
         "sasl.mechanism",
         "sasl.mechanisms",
@@ -238,9 +239,7 @@ class KafkaConfig:
         ca, certificate, key = _PEM_SOURCES
         # librdkafka trusts the CAs of both `ssl.ca.location` and `ssl.ca.pem`; of a certificate or
         # key given both ways it uses one, which one unsaid: refused rather than guessed.
-        both = [
-            f"`{file}` and `{inline}`" for file, inline, _ in (certificate, key) if file in props and inline in props
-        ]
+        both = [f"`{file}` and `{inline}`" for file, inline in (certificate, key) if file in props and inline in props]
         if both:
             raise ConfigError(
                 f"Kafka properties {'; '.join(both)} give the client's certificate or key twice (a file, and "
@@ -249,9 +248,20 @@ class KafkaConfig:
         if _given(props, ca):
             options.setdefault("kafka.ssl.truststore.type", "PEM")
             if "kafka.ssl.truststore.certificates" not in options:
-                cas = [_pem_of({name: props[name]}, ca) for name in ca[:2] if name in props]
+                cas = [_read_pem(props, name) for name in ca if name in props]
                 options["kafka.ssl.truststore.certificates"] = "\n".join(text.strip() for text in cas) + "\n"
         if _given(props, certificate) or _given(props, key):
+            java = {certificate: "kafka.ssl.keystore.certificate.chain", key: "kafka.ssl.keystore.key"}
+            missing = [
+                source for source in (certificate, key) if not _given(props, source) and java[source] not in options
+            ]
+            if missing:
+                (missing,) = missing
+                given = key if missing is certificate else certificate
+                raise ConfigError(
+                    f"Kafka property `{given[0]}` or `{given[1]}` without `{missing[0]}` or `{missing[1]}`: "
+                    "a client certificate needs its key and a key its certificate; give both"
+                )
             options.setdefault("kafka.ssl.keystore.type", "PEM")
             if "kafka.ssl.keystore.certificate.chain" not in options:
                 options["kafka.ssl.keystore.certificate.chain"] = _pem_of(props, certificate)
@@ -295,36 +305,41 @@ def _jaas(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _given(props: Mapping[str, str], source: tuple[str, str, str]) -> bool:
+def _given(props: Mapping[str, str], source: tuple[str, str]) -> bool:
     return source[0] in props or source[1] in props
 
 
-def _pem_of(props: Mapping[str, str], source: tuple[str, str, str]) -> str:
-    """The PEM text of a (file, inline, Java) source: the inline value, or the file's content.
-    A message names the property and the file, never the content."""
-    file, inline, _ = source
-    if inline in props:
-        text, what = props[inline], f"Kafka property {inline}"
+def _pem_of(props: Mapping[str, str], source: tuple[str, str]) -> str:
+    """The PEM text of a (file, inline) source: the inline value if given, else the file's."""
+    file, inline = source
+    return _read_pem(props, inline if inline in props else file)
+
+
+def _read_pem(props: Mapping[str, str], name: str) -> str:
+    """The PEM text property `name` gives: its value (an inline `….pem` property), or the content
+    of the file it names. A message names the property and the file, never the content."""
+    if name.endswith(".pem"):
+        text, what = props[name], f"Kafka property {name}"
     else:
-        path = props.get(file, "")
-        what = f"Kafka property {file}: {path!r}"
+        path = props[name]
+        what = f"Kafka property {name}: {path!r}"
         try:
             text = Path(path).read_text()
         except OSError as exc:
-            raise ConfigError(f"Kafka property {file}: cannot read the PEM file {path!r} ({exc.strerror})") from None
+            raise ConfigError(f"Kafka property {name}: cannot read the PEM file {path!r} ({exc.strerror})") from None
     if "-----BEGIN" not in text:
         raise ConfigError(f"{what} is not PEM (no `-----BEGIN` line)")
     return text
 
 
-def _pkcs8_key(props: Mapping[str, str], source: tuple[str, str, str]) -> str:
+def _pkcs8_key(props: Mapping[str, str], source: tuple[str, str]) -> str:
     """The client key for Spark's `ssl.keystore.key`: a legacy PEM key (PKCS#1 `RSA PRIVATE KEY`,
     SEC1 `EC PRIVATE KEY`, ...) is refused, Java's PEM support would fail on it at the first
     connection. The message names the property (and file) and the key's kind, never its content."""
     text = _pem_of(props, source)
     legacy = [kind for kind in _PEM_KEY_BEGIN.findall(text) if kind not in _PKCS8_KINDS]
     if legacy:
-        file, inline, _ = source
+        file, inline = source
         where = f"{inline}: the key" if inline in props else f"{file}: {props[file]!r}"
         then = (
             f"and give the new key in {inline}"

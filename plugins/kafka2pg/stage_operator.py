@@ -20,7 +20,7 @@ from typing import Any
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
 from kafka2pg.config import Pipeline, keep_log_options, stage_jvm_options
-from kafka2pg.exceptions import TERMINAL_EXIT, ConfigError, SparkSessionLost
+from kafka2pg.exceptions import TERMINAL_EXIT, ConfigError, SparkSessionLost, is_task_timeout
 from kafka2pg.jars import spark_kafka_source
 
 log = logging.getLogger(__name__)
@@ -152,8 +152,8 @@ class StageOperator(SparkSubmitOperator):
                 try:
                     return super().execute(context)
                 except BaseException as exc:  # the job stopped while its scratch folder is still there
-                    if not isinstance(exc, Exception | KeyboardInterrupt | SystemExit | GeneratorExit):
-                        self._interrupted(exc)  # Airflow's execution_timeout: AirflowTaskTimeout
+                    if is_task_timeout(exc):
+                        self._interrupted(exc)
                     raise
         except AirflowException as exc:
             process = getattr(self._hook, "_submit_sp", None) if self._hook is not None else None

@@ -15,7 +15,7 @@ from psycopg import Connection
 
 from kafka2pg.config import Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import Kafka2PgError, LedgerConflictError, StageInterrupted
+from kafka2pg.exceptions import PROCESS_STOPS, Kafka2PgError, LedgerConflictError, StageInterrupted
 from kafka2pg.lifecycle import OPEN
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def recording_failures(
     when the same step failed in the previous run too), then re-raise."""
     try:
         yield
-    except (*_NOT_FAILURES, *_STOPS):
+    except (*_NOT_FAILURES, *PROCESS_STOPS):
         raise
     except BaseException as exc:  # Airflow's AirflowTaskTimeout (execution_timeout) is no Exception
         record_failure(settings, pipeline, batch_id, epoch, step, exc)
@@ -71,8 +71,6 @@ def recording_failures(
 
 # The longest the record of a failure waits for the batch's row.
 RECORD_LOCK_WAIT_S = 10
-# Stopping the process, not a failure of the step.
-_STOPS = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 def record_failure(

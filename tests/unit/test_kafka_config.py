@@ -106,6 +106,19 @@ def test_inline_pems_go_to_spark_inline_as_files_do():
     assert kafka.unmapped_for_spark() == []
 
 
+def test_a_client_key_without_its_certificate_or_the_reverse_is_refused_for_spark(pem_files):
+    key_only = KafkaConfig.of({"bootstrap.servers": "b:1", "ssl.key.location": str(pem_files["key"])})
+    with pytest.raises(ConfigError, match="`ssl.key.location` or `ssl.key.pem` without `ssl.certificate.location`"):
+        key_only.spark_options()
+    certificate_only = KafkaConfig.of({"bootstrap.servers": "b:1", "ssl.certificate.pem": CERT})
+    with pytest.raises(ConfigError, match="without `ssl.key.location` or `ssl.key.pem`: a client certificate needs"):
+        certificate_only.spark_options()
+    # The missing half given as the Java property itself: taken as it is.
+    java_key = KafkaConfig.of({"bootstrap.servers": "b:1", "ssl.certificate.pem": CERT, "kafka.ssl.keystore.key": KEY})
+    options = java_key.spark_options()
+    assert options["kafka.ssl.keystore.certificate.chain"] == CERT and options["kafka.ssl.keystore.key"] == KEY
+
+
 def test_a_key_given_as_a_file_and_inline_or_a_legacy_inline_key_is_refused_for_spark_only(pem_files):
     other_ca = CA.replace("ca", "other-ca")
     both_cas = KafkaConfig.of(
