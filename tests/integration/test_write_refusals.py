@@ -3,6 +3,7 @@ isolated and quarantined with the database's words; the rest of the batch lands.
 
 import json
 
+import pytest
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline
@@ -278,3 +279,41 @@ def test_a_target_trigger_that_skips_rows_stops_the_promotion_instead_of_losing_
     assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 50
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (replay.batch_id,)).fetchone()[0]
     assert state == "validated"
+
+
+def test_a_retry_of_a_promotion_that_died_before_the_raw_bytes_fills_them(make_pipeline, spark, db, monkeypatch):
+    """The attempt that promoted the batch died after its commit, before it read the refused
+    rows' raw bytes from Kafka: the retry finds the batch promoted and fills them."""
+    import kafka2pg.steps
+    from kafka2pg.opening import open_batch
+    from kafka2pg.quality import validate_batch
+    from kafka2pg.staging import stage_batch
+    from kafka2pg.steps import promote_batch
+
+    env = make_pipeline(partitions=1)
+    events = list(sample_events(10, seed=83))
+    events[3]["customer_id"] = 100_000
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    db.execute(sql.SQL("ALTER TABLE {} ADD CONSTRAINT small_customer CHECK (customer_id < 10000)").format(target))
+    produce(env.settings.bootstrap_servers, env.topic, events)
+    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, batch_id)
+    validate_batch(env.settings, env.pipeline, batch_id)
+
+    class Died(BaseException):
+        pass
+
+    def dies(*args):
+        raise Died
+
+    with monkeypatch.context() as patched:
+        patched.setattr(kafka2pg.steps, "keep_raw_bytes", dies)
+        with pytest.raises(Died):
+            promote_batch(env.settings, env.pipeline, batch_id)
+    raw = "SELECT raw_value FROM kafka2pg.quarantine WHERE batch_id = %s"
+    assert db.execute(raw, (batch_id,)).fetchall() == [(None,)]
+
+    again = promote_batch(env.settings, env.pipeline, batch_id)
+
+    assert again.already_promoted and (again.promoted, again.quarantined) == (9, 1)
+    assert db.execute(raw, (batch_id,)).fetchall() == [(json.dumps(events[3]).encode(),)]
