@@ -99,6 +99,8 @@ def run_checks(
 
 
 KEY_PROMOTED_CHECK = "business_key_not_already_promoted"
+# The start of the key check's reason for a row whose business key is in the target already.
+KEY_PROMOTED_REASON = "business key already promoted by batch "
 
 
 DEFERRED = "deferred to promotion"
@@ -487,18 +489,44 @@ def _business_key_not_promoted(conn: Connection, pipeline: Pipeline, batch: Batc
     # Flagging joins the staged rows with the target directly, as the count does: never the
     # staged rows with themselves.
     flag = sql.SQL(
-        "UPDATE {staging} s SET quarantine_reason = 'business key already promoted by batch ' || t.batch_id"
+        "UPDATE {staging} s SET quarantine_reason = {promoted} || t.batch_id"
         " || ' at partition ' || t.kafka_partition || ' offset ' || t.kafka_offset || {key}"
         " FROM {target} t{reread} WHERE s.batch_id = %(batch)s AND s.quarantine_reason IS NULL AND {join}{where}"
     ).format(
         staging=_staging(pipeline),
+        promoted=sql.Literal(KEY_PROMOTED_REASON),
         key=_key_shown(pipeline),
         target=_target(pipeline),
         reread=reread,
         join=join,
         where=where,
     )
-    return _flag_duplicates(conn, pipeline, batch, KEY_PROMOTED_CHECK, counted, flag, plan, plan)
+    check = _flag_duplicates(conn, pipeline, batch, KEY_PROMOTED_CHECK, counted, flag, plan, plan)
+    if check.flagged:
+        _copies_follow_the_promoted_key(conn, pipeline, batch)
+    return check
+
+
+def _copies_follow_the_promoted_key(conn: Connection, pipeline: Pipeline, batch: Batch) -> None:
+    """A key's later copies in the batch, flagged by the in-batch check as duplicates of the copy
+    it kept, take that copy's reason once the key check flags it as already promoted: the copy
+    their reason named as kept is in the quarantine too, the key's promoted row is the one to
+    name. Their count stays with the in-batch check."""
+    join = sql.SQL(" AND ").join(sql.SQL("d.{k} = k.{k}").format(k=sql.Identifier(k)) for k in pipeline.business_key)
+    with planner(conn, **NO_NESTED_LOOPS):
+        conn.execute(
+            sql.SQL(
+                "UPDATE {staging} d SET quarantine_reason = k.quarantine_reason FROM {staging} k"
+                " WHERE d.batch_id = %(batch)s AND k.batch_id = %(batch)s AND {join}"
+                " AND starts_with(d.quarantine_reason, {duplicate}) AND starts_with(k.quarantine_reason, {promoted})"
+            ).format(
+                staging=_staging(pipeline),
+                join=join,
+                duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE),
+                promoted=sql.Literal(KEY_PROMOTED_REASON),
+            ),
+            {"batch": batch.batch_id},
+        )
 
 
 def _key_indexed(conn: Connection, pipeline: Pipeline) -> bool:

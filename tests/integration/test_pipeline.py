@@ -686,6 +686,31 @@ def test_producer_retry_duplicate_is_flagged_not_promoted(make_pipeline, run_bat
     assert reason.startswith("duplicate business key within batch") and "kept partition 0 offset 1" in reason
 
 
+def test_later_copies_of_a_key_already_promoted_name_the_promoted_row_not_a_quarantined_copy(
+    make_pipeline, run_batch, db
+):
+    """Two copies of a key promoted by an earlier batch: the in-batch check keeps the first and
+    flags the second, then the key check flags the first as already promoted. Both rows' reasons
+    name the promoted row (the second's named the first as kept, which was quarantined too)."""
+    env = make_pipeline(partitions=1)
+    (first, second, third) = list(sample_events(3, seed=16))
+    produce(env.settings.bootstrap_servers, env.topic, [first], key_field=None)
+    landed = run_batch(env)
+    assert landed.promoted == 1
+    copies = [{**second, "event_id": first["event_id"]}, {**third, "event_id": first["event_id"]}]
+    produce(env.settings.bootstrap_servers, env.topic, copies, key_field=None)
+    result = run_batch(env)
+    assert (result.promoted, result.quarantined) == (0, 2)
+    reasons = db.execute(
+        "SELECT reason FROM kafka2pg.quarantine WHERE pipeline = %s ORDER BY kafka_offset", (env.pipeline.name,)
+    ).fetchall()
+    promoted = (
+        f"business key already promoted by batch {landed.batch_id} at partition 0 offset 0"
+        f" (event_id = '{first['event_id']}')"
+    )
+    assert reasons == [(promoted,), (promoted,)]
+
+
 def test_missing_topic_fails_with_a_clear_error(make_pipeline):
     env = make_pipeline(create_topic=False)
     with pytest.raises(TopicNotFoundError) as missing:

@@ -920,9 +920,9 @@ def _nested_loops_over_the_batch(plan: dict, staging: str) -> list[str]:
 
 def test_flagging_a_batch_of_duplicates_never_joins_its_staged_rows_in_a_nested_loop(make_pipeline, spark, db):
     """A batch staged since the staging table's statistics were gathered reads as one row to the
-    planner. Joined with its own duplicates, with the rows refused, or with the raw bytes read
-    again for them in a nested loop, every staged row was visited once per such row: 30,000
-    duplicates of promoted keys took minutes to flag. Seen here in the plans PostgreSQL ran
+    planner. Joined with its own duplicates, with the rows refused, with the copies of a key
+    found promoted, or with the raw bytes read again for them in a nested loop, every staged row
+    was visited once per such row: 30,000 duplicates of promoted keys took minutes to flag. Seen here in the plans PostgreSQL ran
     (auto_explain) and in its own count of the staging rows read, not timed."""
     from kafka2pg.batch_store import load_batch
     from kafka2pg.checks import gap_witnesses, run_checks
@@ -981,7 +981,7 @@ def test_flagging_a_batch_of_duplicates_never_joins_its_staged_rows_in_a_nested_
         assert fill_raw_bytes(db, staging_place(env.pipeline), batch_id, found) == rows
     db.execute("SET auto_explain.log_min_duration = -1")
     updates = [p for p in plans if p["Query Text"].startswith(f"UPDATE {staging.as_string(db)}")]
-    assert len(updates) == 3, [p["Query Text"][:80] for p in plans]
+    assert len(updates) == 4, [p["Query Text"][:80] for p in plans]
     for plan in updates:
         loops = _nested_loops_over_the_batch(plan["Plan"], env.pipeline.staging_table)
         assert not loops, (plan["Query Text"][:120], loops)
