@@ -328,17 +328,33 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 1 if all(": no quality report yet" in s for s in summaries) else 0
 
 
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    from kafka2pg.report import quarantine_listing
+
+    if args.limit < 1:
+        raise ConfigError(f"quarantine --limit {args.limit}: give 1 or more")
+    settings, pipeline = _pipeline(args)
+    listing, _ = quarantine_listing(settings, pipeline, args.batch_id, args.limit)
+    print(listing)
+    return 0
+
+
 def _export_report(args: argparse.Namespace) -> int:
     """`report --html`: the batch's report rendered from its stored result, to --out or stdout."""
     from kafka2pg.batch_store import load_claimed
     from kafka2pg.data_docs import render_html
     from kafka2pg.database import connect
-    from kafka2pg.quality_results import load_result
+    from kafka2pg.quality_results import latest_result_batch, load_result
 
-    if not args.pipeline or args.batch_id is None:
-        raise ConfigError("report --html: give --pipeline P and --batch-id N")
+    if not args.pipeline:
+        raise ConfigError("report --html: give --pipeline P (and --batch-id N; default: its latest validated batch)")
     settings, pipeline = _pipeline(args)
     with connect(settings.database_url) as conn:
+        if args.batch_id is None:
+            args.batch_id = latest_result_batch(conn, pipeline.name)
+            if args.batch_id is None:
+                print(f"pipeline {pipeline.name}: no quality report yet", file=sys.stderr)
+                return 1
         result = load_result(conn, pipeline.name, args.batch_id)
         if result is None:  # BatchStateError: no such batch, or another pipeline's
             load_claimed(conn, pipeline, args.batch_id, None, lock=False)
@@ -558,10 +574,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline")
     p.add_argument("--batch-id", type=int)
     p.add_argument(
-        "--html", action="store_true", help="export the batch's report as one HTML page (--pipeline, --batch-id)"
+        "--html",
+        action="store_true",
+        help="export the batch's report as one HTML page (--pipeline; --batch-id, default the latest)",
     )
     p.add_argument("--out", type=Path, help="with --html: write it to this file (default: standard output)")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser(
+        "quarantine",
+        help="the pipeline's quarantined records (the newest, or one batch's): partition, offset, raw bytes' size, "
+        "reason",
+    )
+    p.add_argument("--pipeline", required=True)
+    p.add_argument("--batch-id", type=int)
+    p.add_argument("--limit", type=int, default=50, help="rows to list at most (default 50)")
+    p.set_defaults(func=cmd_quarantine)
 
     p = sub.add_parser("reset", help="realign a partition's ledger head after the topic was recreated/restored")
     p.add_argument("--pipeline", required=True)

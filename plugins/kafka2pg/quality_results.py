@@ -29,3 +29,13 @@ def load_result(conn: Connection, pipeline: str, batch_id: int) -> dict | None:
         (batch_id, pipeline),
     ).fetchone()
     return None if row is None else row[0]
+
+
+def latest_result_batch(conn: Connection, pipeline: str) -> int | None:
+    """The newest of the pipeline's batches with a stored result (None: none validated yet)."""
+    row = conn.execute(
+        "SELECT max(r.batch_id) FROM kafka2pg.quality_results r JOIN kafka2pg.batches b USING (batch_id)"
+        " WHERE b.pipeline = %s",
+        (pipeline,),
+    ).fetchone()
+    return row[0]

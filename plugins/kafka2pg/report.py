@@ -124,3 +124,46 @@ def quality_summary(settings: Settings, pipeline: Pipeline, batch_id: int | None
             f"  caught and quarantined (of {read or 0} records read): " + ("; ".join(caught) or "nothing"),
         ]
     )
+
+
+QUARANTINE_SHOWN = 50  # rows `kafka2pg quarantine` lists unless told
+
+
+def quarantine_listing(
+    settings: Settings, pipeline: Pipeline, batch_id: int | None = None, limit: int = QUARANTINE_SHOWN
+) -> tuple[str, int]:
+    """The pipeline's quarantined records (of one batch, or the newest): batch, partition,
+    offset, the raw value's size and the reason, control characters escaped; and how many
+    there are in all. Rows of batches not promoted yet are still in the staging table, flagged,
+    and not listed."""
+    with session(settings.database_url) as conn:
+        if batch_id is not None:  # BatchStateError: no such batch, or another pipeline's
+            load_claimed(conn, pipeline, batch_id, None, lock=False)
+        where = sql.SQL("pipeline = %(p)s AND (%(b)s::bigint IS NULL OR batch_id = %(b)s)")
+        total = conn.execute(
+            sql.SQL("SELECT count(*) FROM kafka2pg.quarantine WHERE {}").format(where),
+            {"p": pipeline.name, "b": batch_id},
+        ).fetchone()[0]
+        rows = conn.execute(
+            sql.SQL(
+                "SELECT batch_id, kafka_partition, kafka_offset, octet_length(raw_value), reason"
+                " FROM kafka2pg.quarantine WHERE {} ORDER BY batch_id DESC, kafka_partition, kafka_offset LIMIT %(n)s"
+            ).format(where),
+            {"p": pipeline.name, "b": batch_id, "n": limit},
+        ).fetchall()
+    scope = f"batch {batch_id}" if batch_id is not None else "all batches"
+    if not rows:
+        return f"pipeline {pipeline.name} ({scope}): no quarantined records", 0
+    shown = "" if total <= len(rows) else f", the newest {len(rows)} shown (--limit)"
+    head = f"pipeline {pipeline.name} ({scope}): {total} quarantined record(s){shown}"
+    body = table(
+        ["batch", "partition", "offset", "raw bytes", "reason"],
+        [(b, p, o, size, _printable(reason)) for b, p, o, size, reason in rows],
+    )
+    return f"{head}\n{body}", total
+
+
+def _printable(text: str) -> str:
+    """`text` with each control or other unprintable character escaped (`\\n`, `\\x1b`): a reason
+    may quote a record's bytes or PostgreSQL's words about them."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

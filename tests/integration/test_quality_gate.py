@@ -922,8 +922,9 @@ def test_flagging_a_batch_of_duplicates_never_joins_its_staged_rows_in_a_nested_
     """A batch staged since the staging table's statistics were gathered reads as one row to the
     planner. Joined with its own duplicates, with the rows refused, with the copies of a key
     found promoted, or with the raw bytes read again for them in a nested loop, every staged row
-    was visited once per such row: 30,000 duplicates of promoted keys took minutes to flag. Seen here in the plans PostgreSQL ran
-    (auto_explain) and in its own count of the staging rows read, not timed."""
+    was visited once per such row: 30,000 duplicates of promoted keys took minutes to flag. Seen
+    here in the plans PostgreSQL ran (auto_explain) and in its own count of the staging rows
+    read, not timed."""
     from kafka2pg.batch_store import load_batch
     from kafka2pg.checks import gap_witnesses, run_checks
     from kafka2pg.kafka_reader import RawRecord

@@ -108,6 +108,21 @@ def test_the_report_is_stored_with_the_batch_and_rendered_from_the_database(
     quarantine = client.get(f"/pipelines/{name}/batches/{result.batch_id}/quarantine").text
     assert "value is not valid JSON" in cells(quarantine, 'data-offset="0:4"')
     assert "duplicate business key within batch" in cells(quarantine, 'data-offset="0:5"')
+    # The same records from the command line, and the report exported without naming the batch.
+    capsys.readouterr()
+    assert cli.main(["quarantine", "--pipeline", name]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0] == f"pipeline {name} (all batches): 2 quarantined record(s)"
+    assert listed[1].split() == ["batch", "partition", "offset", "raw", "bytes", "reason"]
+    assert listed[2].split()[:4] == [str(result.batch_id), "0", "4", str(len(b"{not json"))]
+    assert "value is not valid JSON" in listed[2] and "duplicate business key within batch" in listed[3]
+    assert cli.main(["quarantine", "--pipeline", name, "--batch-id", str(result.batch_id), "--limit", "1"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head == f"pipeline {name} (batch {result.batch_id}): 2 quarantined record(s), the newest 1 shown (--limit)"
+    assert cli.main(["quarantine", "--pipeline", name, "--batch-id", str(result.batch_id + 1000)]) == 2
+    latest = tmp_path / "latest.html"
+    assert cli.main(["report", "--pipeline", name, "--html", "--out", str(latest)]) == 0
+    assert latest.read_text() == exported
 
 
 def test_a_rejected_batch_keeps_its_result_with_the_verdict(make_pipeline, spark, db, pages):
