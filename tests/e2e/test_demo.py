@@ -71,5 +71,9 @@ def test_the_demo_runs_from_a_checkout_whose_path_has_a_space(where, tmp_path):
     assert done.returncode == 0, f"./kafka2pg demo failed (log {log}):\n{output[-5000:]}"
     assert f"OK: produced {EVENTS}, landed {EVENTS}" in output, output[-3000:]
     assert "could not make the Spark class-data archive" not in output, output[-5000:]
+    # What a newcomer reads: no warning of Airflow's about its own set-up, one line for the migrations.
+    assert "empty cryptography key" not in output, output[-5000:]
+    assert "applied migration " not in output and " migrations and created the pipeline's tables" in output
+    assert (checkout / ".cache" / "airflow" / "fernet.key").stat().st_mode & 0o077 == 0
     assert list((checkout / ".cache" / "jvm").glob("spark-*.jsa")), "no class-data archive was made"
     assert not left_behind, "the demo left its stack behind"

@@ -6,6 +6,7 @@ second run that is a no-op without Spark.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -33,7 +34,7 @@ def _plan_message(output: str) -> str:
 
 def run(*, events: int, keep: bool) -> int:
     cache = state_dir()
-    print("[1/6] resolving Kafka and Spark jars (cached after the first run)")
+    print("[1/6] Kafka and Spark jars (resolved from Maven Central once, then cached)")
     resolve_jars(cache)
     print("[2/6] starting a real Kafka broker (KRaft) and a throwaway PostgreSQL on 127.0.0.1")
     if local_stack.reset_targets(cache):
@@ -73,7 +74,13 @@ def _run_with_stack(stack: local_stack.Stack, events: int, cache: Path) -> int:
     pipeline = get_pipeline(PIPELINE, pipelines_file_from_env())
     settings = settings_for(pipeline, env)
     print(f"      kafka {stack.kafka.bootstrap_servers}, postgres 127.0.0.1:{stack.postgres.port}")
-    migrate(settings.database_url, [pipeline])
+    migrations = logging.getLogger("kafka2pg.migrations")
+    level, migrations.level = migrations.level, logging.WARNING  # one line for them all, below
+    try:
+        applied = migrate(settings.database_url, [pipeline])
+    finally:
+        migrations.setLevel(level)
+    print(f"      applied {len(applied)} migrations and created the pipeline's tables (`{COMMAND} migrate`)")
     ensure_topic(settings.kafka, pipeline.topic, 3)
     print(f"[3/6] producing {events} sample events to topic {pipeline.topic!r} (3 partitions)")
     produce_sample(settings.kafka, pipeline.topic, events)
