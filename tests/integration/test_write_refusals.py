@@ -317,3 +317,43 @@ def test_a_retry_of_a_promotion_that_died_before_the_raw_bytes_fills_them(make_p
 
     assert again.already_promoted and (again.promoted, again.quarantined) == (9, 1)
     assert db.execute(raw, (batch_id,)).fetchall() == [(json.dumps(events[3]).encode(),)]
+
+
+def test_a_retry_of_a_validation_that_died_before_the_raw_bytes_fills_them(make_pipeline, spark, db, monkeypatch):
+    """The attempt that validated the batch died after its verdict committed, before it read the
+    raw bytes of the rows its gate flagged: the retry finds the batch validated and fills them;
+    the promotion carries them into the quarantine."""
+    import kafka2pg.quality
+    from kafka2pg.opening import open_batch
+    from kafka2pg.quality import validate_batch
+    from kafka2pg.staging import stage_batch
+    from kafka2pg.steps import promote_batch
+
+    env = make_pipeline(partitions=1)
+    events = list(sample_events(3, seed=84))
+    copy = {**events[2], "event_id": events[0]["event_id"]}  # flagged: a later copy of a key in the batch
+    produce(env.settings.bootstrap_servers, env.topic, [*events[:2], copy], key_field=None)
+    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, batch_id)
+
+    class Died(BaseException):
+        pass
+
+    def dies(*args):
+        raise Died
+
+    with monkeypatch.context() as patched:
+        patched.setattr(kafka2pg.quality, "keep_raw_bytes", dies)
+        with pytest.raises(Died):
+            validate_batch(env.settings, env.pipeline, batch_id)
+    staged = sql.SQL("SELECT raw_value FROM {} WHERE batch_id = %s AND quarantine_reason IS NOT NULL").format(
+        sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    )
+    assert db.execute(staged, (batch_id,)).fetchall() == [(None,)]
+
+    again = validate_batch(env.settings, env.pipeline, batch_id)
+
+    assert again.already_done and db.execute(staged, (batch_id,)).fetchall() == [(json.dumps(copy).encode(),)]
+    assert (promote_batch(env.settings, env.pipeline, batch_id).quarantined) == 1
+    raw = db.execute("SELECT raw_value FROM kafka2pg.quarantine WHERE batch_id = %s", (batch_id,)).fetchall()
+    assert raw == [(json.dumps(copy).encode(),)]
