@@ -17,31 +17,26 @@ from psycopg import Connection, sql
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import NO_NESTED_LOOPS, planner, transaction
 from kafka2pg.kafka_reader import RawRecord, raw_records_at
-from kafka2pg.rows import PROMOTION_REFUSED
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Place:
-    """Where quarantined rows wait: a table, its column holding the reason, and which of its
-    quarantined rows may lack raw bytes."""
+    """Where quarantined rows wait: a table and its column holding the reason."""
 
     table: sql.Identifier
     reason: sql.Identifier
-    lacking: sql.Composable | None = None  # None: any
 
 
 def staging_place(pipeline: Pipeline) -> Place:
     return Place(sql.Identifier("kafka2pg", pipeline.staging_table), sql.Identifier("quarantine_reason"))
 
 
-# Only the rows PostgreSQL refused at promotion: a tombstone refused at admission has no bytes to fill.
-QUARANTINE = Place(
-    sql.Identifier("kafka2pg", "quarantine"),
-    sql.Identifier("reason"),
-    sql.SQL("starts_with(reason, {})").format(sql.Literal(PROMOTION_REFUSED)),
-)
+# Every quarantined row still without raw bytes: the rows PostgreSQL refused at promotion, and
+# any the gate flagged whose validation stopped before reading them. A record without key, value
+# or headers (a keyless tombstone refused at admission) is read again and stays so.
+QUARANTINE = Place(sql.Identifier("kafka2pg", "quarantine"), sql.Identifier("reason"))
 
 
 def headers_literal(headers: list[tuple[bytes, bytes | None]]) -> str | None:
@@ -105,8 +100,8 @@ def _keep_raw_bytes(settings: Settings, pipeline: Pipeline, batch_id: int, place
         lacking = conn.execute(
             sql.SQL(
                 "SELECT kafka_partition, kafka_offset FROM {table} WHERE batch_id = %s AND {reason} IS NOT NULL"
-                " AND {lacking} AND raw_key IS NULL AND raw_value IS NULL AND raw_headers IS NULL"
-            ).format(table=place.table, reason=place.reason, lacking=place.lacking or sql.SQL("TRUE")),
+                " AND raw_key IS NULL AND raw_value IS NULL AND raw_headers IS NULL"
+            ).format(table=place.table, reason=place.reason),
             (batch_id,),
         ).fetchall()
     by_partition: dict[int, list[int]] = {}

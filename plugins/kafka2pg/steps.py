@@ -40,7 +40,8 @@ def promote_batch(
     with timeouts_named(pipeline.name, batch_id, "promotion"):
         result = _promote(settings, pipeline, batch_id, epoch)
     if result.quarantined:  # again when already promoted: an attempt may have stopped before the fill
-        keep_raw_bytes(settings, pipeline, batch_id, QUARANTINE)  # the rows PostgreSQL refused at promotion
+        # The rows PostgreSQL refused at promotion, and flagged rows a validation that stopped left without.
+        keep_raw_bytes(settings, pipeline, batch_id, QUARANTINE)
     if pipeline.lag_consumer_group and isinstance(result, PromoteResult) and not result.already_promoted:
         mirror_heads(settings, pipeline)  # a live promotion moved the heads (a replay moves none)
     return result
