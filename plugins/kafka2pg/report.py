@@ -153,8 +153,12 @@ def quarantine_listing(
         ).fetchall()
     scope = f"batch {batch_id}" if batch_id is not None else "all batches"
     if not rows:
-        return f"pipeline {pipeline.name} ({scope}): no quarantined records", 0
-    shown = "" if total <= len(rows) else f", the newest {len(rows)} shown (--limit)"
+        return (
+            f"pipeline {pipeline.name} ({scope}): no quarantined records (a batch not promoted yet holds the "
+            f"records it flagged in its staging table, kafka2pg.{pipeline.staging_table})",
+            0,
+        )
+    shown = "" if total <= len(rows) else f", {len(rows)} shown (--limit): the newest batches first"
     head = f"pipeline {pipeline.name} ({scope}): {total} quarantined record(s){shown}"
     body = table(
         ["batch", "partition", "offset", "raw bytes", "reason"],

@@ -75,7 +75,8 @@ def _run_with_stack(stack: local_stack.Stack, events: int, cache: Path) -> int:
     settings = settings_for(pipeline, env)
     print(f"      kafka {stack.kafka.bootstrap_servers}, postgres 127.0.0.1:{stack.postgres.port}")
     migrations = logging.getLogger("kafka2pg.migrations")
-    level, migrations.level = migrations.level, logging.WARNING  # one line for them all, below
+    level = migrations.level
+    migrations.setLevel(logging.WARNING)  # one line for them all, below
     try:
         applied = migrate(settings.database_url, [pipeline])
     finally:
