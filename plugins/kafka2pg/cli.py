@@ -334,8 +334,7 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise ConfigError(f"quarantine --limit {args.limit}: give 1 or more")
     settings, pipeline = _pipeline(args)
-    listing, _ = quarantine_listing(settings, pipeline, args.batch_id, args.limit)
-    print(listing)
+    print(quarantine_listing(settings, pipeline, args.batch_id, args.limit))
     return 0
 
 

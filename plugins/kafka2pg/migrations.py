@@ -31,6 +31,11 @@ RAW = ("raw_key", "raw_value", "raw_headers")
 # written by COPY (INSERT), flagged by the quality gate (UPDATE) and cleared by batch (DELETE).
 TARGET_PRIVILEGES = ("SELECT", "INSERT", "DELETE")
 STAGING_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE")
+# The quarantine, shared by the pipelines (sql/grants.sql): promotion inserts, replays and undo
+# delete, and the raw bytes of rows refused at promotion are filled in afterwards (UPDATE of
+# those columns only).
+QUARANTINE_TABLE = ("kafka2pg", "quarantine")
+QUARANTINE_PRIVILEGES = ("SELECT", "INSERT", "DELETE", f"UPDATE ({', '.join(RAW)})")
 
 
 def target_columns(pipeline: Pipeline) -> list[str]:
@@ -81,8 +86,16 @@ class TableFound:
     relkind: str | None  # None: no such relation
     schema_usage: bool
     columns: frozenset[str]
-    privileges: frozenset[str]  # of SELECT, INSERT, UPDATE, DELETE
+    privileges: frozenset[str]  # of SELECT, INSERT, UPDATE, DELETE (on the whole table)
     types: tuple[tuple[str, str], ...] = ()  # (column, type as format_type shows it)
+    updatable: frozenset[str] = frozenset()  # columns the role may UPDATE (by a grant on them or the table)
+
+    def holds(self, privilege: str) -> bool:
+        """Whether the role holds `privilege`: "INSERT" on the table, or "UPDATE (a, b)" on those columns."""
+        name, _, columns = privilege.partition(" (")
+        if not columns:
+            return privilege in self.privileges
+        return name in self.privileges or (name == "UPDATE" and set(columns.rstrip(")").split(", ")) <= self.updatable)
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,7 @@ def _needs(pipeline: Pipeline) -> list[tuple[str, str, tuple[str, ...], tuple[st
         (*MIGRATIONS_TABLE, ("name",), ("SELECT",)),
         (pipeline.target_schema, pipeline.target_table, tuple(target_columns(pipeline)), TARGET_PRIVILEGES),
         ("kafka2pg", pipeline.staging_table, ("batch_id", "chunk", *staging_columns(pipeline)), STAGING_PRIVILEGES),
+        (*QUARANTINE_TABLE, RAW, QUARANTINE_PRIVILEGES),
     ]
 
 
@@ -127,8 +141,8 @@ def readiness(
         table = found[(schema, name)]
         qualified = f"{schema}.{name}"
         if table.relkind is None:
-            if (schema, name) != MIGRATIONS_TABLE:  # reported as every migration pending
-                tables.append(qualified)
+            if (schema, name) != MIGRATIONS_TABLE and not (never_migrated and (schema, name) == QUARANTINE_TABLE):
+                tables.append(qualified)  # (a database never migrated: reported as every migration pending)
             continue
         if table.relkind not in ("r", "p"):
             tables.append(f"{qualified} (it is {_RELKINDS.get(table.relkind, 'another object')}, not a table)")
@@ -136,7 +150,7 @@ def readiness(
         columns += [f"{qualified}.{c}" for c in needed_columns if c not in table.columns]
         if not table.schema_usage:
             privileges.append(f"USAGE on schema {schema}")
-        privileges += [f"{p} on {qualified}" for p in needed_privileges if p not in table.privileges]
+        privileges += [f"{p} on {qualified}" for p in needed_privileges if not table.holds(p)]
     staging = found.get(("kafka2pg", pipeline.staging_table))
     retyped = retyped_columns(pipeline, dict(staging.types)) if staging is not None else []
     return Readiness(tuple(pending), tuple(tables), tuple(columns), tuple(dict.fromkeys(privileges)), tuple(retyped))
@@ -144,7 +158,8 @@ def readiness(
 
 def require_ready(settings: Settings, pipeline: Pipeline) -> None:
     """Check, without DDL, that every migration is applied and the pipeline's target and staging
-    tables are there with their columns and the connected role's privileges; two catalog queries.
+    tables and the quarantine are there with their columns and the connected role's privileges;
+    two catalog queries.
 
     `SchemaNotReadyError` (terminal) names what is missing and who runs what: `kafka2pg migrate`
     (tables, migrations) or `kafka2pg grant` (privileges) as the owning role. Nothing is changed.
@@ -159,7 +174,9 @@ def require_ready(settings: Settings, pipeline: Pipeline) -> None:
             " array(SELECT p FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE']) p"
             "       WHERE has_table_privilege(c.oid, p)),"
             " array(SELECT ARRAY[a.attname::text, format_type(a.atttypid, a.atttypmod)] FROM pg_attribute a"
-            "       WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)"
+            "       WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped),"
+            " array(SELECT a.attname::text FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0"
+            "       AND NOT a.attisdropped AND has_column_privilege(c.oid, a.attnum, 'UPDATE'))"
             " FROM unnest(%s::text[], %s::text[]) r(schema, name)"
             " LEFT JOIN pg_namespace n ON n.nspname = r.schema"
             " LEFT JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = r.name",
@@ -168,9 +185,16 @@ def require_ready(settings: Settings, pipeline: Pipeline) -> None:
         role = rows[0][0]
         found = {
             (schema, name): TableFound(
-                schema, name, kind, usage, frozenset(columns), frozenset(privileges), tuple(map(tuple, types))
+                schema,
+                name,
+                kind,
+                usage,
+                frozenset(columns),
+                frozenset(privileges),
+                tuple(map(tuple, types)),
+                frozenset(updatable),
             )
-            for _, schema, name, kind, usage, columns, privileges, types in rows
+            for _, schema, name, kind, usage, columns, privileges, types, updatable in rows
         }
         ledger = found[MIGRATIONS_TABLE]
         applied = None
@@ -219,7 +243,7 @@ def _not_ready_message(settings: Settings, pipeline: Pipeline, role: str, ready:
     if ready.privileges and not (ready.pending or ready.tables):
         todo.append(
             f"run `kafka2pg grant --role {role}` ({pipelines}) as the owning role; it is needed again after "
-            "adding a pipeline"
+            "adding a pipeline or upgrading kafka2pg"
         )
     return (
         f"PostgreSQL at {describe(settings.database_url)} is not ready for pipeline {pipeline.name!r}: "

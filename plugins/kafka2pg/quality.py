@@ -52,7 +52,6 @@ class ValidationResult:
     checks: tuple[Check, ...]
     message: str
     report: Path | None = None
-    already_done: bool = False  # validated (or judged) by an earlier attempt: nothing run now
 
     @property
     def success(self) -> bool:
@@ -79,12 +78,7 @@ def validate_batch(
     target for promoted keys it raises `ProbeAwaitsPrevious` instead, having changed nothing.
     """
     with timeouts_named(pipeline.name, batch_id, "validation"):
-        result = _validate(settings, pipeline, batch_id, epoch, probe_promoted_keys, previous_pending)
-    if result.already_done and result.state is BatchState.VALIDATED:
-        # A retry: the attempt that validated the batch may have stopped before it kept the raw
-        # bytes of the rows its gate flagged (only those lacking them are read again).
-        keep_raw_bytes(settings, pipeline, batch_id, staging_place(pipeline))
-    return result
+        return _validate(settings, pipeline, batch_id, epoch, probe_promoted_keys, previous_pending)
 
 
 def _validate(
@@ -103,7 +97,7 @@ def _validate(
         action = validate_action(batch.state)
         if action is Action.DONE:
             message = f"batch {batch_id} is already {batch.state}"
-            return ValidationResult(batch_id, batch.state, (), message, already_done=True)
+            return ValidationResult(batch_id, batch.state, (), message)
         if action is Action.REFUSE:
             raise BatchStateError.wrong_state(
                 pipeline.name,

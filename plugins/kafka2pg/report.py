@@ -126,14 +126,9 @@ def quality_summary(settings: Settings, pipeline: Pipeline, batch_id: int | None
     )
 
 
-QUARANTINE_SHOWN = 50  # rows `kafka2pg quarantine` lists unless told
-
-
-def quarantine_listing(
-    settings: Settings, pipeline: Pipeline, batch_id: int | None = None, limit: int = QUARANTINE_SHOWN
-) -> tuple[str, int]:
-    """The pipeline's quarantined records (of one batch, or the newest): batch, partition,
-    offset, the raw value's size and the reason, control characters escaped; and how many
+def quarantine_listing(settings: Settings, pipeline: Pipeline, batch_id: int | None, limit: int) -> str:
+    """The pipeline's quarantined records (of one batch, or the newest `limit`): batch, partition,
+    offset, the raw value's size and the reason, control characters escaped, under how many
     there are in all. Rows of batches not promoted yet are still in the staging table, flagged,
     and not listed."""
     with session(settings.database_url) as conn:
@@ -155,8 +150,7 @@ def quarantine_listing(
     if not rows:
         return (
             f"pipeline {pipeline.name} ({scope}): no quarantined records (a batch not promoted yet holds the "
-            f"records it flagged in its staging table, kafka2pg.{pipeline.staging_table})",
-            0,
+            f"records it flagged in its staging table, kafka2pg.{pipeline.staging_table})"
         )
     shown = "" if total <= len(rows) else f", {len(rows)} shown (--limit): the newest batches first"
     head = f"pipeline {pipeline.name} ({scope}): {total} quarantined record(s){shown}"
@@ -164,7 +158,7 @@ def quarantine_listing(
         ["batch", "partition", "offset", "raw bytes", "reason"],
         [(b, p, o, size, _printable(reason)) for b, p, o, size, reason in rows],
     )
-    return f"{head}\n{body}", total
+    return f"{head}\n{body}"
 
 
 def _printable(text: str) -> str:

@@ -198,6 +198,14 @@ def test_a_plan_on_a_database_not_ready_fails_once_naming_what_is_missing_and_ch
     assert f"run `kafka2pg grant --role {runtime.role}`" in str(error)
     apply_grants(owner_env.settings.database_url, [owner_env.pipeline], runtime.role)
 
+    # A deployment upgraded without `grant`: the raw bytes of rows refused at promotion could not be kept.
+    role = sql.Identifier(runtime.role)
+    db.execute(sql.SQL("REVOKE UPDATE (raw_key, raw_value, raw_headers) ON kafka2pg.quarantine FROM {}").format(role))
+    error = plan_fails_once(env)
+    assert error.missing == ("UPDATE (raw_key, raw_value, raw_headers) on kafka2pg.quarantine",)
+    assert "after adding a pipeline or upgrading kafka2pg" in str(error)
+    apply_grants(owner_env.settings.database_url, [owner_env.pipeline], runtime.role)
+
     # A column the pipelines file gained after the tables were created.
     document = yaml.safe_load(env.settings.pipelines_file.read_text())
     document["pipelines"][0]["columns"].append({"name": "channel", "type": "text"})

@@ -537,6 +537,27 @@ def test_a_batch_sent_back_by_a_collision_keeps_its_findings_when_the_next_run_v
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
 
 
+def validated_copy_of_a_promoted_key(env, spark, run_batch, seed: int) -> tuple[int, list[dict]]:
+    """Two events promoted, then a validated batch of a copy of the first one's key and a new
+    event (the key probe deferred to the target's index): its id and the four events."""
+    events = list(sample_events(4, seed=seed))
+    produce(env.settings.bootstrap_servers, env.topic, events[:2], key_field=None)
+    assert run_batch(env).promoted == 2
+    produce(env.settings.bootstrap_servers, env.topic, [{**events[2], "event_id": events[0]["event_id"]}, events[3]])
+    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, batch_id)
+    validate_batch(env.settings, env.pipeline, batch_id)
+    return batch_id, events
+
+
+def assert_promoted_once(db, env, events, promoted) -> None:
+    """The batch of `validated_copy_of_a_promoted_key` promoted by this attempt: the new event
+    landed, the copy quarantined, once."""
+    assert (promoted.promoted, promoted.quarantined, promoted.already_promoted) == (1, 1, False)
+    assert target_ids(db, env) == sorted(e["event_id"] for e in [*events[:2], events[3]])
+    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+
+
 def test_a_promote_attempt_that_finds_the_batch_sent_back_and_checked_again_by_its_twin_promotes_it(
     make_pipeline, spark, run_batch, db, monkeypatch
 ):
@@ -548,13 +569,7 @@ def test_a_promote_attempt_that_finds_the_batch_sent_back_and_checked_again_by_i
     import kafka2pg.steps
 
     env = make_pipeline(partitions=1)
-    events = list(sample_events(4, seed=81))
-    produce(env.settings.bootstrap_servers, env.topic, events[:2], key_field=None)
-    assert run_batch(env).promoted == 2
-    produce(env.settings.bootstrap_servers, env.topic, [{**events[2], "event_id": events[0]["event_id"]}, events[3]])
-    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
-    stage_batch(spark, env.settings, env.pipeline, batch_id)
-    validate_batch(env.settings, env.pipeline, batch_id)
+    batch_id, events = validated_copy_of_a_promoted_key(env, spark, run_batch, seed=81)
     promote_dying_in_the_deferred_check(monkeypatch, env, batch_id)  # the first attempt: sent back
 
     tries = []
@@ -570,10 +585,8 @@ def test_a_promote_attempt_that_finds_the_batch_sent_back_and_checked_again_by_i
 
     monkeypatch.setattr(kafka2pg.steps, "_promote_once", twin_checks_meanwhile)
     promoted = promote_batch(env.settings, env.pipeline, batch_id)
-    assert (promoted.promoted, promoted.quarantined, promoted.already_promoted) == (1, 1, False)
     assert len(tries) == 2
-    assert target_ids(db, env) == sorted(e["event_id"] for e in [*events[:2], events[3]])
-    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+    assert_promoted_once(db, env, events, promoted)
 
 
 def test_two_promote_attempts_that_both_collide_on_a_key_promote_the_batch_once(
@@ -586,13 +599,7 @@ def test_two_promote_attempts_that_both_collide_on_a_key_promote_the_batch_once(
     import kafka2pg.steps
 
     env = make_pipeline(partitions=1)
-    events = list(sample_events(4, seed=82))
-    produce(env.settings.bootstrap_servers, env.topic, events[:2], key_field=None)
-    assert run_batch(env).promoted == 2
-    produce(env.settings.bootstrap_servers, env.topic, [{**events[2], "event_id": events[0]["event_id"]}, events[3]])
-    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
-    stage_batch(spark, env.settings, env.pipeline, batch_id)
-    validate_batch(env.settings, env.pipeline, batch_id)
+    batch_id, events = validated_copy_of_a_promoted_key(env, spark, run_batch, seed=82)
     assert key_check(db, batch_id) == (True, 0, DEFERRED_KEY_PROBE)
 
     send_back = kafka2pg.steps._send_back
@@ -606,10 +613,8 @@ def test_two_promote_attempts_that_both_collide_on_a_key_promote_the_batch_once(
 
     monkeypatch.setattr(kafka2pg.steps, "_send_back", twin_sends_back_first)
     promoted = promote_batch(env.settings, env.pipeline, batch_id)
-    assert (promoted.promoted, promoted.quarantined, promoted.already_promoted) == (1, 1, False)
     assert len(calls) == 1
-    assert target_ids(db, env) == sorted(e["event_id"] for e in [*events[:2], events[3]])
-    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+    assert_promoted_once(db, env, events, promoted)
 
 
 def test_a_deferred_batch_whose_offsets_landed_meanwhile_is_rejected_at_promotion(

@@ -6,6 +6,9 @@ from kafka2pg.config import get_pipeline
 from kafka2pg.locations import migration_files
 from kafka2pg.migrations import (
     MIGRATIONS_TABLE,
+    QUARANTINE_PRIVILEGES,
+    QUARANTINE_TABLE,
+    RAW,
     STAGING_PRIVILEGES,
     TARGET_PRIVILEGES,
     TableFound,
@@ -29,8 +32,10 @@ def pipeline(tmp_path):
     return get_pipeline("orders", path)
 
 
-def table(schema, name, relkind="r", columns=(), privileges=(), usage=True) -> TableFound:
-    return TableFound(schema, name, relkind, usage, frozenset(columns), frozenset(privileges))
+def table(schema, name, relkind="r", columns=(), privileges=(), usage=True, updatable=()) -> TableFound:
+    return TableFound(
+        schema, name, relkind, usage, frozenset(columns), frozenset(privileges), updatable=frozenset(updatable)
+    )
 
 
 def ready_catalog(p) -> dict:
@@ -40,6 +45,7 @@ def ready_catalog(p) -> dict:
         ("kafka2pg", "stg_orders"): table(
             "kafka2pg", "stg_orders", columns=["batch_id", "chunk", *staging_columns(p)], privileges=STAGING_PRIVILEGES
         ),
+        QUARANTINE_TABLE: table(*QUARANTINE_TABLE, columns=RAW, privileges=QUARANTINE_PRIVILEGES[:3], updatable=RAW),
     }
 
 
@@ -83,4 +89,23 @@ def test_a_view_in_the_targets_place_a_schema_without_usage_and_an_unreadable_le
         "INSERT on kafka2pg.stg_orders",
         "UPDATE on kafka2pg.stg_orders",
         "DELETE on kafka2pg.stg_orders",
+    )
+
+
+def test_a_quarantine_whose_raw_bytes_the_role_may_not_fill_is_named_after_an_upgrade(tmp_path):
+    """The column grant `kafka2pg grant` gives since promotion fills refused rows' raw bytes:
+    a deployment upgraded without running it again lacks it (a whole-table UPDATE would do)."""
+    p = pipeline(tmp_path)
+    catalog = ready_catalog(p)
+    catalog[QUARANTINE_TABLE] = table(*QUARANTINE_TABLE, columns=RAW, privileges=QUARANTINE_PRIVILEGES[:3])
+    assert readiness(p, catalog, set(MIGRATIONS), MIGRATIONS).missing == (
+        "UPDATE (raw_key, raw_value, raw_headers) on kafka2pg.quarantine",
+    )
+    catalog[QUARANTINE_TABLE] = table(*QUARANTINE_TABLE, columns=RAW, privileges=["UPDATE", *QUARANTINE_PRIVILEGES[:3]])
+    assert readiness(p, catalog, set(MIGRATIONS), MIGRATIONS).missing == ()
+    catalog[QUARANTINE_TABLE] = table(
+        *QUARANTINE_TABLE, columns=RAW, privileges=QUARANTINE_PRIVILEGES[:3], updatable=["raw_key", "raw_value"]
+    )
+    assert readiness(p, catalog, set(MIGRATIONS), MIGRATIONS).missing == (
+        "UPDATE (raw_key, raw_value, raw_headers) on kafka2pg.quarantine",
     )
