@@ -6,10 +6,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+from decimal import Decimal
 
 import pytest
 from confluent_kafka import KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewPartitions,
+    NewTopic,
+)
 from psycopg import sql
 
 from kafka2pg import kafka_reader
@@ -212,6 +220,38 @@ def test_offsets_deleted_between_plan_and_read_fail_clearly_and_the_next_run_rep
         open_batch(env.settings, env.pipeline)
     assert (lost.value.partition, lost.value.offsets) == (0, (100, 140))
     assert ledger(db, env) == before
+
+
+@pytest.mark.parametrize("reader", ["librdkafka", "spark"])
+def test_records_of_every_compression_codec_land_whole_through_either_reader(reader, make_pipeline, run_batch, db):
+    """Producers compress as they are configured (gzip, snappy, lz4, zstd, none), one partition
+    each here, and a topic may recompress on the broker (`compression.type`): both readers
+    decode every codec, and the values land byte for byte as produced."""
+    codecs = ["gzip", "snappy", "lz4", "zstd", "none"]
+    env = make_pipeline(partitions=len(codecs), create_topic=False, kafka_reader=reader)
+    create_topic(env, partitions=len(codecs))
+    events = list(sample_events(40 * len(codecs), seed=38))
+    for partition, codec in enumerate(codecs):
+        producer = Producer({**client_config(env.settings.bootstrap_servers, 10), "compression.type": codec})
+        for event in events[partition :: len(codecs)]:
+            producer.produce(env.topic, value=json.dumps(event).encode(), partition=partition)
+        assert producer.flush(30) == 0
+    client = admin(env)  # kept referenced until the change's future is resolved
+    zstd = ConfigEntry("compression.type", "zstd", incremental_operation=AlterConfigOpType.SET)
+    changed = client.incremental_alter_configs(
+        [ConfigResource(ConfigResource.Type.TOPIC, env.topic, incremental_configs=[zstd])]
+    )
+    next(iter(changed.values())).result(timeout=10)
+    recompressed = list(sample_events(len(codecs), seed=39))  # written as lz4, stored as zstd
+    produce(env.settings.bootstrap_servers, env.topic, recompressed, key_field=None)
+
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (len(events) + len(codecs), 0)
+    assert sorted(rows(db, env)) == sorted(e["event_id"] for e in [*events, *recompressed])
+    payloads = dict(zip(rows(db, env), rows(db, env, "amount"), strict=True))
+    assert payloads == {e["event_id"]: Decimal(str(e["amount"])) for e in [*events, *recompressed]}
+    assert_audit_clean(env)
 
 
 def test_time_to_data_loss_is_logged_and_shown_with_a_warning_under_the_threshold(make_pipeline, db, caplog):
