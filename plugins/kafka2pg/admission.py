@@ -163,11 +163,15 @@ class RecordDecoder:
         business_key: Sequence[str] = (),
         root: Sequence[str] = (),
         fallback: Sequence[str] = (),
+        value_format: str = "json",
     ) -> None:
         """`root`: the path of fields from the record's JSON object to the object the rules' fields
         are in (a pipeline's `value_root`; empty: the record's object itself). `fallback`: the
         object they are read from instead where the root's is null or missing (a pipeline's
-        `value_root_fallback`: a Debezium delete's `before`); empty: none, such a record is refused."""
+        `value_root_fallback`: a Debezium delete's `before`); empty: none, such a record is refused.
+        `value_format`: `json`, or `schema_registry_json` (each value's JSON after the Schema
+        Registry header, `registry_payloads`)."""
+        self.registry_header = value_format == SCHEMA_REGISTRY_JSON
         self.rules = tuple(rules)
         self.root = tuple(root)
         self.fallback = tuple(fallback)
@@ -202,6 +206,13 @@ class RecordDecoder:
 
     def admit(self, values: Sequence[bytes | None]) -> AdmittedBatch:
         """`decode` of every record in `values`, by column. Never raises on data."""
+        if not self.registry_header:
+            return self._admit(values)
+        payloads, refused = registry_payloads(values)
+        admitted = self._admit(payloads)
+        return admitted.refusing(refused) if refused else admitted
+
+    def _admit(self, values: Sequence[bytes | None]) -> AdmittedBatch:
         if self._fast_decoder is None:  # every record takes the strict path
             columns = [pa.nulls(len(values), ARROW_TYPES[rule.kind]) for rule in self.rules]
             doubts = set(range(len(values)))
@@ -277,7 +288,8 @@ class RecordDecoder:
         ]
 
     def decode_strictly(self, value: bytes | None) -> Admitted:
-        """`decode` without the fast path: the rules, field by field."""
+        """`decode` without the fast path: the rules, field by field (of a JSON value: after the
+        Schema Registry header where the pipeline's values have one)."""
         try:
             return Admitted(self._values(value))
         except Refused as refused:
@@ -288,6 +300,11 @@ class RecordDecoder:
             raise Refused("value is null (a tombstone)")
         if not value:
             raise Refused("value is empty (0 bytes)")
+        if not self.registry_header and _looks_registry_framed(value):
+            raise Refused(
+                f"value starts with a Schema Registry header (magic byte 0, schema id {_schema_id(value)}) before "
+                f"its JSON: set the pipeline's value_format: {SCHEMA_REGISTRY_JSON}"
+            )
         _check_utf8(value, "value")
         _check_depth(value)
         try:
@@ -701,7 +718,65 @@ def rules_for(pipeline: Any) -> tuple[FieldRule, ...]:
 
 
 def decoder_for(pipeline: Any) -> RecordDecoder:
-    return RecordDecoder(rules_for(pipeline), pipeline.business_key, pipeline.value_root, pipeline.value_root_fallback)
+    return RecordDecoder(
+        rules_for(pipeline),
+        pipeline.business_key,
+        pipeline.value_root,
+        pipeline.value_root_fallback,
+        pipeline.value_format,
+    )
+
+
+# ---------------------------------------------------------------- the Schema Registry's header
+
+SCHEMA_REGISTRY_JSON = "schema_registry_json"
+# The Confluent Schema Registry wire format a JSON Schema serializer writes (Confluent's
+# KafkaJsonSchemaSerializer, Kafka Connect's JsonSchemaConverter): a magic byte 0, the schema's id
+# (4 bytes, big-endian), then the JSON text.
+_REGISTRY_MAGIC = 0
+_REGISTRY_HEADER_BYTES = 5
+
+
+def _schema_id(value: bytes) -> int:
+    return int.from_bytes(value[1:_REGISTRY_HEADER_BYTES], "big")
+
+
+def _looks_registry_framed(value: bytes) -> bool:
+    """Whether `value` is a JSON object behind a Schema Registry header (in a pipeline of plain JSON)."""
+    return (
+        value[0] == _REGISTRY_MAGIC
+        and len(value) > _REGISTRY_HEADER_BYTES
+        and value[_REGISTRY_HEADER_BYTES:].lstrip(b" \t\r\n")[:1] == b"{"
+    )
+
+
+def registry_payloads(values: Sequence[bytes | None]) -> tuple[list[bytes | None], dict[int, str]]:
+    """Each value's JSON after its Schema Registry header, and the reasons of the values without
+    one (their payload None); a null or empty value stays as it is (a tombstone, an empty value).
+    The schema id is not looked up: the columns' rules decide what the JSON may hold."""
+    payloads: list[bytes | None] = []
+    refused: dict[int, str] = {}
+    for index, value in enumerate(values):
+        if not value:
+            payloads.append(value)
+        elif value[0] != _REGISTRY_MAGIC or len(value) < _REGISTRY_HEADER_BYTES:
+            payloads.append(None)
+            start = value.lstrip(b" \t\r\n")[:1]
+            starts = f"plain JSON? it starts with {start.decode()!r}" if start in (b"{", b"[") else _show_bytes(value)
+            refused[index] = (
+                f"value has no Schema Registry header (a magic byte 0 and a 4-byte schema id; {starts}), and the "
+                f"pipeline's value_format is {SCHEMA_REGISTRY_JSON}"
+            )
+        elif len(value) == _REGISTRY_HEADER_BYTES:
+            payloads.append(None)
+            refused[index] = f"value is a Schema Registry header (schema id {_schema_id(value)}) without JSON after it"
+        else:
+            payloads.append(value[_REGISTRY_HEADER_BYTES:])
+    return payloads, refused
+
+
+def _show_bytes(value: bytes) -> str:
+    return "it starts with " + " ".join(f"0x{b:02x}" for b in value[:_REGISTRY_HEADER_BYTES])
 
 
 def strict_only_note(pipeline: Any) -> str | None:

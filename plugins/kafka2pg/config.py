@@ -55,6 +55,8 @@ STAGE_JVM_OPTIONS_TIERED = (
 SPARK_LOG_LEVELS = ("WARN", "ERROR", "INFO", "DEBUG", "TRACE", "FATAL", "OFF")
 # How a pipeline's Spark tasks may read Kafka (`kafka_reader`); the first is the default.
 KAFKA_READERS = ("librdkafka", "spark")
+# What a record's value is: JSON text, or JSON after the Confluent Schema Registry's 5-byte header.
+VALUE_FORMATS = ("json", "schema_registry_json")
 # kafka2pg's log4j2 configuration of the stage driver: the level comes from a system property.
 SPARK_LOG_CONFIG = locations.PACKAGE_DIR / "log4j2.properties"
 
@@ -258,6 +260,9 @@ class Pipeline:
     # Where the value_root's object is null or missing, the object the fields are read from
     # instead (("before",) for a Debezium delete); () none: such a record is quarantined.
     value_root_fallback: tuple[str, ...] = ()
+    # "schema_registry_json": each value is the JSON a Schema Registry JSON Schema serializer writes,
+    # after its header (magic byte 0, the schema's 4-byte id).
+    value_format: Literal["json", "schema_registry_json"] = VALUE_FORMATS[0]
     max_records_per_batch: int = 100_000
     max_records_per_partition: int | None = None
     batches_per_run: int = 1
@@ -534,6 +539,7 @@ _PIPELINE_KEYS = {
     "business_key",
     "value_root",
     "value_root_fallback",
+    "value_format",
     "max_records_per_batch",
     "max_records_per_partition",
     "batches_per_run",
@@ -588,6 +594,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         business_key=business_key,
         value_root=value_root,
         value_root_fallback=fallback,
+        value_format=_choice(raw, "value_format", where, VALUE_FORMATS),
         max_records_per_batch=_positive_int(raw, "max_records_per_batch", where, 100_000),
         max_records_per_partition=_positive_int(raw, "max_records_per_partition", where, None),
         batches_per_run=_positive_int(raw, "batches_per_run", where, 1),

@@ -859,3 +859,48 @@ def test_without_epoch_a_day_count_is_refused():
 def test_day_counts_of_a_list_get_each_the_outcome_the_strict_path_gives(days):
     values = [b'{"event_id":"e","day":' + d.encode() + b"}" for d in days]
     admit_checked(DAYS, values)
+
+
+REGISTRY = RecordDecoder(RULES, ["event_id"], value_format="schema_registry_json")
+
+
+def registry_framed(value: bytes, schema_id: int = 42) -> bytes:
+    """`value` as a Schema Registry JSON Schema serializer writes it: magic byte 0, the schema id, the JSON."""
+    return b"\x00" + schema_id.to_bytes(4, "big") + value
+
+
+def test_values_behind_a_schema_registry_header_are_admitted_as_their_json():
+    good, bad = BASE + b"}", BASE + b',"qty":1.5}'
+    values = [registry_framed(good), good, registry_framed(bad), registry_framed(b""), None, b"", b"\x00\x00\x00"]
+    admitted = REGISTRY.admit(values)
+    outcomes = [admitted.outcome(i) for i in range(len(values))]
+    assert outcomes == [REGISTRY.admit([v]).outcome(0) for v in values]
+    assert outcomes[0] == DECODER.decode(good) and outcomes[0].reason is None
+    assert outcomes[1].reason == (
+        "value has no Schema Registry header (a magic byte 0 and a 4-byte schema id; plain JSON? it starts "
+        "with '{'), and the pipeline's value_format is schema_registry_json"
+    )
+    assert outcomes[2] == DECODER.decode(bad) and outcomes[2].reason.startswith("field 'qty': ")
+    assert outcomes[3].reason == "value is a Schema Registry header (schema id 42) without JSON after it"
+    assert [o.reason for o in outcomes[4:]] == [
+        "value is null (a tombstone)",
+        "value is empty (0 bytes)",
+        "value has no Schema Registry header (a magic byte 0 and a 4-byte schema id; it starts with 0x00 0x00 "
+        "0x00), and the pipeline's value_format is schema_registry_json",
+    ]
+    assert all(column.null_count == len(values) - 1 for column in admitted.columns[:2])
+
+
+def test_a_plain_json_pipeline_names_the_schema_registry_header_it_finds():
+    assert reason(registry_framed(BASE + b"}", schema_id=0x85)) == (
+        "value starts with a Schema Registry header (magic byte 0, schema id 133) before its JSON: set the "
+        "pipeline's value_format: schema_registry_json"
+    )
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.binary(max_size=60) | documents.map(lambda d: registry_framed(_encode(d, True))))
+def test_any_bytes_behind_a_header_or_not_get_values_or_a_reason_alone_or_in_a_list(value):
+    admitted = REGISTRY.admit([value, registry_framed(BASE + b"}")])
+    assert admitted.outcome(0) == REGISTRY.decode(value) and admitted.outcome(1).reason is None
+    assert (admitted.outcome(0).values is None) != (admitted.outcome(0).reason is None)

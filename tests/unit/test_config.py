@@ -5,7 +5,15 @@ import re
 import pytest
 import yaml
 
-from kafka2pg.config import KAFKA_READERS, MAX_PIPELINE_NAME, Pipeline, Settings, get_pipeline, load_pipelines
+from kafka2pg.config import (
+    KAFKA_READERS,
+    MAX_PIPELINE_NAME,
+    VALUE_FORMATS,
+    Pipeline,
+    Settings,
+    get_pipeline,
+    load_pipelines,
+)
 from kafka2pg.exceptions import ConfigError, UnknownPipelineError
 from kafka2pg.locations import default_pipelines_file
 
@@ -46,6 +54,10 @@ def test_good_file_parses_with_defaults(tmp_path):
     assert get_pipeline("orders", write(tmp_path, spark_log_level="INFO")).spark_log_level == "INFO"
     assert pipeline.kafka_reader == "librdkafka"
     assert get_pipeline("orders", write(tmp_path, kafka_reader="spark")).kafka_reader == "spark"
+    assert pipeline.value_format == "json"
+    assert get_pipeline("orders", write(tmp_path, value_format="schema_registry_json")).value_format == (
+        "schema_registry_json"
+    )
     assert pipeline.task_timeout_minutes is None
     assert get_pipeline("orders", write(tmp_path, task_timeout_minutes=None)).task_timeout_minutes is None
     assert get_pipeline("orders", write(tmp_path, task_timeout_minutes=45)).task_timeout_minutes == 45.0
@@ -70,6 +82,7 @@ def test_good_file_parses_with_defaults(tmp_path):
         ({"task_timeout_minutes": "1h"}, r"task_timeout_minutes: expected a positive number, got '1h'"),
         ({"on_retention_loss": "ignore"}, r"on_retention_loss: expected one of fail, skip"),
         ({"kafka_reader": "java"}, r"\(orders\)\.kafka_reader: expected one of librdkafka, spark, got 'java'"),
+        ({"value_format": "avro"}, r"\(orders\)\.value_format: expected one of json, schema_registry_json, got 'avro'"),
         ({"columns": [{"name": "x", "type": "money"}]}, r"columns\[0\]\.type: unsupported type 'money'"),
         ({"business_key": ["nope"]}, r"business_key: 'nope' is not one of the columns"),
         ({"business_key": ["event_id", "event_id"]}, r"business_key: 'event_id' is listed twice"),
@@ -413,10 +426,11 @@ def test_epoch_reads_numbers_in_timestamptz_and_date_columns_only(tmp_path):
         assert str(path) in str(info.value)
 
 
-def test_the_reader_type_names_exactly_the_readers_config_accepts():
+def test_the_reader_and_value_format_types_name_exactly_what_config_accepts():
     import typing
 
     assert typing.get_args(typing.get_type_hints(Pipeline)["kafka_reader"]) == KAFKA_READERS
+    assert typing.get_args(typing.get_type_hints(Pipeline)["value_format"]) == VALUE_FORMATS
 
 
 def test_a_relative_state_directory_is_made_absolute(tmp_path, monkeypatch):
