@@ -319,6 +319,12 @@ KINDS = {
             },
         ),
     ),
+    "Schema Registry header": (
+        b"\x00\x00\x00\x01\x85" + doc("u1r"),
+        None,
+        [],
+        ("quarantine", "value starts with a Schema Registry header (magic byte 0, schema id 389) before its JSON: set"),
+    ),
 }
 
 
