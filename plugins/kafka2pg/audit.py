@@ -10,10 +10,10 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from psycopg import Connection, IsolationLevel, sql
+from psycopg import Connection, sql
 
 from kafka2pg.config import Pipeline, Settings
-from kafka2pg.database import connect
+from kafka2pg.database import snapshot
 from kafka2pg.kafka_offsets import partition_offsets, topic_id, topic_retention
 from kafka2pg.kafka_reader import read_offsets
 from kafka2pg.ledger import last_resets, ranges_since_reset, read_heads, recreated_partitions
@@ -76,9 +76,7 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
     The ledger and the rows are read in one snapshot (a read-only REPEATABLE READ transaction),
     so a batch promoted, undone or reset while the audit runs is wholly in it or not at all; the
     watermarks are read from Kafka after the snapshot is taken, so every range it ledgers is below them."""
-    with connect(settings.database_url) as conn:
-        conn.isolation_level = IsolationLevel.REPEATABLE_READ
-        conn.read_only = True
+    with snapshot(settings.database_url) as conn:
         # It reads Kafka between fetches, idle in its transaction for as long as a partition takes.
         conn.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
         resets = last_resets(conn, pipeline.name)  # the first query takes the transaction's snapshot

@@ -287,18 +287,27 @@ def _status_json(selected: list[Pipeline]) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """Exit 1 when an audit found a discrepancy (or a STUCK batch), else 2 when a pipeline could
+    not be audited (its error on stderr; the others are audited all the same), else 0."""
     from kafka2pg.audit import audit_pipeline, format_audit
-    from kafka2pg.database import connect
+    from kafka2pg.connections import settings_for
+    from kafka2pg.database import session
     from kafka2pg.stuck import stuck_batches
 
-    clean = True
-    for settings, pipeline in _selected_pipelines(args):
-        audits = audit_pipeline(settings, pipeline)
-        with connect(settings.database_url) as conn:
-            stuck = stuck_batches(conn, pipeline.name)
+    clean, failed = True, False
+    for pipeline in _selected(args):
+        try:
+            settings = settings_for(pipeline)
+            audits = audit_pipeline(settings, pipeline)
+            with session(settings.database_url) as conn:
+                stuck = stuck_batches(conn, pipeline.name)
+        except Kafka2PgError as exc:
+            print(f"pipeline {pipeline.name}: not audited: {type(exc).__name__}: {exc}", file=sys.stderr)
+            failed = True
+            continue
         print(format_audit(pipeline, audits, stuck))
         clean = clean and all(a.clean for a in audits) and not stuck
-    return 0 if clean else 1
+    return 1 if not clean else 2 if failed else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -342,13 +351,13 @@ def _export_report(args: argparse.Namespace) -> int:
     """`report --html`: the batch's report rendered from its stored result, to --out or stdout."""
     from kafka2pg.batch_store import load_claimed
     from kafka2pg.data_docs import render_html
-    from kafka2pg.database import connect
+    from kafka2pg.database import session
     from kafka2pg.quality_results import latest_result_batch, load_result
 
     if not args.pipeline:
         raise ConfigError("report --html: give --pipeline P (and --batch-id N; default: its latest validated batch)")
     settings, pipeline = _pipeline(args)
-    with connect(settings.database_url) as conn:
+    with session(settings.database_url) as conn:
         if args.batch_id is None:
             args.batch_id = latest_result_batch(conn, pipeline.name)
             if args.batch_id is None:

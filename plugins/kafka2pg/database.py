@@ -261,6 +261,20 @@ def session(url: str) -> Iterator[psycopg.Connection]:
 
 
 @contextmanager
+def snapshot(url: str) -> Iterator[psycopg.Connection]:
+    """One read-only REPEATABLE READ transaction: every query sees the snapshot the first one
+    took; ended at the close. Errors as in `session`."""
+    conn = connect(url)
+    try:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+        with _statement_errors(url, conn, "nothing was changed"), _interruptions_end_the_statement(conn):
+            yield conn
+    finally:
+        conn.close()
+
+
+@contextmanager
 def _interruptions_end_the_statement(conn: psycopg.Connection) -> Iterator[None]:
     """A task interrupted while PostgreSQL runs its statement (Airflow's execution_timeout raises
     AirflowTaskTimeout, no Exception, wherever the task waits): the statement is cancelled and the
@@ -289,8 +303,8 @@ def _statement_errors(url: str, conn: psycopg.Connection, outcome: str) -> Itera
     try:
         with statement_timeouts(conn, outcome):
             yield
-    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as exc:
-        raise _not_migrated(url, exc) from exc
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn, psycopg.errors.InvalidSchemaName) as exc:
+        raise _not_migrated(url, exc, outcome) from exc
     except psycopg.errors.InsufficientPrivilege as exc:
         role = conn.info.user
         raise SchemaNotReadyError(
@@ -378,14 +392,14 @@ def _read_setting(conn: psycopg.Connection, name: str) -> tuple[str, str, bool] 
         return None
 
 
-def _not_migrated(url: str, exc: psycopg.Error) -> SchemaNotReadyError:
+def _not_migrated(url: str, exc: psycopg.Error, outcome: str) -> SchemaNotReadyError:
     """A table or column kafka2pg's code uses is missing: most likely a migration this version
     ships that the database lacks (code upgraded, `migrate` not run). Names those migrations."""
     pending = _pending_migrations(url)
     found = f"pending migration(s) {', '.join(pending)}" if pending else "missing kafka2pg tables or columns"
     return SchemaNotReadyError(
         f"PostgreSQL at {describe(url)} is not ready for this version of kafka2pg: {found} "
-        f"({_one_line(exc)}); the transaction was rolled back. Run `kafka2pg migrate` with the URL of the role "
+        f"({_one_line(exc)}); {outcome}. Run `kafka2pg migrate` with the URL of the role "
         "that owns kafka2pg's objects (then `kafka2pg grant --role <runtime role>` unless it is that role), and "
         "retry.",
         missing=tuple(f"migration {m}" for m in pending),

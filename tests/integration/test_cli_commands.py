@@ -139,6 +139,13 @@ def test_status_as_a_role_without_privileges_says_to_grant_them_instead_of_a_tra
         assert f"./kafka2pg grant --role {role}" in entry["error"] and password not in entry["error"]
         assert cli.main(["status"]) == 2
         assert f"pipeline {env.pipeline.name}: error: SchemaNotReadyError" in capsys.readouterr().err
+        # verify's exit 1 means a discrepancy: a pipeline it could not audit is 2, saying why.
+        assert cli.main(["verify"]) == 2
+        assert f"pipeline {env.pipeline.name}: not audited: SchemaNotReadyError" in capsys.readouterr().err
+        for command in (["report", "--html"], ["quarantine"]):
+            assert cli.main([*command, "--pipeline", env.pipeline.name]) == 2
+            shown = capsys.readouterr().err
+            assert "SchemaNotReadyError" in shown and f"grant --role {role}" in shown, (command, shown)
     finally:
         db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 

@@ -168,3 +168,28 @@ def test_a_database_migrated_up_to_0008_names_migration_0009_at_every_step(
     stage_batch(spark, settings, env.pipeline, batch_id)
     assert validate_batch(settings, env.pipeline, batch_id).state == "validated"
     assert promote_batch(settings, env.pipeline, batch_id).promoted == 3
+
+
+def test_commands_on_a_database_never_migrated_say_to_migrate_instead_of_a_traceback(
+    make_pipeline, own_database, monkeypatch, capsys
+):
+    """`grant` before `migrate`, and the commands that read the ledger (verify, report --html,
+    quarantine): a SchemaNotReadyError naming `kafka2pg migrate`, exit 2 (verify's 1 means a
+    discrepancy found, report's 1 no report yet)."""
+    from kafka2pg import cli
+
+    env = make_pipeline(partitions=1, create_topic=True)
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", own_database)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    capsys.readouterr()
+    for command in (
+        ["grant", "--role", "pg_monitor"],  # a role that exists (a built-in one): the schema is what lacks
+        ["verify"],
+        ["report", "--html", "--pipeline", env.pipeline.name],
+        ["quarantine", "--pipeline", env.pipeline.name],
+    ):
+        assert cli.main(command) == 2, command
+        shown = capsys.readouterr().err
+        assert "SchemaNotReadyError" in shown and "Run `kafka2pg migrate`" in shown, (command, shown)
+        assert "Traceback" not in shown
