@@ -1,6 +1,7 @@
 """A pipeline's services from Airflow Connections: PostgreSQL (postgres provider's connection,
 `postgres_conn_id`) and Kafka (apache-kafka provider's, `kafka_config_id`: the client config dict
-in its extra), found by Airflow's own lookup, with the KAFKA2PG_* environment as the fallback.
+in its extra), found by Airflow's own lookup, with the KAFKA2PG_* environment as the fallback of
+the default connection ids (a connection a pipeline names must be defined).
 
 Airflow is imported only when a lookup happens (tasks, the CLI), never at DAG-parse time.
 """
@@ -78,8 +79,8 @@ def services(
     _require(
         who,
         [
-            (postgres_conn_id, "KAFKA2PG_DATABASE_URL", database_url),
-            (kafka_config_id, "KAFKA2PG_BOOTSTRAP_SERVERS (or KAFKA2PG_KAFKA_CONFIG)", kafka),
+            (postgres_conn_id, DEFAULT_POSTGRES_CONN_ID, "KAFKA2PG_DATABASE_URL", database_url),
+            (kafka_config_id, DEFAULT_KAFKA_CONN_ID, "KAFKA2PG_BOOTSTRAP_SERVERS (or KAFKA2PG_KAFKA_CONFIG)", kafka),
         ],
         env,
     )
@@ -92,13 +93,15 @@ def database_url(
     """The PostgreSQL connection alone (for commands that never ask Kafka: migrate, grant)."""
     env = dict(os.environ if env is None else env)
     url = _database(postgres_conn_id, env, who)
-    _require(who, [(postgres_conn_id, "KAFKA2PG_DATABASE_URL", url)], env)
+    _require(who, [(postgres_conn_id, DEFAULT_POSTGRES_CONN_ID, "KAFKA2PG_DATABASE_URL", url)], env)
     return url
 
 
 def _database(conn_id: str, env: dict[str, str], who: str) -> str | None:
-    """The connection's URL, else KAFKA2PG_DATABASE_URL; a warning when both lead to different places."""
-    url, fallback = _postgres_url(conn_id), env.get("KAFKA2PG_DATABASE_URL")
+    """The connection's URL, else (for the default connection id only) KAFKA2PG_DATABASE_URL; a
+    warning when both lead to different places."""
+    url = _postgres_url(conn_id)
+    fallback = env.get("KAFKA2PG_DATABASE_URL") if conn_id == DEFAULT_POSTGRES_CONN_ID else None
     if url and fallback and not _same_conninfo(url, fallback):
         used = describe(url)
         if password_misread(fallback):  # `describe` would show what libpq took for its host or port
@@ -126,8 +129,11 @@ def _same_conninfo(one: str, other: str) -> bool:
 
 
 def _kafka(conn_id: str, env: dict[str, str], who: str) -> KafkaConfig | None:
-    """The connection's client config, else the environment's; a warning when both are set and differ."""
+    """The connection's client config, else (for the default connection id only) the environment's;
+    a warning when both are set and differ."""
     config = _kafka_config(conn_id)
+    if conn_id != DEFAULT_KAFKA_CONN_ID:
+        return config
     if config is None:
         return kafka_from_env(env)
     variables = [v for v in ("KAFKA2PG_KAFKA_CONFIG", "KAFKA2PG_BOOTSTRAP_SERVERS") if env.get(v)]
@@ -168,10 +174,14 @@ def _warn_ignored(who: str, conn_id: str, used: str, variables: str, ignored: st
     )
 
 
-def _require(who: str, found: list[tuple[str, str, object]], env: dict[str, str]) -> None:
+def _require(who: str, found: list[tuple[str, str, str, object]], env: dict[str, str]) -> None:
+    """`found`: (connection id, the default id, the fallback's variables, what was found)."""
     missing = [
         f"neither the Airflow connection {conn_id!r} nor {variable} is defined"
-        for conn_id, variable, value in found
+        if conn_id == default
+        else f"the Airflow connection {conn_id!r} is not defined ({variable} stands in for {default!r} only: "
+        "a connection a pipeline names is never replaced by it, which could point the pipeline elsewhere)"
+        for conn_id, default, variable, value in found
         if not value
     ]
     if missing:

@@ -89,10 +89,28 @@ def test_each_pipeline_uses_its_own_connections(pipelines, monkeypatch):
 
 def test_no_connection_and_no_fallback_names_both(pipelines):
     with pytest.raises(ConfigError) as error:
+        settings_for(pipelines["orders"])
+    message = str(error.value)
+    assert "pipeline 'orders': neither the Airflow connection 'kafka2pg_postgres' nor KAFKA2PG_DATABASE_URL" in message
+    assert "neither the Airflow connection 'kafka2pg_kafka' nor KAFKA2PG_BOOTSTRAP_SERVERS" in message
+
+
+def test_a_connection_a_pipeline_names_is_never_replaced_by_the_environments_fallback(pipelines, monkeypatch):
+    """A mistyped or missing `postgres_conn_id` / `kafka_config_id` must not point the pipeline at
+    the servers the KAFKA2PG_* variables name (those of the default connections)."""
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://fallback@h/db")
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "fallback:9092")
+    with pytest.raises(ConfigError) as error:
         settings_for(pipelines["payments"])
     message = str(error.value)
-    assert "pipeline 'payments': neither the Airflow connection 'finance_db' nor KAFKA2PG_DATABASE_URL" in message
-    assert "neither the Airflow connection 'finance_kafka' nor KAFKA2PG_BOOTSTRAP_SERVERS" in message
+    assert "pipeline 'payments': the Airflow connection 'finance_db' is not defined (KAFKA2PG_DATABASE_URL stands" in (
+        message
+    )
+    assert "the Airflow connection 'finance_kafka' is not defined (KAFKA2PG_BOOTSTRAP_SERVERS" in message
+    monkeypatch.setenv("AIRFLOW_CONN_FINANCE_DB", "postgres://fin:pw@fin-db:5432/finance")
+    with pytest.raises(ConfigError, match="'finance_kafka' is not defined") as error:
+        settings_for(pipelines["payments"])
+    assert "finance_db" not in str(error.value)
 
 
 def test_a_kafka_connection_without_servers_is_refused_naming_it(pipelines, monkeypatch):
