@@ -137,6 +137,15 @@ class KafkaConfig:
             raise ConfigError(f"{where}: security.protocol {protocol!r} is not one of {', '.join(_SECURITY_PROTOCOLS)}")
         given = items.get("sasl.mechanism") or items.get("sasl.mechanisms")
         credentials = [k for k in ("sasl.username", "sasl.password") if items.get(k)]
+        logins = [k for k in ("sasl.username", "sasl.password", "sasl.jaas.config") if items.get(k)]
+        if logins and not protocol.startswith("SASL_"):
+            raise ConfigError(
+                f"{where}: {' and '.join(logins)} with security.protocol {protocol}: a client logs in only over "
+                f"SASL_SSL or SASL_PLAINTEXT, so {'they' if len(logins) > 1 else 'it'} would never be sent and the "
+                f"connection would not be authenticated: set security.protocol "
+                f"{'SASL_SSL' if protocol == 'SSL' else 'SASL_SSL (or SASL_PLAINTEXT)'}, or remove "
+                f"{'them' if len(logins) > 1 else 'it'}"
+            )
         if protocol.startswith("SASL_") and not given and credentials:
             raise ConfigError(
                 f"{where}: security.protocol {protocol} with {' and '.join(credentials)} needs sasl.mechanism "

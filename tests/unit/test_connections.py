@@ -242,7 +242,7 @@ def test_an_ignored_url_libpq_misreads_is_not_shown(pipelines, monkeypatch, capl
         AIRFLOW_CONN_KAFKA2PG_KAFKA=K1,
         KAFKA2PG_DATABASE_URL="postgresql://admin:p/w@db/x",  # read as host 'admin', port 'p'
         KAFKA2PG_KAFKA_CONFIG=json.dumps(
-            {"bootstrap.servers": "k1:9093", "client.id": "clientX", "sasl.password": "Kafka$ecret"}
+            {"bootstrap.servers": "k1:9093", "client.id": "clientX", "ssl.key.password": "Kafka$ecret"}
         ),
     )
 

@@ -169,7 +169,23 @@ def test_java_only_properties_go_to_spark_only_and_unknown_ones_to_librdkafka_on
     [
         ({}, "`bootstrap.servers` is missing"),
         ({"bootstrap.servers": "b:1", "security.protocol": "TLS"}, "security.protocol 'TLS' is not one of"),
-        ({"bootstrap.servers": "b:1", "sasl.username": "u", "sasl.mechanism": "GSSAPI"}, "give `kafka.sasl.jaas"),
+        (
+            {
+                "bootstrap.servers": "b:1",
+                "security.protocol": "SASL_SSL",
+                "sasl.username": "u",
+                "sasl.mechanism": "GSSAPI",
+            },
+            "give `kafka.sasl.jaas",
+        ),
+        (  # a login the client would never send: the connection would not be authenticated
+            {"bootstrap.servers": "b:1", "sasl.mechanism": "PLAIN", "sasl.username": "u", "sasl.password": "pw"},
+            "sasl.username and sasl.password with security.protocol PLAINTEXT: a client logs in only over SASL_SSL",
+        ),
+        (
+            {"bootstrap.servers": "b:1", "security.protocol": "ssl", "sasl.jaas.config": "x"},
+            "sasl.jaas.config with security.protocol SSL: .* set security.protocol SASL_SSL, or remove it",
+        ),
         ({"bootstrap.servers": "b:1", "ssl.ca.location": "/nope/ca.pem"}, "cannot read the PEM file '/nope/ca.pem'"),
         ({"bootstrap.servers": "b:1", "x": {"nested": 1}}, "property 'x' must be a name with a string"),
         (
@@ -340,10 +356,6 @@ def test_sasl_without_credentials_or_a_login_protocol_is_taken_as_before():
         {"bootstrap.servers": "b:1", "security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "GSSAPI"}
     )
     assert gssapi.spark_options()["kafka.sasl.mechanism"] == "GSSAPI"
-    # Credentials a PLAINTEXT client does not use: no login guessed for Java (nor a mechanism).
-    unused = KafkaConfig.of({"bootstrap.servers": "b:1", "sasl.username": "u", "sasl.password": "pw"})
-    assert unused.spark_options() == {"kafka.bootstrap.servers": "b:1"}
-    assert unused.confluent() == unused.as_dict
 
 
 def test_settings_round_trip_through_the_environment_the_stage_job_gets():
@@ -402,6 +414,8 @@ def test_secrets_are_every_secret_value_and_each_line_of_the_client_key(tmp_path
     kafka = KafkaConfig.of(
         {
             "bootstrap.servers": "b:9093",
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": "PLAIN",
             "sasl.username": "app-user",
             "sasl.password": "pw-0451-x",
             "kafka.sasl.jaas.config": 'Module required\n  clientSecret="cs-9911";',
