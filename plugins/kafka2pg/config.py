@@ -525,8 +525,11 @@ def get_pipeline(name: str, path: Path | None = None) -> Pipeline:
         raise broken[name]
     if name not in pipelines:
         known = ", ".join(sorted([*pipelines, *broken])) or "none"
+        # An entry whose name is unusable (mistyped, upper case, its key misspelt) may be the one meant.
+        unnamed = [str(error) for key, error in broken.items() if key.startswith("pipelines[")]
+        maybe = "".join(f"; an entry without a usable name may be it: {error}" for error in unnamed)
         raise UnknownPipelineError(
-            f"unknown pipeline {name!r} in {path or pipelines_file_from_env()} (known: {known})", pipeline=name
+            f"unknown pipeline {name!r} in {path or pipelines_file_from_env()} (known: {known}){maybe}", pipeline=name
         )
     return pipelines[name]
 

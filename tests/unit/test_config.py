@@ -525,6 +525,12 @@ def test_each_pipeline_is_checked_on_its_own_and_a_broken_one_spoils_only_itself
         load_pipelines(path)  # the CLI's migrate, grant and status: the file must be right as a whole
     with pytest.raises(UnknownPipelineError, match=r"known: orders, typo"):
         get_pipeline("nope", path)
+    # An entry whose name cannot be read (upper case, or its key misspelt) may be the one asked for.
+    path = write_all(tmp_path, {**GOOD, "name": "Orders"})
+    with pytest.raises(UnknownPipelineError) as unknown:
+        get_pipeline("orders", path)
+    assert "(known: pipelines[0]); an entry without a usable name may be it: " in str(unknown.value)
+    assert "pipelines[0].name: expected a lower-case identifier" in str(unknown.value)
 
 
 @pytest.mark.parametrize(
