@@ -10,6 +10,7 @@ from psycopg import sql
 from kafka2pg.batch_store import load_claimed
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import session
+from kafka2pg.lifecycle import BatchState
 from kafka2pg.status import pipeline_status
 from kafka2pg.task_log import fit, table
 
@@ -131,9 +132,10 @@ def quarantine_listing(settings: Settings, pipeline: Pipeline, batch_id: int | N
     offset, the raw value's size and the reason, control characters escaped, under how many
     there are in all. Rows of batches not promoted yet are still in the staging table, flagged,
     and not listed."""
+    state = None
     with session(settings.database_url) as conn:
         if batch_id is not None:  # BatchStateError: no such batch, or another pipeline's
-            load_claimed(conn, pipeline, batch_id, None, lock=False)
+            state = load_claimed(conn, pipeline, batch_id, None, lock=False).state
         where = sql.SQL("pipeline = %(p)s AND (%(b)s::bigint IS NULL OR batch_id = %(b)s)")
         total = conn.execute(
             sql.SQL("SELECT count(*) FROM kafka2pg.quarantine WHERE {}").format(where),
@@ -148,10 +150,7 @@ def quarantine_listing(settings: Settings, pipeline: Pipeline, batch_id: int | N
         ).fetchall()
     scope = f"batch {batch_id}" if batch_id is not None else "all batches"
     if not rows:
-        return (
-            f"pipeline {pipeline.name} ({scope}): no quarantined records (a batch not promoted yet holds the "
-            f"records it flagged in its staging table, kafka2pg.{pipeline.staging_table})"
-        )
+        return f"pipeline {pipeline.name} ({scope}): no quarantined records{_none_quarantined(pipeline, state)}"
     shown = "" if total <= len(rows) else f", {len(rows)} shown (--limit): the newest batches first"
     head = f"pipeline {pipeline.name} ({scope}): {total} quarantined record(s){shown}"
     body = table(
@@ -159,6 +158,24 @@ def quarantine_listing(settings: Settings, pipeline: Pipeline, batch_id: int | N
         [(b, p, o, size, _printable(reason)) for b, p, o, size, reason in rows],
     )
     return f"{head}\n{body}"
+
+
+def _none_quarantined(pipeline: Pipeline, state: BatchState | None) -> str:
+    """Why a batch in `state` (None: all batches) has no rows in kafka2pg.quarantine, where that says more."""
+    staging = f"kafka2pg.{pipeline.staging_table}"
+    if state is None:
+        return f" (a batch not promoted yet holds the records it flagged in its staging table, {staging})"
+    return {
+        BatchState.PLANNED: " yet: the batch is planned, nothing of it is read",
+        BatchState.STAGED: f" yet: the batch is staged, not promoted; what it flags waits in {staging}",
+        BatchState.VALIDATED: f" yet: the batch is validated, not promoted; what it flagged waits in {staging}",
+        BatchState.REJECTED: (
+            f": the batch was rejected, never promoted (its rows stay in {staging} until the next batch is planned)"
+        ),
+        BatchState.ABANDONED: ": the batch was abandoned, never promoted (its offsets were planned afresh)",
+        BatchState.VERIFIED: ": the batch is a verify-only replay, which writes no rows",
+        BatchState.UNDONE: ": the batch was undone, its rows (the quarantine's too) removed",
+    }.get(state, "")
 
 
 def _printable(text: str) -> str:
