@@ -43,10 +43,16 @@ class StuckBatch:
     ranges: str
 
     def describe(self) -> str:
+        guide = "docs/operations.md (STUCK batches)"
+        # The error often says what to do already ("... then trigger a run: it resumes the batch.").
+        if "then trigger" in self.error:
+            advice = f"See {guide}."
+        else:
+            advice = f"Fix the cause and trigger a run (it resumes the batch), or see {guide}."
         return (
             f"STUCK: pipeline {self.pipeline!r} batch {self.batch_id} ({self.state}, offsets {self.ranges}) failed "
-            f"at {self.step} in {self.runs} consecutive runs since {self.since:%Y-%m-%d %H:%M:%S %Z}: {self.error}. "
-            "Fix the cause and trigger a run (it resumes the batch), or see docs/operations.md."
+            f"at {self.step} in {self.runs} consecutive runs since {self.since:%Y-%m-%d %H:%M:%S %Z}: "
+            f"{self.error.rstrip('. ')}. {advice}"
         )
 
 

@@ -72,6 +72,7 @@ def test_a_batch_failing_promotion_in_two_runs_is_stuck_in_status_verify_and_the
     assert expected in status, status
     assert "failed at promote in 2 consecutive runs since" in status
     assert "target is read-only for maintenance" in status
+    assert status.count("trigger a run") == 1 and ".." not in status, status  # the error's advice, not twice
     assert any(r.levelname == "ERROR" and "STUCK" in r.getMessage() for r in logged.buffer)
     failed = verify(env)
     assert failed.returncode == 1, failed.stdout + failed.stderr

@@ -1,5 +1,6 @@
-"""What `kafka2pg quarantine` prints: a record's bytes quoted in a reason cannot move the
-terminal's cursor or colour it; a batch without quarantined rows says why, by its state."""
+"""What the commands print of a batch: a record's bytes quoted in a reason cannot move the
+terminal's cursor or colour it; a batch without quarantined rows says why, by its state; a
+STUCK batch's advice is said once."""
 
 from kafka2pg.config import Column, Pipeline
 from kafka2pg.lifecycle import BatchState
@@ -19,4 +20,23 @@ def test_a_batch_without_quarantined_rows_says_why_by_its_state():
     assert "staging table" not in said[BatchState.UNDONE] + said[BatchState.VERIFIED] + said[BatchState.ABANDONED]
     assert "kafka2pg.stg_orders" in said[BatchState.VALIDATED] and "staging table, kafka2pg.stg_orders" in (
         _none_quarantined(pipeline, None)
+    )
+
+
+def test_a_stuck_batch_gives_the_errors_own_advice_once():
+    from datetime import UTC, datetime
+
+    from kafka2pg.stuck import StuckBatch
+
+    def described(error: str) -> str:
+        since = datetime(2026, 1, 2, tzinfo=UTC)
+        return StuckBatch("orders", 7, "validated", "promote", 2, since, error, "p0[0,10)").describe()
+
+    advised = described("PostgreSQL refused 3 rows. Fix the table, then trigger a run: it resumes the batch.")
+    assert advised.endswith("it resumes the batch. See docs/operations.md (STUCK batches).")
+    assert advised.count("trigger a run") == 1 and ".." not in advised
+    plain = described("KafkaUnavailableError: no broker answered")
+    assert plain.endswith(
+        "no broker answered. Fix the cause and trigger a run (it resumes the batch), or see docs/operations.md "
+        "(STUCK batches)."
     )
