@@ -72,7 +72,19 @@ def password_misread(url: str) -> bool:
     except psycopg.ProgrammingError:
         return False  # never quoted: see `_malformed`
     host, port, dbname = (str(params.get(k) or "") for k in ("host", "port", "dbname"))
-    return "@" in host or "@" in dbname or not all(p.isdigit() for p in port.split(",") if p)
+    if "@" in host or "@" in dbname:
+        return True
+    # A port that is no number: misread only where the user-info did not end at its '@' (a '/',
+    # '?' or '#' in the password ended the authority before it); else the port is just wrong.
+    rest = url.split("://", 1)[1]
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    intact = authority.count("@") == 1 and rest.count("@") == 1
+    return not intact and not all(p.isdigit() for p in port.split(",") if p)
+
+
+# libpq refusing an option's value before it asks any server (`sslmode=bogus`, a port that is no
+# number): no retry can mend it.
+_INVALID_OPTION = re.compile(r"connection is bad: invalid ")
 
 
 def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) -> psycopg.Connection:
@@ -95,6 +107,12 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
         ) from None
     except psycopg.OperationalError as exc:
         message = hide_password(_one_line(exc), url)
+        if _INVALID_OPTION.match(message) and not password_misread(url):  # libpq's own check, no server asked
+            raise ConfigError(
+                f"the PostgreSQL connection string to {describe(url)} has an option libpq refuses "
+                f"({message.removeprefix('connection is bad: ')}); fix the postgres connection (postgres_conn_id, "
+                "default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL"
+            ) from None
         if password_misread(url):
             message = (
                 f"{_sentence(message)} Part of the URL's password was read as its host, port or database: in a "

@@ -40,3 +40,20 @@ def test_a_space_in_a_url_is_named_as_a_space_without_quoting_the_url():
 )
 def test_a_url_libpq_reads_as_written_is_described_as_it_is(url, described):
     assert describe(url) == described
+
+
+@pytest.mark.parametrize(
+    ("tail", "refused"),
+    [
+        ("127.0.0.1:9/kafka2pg?sslmode=bogus", 'invalid sslmode value: "bogus"'),
+        ("127.0.0.1:notaport/kafka2pg", 'invalid integer value "notaport" for connection option "port"'),
+        ("127.0.0.1:99999/kafka2pg", 'invalid port number: "99999"'),
+    ],
+)
+def test_an_option_libpq_refuses_is_a_configuration_error_not_an_unreachable_server(tail, refused):
+    """No retry mends these, and the password (well written) is not what is wrong."""
+    with pytest.raises(ConfigError) as failed:
+        connect(f"postgresql://k2p_owner:S3cretPw@{tail}", connect_timeout=2)
+    message = str(failed.value)
+    assert f"has an option libpq refuses ({refused})" in message, message
+    assert "S3cretPw" not in message and "password was read" not in message
