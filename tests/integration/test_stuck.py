@@ -50,7 +50,13 @@ def test_a_batch_failing_promotion_in_two_runs_is_stuck_in_status_verify_and_the
     validate_batch(env.settings, env.pipeline, batch.batch_id, batch.epoch)
     with pytest.raises(Exception, match="read-only for maintenance"):
         tasks.promote(env.pipeline.name, batch.batch_id, batch.epoch)
-    assert "STUCK" not in ledger_report(env.settings, env.pipeline)  # one failure: maybe a passing outage
+    status = ledger_report(env.settings, env.pipeline)
+    assert "STUCK" not in status  # one failure: maybe a passing outage
+    # The open batch is named, with its ranges, its run and its failure, and what the next run does.
+    (opened,) = [line for line in status.splitlines() if line.startswith("open: ")]
+    assert opened.startswith(f"open: batch {batch.batch_id} (live, validated) p0[0,") and " by run run-1; " in opened
+    assert "; last failure at promote: " in opened and "target is read-only for maintenance" in opened, opened
+    assert "the next live run resumes the open live batch" in status
     assert verify(env).returncode == 0
 
     resumed = open_batch(env.settings, env.pipeline, run_id="run-2").batch
