@@ -40,6 +40,9 @@ class PartitionAudit:
     duplicated_offsets: list[int] = field(default_factory=list)
     unexplained_offsets: list[int] = field(default_factory=list)
     ledger_breaks: list[str] = field(default_factory=list)
+    # The partition's latest `kafka2pg reset`: (the last batch before it, the offset it set or None
+    # for a dropped head). What was loaded before it is not compared.
+    reset: tuple[int, int | None] | None = None
 
     @property
     def clean(self) -> bool:
@@ -93,7 +96,7 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
             held = watermarks.get(partition)
             low, stable = (held.low, held.last_stable) if held else (0, 0)
             ranges = [(max(s, low), min(e, stable)) for s, e in ledger.get(partition, []) if e > low and s < stable]
-            result = PartitionAudit(partition, heads.get(partition))
+            result = PartitionAudit(partition, heads.get(partition), reset=resets.get(partition))
             after, reset_to = resets.get(partition, (0, None))
             result.ledger_breaks = ledger_breaks(stored.get(partition, []), heads.get(partition), reset_to)
             if held is None:
@@ -192,6 +195,13 @@ def format_audit(pipeline: Pipeline, audits: list[PartitionAudit], stuck: Sequen
                 lines.append(f"          partition {a.partition} {label} offsets: {', '.join(map(str, sample))}")
         for problem in a.ledger_breaks:
             lines.append(f"          partition {a.partition} ledger: {problem}")
+        if a.reset is not None:
+            after, to_offset = a.reset
+            where = f"to offset {to_offset}" if to_offset is not None else "dropping its head"
+            lines.append(
+                f"          partition {a.partition} audited since its reset ({where}, after batch {after}): what "
+                "batches up to that one loaded is not compared"
+            )
     lines += [batch.describe() for batch in stuck]
     if not all(a.clean for a in audits):
         lines.append("result: DISCREPANCIES FOUND")

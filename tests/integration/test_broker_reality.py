@@ -21,7 +21,7 @@ from confluent_kafka.admin import (
 from psycopg import sql
 
 from kafka2pg import kafka_reader
-from kafka2pg.audit import audit_pipeline
+from kafka2pg.audit import audit_pipeline, format_audit
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import (
     BatchStateError,
@@ -550,7 +550,7 @@ def test_recreated_topic_is_an_offset_regression_until_an_explicit_recorded_rese
 def test_a_reset_forward_says_which_offsets_kafka_holds_that_will_never_be_loaded(make_pipeline, run_batch):
     env = make_pipeline(partitions=1)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(20, seed=40)))
-    run_batch(env)
+    loaded = run_batch(env)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(10, seed=41)))
     preview = reset_head(env.settings, env.pipeline, 0, 25, reason="skip a bad producer", confirm=False)
     assert "head 20 -> 25" in preview.message, preview.message
@@ -563,7 +563,9 @@ def test_a_reset_forward_says_which_offsets_kafka_holds_that_will_never_be_loade
     assert "kafka2pg replay" in str(back.value) and "--archive-old-rows" in str(back.value)
     moved = reset_head(env.settings, env.pipeline, 0, 5, reason="load again", confirm=True, archive_old_rows=True)
     assert moved.applied and run_batch(env).promoted == 25
-    assert_audit_clean(env)
+    audits = assert_audit_clean(env)
+    shown = format_audit(env.pipeline, audits)  # the audit says where it starts: at the reset
+    assert f"partition 0 audited since its reset (to offset 5, after batch {loaded.batch_id}): " in shown, shown
 
 
 def test_a_time_window_maps_to_per_partition_offsets(make_pipeline):
