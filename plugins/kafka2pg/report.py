@@ -10,12 +10,20 @@ from psycopg import Connection, sql
 from kafka2pg.batch_store import load_claimed
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import session
+from kafka2pg.exceptions import SchemaNotReadyError
 from kafka2pg.lifecycle import OPEN, BatchState
 from kafka2pg.status import pipeline_status
 from kafka2pg.task_log import fit, table
 
 
 def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
+    from kafka2pg.migrations import require_ready
+
+    try:  # what would stop the next run before it plans (a migration or a grant not run since an upgrade)
+        require_ready(settings, pipeline)
+        not_ready = []
+    except SchemaNotReadyError as exc:
+        not_ready = [f"NOT READY: {exc}"]
     with session(settings.database_url) as conn:  # Kafka is asked in between: no transaction
         status = pipeline_status(settings, pipeline, conn)
         landed = conn.execute(
@@ -38,6 +46,7 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
             f"pipeline {pipeline.name}: topic {pipeline.topic} -> {pipeline.target_schema}.{pipeline.target_table}",
             f"rows landed in target: {landed}; records in quarantine: {quarantined}",
             "batches: " + (", ".join(f"{n} {s}" for s, n in batches) or "none"),
+            *not_ready,
             *unfinished,
             *(batch.describe() for batch in status.stuck),
             "ledger:",
