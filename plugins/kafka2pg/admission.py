@@ -276,7 +276,7 @@ class RecordDecoder:
     def _decide_strictly(
         self, values: Sequence[bytes | None], doubts: list[int], columns: list[pa.Array], reasons: list
     ) -> list[pa.Array]:
-        decided = [self.decode_strictly(values[index]) for index in doubts]
+        decided = [self._decide(values[index]) for index in doubts]
         for index, admitted in zip(doubts, decided, strict=True):
             reasons[index] = admitted.reason
         mask = index_mask(doubts, len(values))
@@ -288,8 +288,14 @@ class RecordDecoder:
         ]
 
     def decode_strictly(self, value: bytes | None) -> Admitted:
-        """`decode` without the fast path: the rules, field by field (of a JSON value: after the
-        Schema Registry header where the pipeline's values have one)."""
+        """`decode` without the fast path: the rules, field by field."""
+        if self.registry_header:
+            (payload,), refused = registry_payloads([value])
+            return Admitted(None, refused[0]) if refused else self._decide(payload)
+        return self._decide(value)
+
+    def _decide(self, value: bytes | None) -> Admitted:
+        """The rules, field by field, on a JSON value (after its Schema Registry header, if any)."""
         try:
             return Admitted(self._values(value))
         except Refused as refused:

@@ -90,18 +90,20 @@ def services(
 def database_url(
     postgres_conn_id: str = DEFAULT_POSTGRES_CONN_ID, env: dict[str, str] | None = None, who: str = "kafka2pg"
 ) -> str:
-    """The PostgreSQL connection alone (for commands that never ask Kafka: migrate, grant)."""
+    """The PostgreSQL connection alone, for the owner's commands that never ask Kafka (migrate,
+    grant): KAFKA2PG_DATABASE_URL stands in for any connection id there, the owner's URL given
+    for the run (each database's line names where it went)."""
     env = dict(os.environ if env is None else env)
-    url = _database(postgres_conn_id, env, who)
-    _require(who, [(postgres_conn_id, DEFAULT_POSTGRES_CONN_ID, "KAFKA2PG_DATABASE_URL", url)], env)
+    url = _database(postgres_conn_id, env, who, any_id=True)
+    _require(who, [(postgres_conn_id, postgres_conn_id, "KAFKA2PG_DATABASE_URL", url)], env)
     return url
 
 
-def _database(conn_id: str, env: dict[str, str], who: str) -> str | None:
-    """The connection's URL, else (for the default connection id only) KAFKA2PG_DATABASE_URL; a
-    warning when both lead to different places."""
+def _database(conn_id: str, env: dict[str, str], who: str, any_id: bool = False) -> str | None:
+    """The connection's URL, else (for the default connection id, or any with `any_id`)
+    KAFKA2PG_DATABASE_URL; a warning when both lead to different places."""
     url = _postgres_url(conn_id)
-    fallback = env.get("KAFKA2PG_DATABASE_URL") if conn_id == DEFAULT_POSTGRES_CONN_ID else None
+    fallback = env.get("KAFKA2PG_DATABASE_URL") if any_id or conn_id == DEFAULT_POSTGRES_CONN_ID else None
     if url and fallback and not _same_conninfo(url, fallback):
         used = describe(url)
         if password_misread(fallback):  # `describe` would show what libpq took for its host or port

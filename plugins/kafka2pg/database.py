@@ -76,10 +76,8 @@ def password_misread(url: str) -> bool:
         return True
     # A port that is no number: misread only where the user-info did not end at its '@' (a '/',
     # '?' or '#' in the password ended the authority before it); else the port is just wrong.
-    rest = url.split("://", 1)[1]
-    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
-    intact = authority.count("@") == 1 and rest.count("@") == 1
-    return not intact and not all(p.isdigit() for p in port.split(",") if p)
+    authority = re.split(r"[/?#]", url.split("://", 1)[1], maxsplit=1)[0]
+    return authority.count("@") != 1 and not all(p.isdigit() for p in port.split(",") if p)
 
 
 # libpq refusing an option's value before it asks any server (`sslmode=bogus`, a port that is no

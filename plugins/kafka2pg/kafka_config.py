@@ -137,15 +137,17 @@ class KafkaConfig:
             raise ConfigError(f"{where}: security.protocol {protocol!r} is not one of {', '.join(_SECURITY_PROTOCOLS)}")
         given = items.get("sasl.mechanism") or items.get("sasl.mechanisms")
         credentials = [k for k in ("sasl.username", "sasl.password") if items.get(k)]
-        logins = [k for k in ("sasl.username", "sasl.password", "sasl.jaas.config") if items.get(k)]
-        if logins and not protocol.startswith("SASL_"):
-            raise ConfigError(
-                f"{where}: {' and '.join(logins)} with security.protocol {protocol}: a client logs in only over "
-                f"SASL_SSL or SASL_PLAINTEXT, so {'they' if len(logins) > 1 else 'it'} would never be sent and the "
-                f"connection would not be authenticated: set security.protocol "
-                f"{'SASL_SSL' if protocol == 'SSL' else 'SASL_SSL (or SASL_PLAINTEXT)'}, or remove "
-                f"{'them' if len(logins) > 1 else 'it'}"
-            )
+        java_protocol = items.get(f"{JAVA_ONLY_PREFIX}security.protocol", protocol).upper()
+        for logins, used, named in (
+            (credentials, protocol, "security.protocol"),
+            (
+                [k for k in (f"{JAVA_ONLY_PREFIX}sasl.jaas.config",) if items.get(k)],
+                java_protocol,
+                "the Java client's security.protocol",
+            ),
+        ):
+            if logins and not used.startswith("SASL_"):
+                _unsent_login(where, logins, used, named)
         if protocol.startswith("SASL_") and not given and credentials:
             raise ConfigError(
                 f"{where}: security.protocol {protocol} with {' and '.join(credentials)} needs sasl.mechanism "
@@ -370,3 +372,15 @@ KafkaLike = KafkaConfig | str  # a plain bootstrap-servers string means PLAINTEX
 
 def kafka_config(kafka: KafkaLike) -> KafkaConfig:
     return kafka if isinstance(kafka, KafkaConfig) else KafkaConfig.plain(kafka)
+
+
+def _unsent_login(where: str, logins: list[str], protocol: str, named: str) -> None:
+    """Refuse a SASL login a client would never send (its protocol is not SASL_*): the connection
+    would silently not authenticate."""
+    they, them = ("they", "them") if len(logins) > 1 else ("it", "it")
+    wanted = "SASL_SSL" if protocol == "SSL" else "SASL_SSL (or SASL_PLAINTEXT)"
+    raise ConfigError(
+        f"{where}: {' and '.join(logins)} with {named} {protocol}: a client logs in only over SASL_SSL "
+        f"or SASL_PLAINTEXT, so {they} would never be sent and the connection would not be authenticated: set "
+        f"security.protocol {wanted}, or remove {them}"
+    )

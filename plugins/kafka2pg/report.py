@@ -22,8 +22,9 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
     try:  # what would stop the next run before it plans (a migration or a grant not run since an upgrade)
         require_ready(settings, pipeline)
         not_ready = []
-    except SchemaNotReadyError as exc:
-        not_ready = [f"NOT READY: {exc}"]
+    except SchemaNotReadyError as exc:  # of the role this command connects as: a run's role may differ
+        said = str(exc).replace(" Nothing was changed and the run stops here (no retry).", "")
+        not_ready = [f"NOT READY for a run as role {exc.role!r} (this command's): {said}"]
     with session(settings.database_url) as conn:  # Kafka is asked in between: no transaction
         status = pipeline_status(settings, pipeline, conn)
         landed = conn.execute(
@@ -71,14 +72,16 @@ def open_batches(conn: Connection, pipeline: str) -> list[str]:
     lines = []
     for batch_id, kind, state, after, run_id, claimed_at, failed_step, failure, ranges in rows:
         what = f"{kind}, {state}" + (f", planned after batch {after}" if after else "")
-        line = f"open: batch {batch_id} ({what}) {ranges}, claimed {claimed_at:%Y-%m-%d %H:%M:%S %Z} by run {run_id}"
+        by = f" by run {run_id}" if run_id else ""
+        line = f"open: batch {batch_id} ({what}) {ranges}, claimed {claimed_at:%Y-%m-%d %H:%M:%S %Z}{by}"
         if failed_step:
             line += f"; last failure at {failed_step}: {_first_line(failure or '')}"
         lines.append(line)
     if lines:
         lines.append(
-            "  (the next live run resumes the open live batch and abandons an earlier run's lookahead, a batch "
-            "planned after another, planning its offsets afresh; a replay batch is left to its replay run)"
+            "  (the next live run resumes the open live batch, unless its plan no longer holds: offsets expired, "
+            "a topic recreated; it abandons an earlier run's lookahead, a batch planned after another, planning its "
+            "offsets afresh; a replay batch is left to its replay run)"
         )
     return lines
 

@@ -183,7 +183,8 @@ def test_a_plan_on_a_database_not_ready_fails_once_naming_what_is_missing_and_ch
     try:
         error = plan_fails_once(env)
         shown = ledger_report(env.settings, env.pipeline)  # status says so too, beside what it shows
-        assert "NOT READY: PostgreSQL at " in shown and f"pending migration(s) {newest}" in shown, shown
+        said = f"NOT READY for a run as role {runtime.role!r} (this command's): PostgreSQL at "
+        assert said in shown and f"pending migration(s) {newest}" in shown and "run stops here" not in shown, shown
         assert "ledger:" in shown
     finally:
         db.execute("INSERT INTO public.kafka2pg_migrations (name, applied_at) VALUES (%s, %s)", (newest, applied_at))

@@ -874,7 +874,7 @@ def test_values_behind_a_schema_registry_header_are_admitted_as_their_json():
     values = [registry_framed(good), good, registry_framed(bad), registry_framed(b""), None, b"", b"\x00\x00\x00"]
     admitted = REGISTRY.admit(values)
     outcomes = [admitted.outcome(i) for i in range(len(values))]
-    assert outcomes == [REGISTRY.admit([v]).outcome(0) for v in values]
+    assert outcomes == [REGISTRY.admit([v]).outcome(0) for v in values] == [REGISTRY.decode_strictly(v) for v in values]
     assert outcomes[0] == DECODER.decode(good) and outcomes[0].reason is None
     assert outcomes[1].reason == (
         "value has no Schema Registry header (a magic byte 0 and a 4-byte schema id; plain JSON? it starts "
@@ -902,5 +902,6 @@ def test_a_plain_json_pipeline_names_the_schema_registry_header_it_finds():
 @given(st.binary(max_size=60) | documents.map(lambda d: registry_framed(_encode(d, True))))
 def test_any_bytes_behind_a_header_or_not_get_values_or_a_reason_alone_or_in_a_list(value):
     admitted = REGISTRY.admit([value, registry_framed(BASE + b"}")])
-    assert admitted.outcome(0) == REGISTRY.decode(value) and admitted.outcome(1).reason is None
+    assert admitted.outcome(0) == REGISTRY.decode(value) == REGISTRY.decode_strictly(value)
+    assert admitted.outcome(1).reason is None
     assert (admitted.outcome(0).values is None) != (admitted.outcome(0).reason is None)

@@ -6,7 +6,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from kafka2pg.config import load_pipelines
-from kafka2pg.connections import settings_for
+from kafka2pg.connections import database_url, settings_for
 from kafka2pg.exceptions import ConfigError
 
 PIPELINES = """
@@ -107,6 +107,9 @@ def test_a_connection_a_pipeline_names_is_never_replaced_by_the_environments_fal
         message
     )
     assert "the Airflow connection 'finance_kafka' is not defined (KAFKA2PG_BOOTSTRAP_SERVERS" in message
+    # The owner's commands (migrate, grant) take the variable's URL for any connection id: the
+    # documented `KAFKA2PG_DATABASE_URL=postgresql://OWNER@... kafka2pg migrate`.
+    assert database_url("finance_db") == "postgresql://fallback@h/db"
     monkeypatch.setenv("AIRFLOW_CONN_FINANCE_DB", "postgres://fin:pw@fin-db:5432/finance")
     with pytest.raises(ConfigError, match="'finance_kafka' is not defined") as error:
         settings_for(pipelines["payments"])

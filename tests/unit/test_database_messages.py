@@ -48,6 +48,10 @@ def test_a_url_libpq_reads_as_written_is_described_as_it_is(url, described):
         ("127.0.0.1:9/kafka2pg?sslmode=bogus", 'invalid sslmode value: "bogus"'),
         ("127.0.0.1:notaport/kafka2pg", 'invalid integer value "notaport" for connection option "port"'),
         ("127.0.0.1:99999/kafka2pg", 'invalid port number: "99999"'),
+        (  # an @ after the authority is not a password's
+            "127.0.0.1:notaport/kafka2pg?application_name=etl@host",
+            'invalid integer value "notaport" for connection option "port"',
+        ),
     ],
 )
 def test_an_option_libpq_refuses_is_a_configuration_error_not_an_unreachable_server(tail, refused):

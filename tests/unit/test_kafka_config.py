@@ -152,6 +152,7 @@ def test_java_only_properties_go_to_spark_only_and_unknown_ones_to_librdkafka_on
     kafka = KafkaConfig.of(
         {
             "bootstrap.servers": "b:1",
+            "kafka.security.protocol": "SASL_SSL",
             "kafka.sasl.jaas.config": "x required;",
             "enable.ssl.certificate.verification": "true",
         }
@@ -161,7 +162,7 @@ def test_java_only_properties_go_to_spark_only_and_unknown_ones_to_librdkafka_on
     assert kafka.confluent()["enable.ssl.certificate.verification"] == "true"
     assert kafka.unmapped_for_spark() == ["enable.ssl.certificate.verification"]
     assert kafka.ignored_by("spark") == ["enable.ssl.certificate.verification"]
-    assert kafka.ignored_by("librdkafka") == ["kafka.sasl.jaas.config"]
+    assert kafka.ignored_by("librdkafka") == ["kafka.sasl.jaas.config", "kafka.security.protocol"]
 
 
 @pytest.mark.parametrize(
@@ -182,9 +183,21 @@ def test_java_only_properties_go_to_spark_only_and_unknown_ones_to_librdkafka_on
             {"bootstrap.servers": "b:1", "sasl.mechanism": "PLAIN", "sasl.username": "u", "sasl.password": "pw"},
             "sasl.username and sasl.password with security.protocol PLAINTEXT: a client logs in only over SASL_SSL",
         ),
+        (  # the JAAS login given for Spark's Java client (the form it takes)
+            {"bootstrap.servers": "b:1", "security.protocol": "ssl", "kafka.sasl.jaas.config": "x"},
+            "kafka.sasl.jaas.config with the Java client's security.protocol SSL: .* set security.protocol SASL_SSL",
+        ),
         (
-            {"bootstrap.servers": "b:1", "security.protocol": "ssl", "sasl.jaas.config": "x"},
-            "sasl.jaas.config with security.protocol SSL: .* set security.protocol SASL_SSL, or remove it",
+            {
+                "bootstrap.servers": "b:1",
+                "security.protocol": "SASL_SSL",
+                "kafka.security.protocol": "PLAINTEXT",
+                "sasl.mechanism": "PLAIN",
+                "sasl.username": "u",
+                "sasl.password": "pw",
+                "kafka.sasl.jaas.config": "x",
+            },
+            "kafka.sasl.jaas.config with the Java client's security.protocol PLAINTEXT",
         ),
         ({"bootstrap.servers": "b:1", "ssl.ca.location": "/nope/ca.pem"}, "cannot read the PEM file '/nope/ca.pem'"),
         ({"bootstrap.servers": "b:1", "x": {"nested": 1}}, "property 'x' must be a name with a string"),

@@ -109,3 +109,17 @@ def test_a_quarantine_whose_raw_bytes_the_role_may_not_fill_is_named_after_an_up
     assert readiness(p, catalog, set(MIGRATIONS), MIGRATIONS).missing == (
         "UPDATE (raw_key, raw_value, raw_headers) on kafka2pg.quarantine",
     )
+
+
+def test_quarantine_columns_a_pending_migration_adds_are_left_to_it(tmp_path):
+    """A database from before the raw-bytes columns: `migrate` adds them, so they are not named
+    as columns to add by hand (the pending migrations are)."""
+    p = pipeline(tmp_path)
+    catalog = ready_catalog(p)
+    catalog[QUARANTINE_TABLE] = table(*QUARANTINE_TABLE, columns=["raw_value"], privileges=QUARANTINE_PRIVILEGES[:3])
+    missing = readiness(p, catalog, set(MIGRATIONS[:1]), MIGRATIONS).missing
+    assert missing[0] == f"migration {MIGRATIONS[1]}" and not [m for m in missing if m.startswith("column ")]
+    assert readiness(p, catalog, set(MIGRATIONS), MIGRATIONS).missing[:2] == (
+        "column kafka2pg.quarantine.raw_key",
+        "column kafka2pg.quarantine.raw_headers",
+    )
