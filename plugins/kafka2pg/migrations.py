@@ -165,53 +165,68 @@ def require_ready(settings: Settings, pipeline: Pipeline) -> None:
     `SchemaNotReadyError` (terminal) names what is missing and who runs what: `kafka2pg migrate`
     (tables, migrations) or `kafka2pg grant` (privileges) as the owning role. Nothing is changed.
     """
-    needs = _needs(pipeline)
     with connect(settings.database_url, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT current_user, r.schema, r.name, c.relkind::text,"
-            " coalesce(has_schema_privilege(n.oid, 'USAGE'), false),"
-            " array(SELECT a.attname::text FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0"
-            "       AND NOT a.attisdropped),"
-            " array(SELECT p FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE']) p"
-            "       WHERE has_table_privilege(c.oid, p)),"
-            " array(SELECT ARRAY[a.attname::text, format_type(a.atttypid, a.atttypmod)] FROM pg_attribute a"
-            "       WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped),"
-            " array(SELECT a.attname::text FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0"
-            "       AND NOT a.attisdropped AND has_column_privilege(c.oid, a.attnum, 'UPDATE'))"
-            " FROM unnest(%s::text[], %s::text[]) r(schema, name)"
-            " LEFT JOIN pg_namespace n ON n.nspname = r.schema"
-            " LEFT JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = r.name",
-            ([n[0] for n in needs], [n[1] for n in needs]),
-        ).fetchall()
-        role = rows[0][0]
-        found = {
-            (schema, name): TableFound(
-                schema,
-                name,
-                kind,
-                usage,
-                frozenset(columns),
-                frozenset(privileges),
-                tuple(map(tuple, types)),
-                frozenset(updatable),
-            )
-            for _, schema, name, kind, usage, columns, privileges, types, updatable in rows
-        }
-        ledger = found[MIGRATIONS_TABLE]
-        applied = None
-        if ledger.relkind is not None and ledger.schema_usage and "SELECT" in ledger.privileges:
-            applied = {r[0] for r in conn.execute("SELECT name FROM public.kafka2pg_migrations")}
-    ready = readiness(pipeline, found, applied, [p.name for p in migration_files()])
-    if ready.missing:
-        raise SchemaNotReadyError(
-            _not_ready_message(settings, pipeline, role, ready),
-            missing=ready.missing,
-            pipeline=pipeline.name,
-            role=role,
+        missing = readiness_error(settings, pipeline, conn, _RUN_STOPS)
+    if missing is not None:
+        raise missing
+
+
+# What a run that finds the database not ready does.
+_RUN_STOPS = " Nothing was changed and the run stops here (no retry)."
+
+
+def readiness_error(
+    settings: Settings, pipeline: Pipeline, conn: Connection, outcome: str = ""
+) -> SchemaNotReadyError | None:
+    """`require_ready`'s check over `conn` (autocommit, of the role to check): the error it would
+    raise, its message ending with `outcome` before what to run, or None when ready."""
+    needs = _needs(pipeline)
+    rows = conn.execute(
+        "SELECT current_user, r.schema, r.name, c.relkind::text,"
+        " coalesce(has_schema_privilege(n.oid, 'USAGE'), false),"
+        " array(SELECT a.attname::text FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0"
+        "       AND NOT a.attisdropped),"
+        " array(SELECT p FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE']) p"
+        "       WHERE has_table_privilege(c.oid, p)),"
+        " array(SELECT ARRAY[a.attname::text, format_type(a.atttypid, a.atttypmod)] FROM pg_attribute a"
+        "       WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped),"
+        " array(SELECT a.attname::text FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0"
+        "       AND NOT a.attisdropped AND has_column_privilege(c.oid, a.attnum, 'UPDATE'))"
+        " FROM unnest(%s::text[], %s::text[]) r(schema, name)"
+        " LEFT JOIN pg_namespace n ON n.nspname = r.schema"
+        " LEFT JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = r.name",
+        ([n[0] for n in needs], [n[1] for n in needs]),
+    ).fetchall()
+    role = rows[0][0]
+    found = {
+        (schema, name): TableFound(
+            schema,
+            name,
+            kind,
+            usage,
+            frozenset(columns),
+            frozenset(privileges),
+            tuple(map(tuple, types)),
+            frozenset(updatable),
         )
+        for _, schema, name, kind, usage, columns, privileges, types, updatable in rows
+    }
+    ledger = found[MIGRATIONS_TABLE]
+    applied = None
+    if ledger.relkind is not None and ledger.schema_usage and "SELECT" in ledger.privileges:
+        applied = {r[0] for r in conn.execute("SELECT name FROM public.kafka2pg_migrations")}
+    ready = readiness(pipeline, found, applied, [p.name for p in migration_files()])
+    if not ready.missing:
+        return None
+    return SchemaNotReadyError(
+        _not_ready_message(settings, pipeline, role, ready, outcome),
+        missing=ready.missing,
+        pipeline=pipeline.name,
+        role=role,
+    )
 
 
-def _not_ready_message(settings: Settings, pipeline: Pipeline, role: str, ready: Readiness) -> str:
+def _not_ready_message(settings: Settings, pipeline: Pipeline, role: str, ready: Readiness, outcome: str) -> str:
     found = []
     if ready.pending:
         found.append(f"pending migration(s) {', '.join(ready.pending)}")
@@ -248,7 +263,7 @@ def _not_ready_message(settings: Settings, pipeline: Pipeline, role: str, ready:
         )
     return (
         f"PostgreSQL at {describe(settings.database_url)} is not ready for pipeline {pipeline.name!r}: "
-        f"{'; '.join(found)}. Nothing was changed and the run stops here (no retry). To fix: {'; '.join(todo)}."
+        f"{'; '.join(found)}.{outcome} To fix: {'; '.join(todo)}."
     )
 
 

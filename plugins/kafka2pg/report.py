@@ -5,26 +5,17 @@ Used by the promote task's log, `./kafka2pg status` and the demo command.
 
 from __future__ import annotations
 
-from psycopg import Connection, sql
+from psycopg import sql
 
 from kafka2pg.batch_store import load_claimed
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import session
-from kafka2pg.exceptions import SchemaNotReadyError
-from kafka2pg.lifecycle import OPEN, BatchState
+from kafka2pg.lifecycle import BatchState
 from kafka2pg.status import pipeline_status
 from kafka2pg.task_log import fit, table
 
 
 def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
-    from kafka2pg.migrations import require_ready
-
-    try:  # what would stop the next run before it plans (a migration or a grant not run since an upgrade)
-        require_ready(settings, pipeline)
-        not_ready = []
-    except SchemaNotReadyError as exc:  # of the role this command connects as: a run's role may differ
-        said = str(exc).replace(" Nothing was changed and the run stops here (no retry).", "")
-        not_ready = [f"NOT READY for a run as role {exc.role!r} (this command's): {said}"]
     with session(settings.database_url) as conn:  # Kafka is asked in between: no transaction
         status = pipeline_status(settings, pipeline, conn)
         landed = conn.execute(
@@ -37,7 +28,6 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
             "SELECT state, count(*) FROM kafka2pg.batches WHERE pipeline = %s GROUP BY state ORDER BY state",
             (pipeline.name,),
         ).fetchall()
-        unfinished = open_batches(conn, pipeline.name)
     rows = [
         [p.partition, p.next_offset, p.low_watermark, p.high_watermark, p.lag, p.margin, p.time_to_loss]
         for p in status.partitions
@@ -47,8 +37,8 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
             f"pipeline {pipeline.name}: topic {pipeline.topic} -> {pipeline.target_schema}.{pipeline.target_table}",
             f"rows landed in target: {landed}; records in quarantine: {quarantined}",
             "batches: " + (", ".join(f"{n} {s}" for s, n in batches) or "none"),
-            *not_ready,
-            *unfinished,
+            *status.not_ready_lines("this command's"),
+            *status.open_batch_lines(),
             *(batch.describe() for batch in status.stuck),
             "ledger:",
             table(
@@ -56,39 +46,6 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
             ),
         ]
     )
-
-
-def open_batches(conn: Connection, pipeline: str) -> list[str]:
-    """One line per open batch (planned, staged or validated): its kind, state, ranges, the run
-    that claimed it and when, and a failure recorded with it, then what the next run does with them."""
-    rows = conn.execute(
-        "SELECT b.batch_id, b.kind, b.state, b.after_batch_id, b.run_id, b.claimed_at, b.failed_step,"
-        " b.last_failure, coalesce(string_agg(format('p%%s[%%s,%%s)', p.kafka_partition, p.start_offset,"
-        " p.end_offset), ' ' ORDER BY p.kafka_partition), 'none')"
-        " FROM kafka2pg.batches b LEFT JOIN kafka2pg.batch_partitions p USING (batch_id)"
-        " WHERE b.pipeline = %s AND b.state = ANY(%s) GROUP BY b.batch_id ORDER BY b.batch_id",
-        (pipeline, sorted(OPEN)),
-    ).fetchall()
-    lines = []
-    for batch_id, kind, state, after, run_id, claimed_at, failed_step, failure, ranges in rows:
-        what = f"{kind}, {state}" + (f", planned after batch {after}" if after else "")
-        by = f" by run {run_id}" if run_id else ""
-        line = f"open: batch {batch_id} ({what}) {ranges}, claimed {claimed_at:%Y-%m-%d %H:%M:%S %Z}{by}"
-        if failed_step:
-            line += f"; last failure at {failed_step}: {_first_line(failure or '')}"
-        lines.append(line)
-    if lines:
-        lines.append(
-            "  (the next live run resumes the open live batch, unless its plan no longer holds: offsets expired, "
-            "a topic recreated; it abandons an earlier run's lookahead, a batch planned after another, planning its "
-            "offsets afresh; a replay batch is left to its replay run)"
-        )
-    return lines
-
-
-def _first_line(text: str, limit: int = 200) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else "no message"
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:

@@ -1,5 +1,6 @@
 """What a pipeline's status is (`kafka2pg status` and the Airflow overview page show the same):
-per partition the head, watermarks, lag, margin and time to data loss; the last batch; STUCK ones.
+per partition the head, watermarks, lag, margin and time to data loss; the last batch; the open
+batches (STUCK ones among them); whether the database is ready for a run (NOT READY: what to run).
 
 Reads the ledger heads and the newest batch by index, whatever the ledger's length.
 """
@@ -14,9 +15,10 @@ from psycopg import Connection
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.kafka_offsets import partition_offsets
 from kafka2pg.ledger import head_status, read_heads
+from kafka2pg.migrations import readiness_error
 from kafka2pg.opening import loss_horizons
 from kafka2pg.planner import LossHorizon
-from kafka2pg.stuck import StuckBatch, stuck_batches
+from kafka2pg.stuck import OpenBatch, StuckBatch, open_batches
 
 
 @dataclass(frozen=True)
@@ -60,22 +62,60 @@ class PipelineStatus:
     target: str
     partitions: tuple[PartitionStatus, ...]
     last_batch: LastBatch | None
-    stuck: tuple[StuckBatch, ...]
+    open_batches: tuple[OpenBatch, ...]
+    # What stops the next run's plan (a migration or a grant missing), as seen by the role
+    # `not_ready_role` this status connected as (a run's role may differ); None: ready.
+    not_ready: str | None
+    not_ready_role: str | None
+
+    @property
+    def stuck(self) -> tuple[StuckBatch, ...]:
+        return tuple(b.stuck for b in self.open_batches if b.stuck is not None)
+
+    def not_ready_lines(self, whose: str) -> list[str]:
+        """What would stop the next run before it plans (a migration or a grant not run since an
+        upgrade), for the role of `whose` connection."""
+        if self.not_ready is None:
+            return []
+        return [f"NOT READY for a run as role {self.not_ready_role!r} ({whose}): {self.not_ready}"]
+
+    def open_batch_lines(self) -> list[str]:
+        """One line per open batch not STUCK (a STUCK one has its own line), then what the next run
+        does with them."""
+        lines = [batch.describe() for batch in self.open_batches if batch.stuck is None]
+        if lines:
+            lines.append(OPEN_BATCHES_NEXT)
+        return lines
 
     def to_json(self) -> dict:
         """For `kafka2pg status --json`: plain values, times as ISO-8601."""
-        data = asdict(self)
+        data = _plain(asdict(self))
         for partition, status in zip(data["partitions"], self.partitions, strict=True):
             partition["time_to_loss"] = status.time_to_loss
-        if self.last_batch is not None:
-            data["last_batch"]["updated_at"] = self.last_batch.updated_at.isoformat()
-        for stuck in data["stuck"]:
-            stuck["since"] = stuck["since"].isoformat()
+        data["stuck"] = [_plain(asdict(b)) for b in self.stuck]
         return data
 
 
+OPEN_BATCHES_NEXT = (
+    "  (the next live run resumes the open live batch, unless its plan no longer holds: offsets expired, "
+    "a topic recreated; it abandons an earlier run's lookahead, a batch planned after another, planning its "
+    "offsets afresh; a replay batch is left to its replay run)"
+)
+
+
+def _plain(value: object) -> object:
+    """`value` with its datetimes as ISO-8601 text, for JSON."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value.isoformat() if isinstance(value, datetime) else value
+
+
 def pipeline_status(settings: Settings, pipeline: Pipeline, conn: Connection) -> PipelineStatus:
-    """Ask Kafka for the partitions' offsets and read the ledger over `conn` (no lock is taken)."""
+    """Ask Kafka for the partitions' offsets and read the ledger over `conn` (autocommit; no lock
+    is taken)."""
+    not_ready = readiness_error(settings, pipeline, conn)
     offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     heads = head_status(conn, pipeline, offsets)
     horizons = {h.partition: h for h in loss_horizons(settings, pipeline, offsets, read_heads(conn, pipeline.name))}
@@ -97,7 +137,9 @@ def pipeline_status(settings: Settings, pipeline: Pipeline, conn: Connection) ->
         f"{pipeline.target_schema}.{pipeline.target_table}",
         partitions,
         None if row is None else LastBatch(*row),
-        tuple(stuck_batches(conn, pipeline.name)),
+        tuple(open_batches(conn, pipeline.name)),
+        None if not_ready is None else str(not_ready),
+        None if not_ready is None else not_ready.role,
     )
 
 

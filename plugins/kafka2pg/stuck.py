@@ -109,18 +109,73 @@ def record_failure(
         log.error("%s", batch.describe())
 
 
+@dataclass(frozen=True)
+class OpenBatch:
+    """A batch planned, staged or validated and not yet promoted: what `status` lists as open."""
+
+    pipeline: str
+    batch_id: int
+    kind: str
+    state: str
+    after_batch_id: int | None
+    run_id: str | None
+    claimed_at: datetime
+    failed_step: str | None
+    failures: int
+    failing_since: datetime | None
+    last_failure: str | None
+    ranges: str
+
+    @property
+    def stuck(self) -> StuckBatch | None:
+        """The STUCK verdict when the same step failed in consecutive runs."""
+        if self.failed_step is None or not is_stuck(self.failures):
+            return None
+        return StuckBatch(
+            self.pipeline,
+            self.batch_id,
+            self.state,
+            self.failed_step,
+            self.failures,
+            self.failing_since,
+            self.last_failure or "no message",
+            self.ranges,
+        )
+
+    def describe(self) -> str:
+        after = f", planned after batch {self.after_batch_id}" if self.after_batch_id else ""
+        what = f"{self.kind}, {self.state}{after}"
+        by = f" by run {self.run_id}" if self.run_id else ""
+        line = f"open: batch {self.batch_id} ({what}) {self.ranges}, claimed {self.claimed_at:%Y-%m-%d %H:%M:%S %Z}{by}"
+        if self.failed_step:
+            failure = self.last_failure or "no message"  # stored shortened to its first lines
+            line += f"; last failure at {self.failed_step}: " + (
+                failure if len(failure) <= _FAILURE_SHOWN else failure[: _FAILURE_SHOWN - 1] + "…"
+            )
+        return line
+
+
+# Of a failure's stored text, what one open-batch line shows.
+_FAILURE_SHOWN = 200
+
+
+def open_batches(conn: Connection, pipeline: str, batch_id: int | None = None) -> list[OpenBatch]:
+    """The pipeline's open batches (or the one given, if open), oldest first, with their ranges."""
+    rows = conn.execute(
+        "SELECT b.batch_id, b.kind, b.state, b.after_batch_id, b.run_id, b.claimed_at, b.failed_step, b.failures,"
+        " b.failing_since, b.last_failure, coalesce(string_agg(format('p%%s[%%s,%%s)', p.kafka_partition,"
+        " p.start_offset, p.end_offset), ' ' ORDER BY p.kafka_partition), 'none')"
+        " FROM kafka2pg.batches b LEFT JOIN kafka2pg.batch_partitions p USING (batch_id)"
+        " WHERE b.pipeline = %s AND (%s::bigint IS NULL OR b.batch_id = %s) AND b.state = ANY(%s)"
+        " GROUP BY b.batch_id ORDER BY b.batch_id",
+        (pipeline, batch_id, batch_id, OPEN_STATES),
+    ).fetchall()
+    return [OpenBatch(pipeline, *row) for row in rows]
+
+
 def stuck_batches(conn: Connection, pipeline: str, batch_id: int | None = None) -> list[StuckBatch]:
     """The pipeline's open batches that failed the same step in consecutive runs."""
-    rows = conn.execute(
-        "SELECT b.batch_id, b.state, b.failed_step, b.failures, b.failing_since, b.last_failure,"
-        " coalesce(string_agg(format('p%%s[%%s,%%s)', p.kafka_partition, p.start_offset, p.end_offset), ' '"
-        "   ORDER BY p.kafka_partition), 'none')"
-        " FROM kafka2pg.batches b LEFT JOIN kafka2pg.batch_partitions p USING (batch_id)"
-        " WHERE b.pipeline = %s AND (%s::bigint IS NULL OR b.batch_id = %s) AND b.failures >= %s"
-        " AND b.state = ANY(%s) GROUP BY b.batch_id ORDER BY b.batch_id",
-        (pipeline, batch_id, batch_id, STUCK_AFTER_RUNS, OPEN_STATES),
-    ).fetchall()
-    return [StuckBatch(pipeline, *row) for row in rows]
+    return [batch.stuck for batch in open_batches(conn, pipeline, batch_id) if batch.stuck is not None]
 
 
 def _first_lines(text: str, lines: int = 3) -> str:

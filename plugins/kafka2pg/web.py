@@ -223,7 +223,10 @@ def _status_section(base: str, status: PipelineStatus) -> str:
             f"last batch {_link(f'{batches}?before={last.batch_id + 1}', last.batch_id)}: "
             f'<span class="state">{html.escape(last.state)}</span>, {_age(last.age_seconds)} ago ({report})'
         )
-    stuck = "".join(f'<p class="alarm">{html.escape(b.describe())}</p>' for b in status.stuck)
+    alarms = [*status.not_ready_lines("this page's"), *(b.describe() for b in status.stuck)]
+    stuck = "".join(f'<p class="alarm">{html.escape(line)}</p>' for line in alarms) + "".join(
+        f'<p class="open">{html.escape(line.strip())}</p>' for line in status.open_batch_lines()
+    )
     history = f"{base}/pipelines/{name}/history"
     return (
         f'<p class="meta">topic {html.escape(status.topic)} &rarr; {html.escape(status.target)} &middot; '

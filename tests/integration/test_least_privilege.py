@@ -23,6 +23,7 @@ from kafka2pg.ledger import reset_head
 from kafka2pg.migrations import STAGING_PRIVILEGES, migrate, migration_files
 from kafka2pg.report import ledger_report
 from kafka2pg.staging import stage_batch
+from kafka2pg.status import pipeline_status
 from kafka2pg.undo import undo_batch
 
 TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
@@ -186,6 +187,9 @@ def test_a_plan_on_a_database_not_ready_fails_once_naming_what_is_missing_and_ch
         said = f"NOT READY for a run as role {runtime.role!r} (this command's): PostgreSQL at "
         assert said in shown and f"pending migration(s) {newest}" in shown and "run stops here" not in shown, shown
         assert "ledger:" in shown
+        with psycopg.connect(env.settings.database_url, autocommit=True) as conn:  # and `status --json`
+            data = pipeline_status(env.settings, env.pipeline, conn).to_json()
+        assert data["not_ready_role"] == runtime.role and f"pending migration(s) {newest}" in data["not_ready"]
     finally:
         db.execute("INSERT INTO public.kafka2pg_migrations (name, applied_at) VALUES (%s, %s)", (newest, applied_at))
     assert error.missing == (f"migration {newest}",)

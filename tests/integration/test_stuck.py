@@ -16,6 +16,7 @@ from kafka2pg.opening import open_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.report import ledger_report
 from kafka2pg.staging import stage_batch
+from kafka2pg.status import pipeline_status
 
 
 def verify(env) -> subprocess.CompletedProcess:
@@ -79,6 +80,13 @@ def test_a_batch_failing_promotion_in_two_runs_is_stuck_in_status_verify_and_the
     assert "failed at promote in 2 consecutive runs since" in status
     assert "target is read-only for maintenance" in status
     assert status.count("trigger a run") == 1 and ".." not in status, status  # the error's advice, not twice
+    assert f"open: batch {batch.batch_id} " not in status  # its STUCK line says it all, once
+    with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
+        shown = pipeline_status(env.settings, env.pipeline, conn).to_json()
+    assert [(b["batch_id"], b["failed_step"], b["failures"]) for b in shown["open_batches"]] == [
+        (batch.batch_id, "promote", 2)
+    ]
+    assert [b["batch_id"] for b in shown["stuck"]] == [batch.batch_id] and shown["not_ready"] is None
     assert any(r.levelname == "ERROR" and "STUCK" in r.getMessage() for r in logged.buffer)
     failed = verify(env)
     assert failed.returncode == 1, failed.stdout + failed.stderr

@@ -56,7 +56,7 @@ def client(tmp_path, monkeypatch):
         started.wait()
         if pipeline.name == "beta":
             raise psycopg.errors.UndefinedColumn('column "staged_at" does not exist')
-        return PipelineStatus(pipeline.name, pipeline.topic, "public.alpha", (), None, ())
+        return PipelineStatus(pipeline.name, pipeline.topic, "public.alpha", (), None, (), None, None)
 
     @contextmanager
     def connect(url, **_):
@@ -133,7 +133,9 @@ def test_a_pipeline_in_error_is_named_with_its_error_and_the_others_still_show(c
     pipelines[0]["columns"][0]["type"] = "nosuchtype"  # alpha's own
     path.write_text(yaml.safe_dump({"pipelines": pipelines}))
     monkeypatch.setattr(  # beta alone now: no barrier to meet
-        kafka2pg.status, "pipeline_status", lambda s, p, c: PipelineStatus(p.name, p.topic, "public.beta", (), None, ())
+        kafka2pg.status,
+        "pipeline_status",
+        lambda s, p, c: PipelineStatus(p.name, p.topic, "public.beta", (), None, (), None, None),
     )
     page = http.get("/")
     assert page.status_code == 200, page.text
