@@ -198,10 +198,12 @@ def format_audit(pipeline: Pipeline, audits: list[PartitionAudit], stuck: Sequen
         if a.reset is not None:
             after, to_offset = a.reset
             where = f"to offset {to_offset}" if to_offset is not None else "dropping its head"
-            lines.append(
-                f"          partition {a.partition} audited since its reset ({where}, after batch {after}): what "
-                "batches up to that one loaded is not compared"
+            before = (
+                f"after batch {after}): what batches up to that one loaded is not compared"
+                if after
+                else "before any batch)"
             )
+            lines.append(f"          partition {a.partition} audited since its reset ({where}, {before}")
     lines += [batch.describe() for batch in stuck]
     if not all(a.clean for a in audits):
         lines.append("result: DISCREPANCIES FOUND")

@@ -11,8 +11,10 @@ import argparse
 import logging
 import secrets
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 from kafka2pg.config import (
     DEFAULT_POSTGRES_CONN_ID,
@@ -26,6 +28,7 @@ from kafka2pg.exceptions import BatchStateError, ConfigError, Kafka2PgError
 from kafka2pg.locations import COMMAND, state_dir
 
 log = logging.getLogger("kafka2pg")
+T = TypeVar("T")
 
 
 def _pipeline(args: argparse.Namespace) -> tuple[Settings, Pipeline]:
@@ -248,20 +251,36 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _each_pipeline(
+    selected: list[Pipeline], did: str, work: Callable[[Settings, Pipeline], T]
+) -> dict[str, T | Exception]:
+    """`work` for each pipeline with its settings: one pipeline's trouble (its connections too)
+    hides none of the others; printed to stderr as "pipeline P: `did`: error"."""
     from kafka2pg.connections import settings_for
+
+    results: dict[str, T | Exception] = {}
+    for pipeline in selected:
+        try:
+            results[pipeline.name] = work(settings_for(pipeline), pipeline)
+        except Kafka2PgError as exc:
+            print(f"pipeline {pipeline.name}: {did}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            results[pipeline.name] = exc
+    return results
+
+
+def _failed(results: dict[str, object]) -> list[str]:
+    return [name for name, result in results.items() if isinstance(result, Exception)]
+
+
+def cmd_status(args: argparse.Namespace) -> int:
     from kafka2pg.report import ledger_report
 
     if args.json:
         return _status_json(_selected(args))
-    failed = False
-    for pipeline in _selected(args):
-        try:
-            print(ledger_report(settings_for(pipeline), pipeline))
-        except Kafka2PgError as exc:  # one pipeline's trouble (its connections too) hides none of the others
-            print(f"pipeline {pipeline.name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-            failed = True
-    return 2 if failed else 0
+    results = _each_pipeline(
+        _selected(args), "error", lambda settings, pipeline: print(ledger_report(settings, pipeline))
+    )
+    return 2 if _failed(results) else 0
 
 
 def _status_json(selected: list[Pipeline]) -> int:
@@ -269,45 +288,44 @@ def _status_json(selected: list[Pipeline]) -> int:
     whose status cannot be read: its name and the error; the exit code is then 2)."""
     import json
 
-    from kafka2pg.connections import settings_for
     from kafka2pg.database import session
     from kafka2pg.status import pipeline_status
 
-    statuses, failed = [], False
-    for pipeline in selected:
-        try:
-            settings = settings_for(pipeline)
-            with session(settings.database_url) as conn:
-                statuses.append(pipeline_status(settings, pipeline, conn).to_json())
-        except Kafka2PgError as exc:
-            statuses.append({"pipeline": pipeline.name, "error": f"{type(exc).__name__}: {exc}"})
-            failed = True
-    print(json.dumps(statuses, indent=2))
-    return 2 if failed else 0
+    def status(settings: Settings, pipeline: Pipeline) -> dict:
+        with session(settings.database_url) as conn:
+            return pipeline_status(settings, pipeline, conn).to_json()
+
+    results = _each_pipeline(selected, "error", status)
+    shown = [
+        {"pipeline": name, "error": f"{type(result).__name__}: {result}"} if isinstance(result, Exception) else result
+        for name, result in results.items()
+    ]
+    print(json.dumps(shown, indent=2))
+    return 2 if _failed(results) else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 1 when an audit found a discrepancy (or a STUCK batch), else 2 when a pipeline could
-    not be audited (its error on stderr; the others are audited all the same), else 0."""
+    not be audited (its error on stderr; the others are audited all the same), else 0. When both,
+    a last line on stderr names the pipelines not audited."""
     from kafka2pg.audit import audit_pipeline, format_audit
-    from kafka2pg.connections import settings_for
     from kafka2pg.database import session
     from kafka2pg.stuck import stuck_batches
 
-    clean, failed = True, False
-    for pipeline in _selected(args):
-        try:
-            settings = settings_for(pipeline)
-            audits = audit_pipeline(settings, pipeline)
-            with session(settings.database_url) as conn:
-                stuck = stuck_batches(conn, pipeline.name)
-        except Kafka2PgError as exc:
-            print(f"pipeline {pipeline.name}: not audited: {type(exc).__name__}: {exc}", file=sys.stderr)
-            failed = True
-            continue
+    def audit(settings: Settings, pipeline: Pipeline) -> bool:
+        audits = audit_pipeline(settings, pipeline)
+        with session(settings.database_url) as conn:
+            stuck = stuck_batches(conn, pipeline.name)
         print(format_audit(pipeline, audits, stuck))
-        clean = clean and all(a.clean for a in audits) and not stuck
-    return 1 if not clean else 2 if failed else 0
+        return all(a.clean for a in audits) and not stuck
+
+    results = _each_pipeline(_selected(args), "not audited", audit)
+    failed = _failed(results)
+    if any(result is False for result in results.values()):
+        if failed:
+            print(f"verify: exit 1 for the discrepancy above; also not audited: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 2 if failed else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -1,0 +1,83 @@
+"""`kafka2pg verify`'s exit code and last words when pipelines end differently: 1 for a
+discrepancy even when another pipeline could not be audited (named again at the end), 2 when one
+could not be audited and the rest are clean; the audit's line for a reset before any batch."""
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from kafka2pg import audit, cli, connections, database, stuck
+from kafka2pg.audit import PartitionAudit, format_audit
+from kafka2pg.config import Column, Pipeline
+from kafka2pg.exceptions import TopicNotFoundError
+
+
+@pytest.fixture
+def three_pipelines(tmp_path, monkeypatch):
+    spec = {
+        "pipelines": [
+            {"name": name, "topic": name, "target_table": f"public.{name}", "columns": [{"name": "n", "type": "text"}]}
+            for name in ("clean", "broken", "unreadable")
+        ]
+    }
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(path))
+    monkeypatch.setattr(
+        connections, "settings_for", lambda pipeline: SimpleNamespace(database_url="postgresql://nowhere/x")
+    )
+    monkeypatch.setattr(database, "session", lambda url: nullcontext(None))
+    monkeypatch.setattr(stuck, "stuck_batches", lambda conn, name: [])
+    return spec
+
+
+def audits_of(outcomes: dict[str, str]):
+    def audit_pipeline(settings, pipeline):
+        if outcomes[pipeline.name] == "error":
+            raise TopicNotFoundError(f"topic {pipeline.topic!r} does not exist")
+        return [
+            PartitionAudit(
+                0,
+                10,
+                kafka_records=10,
+                matched=10 - (outcomes[pipeline.name] == "missing"),
+                missing=1 if outcomes[pipeline.name] == "missing" else 0,
+            )
+        ]
+
+    return audit_pipeline
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "code", "last_words"),
+    [
+        ({"clean": "ok", "broken": "missing", "unreadable": "error"}, 1, "also not audited: unreadable"),
+        ({"clean": "ok", "broken": "missing", "unreadable": "ok"}, 1, None),
+        ({"clean": "ok", "broken": "ok", "unreadable": "error"}, 2, None),
+        ({"clean": "ok", "broken": "ok", "unreadable": "ok"}, 0, None),
+    ],
+)
+def test_verify_exits_1_for_a_discrepancy_2_for_a_pipeline_not_audited_and_names_both(
+    three_pipelines, monkeypatch, capsys, outcomes, code, last_words
+):
+    monkeypatch.setattr(audit, "audit_pipeline", audits_of(outcomes))
+    assert cli.main(["verify"]) == code
+    shown = capsys.readouterr()
+    assert shown.out.count("result: ") == sum(o != "error" for o in outcomes.values())
+    assert ("result: DISCREPANCIES FOUND" in shown.out) is ("missing" in outcomes.values())
+    errors = shown.err.strip().splitlines()
+    assert ("pipeline unreadable: not audited: TopicNotFoundError" in shown.err) is (outcomes["unreadable"] == "error")
+    if last_words:
+        assert errors[-1].endswith(last_words), errors
+    else:
+        assert "also not audited" not in shown.err
+
+
+def test_a_reset_before_any_batch_is_said_so_and_one_after_a_batch_names_it():
+    pipeline = Pipeline("orders", "orders", "public", "orders", (Column("n", "n", "text"),))
+    early = format_audit(pipeline, [PartitionAudit(0, 5, reset=(0, 5))], [])
+    assert "partition 0 audited since its reset (to offset 5, before any batch)" in early and "batch 0" not in early
+    later = format_audit(pipeline, [PartitionAudit(0, 5, reset=(7, None))], [])
+    assert "(dropping its head, after batch 7): what batches up to that one loaded is not compared" in later
