@@ -140,9 +140,14 @@ def stage_batch(
         batch = replace(batch, state=BatchState.PLANNED)  # planned, or staged before and its staging lost: read
         conn.execute(_staging_sql("DELETE FROM {} WHERE batch_id = %s", pipeline), (batch_id,))
         # Check results of earlier staging rows (lost in a crash after validation) judge rows
-        # that are gone; the quality gate reuses stored results of a batch sent back to it.
+        # that are gone; the quality gate reuses stored results of a batch sent back to it. The
+        # report file of those rows is forgotten with them (the next validation writes one).
         conn.execute("DELETE FROM kafka2pg.batch_checks WHERE batch_id = %s", (batch_id,))
         conn.execute("DELETE FROM kafka2pg.quality_results WHERE batch_id = %s", (batch_id,))
+        conn.execute(
+            "UPDATE kafka2pg.batches SET report_path = NULL WHERE batch_id = %s AND report_path IS NOT NULL",
+            (batch_id,),
+        )
     epoch = batch.epoch
     log.info(
         "pipeline=%s batch_id=%s epoch=%s reading %s offsets: %s",

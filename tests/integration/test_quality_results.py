@@ -171,3 +171,40 @@ def test_the_overview_shows_what_status_json_shows_and_batches_page_by_key(make_
     assert older.startswith("/kafka2pg/pipelines/")
     second = client.get(older.removeprefix("/kafka2pg")).text
     assert re.findall(r'data-batch="(\d+)"', second) == [str(promoted[0])]
+
+
+def test_a_batch_staged_again_after_its_staging_was_lost_has_no_report_until_validated_again(
+    make_pipeline, spark, db, monkeypatch, capsys
+):
+    """Its checks and stored result are gone with its staging rows: `report` and `report --html`
+    both say no report yet, instead of one pointing at the stale file of the rows read before."""
+    from psycopg import sql
+
+    from kafka2pg.report import quality_summary
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(5, seed=73)))
+    batch = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    validate_batch(env.settings, env.pipeline, batch.batch_id)
+    assert f"batch {batch.batch_id} (validated): quality report " in quality_summary(env.settings, env.pipeline)
+    staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    db.execute(sql.SQL("DELETE FROM {} WHERE batch_id = %s").format(staging), (batch.batch_id,))  # lost
+
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    assert quality_summary(env.settings, env.pipeline) == f"pipeline {env.pipeline.name}: no quality report yet"
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    capsys.readouterr()
+    assert cli.main(["report", "--html", "--pipeline", env.pipeline.name]) == 1
+    assert "no quality report yet" in capsys.readouterr().err
+
+    validate_batch(env.settings, env.pipeline, batch.batch_id)
+    said = quality_summary(env.settings, env.pipeline)
+    assert (
+        f"batch {batch.batch_id} (validated): quality report " in said
+        and "verdict: promotable; " in said
+        and " checks, 0 failed" in said
+    ), said
+    assert cli.main(["report", "--html", "--pipeline", env.pipeline.name]) == 0
