@@ -752,8 +752,13 @@ def _looks_registry_framed(value: bytes) -> bool:
     return (
         value[0] == _REGISTRY_MAGIC
         and len(value) > _REGISTRY_HEADER_BYTES
-        and value[_REGISTRY_HEADER_BYTES:].lstrip(b" \t\r\n")[:1] == b"{"
+        and _first_character(value[_REGISTRY_HEADER_BYTES:]) == b"{"
     )
+
+
+def _first_character(text: bytes) -> bytes:
+    """The first byte of `text` that is not JSON's whitespace (empty if none)."""
+    return text.lstrip(b" \t\r\n")[:1]
 
 
 def registry_payloads(values: Sequence[bytes | None]) -> tuple[list[bytes | None], dict[int, str]]:
@@ -767,7 +772,7 @@ def registry_payloads(values: Sequence[bytes | None]) -> tuple[list[bytes | None
             payloads.append(value)
         elif value[0] != _REGISTRY_MAGIC or len(value) < _REGISTRY_HEADER_BYTES:
             payloads.append(None)
-            start = value.lstrip(b" \t\r\n")[:1]
+            start = _first_character(value)
             starts = f"plain JSON? it starts with {start.decode()!r}" if start in (b"{", b"[") else _show_bytes(value)
             refused[index] = (
                 f"value has no Schema Registry header (a magic byte 0 and a 4-byte schema id; {starts}), and the "

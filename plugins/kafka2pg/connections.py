@@ -95,7 +95,7 @@ def database_url(
     for the run (each database's line names where it went)."""
     env = dict(os.environ if env is None else env)
     url = _database(postgres_conn_id, env, who, any_id=True)
-    _require(who, [(postgres_conn_id, postgres_conn_id, "KAFKA2PG_DATABASE_URL", url)], env)
+    _require(who, [(postgres_conn_id, None, "KAFKA2PG_DATABASE_URL", url)], env)
     return url
 
 
@@ -176,11 +176,12 @@ def _warn_ignored(who: str, conn_id: str, used: str, variables: str, ignored: st
     )
 
 
-def _require(who: str, found: list[tuple[str, str, str, object]], env: dict[str, str]) -> None:
-    """`found`: (connection id, the default id, the fallback's variables, what was found)."""
+def _require(who: str, found: list[tuple[str, str | None, str, object]], env: dict[str, str]) -> None:
+    """`found`: (connection id, the id the fallback's variables stand in for (None: any), those
+    variables, what was found)."""
     missing = [
         f"neither the Airflow connection {conn_id!r} nor {variable} is defined"
-        if conn_id == default
+        if default in (None, conn_id)
         else f"the Airflow connection {conn_id!r} is not defined ({variable} stands in for {default!r} only: "
         "a connection a pipeline names is never replaced by it, which could point the pipeline elsewhere)"
         for conn_id, default, variable, value in found

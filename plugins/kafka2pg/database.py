@@ -268,22 +268,25 @@ def transaction(url: str) -> Iterator[psycopg.Connection]:
 def session(url: str) -> Iterator[psycopg.Connection]:
     """One autocommit connection, for reads that ask Kafka in between (no transaction held open);
     a missing table or privilege is a `SchemaNotReadyError`, as in `transaction`."""
-    conn = connect(url, autocommit=True)
-    try:
-        with _statement_errors(url, conn, "nothing was changed"), _interruptions_end_the_statement(conn):
-            yield conn
-    finally:
-        conn.close()
+    with _reads(url, connect(url, autocommit=True)) as conn:
+        yield conn
 
 
 @contextmanager
 def snapshot(url: str) -> Iterator[psycopg.Connection]:
     """One read-only REPEATABLE READ transaction: every query sees the snapshot the first one
     took; ended at the close. Errors as in `session`."""
-    conn = connect(url)
-    try:
+    with _reads(url, connect(url)) as conn:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         conn.read_only = True
+        yield conn
+
+
+@contextmanager
+def _reads(url: str, conn: psycopg.Connection) -> Iterator[psycopg.Connection]:
+    """`conn` for reads: its errors as `_statement_errors` says them, an interruption ending its
+    statement, closed at the end."""
+    try:
         with _statement_errors(url, conn, "nothing was changed"), _interruptions_end_the_statement(conn):
             yield conn
     finally:

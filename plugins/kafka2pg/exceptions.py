@@ -652,6 +652,10 @@ class KeyCollisionError(QualityGateFailed):
         )
 
 
+# An error's own advice to resume its batch: a STUCK line quoting the error does not add its own.
+RESUMES_ON_TRIGGER = "then trigger a run: it resumes the batch"
+
+
 class TableRefusesRowsError(Kafka2PgError):
     """PostgreSQL refused so many of a batch's rows that the table, not the records, is at fault."""
 
@@ -659,8 +663,8 @@ class TableRefusesRowsError(Kafka2PgError):
         super().__init__(
             f"PostgreSQL refused {refused} of the first {tried} rows written to {table} (e.g. {example}). So many "
             "refusals point at the table (a constraint, trigger or column type the records cannot meet), not at "
-            "some records: nothing of the batch was written and it stays where it was. Fix the table, then trigger "
-            "a run: it resumes the batch.",
+            "some records: nothing of the batch was written and it stays where it was. Fix the table, "
+            f"{RESUMES_ON_TRIGGER}.",
             table=table,
             refused=refused,
             tried=tried,

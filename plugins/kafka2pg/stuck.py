@@ -15,7 +15,13 @@ from psycopg import Connection
 
 from kafka2pg.config import Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import PROCESS_STOPS, Kafka2PgError, LedgerConflictError, StageInterrupted
+from kafka2pg.exceptions import (
+    PROCESS_STOPS,
+    RESUMES_ON_TRIGGER,
+    Kafka2PgError,
+    LedgerConflictError,
+    StageInterrupted,
+)
 from kafka2pg.lifecycle import OPEN
 
 log = logging.getLogger(__name__)
@@ -44,8 +50,7 @@ class StuckBatch:
 
     def describe(self) -> str:
         guide = "docs/operations.md (STUCK batches)"
-        # The error often says what to do already ("... then trigger a run: it resumes the batch.").
-        if "then trigger" in self.error:
+        if RESUMES_ON_TRIGGER in self.error:  # the error says what to do already
             advice = f"See {guide}."
         else:
             advice = f"Fix the cause and trigger a run (it resumes the batch), or see {guide}."

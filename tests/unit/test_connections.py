@@ -1,6 +1,10 @@
 """A pipeline's services from Airflow Connections (AIRFLOW_CONN_* here), the environment as the fallback."""
 
 import json
+import logging
+import logging.handlers
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from psycopg.conninfo import conninfo_to_dict
@@ -140,22 +144,34 @@ def test_a_connection_variable_airflow_cannot_read_is_refused_not_skipped_for_th
 K1 = json.dumps({"conn_type": "kafka", "host": "k1", "port": 9093})
 
 
-def warned(pipelines, monkeypatch, caplog, **variables: str) -> tuple:
+@contextmanager
+def connection_warnings() -> Iterator[list[logging.LogRecord]]:
+    """The warnings kafka2pg.connections logs in the block. A handler on the logger itself:
+    Airflow's logging set-up, on its first connection lookup (when the test runs first), takes
+    pytest's capture handler off the root logger, and caplog would then see nothing."""
+    logger = logging.getLogger("kafka2pg.connections")
+    logged = logging.handlers.BufferingHandler(100)
+    logged.setLevel(logging.WARNING)
+    logger.addHandler(logged)
+    try:
+        yield logged.buffer
+    finally:
+        logger.removeHandler(logged)
+
+
+def warned(pipelines, monkeypatch, **variables: str) -> tuple:
     """The orders pipeline's services with these variables set, and the warnings that logged."""
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
-    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
+    with connection_warnings() as records:
         settings = settings_for(pipelines["orders"])
-    return settings, [r.getMessage() for r in caplog.records]
+    return settings, [r.getMessage() for r in records]
 
 
-def test_a_connection_beside_a_different_fallback_is_used_and_the_ignored_variable_named(
-    pipelines, monkeypatch, caplog
-):
+def test_a_connection_beside_a_different_fallback_is_used_and_the_ignored_variable_named(pipelines, monkeypatch):
     settings, warnings = warned(
         pipelines,
         monkeypatch,
-        caplog,
         AIRFLOW_CONN_KAFKA2PG_POSTGRES="postgres://runner:C0nnPW@db.example:6432/warehouse",
         AIRFLOW_CONN_KAFKA2PG_KAFKA=K1,
         KAFKA2PG_DATABASE_URL="postgresql://old:EnvPW@127.0.0.1:5432/kafka2pg",
@@ -176,12 +192,11 @@ def test_a_connection_beside_a_different_fallback_is_used_and_the_ignored_variab
     assert not any(secret in w for w in warnings for secret in ("C0nnPW", "EnvPW", "runner", "old:"))
 
 
-def test_the_same_services_from_a_connection_and_the_environment_say_nothing(pipelines, monkeypatch, caplog):
+def test_the_same_services_from_a_connection_and_the_environment_say_nothing(pipelines, monkeypatch):
     url = "postgresql://u:pw@db.example:5432/warehouse"
     settings, warnings = warned(
         pipelines,
         monkeypatch,
-        caplog,
         AIRFLOW_CONN_KAFKA2PG_POSTGRES="postgres://u:pw@db.example:5432/warehouse",
         AIRFLOW_CONN_KAFKA2PG_KAFKA=K1,
         KAFKA2PG_DATABASE_URL=url,
@@ -193,12 +208,11 @@ def test_the_same_services_from_a_connection_and_the_environment_say_nothing(pip
 
 
 def test_another_role_on_the_same_database_and_an_unreadable_kafka_fallback_are_named_not_raised(
-    pipelines, monkeypatch, caplog
+    pipelines, monkeypatch
 ):
     settings, messages = warned(
         pipelines,
         monkeypatch,
-        caplog,
         AIRFLOW_CONN_KAFKA2PG_POSTGRES="postgres://runner:pw@db.example:5432/warehouse",
         AIRFLOW_CONN_KAFKA2PG_KAFKA=K1,
         KAFKA2PG_DATABASE_URL="postgresql://owner:S3cret@db.example:5432/warehouse",
@@ -212,7 +226,7 @@ def test_another_role_on_the_same_database_and_an_unreadable_kafka_fallback_are_
     assert "S3cret" not in warnings and "owner" not in warnings
 
 
-def test_the_local_stacks_connection_and_fallback_say_the_same_once_warned_never(pipelines, monkeypatch, caplog):
+def test_the_local_stacks_connection_and_fallback_say_the_same_once_warned_never(pipelines, monkeypatch):
     # As `./kafka2pg stack start` writes them (stack.env): no password, the port given on both sides.
     postgres = {"conn_type": "postgres", "host": "127.0.0.1", "port": 5433, "login": "postgres", "schema": "kafka2pg"}
     kafka = {"conn_type": "kafka", "extra": {"bootstrap.servers": "127.0.0.1:9092"}}
@@ -221,26 +235,25 @@ def test_the_local_stacks_connection_and_fallback_say_the_same_once_warned_never
     monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://postgres@127.0.0.1:5433/kafka2pg")
     monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
 
-    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
+    with connection_warnings() as records:
         settings_for(pipelines["orders"])
         monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://postgres@127.0.0.1/kafka2pg")  # 5432
         monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", json.dumps({**postgres, "port": None}))
         settings_for(pipelines["orders"])
-    assert [r.getMessage() for r in caplog.records] == []
+    assert [r.getMessage() for r in records] == []
 
     # A different one is said once per process, however often the services are read.
     monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "127.0.0.1:19092")
-    with caplog.at_level("WARNING", logger="kafka2pg.connections"):
+    with connection_warnings() as records:
         for _ in range(3):
             settings_for(pipelines["orders"])
-    assert len([r for r in caplog.records if "KAFKA2PG_BOOTSTRAP_SERVERS (127.0.0.1:19092)" in r.getMessage()]) == 1
+    assert len([r for r in records if "KAFKA2PG_BOOTSTRAP_SERVERS (127.0.0.1:19092)" in r.getMessage()]) == 1
 
 
-def test_an_ignored_url_libpq_misreads_is_not_shown(pipelines, monkeypatch, caplog):
+def test_an_ignored_url_libpq_misreads_is_not_shown(pipelines, monkeypatch):
     _, messages = warned(
         pipelines,
         monkeypatch,
-        caplog,
         AIRFLOW_CONN_KAFKA2PG_POSTGRES="postgres://runner:pw@db.example:5432/warehouse",
         AIRFLOW_CONN_KAFKA2PG_KAFKA=K1,
         KAFKA2PG_DATABASE_URL="postgresql://admin:p/w@db/x",  # read as host 'admin', port 'p'

@@ -32,7 +32,9 @@ def test_a_stuck_batch_gives_the_errors_own_advice_once():
         since = datetime(2026, 1, 2, tzinfo=UTC)
         return StuckBatch("orders", 7, "validated", "promote", 2, since, error, "p0[0,10)").describe()
 
-    advised = described("PostgreSQL refused 3 rows. Fix the table, then trigger a run: it resumes the batch.")
+    from kafka2pg.exceptions import TableRefusesRowsError
+
+    advised = described(f"TableRefusesRowsError: {TableRefusesRowsError('public.t', 3, 3, 'a check')}")
     assert advised.endswith("it resumes the batch. See docs/operations.md (STUCK batches).")
     assert advised.count("trigger a run") == 1 and ".." not in advised
     plain = described("KafkaUnavailableError: no broker answered")

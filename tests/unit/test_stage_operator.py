@@ -22,7 +22,15 @@ from kafka2pg.stage_operator import StageOperator, pip_spark_home
 SECRET = "pw-8c1f0e-never-printed"
 SERVICES = {
     "KAFKA2PG_DATABASE_URL": f"postgresql://runtime:{SECRET}@db:5432/warehouse",
-    "KAFKA2PG_KAFKA_CONFIG": json.dumps({"bootstrap.servers": "k1:9093", "sasl.password": SECRET}),
+    "KAFKA2PG_KAFKA_CONFIG": json.dumps(
+        {
+            "bootstrap.servers": "k1:9093",
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": "SCRAM-SHA-512",
+            "sasl.username": "runner",
+            "sasl.password": SECRET,
+        }
+    ),
 }
 
 
