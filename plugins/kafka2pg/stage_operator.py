@@ -125,9 +125,16 @@ class StageOperator(SparkSubmitOperator):
 
     def _int_arg(self, name: str) -> int | None:
         """A job argument's value as rendered from the plan's XCom (None: not given)."""
+        try:
+            return int(self._arg(name) or "")
+        except ValueError:
+            return None
+
+    def _arg(self, name: str) -> str | None:
+        """A job argument's value as rendered (None: not given)."""
         args = [str(a) for a in self.application_args or []]
         try:
-            return int(args[args.index(name) + 1])
+            return args[args.index(name) + 1]
         except (ValueError, IndexError):
             return None
 
@@ -178,16 +185,22 @@ class StageOperator(SparkSubmitOperator):
         """The task interrupted (its execution_timeout): the job is stopped now (its driver gets
         SIGTERM and exits 143 recording nothing: it cannot tell a timeout from a hand stopping the
         task), then the timeout is recorded as the batch's stage failure, so a stage that times
-        out run after run makes the batch STUCK. Only for a job of one batch: one of several
-        (`batches_per_run`) may be at any batch and step when it is stopped. Airflow's own on_kill
-        follows and returns at once. Whatever goes wrong here is logged: the timeout stands."""
-        from kafka2pg.stuck import record_failure
+        out run after run makes the batch STUCK. A job of several batches (`batches_per_run`)
+        records it on the oldest batch its run still holds open: the one it stopped at (a job
+        that moves on before its next timeout is not stuck). Airflow's own on_kill follows and
+        returns at once. Whatever goes wrong here is logged: the timeout stands."""
+        from kafka2pg import stuck
 
         try:
             self.on_kill()
-            batch_id = self._int_arg("--batch-id")
-            if batch_id is not None and self._settings is not None and self._batches() == 1:
-                record_failure(self._settings, self.pipeline_name, batch_id, self._int_arg("--epoch"), "stage", exc)
+            batch_id, epoch, run_id = self._int_arg("--batch-id"), self._int_arg("--epoch"), self._arg("--run-id")
+            if self._settings is None:
+                return
+            if self._batches() > 1:
+                held = stuck.oldest_open_batch(self._settings, self.pipeline_name, run_id) if run_id else None
+                batch_id, epoch = held or (None, None)
+            if batch_id is not None:
+                stuck.record_failure(self._settings, self.pipeline_name, batch_id, epoch, "stage", exc)
         except Exception:
             log.exception("pipeline=%s: could not stop or record the timed-out stage job", self.pipeline_name)
 

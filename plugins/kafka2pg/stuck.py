@@ -178,6 +178,18 @@ def open_batches(conn: Connection, pipeline: str, batch_id: int | None = None) -
     return [OpenBatch(pipeline, *row) for row in rows]
 
 
+def oldest_open_batch(settings: Settings, pipeline: str, run_id: str) -> tuple[int, int] | None:
+    """(batch id, epoch) of the oldest batch `run_id` claimed that is still open: where a stage
+    job of several batches stopped (the batches before it were promoted, a lookahead after it
+    is planned from it); None when the run holds none."""
+    with transaction(settings.database_url) as conn:
+        return conn.execute(
+            "SELECT batch_id, epoch FROM kafka2pg.batches WHERE pipeline = %s AND run_id = %s AND state = ANY(%s)"
+            " ORDER BY batch_id LIMIT 1",
+            (pipeline, run_id, OPEN_STATES),
+        ).fetchone()
+
+
 def stuck_batches(conn: Connection, pipeline: str, batch_id: int | None = None) -> list[StuckBatch]:
     """The pipeline's open batches that failed the same step in consecutive runs."""
     return [batch.stuck for batch in open_batches(conn, pipeline, batch_id) if batch.stuck is not None]

@@ -205,3 +205,27 @@ def test_a_frozen_process_holding_the_open_batch_is_named_while_the_plan_waits_a
     assert "(kafka2pg, idle in transaction for " in waits[0] and "pg_terminate_backend" in waits[0], waits[0]
     with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):  # PostgreSQL ended its session
         frozen.execute("SELECT 1")
+
+
+def test_the_oldest_batch_a_run_holds_open_is_where_its_stage_job_of_several_batches_stopped(
+    make_pipeline, spark, monkeypatch
+):
+    """A stage job of several batches that times out records the timeout on that batch
+    (StageOperator._interrupted): the run's promoted batches and other runs' are not it."""
+    from kafka2pg.stuck import oldest_open_batch
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(6, seed=74))
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    first = open_batch(env.settings, env.pipeline, max_records_per_batch=3, run_id="run-a").batch
+    assert oldest_open_batch(env.settings, env.pipeline.name, "run-a") == (first.batch_id, first.epoch)
+    assert oldest_open_batch(env.settings, env.pipeline.name, "run-b") is None
+    stage_batch(spark, env.settings, env.pipeline, first.batch_id, first.epoch)
+    validate_batch(env.settings, env.pipeline, first.batch_id, first.epoch)
+    tasks.promote(env.pipeline.name, first.batch_id, first.epoch)
+    assert oldest_open_batch(env.settings, env.pipeline.name, "run-a") is None
+    second = open_batch(env.settings, env.pipeline, max_records_per_batch=3, run_id="run-a").batch
+    assert second.batch_id > first.batch_id
+    assert oldest_open_batch(env.settings, env.pipeline.name, "run-a") == (second.batch_id, second.epoch)

@@ -386,9 +386,22 @@ def test_a_stage_task_timing_out_stops_the_job_then_records_the_timeout_as_the_b
         "kafka2pg.stuck.record_failure",
         lambda settings, pipeline, batch_id, epoch, step, exc: events.append((pipeline, batch_id, epoch, step, exc)),
     )
+    held = {"run-9": (9, 2)}  # batches 7 and 8 promoted; 9 open (10, its lookahead, after it)
+    monkeypatch.setattr("kafka2pg.stuck.oldest_open_batch", lambda settings, pipeline, run_id: held.get(run_id))
     monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_SPARK", json.dumps({"conn_type": "spark", "host": "local[2]"}))
-    operator = stage_operator(application_args=["--pipeline", "orders", "--batch-id", "7", "--epoch", "3"])
+    first = ["--pipeline", "orders", "--batch-id", "7", "--epoch", "3", "--run-id", "run-9"]
+    operator = stage_operator(application_args=first)
     with pytest.raises(AirflowTaskTimeout) as raised:
         operator.execute({})
     assert events[0] == "stop" and events[-1] == ("orders", 7, 3, "stage", raised.value), events
     assert operator._stopping
+
+    # A job of several batches: the oldest its run still holds open is where it stopped.
+    events.clear()
+    with pytest.raises(AirflowTaskTimeout) as raised:
+        stage_operator(application_args=[*first, "--batches", "5"]).execute({})
+    assert events[0] == "stop" and events[-1] == ("orders", 9, 2, "stage", raised.value), events
+    events.clear()  # the run holds none open (all promoted as it was stopped): nothing to record
+    with pytest.raises(AirflowTaskTimeout):
+        stage_operator(application_args=[*first[:-1], "run-8", "--batches", "5"]).execute({})
+    assert events[0] == "stop" and not [e for e in events if isinstance(e, tuple)], events
