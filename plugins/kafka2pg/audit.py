@@ -198,12 +198,9 @@ def format_audit(pipeline: Pipeline, audits: list[PartitionAudit], stuck: Sequen
         if a.reset is not None:
             after, to_offset = a.reset
             where = f"to offset {to_offset}" if to_offset is not None else "dropping its head"
-            before = (
-                f"after batch {after}): what batches up to that one loaded is not compared"
-                if after
-                else "before any batch)"
-            )
-            lines.append(f"          partition {a.partition} audited since its reset ({where}, {before}")
+            when = f"after batch {after}" if after else "before any batch"
+            unread = ": what batches up to that one loaded is not compared" if after else ""
+            lines.append(f"          partition {a.partition} audited since its reset ({where}, {when}){unread}")
     lines += [batch.describe() for batch in stuck]
     if not all(a.clean for a in audits):
         lines.append("result: DISCREPANCIES FOUND")

@@ -11,7 +11,7 @@ import argparse
 import logging
 import secrets
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
@@ -252,10 +252,10 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def _each_pipeline(
-    selected: list[Pipeline], did: str, work: Callable[[Settings, Pipeline], T]
+    selected: list[Pipeline], did: str | None, work: Callable[[Settings, Pipeline], T]
 ) -> dict[str, T | Exception]:
     """`work` for each pipeline with its settings: one pipeline's trouble (its connections too)
-    hides none of the others; printed to stderr as "pipeline P: `did`: error"."""
+    hides none of the others; printed to stderr as "pipeline P: `did`: error" (None: not printed)."""
     from kafka2pg.connections import settings_for
 
     results: dict[str, T | Exception] = {}
@@ -263,12 +263,13 @@ def _each_pipeline(
         try:
             results[pipeline.name] = work(settings_for(pipeline), pipeline)
         except Kafka2PgError as exc:
-            print(f"pipeline {pipeline.name}: {did}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            if did is not None:
+                print(f"pipeline {pipeline.name}: {did}: {type(exc).__name__}: {exc}", file=sys.stderr)
             results[pipeline.name] = exc
     return results
 
 
-def _failed(results: dict[str, object]) -> list[str]:
+def _failed(results: Mapping[str, object]) -> list[str]:
     return [name for name, result in results.items() if isinstance(result, Exception)]
 
 
@@ -295,7 +296,7 @@ def _status_json(selected: list[Pipeline]) -> int:
         with session(settings.database_url) as conn:
             return pipeline_status(settings, pipeline, conn).to_json()
 
-    results = _each_pipeline(selected, "error", status)
+    results = _each_pipeline(selected, None, status)  # each error is in the JSON, stdout alone
     shown = [
         {"pipeline": name, "error": f"{type(result).__name__}: {result}"} if isinstance(result, Exception) else result
         for name, result in results.items()
@@ -323,7 +324,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     failed = _failed(results)
     if any(result is False for result in results.values()):
         if failed:
-            print(f"verify: exit 1 for the discrepancy above; also not audited: {', '.join(failed)}", file=sys.stderr)
+            print(
+                f"verify: exit 1 for the discrepancy or STUCK batch above; also not audited: {', '.join(failed)}",
+                file=sys.stderr,
+            )
         return 1
     return 2 if failed else 0
 
@@ -680,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not args.verbose:  # Airflow, imported to look connections up, tells where its config is at INFO
         logging.getLogger("airflow").setLevel(logging.WARNING)
+        logging.getLogger("py4j").setLevel(logging.WARNING)  # a stage command's Spark gateway closing
     try:
         return args.func(args)
     except Kafka2PgError as exc:

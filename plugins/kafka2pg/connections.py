@@ -242,7 +242,11 @@ def _airflow_connection(conn_id: str) -> Any | None:
     database. None when it is not defined, or when Airflow is not installed here; a `ConfigError`
     when its AIRFLOW_CONN_* variable is set but unreadable."""
     try:
-        from airflow.exceptions import AirflowNotFoundException
+        # Airflow's first import sets its logging up, writing to what sys.stdout is then; outside
+        # a task (where it was imported before) that would be where a CLI command's own output
+        # goes (`status --json`): its log lines go to stderr instead.
+        with redirect_stdout(sys.stderr):
+            from airflow.exceptions import AirflowNotFoundException
     except ImportError:
         return None
     if _in_task():

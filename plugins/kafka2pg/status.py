@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
+import psycopg
 from psycopg import Connection
 
 from kafka2pg.config import Pipeline, Settings
+from kafka2pg.exceptions import SchemaNotReadyError
 from kafka2pg.kafka_offsets import partition_offsets
 from kafka2pg.ledger import head_status, read_heads
 from kafka2pg.migrations import readiness_error
@@ -116,6 +118,26 @@ def pipeline_status(settings: Settings, pipeline: Pipeline, conn: Connection) ->
     """Ask Kafka for the partitions' offsets and read the ledger over `conn` (autocommit; no lock
     is taken)."""
     not_ready = readiness_error(settings, pipeline, conn)
+    try:
+        return _read_status(settings, pipeline, conn, not_ready)
+    except _NOT_READABLE as exc:  # the tables cannot be read: what is missing, all of it, and what to run
+        if not_ready is None:
+            raise
+        raise not_ready from exc
+
+
+# What reading the ledger meets on a database `readiness_error` found not ready.
+_NOT_READABLE = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.UndefinedColumn,
+    psycopg.errors.InvalidSchemaName,
+    psycopg.errors.InsufficientPrivilege,
+)
+
+
+def _read_status(
+    settings: Settings, pipeline: Pipeline, conn: Connection, not_ready: SchemaNotReadyError | None
+) -> PipelineStatus:
     offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     heads = head_status(conn, pipeline, offsets)
     horizons = {h.partition: h for h in loss_horizons(settings, pipeline, offsets, read_heads(conn, pipeline.name))}

@@ -1,5 +1,6 @@
-"""Failed steps recorded with their batch, and the STUCK verdict: a batch whose step failed in
-consecutive runs, which `status`, `verify` and the task log report instead of staying silent.
+"""The open batches (planned, staged or validated; what `status` lists), failed steps recorded
+with their batch, and the STUCK verdict: a batch whose step failed in consecutive runs, which
+`status`, `verify` and the task log report instead of staying silent.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class OpenBatch:
             self.state,
             self.failed_step,
             self.failures,
-            self.failing_since,
+            self.failing_since,  # set with every failure recorded
             self.last_failure or "no message",
             self.ranges,
         )

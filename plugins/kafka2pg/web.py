@@ -100,6 +100,7 @@ table { border-collapse: collapse; margin-top: .5em; }
 th, td { border: 1px solid #c9d1d9; padding: .3em .6em; text-align: left; vertical-align: top; }
 th { background: #eef2f6; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.risk td, .alarm { background: #fdecea; color: #b71c1c; font-weight: bold; }
+.open { background: #fff8e1; }
 .error { color: #b71c1c; } .meta { color: #57606a; font-size: .9em; } nav a { margin-right: 1em; }
 """
 
@@ -224,13 +225,13 @@ def _status_section(base: str, status: PipelineStatus) -> str:
             f'<span class="state">{html.escape(last.state)}</span>, {_age(last.age_seconds)} ago ({report})'
         )
     alarms = [*status.not_ready_lines("this page's"), *(b.describe() for b in status.stuck)]
-    stuck = "".join(f'<p class="alarm">{html.escape(line)}</p>' for line in alarms) + "".join(
+    notes = "".join(f'<p class="alarm">{html.escape(line)}</p>' for line in alarms) + "".join(
         f'<p class="open">{html.escape(line.strip())}</p>' for line in status.open_batch_lines()
     )
     history = f"{base}/pipelines/{name}/history"
     return (
         f'<p class="meta">topic {html.escape(status.topic)} &rarr; {html.escape(status.target)} &middot; '
-        f"{_link(batches, 'batches')} &middot; {_link(history, 'history')}</p><p>{last_line}</p>{stuck}"
+        f"{_link(batches, 'batches')} &middot; {_link(history, 'history')}</p><p>{last_line}</p>{notes}"
         + _table(
             [
                 "partition",

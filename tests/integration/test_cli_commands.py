@@ -100,6 +100,7 @@ def test_status_shows_every_pipeline_it_can_when_one_is_broken_and_exits_2(make_
     assert cli.main(["status", "--json"]) == 2
     shown = capsys.readouterr()
     good, bad, wrong = json.loads(shown.out)
+    assert f"pipeline {broken['name']}: error:" not in shown.err  # in its object, once
     assert good["pipeline"] == env.pipeline.name and "partitions" in good
     assert bad["pipeline"] == broken["name"] and bad["error"].startswith("TopicNotFoundError: topic 'absent-")
     assert wrong["pipeline"] == unconfigured["name"]
@@ -132,11 +133,11 @@ def test_status_as_a_role_without_privileges_says_to_grant_them_instead_of_a_tra
 
         assert cli.main(["status", "--json"]) == 2
         (entry,) = json.loads(capsys.readouterr().out)
-        assert (
-            entry["error"].startswith("SchemaNotReadyError: PostgreSQL at ")
-            and f"refused role '{role}'" in entry["error"]
-        )
-        assert f"./kafka2pg grant --role {role}" in entry["error"] and password not in entry["error"]
+        # What the role lacks, all of it, as a run's plan says it (not only the first table it met).
+        said = entry["error"]
+        assert said.startswith("SchemaNotReadyError: PostgreSQL at ") and f"role '{role}' lacks " in said, said
+        assert "USAGE on schema kafka2pg" in said and "INSERT on kafka2pg.quarantine" in said, said
+        assert f"kafka2pg grant --role {role}" in said and password not in said
         assert cli.main(["status"]) == 2
         assert f"pipeline {env.pipeline.name}: error: SchemaNotReadyError" in capsys.readouterr().err
         # verify's exit 1 means a discrepancy: a pipeline it could not audit is 2, saying why.
@@ -342,3 +343,28 @@ def test_report_of_a_batch_id_alone_shows_the_pipeline_whose_batch_it_is(make_pi
     assert cli.main(["report", "--batch-id", str(planned.batch_id)]) == 1
     printed = capsys.readouterr().out.strip()
     assert printed == f"pipeline {second.pipeline.name}: no quality report yet for batch {planned.batch_id} (planned)"
+
+
+def test_status_json_on_stdout_is_json_alone_when_airflow_logs_on_its_first_import(tmp_path):
+    """Airflow sets its logging up when first imported (here: to read a connection) and logs to
+    what stdout then is, e.g. that a short SASL user name cannot be masked: that goes to stderr,
+    and `status --json | jq` reads JSON."""
+    pipelines = tmp_path / "pipelines.yaml"
+    spec = {"name": "orders", "topic": "orders", "target_table": "public.orders", "kafka_config_id": "kafka_short"}
+    pipelines.write_text(yaml.safe_dump({"pipelines": [{**spec, "columns": [{"name": "n", "type": "text"}]}]}))
+    login = {"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "u"}
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("KAFKA2PG_", "AIRFLOW_CONN_"))},
+        "KAFKA2PG_PIPELINES": str(pipelines),
+        "KAFKA2PG_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/nothing",
+        "AIRFLOW_CONN_KAFKA_SHORT": json.dumps(
+            {"conn_type": "kafka", "extra": {"bootstrap.servers": "127.0.0.1:1", **login, "sasl.password": "pw-12345"}}
+        ),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "kafka2pg", "status", "--json"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stderr
+    (entry,) = json.loads(done.stdout)
+    assert entry["pipeline"] == "orders" and entry["error"].startswith("DatabaseUnavailableError: "), entry
+    assert "too short" in done.stderr and "pw-12345" not in done.stdout + done.stderr

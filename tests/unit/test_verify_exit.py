@@ -3,6 +3,7 @@ discrepancy even when another pipeline could not be audited (named again at the 
 could not be audited and the rest are clean; the audit's line for a reset before any batch."""
 
 from contextlib import nullcontext
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from kafka2pg import audit, cli, connections, database, stuck
 from kafka2pg.audit import PartitionAudit, format_audit
 from kafka2pg.config import Column, Pipeline
 from kafka2pg.exceptions import TopicNotFoundError
+from kafka2pg.stuck import StuckBatch
 
 
 @pytest.fixture
@@ -57,16 +59,26 @@ def audits_of(outcomes: dict[str, str]):
         ({"clean": "ok", "broken": "missing", "unreadable": "ok"}, 1, None),
         ({"clean": "ok", "broken": "ok", "unreadable": "error"}, 2, None),
         ({"clean": "ok", "broken": "ok", "unreadable": "ok"}, 0, None),
+        ({"clean": "ok", "broken": "stuck", "unreadable": "error"}, 1, "also not audited: unreadable"),
     ],
 )
 def test_verify_exits_1_for_a_discrepancy_2_for_a_pipeline_not_audited_and_names_both(
     three_pipelines, monkeypatch, capsys, outcomes, code, last_words
 ):
     monkeypatch.setattr(audit, "audit_pipeline", audits_of(outcomes))
+    since = datetime(2026, 1, 2, tzinfo=UTC)
+    monkeypatch.setattr(
+        stuck,
+        "stuck_batches",
+        lambda conn, name: [StuckBatch(name, 7, "validated", "promote", 2, since, "E: no", "p0[0,9)")]
+        if outcomes[name] == "stuck"
+        else [],
+    )
     assert cli.main(["verify"]) == code
     shown = capsys.readouterr()
     assert shown.out.count("result: ") == sum(o != "error" for o in outcomes.values())
     assert ("result: DISCREPANCIES FOUND" in shown.out) is ("missing" in outcomes.values())
+    assert ("result: STUCK" in shown.out) is ("stuck" in outcomes.values())
     errors = shown.err.strip().splitlines()
     assert ("pipeline unreadable: not audited: TopicNotFoundError" in shown.err) is (outcomes["unreadable"] == "error")
     if last_words:

@@ -7,6 +7,7 @@ real api-server behind a real login."""
 
 from __future__ import annotations
 
+import re
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -147,3 +148,27 @@ def test_a_pipeline_in_error_is_named_with_its_error_and_the_others_still_show(c
     assert "gamma" not in page.text
     broken = http.get("/pipelines/alpha/batches")
     assert broken.status_code == 500 and "nosuchtype" in broken.text
+
+
+def test_the_overview_section_shows_not_ready_and_stuck_as_alarms_and_other_open_batches_escaped():
+    from datetime import UTC, datetime
+
+    from kafka2pg.stuck import OpenBatch
+    from kafka2pg.web import _status_section
+
+    since = datetime(2026, 1, 2, tzinfo=UTC)
+    wedged = OpenBatch("alpha", 7, "live", "validated", None, "run-2", since, "promote", 2, since, "E: <no>", "p0[0,9)")
+    waiting = OpenBatch("alpha", 8, "live", "staged", 7, "run-2", since, None, 0, None, None, "p0[9,12)")
+    status = PipelineStatus(
+        "alpha", "alpha", "public.alpha", (), None, (wedged, waiting), "missing <grant>", "kafka2pg_runtime"
+    )
+    page = _status_section("/kafka2pg", status)
+    alarms = re.findall(r'<p class="alarm">(.*?)</p>', page)
+    assert (
+        alarms[0]
+        == "NOT READY for a run as role &#x27;kafka2pg_runtime&#x27; (this page&#x27;s): missing &lt;grant&gt;"
+    )
+    assert alarms[1].startswith("STUCK: pipeline &#x27;alpha&#x27; batch 7 (validated") and "E: &lt;no&gt;" in alarms[1]
+    opened = re.findall(r'<p class="open">(.*?)</p>', page)
+    assert opened[0].startswith("open: batch 8 (live, staged, planned after batch 7) p0[9,12)") and len(opened) == 2
+    assert "open: batch 7" not in page
