@@ -5,25 +5,26 @@ Used by the promote task's log, `./kafka2pg status` and the demo command.
 
 from __future__ import annotations
 
-from psycopg import sql
+from psycopg import Connection, sql
 
 from kafka2pg.batch_store import load_claimed
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import session
 from kafka2pg.lifecycle import BatchState
-from kafka2pg.status import pipeline_status
+from kafka2pg.status import NOT_READABLE, PipelineStatus, pipeline_status
 from kafka2pg.task_log import fit, table
 
 
 def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
     with session(settings.database_url) as conn:  # Kafka is asked in between: no transaction
         status = pipeline_status(settings, pipeline, conn)
-        landed = conn.execute(
-            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(pipeline.target_schema, pipeline.target_table))
-        ).fetchone()[0]
-        quarantined = conn.execute(
-            "SELECT count(*) FROM kafka2pg.quarantine WHERE pipeline = %s", (pipeline.name,)
-        ).fetchone()[0]
+        target = sql.SQL("SELECT count(*) FROM {}").format(
+            sql.Identifier(pipeline.target_schema, pipeline.target_table)
+        )
+        landed = _count(conn, status, target)
+        quarantined = _count(
+            conn, status, "SELECT count(*) FROM kafka2pg.quarantine WHERE pipeline = %s", pipeline.name
+        )
         batches = conn.execute(
             "SELECT state, count(*) FROM kafka2pg.batches WHERE pipeline = %s GROUP BY state ORDER BY state",
             (pipeline.name,),
@@ -46,6 +47,17 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
             ),
         ]
     )
+
+
+def _count(conn: Connection, status: PipelineStatus, query: str | sql.Composed, *params: object) -> int | str:
+    """A count for `status`; on a database found not ready, a table it cannot read (not created
+    yet, not granted) is "unknown": the NOT READY line says what to run."""
+    try:
+        return conn.execute(query, params).fetchone()[0]
+    except NOT_READABLE:
+        if status.not_ready is None:
+            raise
+        return "unknown (NOT READY)"
 
 
 def batch_report(settings: Settings, pipeline: Pipeline, batch_id: int) -> str:

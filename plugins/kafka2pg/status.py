@@ -82,27 +82,19 @@ class PipelineStatus:
         return [f"NOT READY for a run as role {self.not_ready_role!r} ({whose}): {self.not_ready}"]
 
     def open_batch_lines(self) -> list[str]:
-        """One line per open batch not STUCK (a STUCK one has its own line), then what the next run
-        does with them."""
-        lines = [batch.describe() for batch in self.open_batches if batch.stuck is None]
-        if lines:
-            lines.append(OPEN_BATCHES_NEXT)
-        return lines
+        """One line per open batch not STUCK (a STUCK one has its own line), each saying what the
+        next run does with it."""
+        return [batch.describe() for batch in self.open_batches if batch.stuck is None]
 
     def to_json(self) -> dict:
         """For `kafka2pg status --json`: plain values, times as ISO-8601."""
         data = _plain(asdict(self))
         for partition, status in zip(data["partitions"], self.partitions, strict=True):
             partition["time_to_loss"] = status.time_to_loss
+        for batch, shown in zip(self.open_batches, data["open_batches"], strict=True):
+            shown["stuck"] = batch.stuck is not None  # then in `stuck` too, with its verdict
         data["stuck"] = [_plain(asdict(b)) for b in self.stuck]
         return data
-
-
-OPEN_BATCHES_NEXT = (
-    "  (the next live run resumes the open live batch, unless its plan no longer holds: offsets expired, "
-    "a topic recreated; it abandons an earlier run's lookahead, a batch planned after another, planning its "
-    "offsets afresh; a replay batch is left to its replay run)"
-)
 
 
 def _plain(value: object) -> object:
@@ -120,14 +112,14 @@ def pipeline_status(settings: Settings, pipeline: Pipeline, conn: Connection) ->
     not_ready = readiness_error(settings, pipeline, conn)
     try:
         return _read_status(settings, pipeline, conn, not_ready)
-    except _NOT_READABLE as exc:  # the tables cannot be read: what is missing, all of it, and what to run
+    except NOT_READABLE as exc:  # the tables cannot be read: what is missing, all of it, and what to run
         if not_ready is None:
             raise
         raise not_ready from exc
 
 
-# What reading the ledger meets on a database `readiness_error` found not ready.
-_NOT_READABLE = (
+# What reading the ledger or the tables meets on a database `readiness_error` found not ready.
+NOT_READABLE = (
     psycopg.errors.UndefinedTable,
     psycopg.errors.UndefinedColumn,
     psycopg.errors.InvalidSchemaName,

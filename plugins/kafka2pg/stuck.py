@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 import psycopg
@@ -131,6 +131,7 @@ class OpenBatch:
     failing_since: datetime | None
     last_failure: str | None
     ranges: str
+    next_run: str = ""  # what the next run does with it (`open_batches`)
 
     @property
     def stuck(self) -> StuckBatch | None:
@@ -158,7 +159,7 @@ class OpenBatch:
             line += f"; last failure at {self.failed_step}: " + (
                 failure if len(failure) <= _FAILURE_SHOWN else failure[: _FAILURE_SHOWN - 1] + "…"
             )
-        return line
+        return line + (f"; next run: {self.next_run}" if self.next_run else "")
 
 
 # Of a failure's stored text, what one open-batch line shows.
@@ -176,7 +177,28 @@ def open_batches(conn: Connection, pipeline: str, batch_id: int | None = None) -
         " GROUP BY b.batch_id ORDER BY b.batch_id",
         (pipeline, batch_id, batch_id, OPEN_STATES),
     ).fetchall()
-    return [OpenBatch(pipeline, *row) for row in rows]
+    batches = [OpenBatch(pipeline, *row) for row in rows]
+    return with_next_runs(batches) if batch_id is None else batches
+
+
+def with_next_runs(batches: list[OpenBatch]) -> list[OpenBatch]:
+    """A pipeline's open batches (all of them, in id order), each with what the next run does with it."""
+    shown, live = [], 0
+    for batch in batches:
+        if batch.kind != "live":
+            action = REPLAY_LEFT
+        else:
+            live += 1
+            action = RESUMES if live == 1 else ABANDONS
+        shown.append(replace(batch, next_run=action))
+    return shown
+
+
+# What the next run does with an open batch (as `opening.open_batch` plans): the oldest open live
+# batch is resumed, every later one (an earlier run's lookahead) abandoned; a replay's is its own.
+RESUMES = "resumes it, unless its plan no longer holds (offsets expired, the topic recreated)"
+ABANDONS = "abandons it (a lookahead of the run that planned it) and plans its offsets afresh"
+REPLAY_LEFT = "leaves it to its replay run"
 
 
 def oldest_open_batch(settings: Settings, pipeline: str, run_id: str) -> tuple[int, int] | None:

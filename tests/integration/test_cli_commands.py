@@ -368,3 +368,31 @@ def test_status_json_on_stdout_is_json_alone_when_airflow_logs_on_its_first_impo
     (entry,) = json.loads(done.stdout)
     assert entry["pipeline"] == "orders" and entry["error"].startswith("DatabaseUnavailableError: "), entry
     assert "too short" in done.stderr and "pw-12345" not in done.stdout + done.stderr
+
+
+def test_status_of_a_pipeline_added_but_not_migrated_says_not_ready_in_text_and_json_alike(
+    make_pipeline, monkeypatch, capsys
+):
+    env = make_pipeline(partitions=1)
+    spec = yaml.safe_load(env.settings.pipelines_file.read_text())
+    added = {
+        **spec["pipelines"][0],
+        "name": f"{env.pipeline.name}_new",
+        "target_table": f"public.new_{uuid.uuid4().hex[:8]}",
+    }
+    spec["pipelines"].append(added)
+    env.settings.pipelines_file.write_text(yaml.safe_dump(spec))
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    capsys.readouterr()
+
+    assert cli.main(["status", "--pipeline", added["name"]]) == 0
+    text = capsys.readouterr().out
+    assert "rows landed in target: unknown (NOT READY); records in quarantine: 0" in text, text
+    missing = f"missing table(s) {added['target_table']}, kafka2pg.stg_{added['name']}"
+    assert "NOT READY for a run as role " in text and missing in text and "run `kafka2pg migrate`" in text, text
+    assert "ledger:" in text
+    assert cli.main(["status", "--pipeline", added["name"], "--json"]) == 0
+    (shown,) = json.loads(capsys.readouterr().out)
+    assert missing in shown["not_ready"] and shown["open_batches"] == [] and shown["stuck"] == []

@@ -49,7 +49,7 @@ def test_status_lists_each_open_batch_once_a_stuck_one_by_its_stuck_line_and_jso
     from datetime import UTC, datetime
 
     from kafka2pg.status import PipelineStatus
-    from kafka2pg.stuck import OpenBatch
+    from kafka2pg.stuck import ABANDONS, REPLAY_LEFT, RESUMES, OpenBatch, with_next_runs
 
     since = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     failing = OpenBatch("orders", 7, "live", "validated", None, "run-2", since, "promote", 2, since, "E: no", "p0[0,9)")
@@ -57,22 +57,27 @@ def test_status_lists_each_open_batch_once_a_stuck_one_by_its_stuck_line_and_jso
         "orders", 8, "live", "staged", 7, "run-2", since, "validate", 1, since, "E: x" * 99, "p0[9,12)"
     )
     planned = OpenBatch("orders", 9, "replay", "planned", None, None, since, None, 0, None, None, "none")
-    status = PipelineStatus(
-        "orders", "orders", "public.orders", (), None, (failing, resumable, planned), "gone", "kafka"
-    )
+    opened = with_next_runs([failing, resumable, planned])
+    status = PipelineStatus("orders", "orders", "public.orders", (), None, tuple(opened), "gone", "kafka")
 
+    # The oldest open live batch is resumed, a later one (a lookahead) abandoned, a replay's left to it.
+    assert [b.next_run for b in opened] == [RESUMES, ABANDONS, REPLAY_LEFT]
     assert [b.batch_id for b in status.stuck] == [7]
     lines = status.open_batch_lines()
-    assert [line.split(" (")[0] for line in lines[:-1]] == ["open: batch 8", "open: batch 9"]
+    assert [line.split(" (")[0] for line in lines] == ["open: batch 8", "open: batch 9"]
     assert lines[0].startswith("open: batch 8 (live, staged, planned after batch 7) p0[9,12), claimed 2026-01-02")
-    assert " by run run-2; last failure at validate: E: xE: x" in lines[0] and lines[0].endswith("…")
-    assert len(lines[0].split("last failure at validate: ")[1]) == 200
-    assert lines[1] == "open: batch 9 (replay, planned) none, claimed 2026-01-02 03:04:05 UTC"
-    assert "resumes the open live batch" in lines[-1]
+    assert " by run run-2; last failure at validate: E: xE: x" in lines[0]
+    assert lines[0].endswith(f"…; next run: {ABANDONS}")
+    assert len(lines[0].split("last failure at validate: ")[1].split("; next run: ")[0]) == 200
+    assert lines[1] == f"open: batch 9 (replay, planned) none, claimed 2026-01-02 03:04:05 UTC; next run: {REPLAY_LEFT}"
     assert status.not_ready_lines("this command's") == ["NOT READY for a run as role 'kafka' (this command's): gone"]
 
     data = json.loads(json.dumps(status.to_json()))
-    assert [b["batch_id"] for b in data["open_batches"]] == [7, 8, 9]
+    assert [(b["batch_id"], b["stuck"], b["next_run"]) for b in data["open_batches"]] == [
+        (7, True, RESUMES),
+        (8, False, ABANDONS),
+        (9, False, REPLAY_LEFT),
+    ]
     assert data["open_batches"][0]["claimed_at"] == "2026-01-02T03:04:05+00:00"
     assert [(b["batch_id"], b["step"], b["since"]) for b in data["stuck"]] == [(7, "promote", since.isoformat())]
     assert (data["not_ready"], data["not_ready_role"]) == ("gone", "kafka")
