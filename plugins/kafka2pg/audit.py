@@ -177,7 +177,11 @@ def _not_in_kafka(
     _note(result.unexplained_offsets, offset)
 
 
-def format_audit(pipeline: Pipeline, audits: list[PartitionAudit], stuck: Sequence[StuckBatch] = ()) -> str:
+def format_audit(
+    pipeline: Pipeline, audits: list[PartitionAudit], stuck: Sequence[StuckBatch] = (), not_ready: str | None = None
+) -> str:
+    """The audit's table and result; `stuck` and `not_ready` (what stops the next run's plan: a
+    migration or a grant missing) are results too: the pipeline does not advance."""
     lines = [f"audit of pipeline {pipeline.name} (topic {pipeline.topic})"]
     header = f"{'partition':>9} {'head':>10} {'kafka':>10} {'matched':>10} {'missing':>8} {'duplicated':>10} "
     lines.append(header + f"{'unexplained':>11} {'expired':>8} {'compacted':>9}")
@@ -202,10 +206,14 @@ def format_audit(pipeline: Pipeline, audits: list[PartitionAudit], stuck: Sequen
             unread = ": what batches up to that one loaded is not compared" if after else ""
             lines.append(f"          partition {a.partition} audited since its reset ({where}, {when}){unread}")
     lines += [batch.describe() for batch in stuck]
+    if not_ready is not None:
+        lines.append(f"NOT READY: {not_ready}")
     if not all(a.clean for a in audits):
         lines.append("result: DISCREPANCIES FOUND")
     elif stuck:
         lines.append("result: STUCK (what the ledger holds is clean, but the pipeline does not advance)")
+    elif not_ready is not None:
+        lines.append("result: NOT READY (what the ledger holds is clean, but no run plans until then)")
     else:
         lines.append("result: clean")
     return "\n".join(lines)

@@ -306,26 +306,30 @@ def _status_json(selected: list[Pipeline]) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Exit 1 when an audit found a discrepancy (or a STUCK batch), else 2 when a pipeline could
+    """Exit 1 when an audit found a discrepancy (or a STUCK batch, or the database NOT READY for
+    a run), else 2 when a pipeline could
     not be audited (its error on stderr; the others are audited all the same), else 0. When both,
     a last line on stderr names the pipelines not audited."""
     from kafka2pg.audit import audit_pipeline, format_audit
     from kafka2pg.database import session
+    from kafka2pg.migrations import readiness_error
     from kafka2pg.stuck import stuck_batches
 
     def audit(settings: Settings, pipeline: Pipeline) -> bool:
         audits = audit_pipeline(settings, pipeline)
         with session(settings.database_url) as conn:
             stuck = stuck_batches(conn, pipeline.name)
-        print(format_audit(pipeline, audits, stuck))
-        return all(a.clean for a in audits) and not stuck
+            not_ready = readiness_error(settings, pipeline, conn)
+        print(format_audit(pipeline, audits, stuck, None if not_ready is None else str(not_ready)))
+        return all(a.clean for a in audits) and not stuck and not_ready is None
 
     results = _each_pipeline(_selected(args), "not audited", audit)
     failed = _failed(results)
     if any(result is False for result in results.values()):
         if failed:
             print(
-                f"verify: exit 1 for the discrepancy or STUCK batch above; also not audited: {', '.join(failed)}",
+                "verify: exit 1 for the discrepancy, STUCK batch or NOT READY above; also not audited: "
+                + ", ".join(failed),
                 file=sys.stderr,
             )
         return 1

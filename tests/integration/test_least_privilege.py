@@ -169,7 +169,7 @@ def plan_fails_once(env) -> SchemaNotReadyError:
 
 
 def test_a_plan_on_a_database_not_ready_fails_once_naming_what_is_missing_and_changes_nothing(
-    make_pipeline, db, heads, runtime, monkeypatch, tmp_path
+    make_pipeline, db, heads, runtime, monkeypatch, tmp_path, capsys
 ):
     owner_env = make_pipeline(partitions=1)
     apply_grants(owner_env.settings.database_url, [owner_env.pipeline], runtime.role)
@@ -190,6 +190,10 @@ def test_a_plan_on_a_database_not_ready_fails_once_naming_what_is_missing_and_ch
         with psycopg.connect(env.settings.database_url, autocommit=True) as conn:  # and `status --json`
             data = pipeline_status(env.settings, env.pipeline, conn).to_json()
         assert data["not_ready_role"] == runtime.role and f"pending migration(s) {newest}" in data["not_ready"]
+        capsys.readouterr()
+        assert cli.main(["verify", "--pipeline", env.pipeline.name]) == 1  # the pipeline does not advance
+        audited = capsys.readouterr().out
+        assert f"pending migration(s) {newest}" in audited and "result: NOT READY" in audited, audited
     finally:
         db.execute("INSERT INTO public.kafka2pg_migrations (name, applied_at) VALUES (%s, %s)", (newest, applied_at))
     assert error.missing == (f"migration {newest}",)

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from kafka2pg import audit, cli, connections, database, stuck
+from kafka2pg import audit, cli, connections, database, migrations, stuck
 from kafka2pg.audit import PartitionAudit, format_audit
 from kafka2pg.config import Column, Pipeline
-from kafka2pg.exceptions import TopicNotFoundError
+from kafka2pg.exceptions import SchemaNotReadyError, TopicNotFoundError
 from kafka2pg.stuck import StuckBatch
 
 
@@ -60,12 +60,20 @@ def audits_of(outcomes: dict[str, str]):
         ({"clean": "ok", "broken": "ok", "unreadable": "error"}, 2, None),
         ({"clean": "ok", "broken": "ok", "unreadable": "ok"}, 0, None),
         ({"clean": "ok", "broken": "stuck", "unreadable": "error"}, 1, "also not audited: unreadable"),
+        ({"clean": "ok", "broken": "not ready", "unreadable": "ok"}, 1, None),
     ],
 )
 def test_verify_exits_1_for_a_discrepancy_2_for_a_pipeline_not_audited_and_names_both(
     three_pipelines, monkeypatch, capsys, outcomes, code, last_words
 ):
     monkeypatch.setattr(audit, "audit_pipeline", audits_of(outcomes))
+    monkeypatch.setattr(
+        migrations,
+        "readiness_error",
+        lambda settings, pipeline, conn: SchemaNotReadyError("grant it")
+        if outcomes[pipeline.name] == "not ready"
+        else None,
+    )
     since = datetime(2026, 1, 2, tzinfo=UTC)
     monkeypatch.setattr(
         stuck,
@@ -79,6 +87,7 @@ def test_verify_exits_1_for_a_discrepancy_2_for_a_pipeline_not_audited_and_names
     assert shown.out.count("result: ") == sum(o != "error" for o in outcomes.values())
     assert ("result: DISCREPANCIES FOUND" in shown.out) is ("missing" in outcomes.values())
     assert ("result: STUCK" in shown.out) is ("stuck" in outcomes.values())
+    assert ("NOT READY: grant it\nresult: NOT READY" in shown.out) is ("not ready" in outcomes.values())
     errors = shown.err.strip().splitlines()
     assert ("pipeline unreadable: not audited: TopicNotFoundError" in shown.err) is (outcomes["unreadable"] == "error")
     if last_words:
