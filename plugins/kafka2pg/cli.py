@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import secrets
 import sys
 from collections.abc import Callable, Mapping
@@ -49,7 +50,7 @@ def _selected_pipelines(args: argparse.Namespace) -> list[tuple[Settings, Pipeli
 def _selected(args: argparse.Namespace) -> list[Pipeline]:
     """The pipeline named by --pipeline, or every pipeline of the file."""
     path = pipelines_file_from_env()
-    if args.pipeline:
+    if args.pipeline is not None:  # '' too: an unknown pipeline, not every one
         return [get_pipeline(args.pipeline, path)]
     pipelines = list(load_pipelines(path).values())
     if not pipelines:
@@ -339,6 +340,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from kafka2pg.report import quality_summary
 
+    if args.out is not None and not args.html:
+        raise ConfigError("report --out FILE writes the HTML report: give --html too")
     if args.html:
         return _export_report(args)
     selected = _selected_pipelines(args)
@@ -694,3 +697,6 @@ def main(argv: list[str] | None = None) -> int:
     except Kafka2PgError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`status | head`): no trace, and none at exit's flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

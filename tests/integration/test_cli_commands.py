@@ -396,3 +396,40 @@ def test_status_of_a_pipeline_added_but_not_migrated_says_not_ready_in_text_and_
     assert cli.main(["status", "--pipeline", added["name"], "--json"]) == 0
     (shown,) = json.loads(capsys.readouterr().out)
     assert missing in shown["not_ready"] and shown["open_batches"] == [] and shown["stuck"] == []
+
+
+def test_a_reader_gone_before_the_output_is_written_leaves_no_traceback(make_pipeline):
+    """`./kafka2pg status | head -1`: the pipe closes while status writes."""
+    env = make_pipeline(partitions=1)
+    environment = {
+        **os.environ,
+        "KAFKA2PG_PIPELINES": str(env.settings.pipelines_file),
+        "KAFKA2PG_DATABASE_URL": env.settings.database_url,
+        "KAFKA2PG_BOOTSTRAP_SERVERS": env.settings.bootstrap_servers,
+    }
+    read, write = os.pipe()
+    os.close(read)  # every write to the pipe fails (EPIPE): the reader is gone
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kafka2pg", "status"],
+            env=environment,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+def test_arguments_that_would_be_ignored_are_refused(make_pipeline, monkeypatch, capsys):
+    env = make_pipeline(partitions=1)
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    capsys.readouterr()
+    assert cli.main(["status", "--pipeline", ""]) == 2  # not every pipeline
+    assert "unknown pipeline ''" in capsys.readouterr().err
+    assert cli.main(["report", "--pipeline", env.pipeline.name, "--out", "x.html"]) == 2
+    assert "give --html too" in capsys.readouterr().err
