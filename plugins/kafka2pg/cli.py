@@ -275,19 +275,28 @@ def _failed(results: Mapping[str, object]) -> list[str]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from kafka2pg.report import ledger_report
+    """Exit 2 when a pipeline's status could not be read, or only what PostgreSQL holds (Kafka
+    not answering, or its topic missing)."""
+    from kafka2pg.report import status_report
 
     if args.json:
         return _status_json(_selected(args))
-    results = _each_pipeline(
-        _selected(args), "error", lambda settings, pipeline: print(ledger_report(settings, pipeline))
-    )
-    return 2 if _failed(results) else 0
+
+    def show(settings: Settings, pipeline: Pipeline) -> bool:
+        text, status = status_report(settings, pipeline)
+        print(text)
+        if status.kafka_error:
+            print(f"pipeline {pipeline.name}: Kafka's offsets unknown: {status.kafka_error}", file=sys.stderr)
+        return status.kafka_error is None
+
+    results = _each_pipeline(_selected(args), "error", show)
+    return 2 if _failed(results) or False in results.values() else 0
 
 
 def _status_json(selected: list[Pipeline]) -> int:
     """`status --json`: what the Airflow overview page shows, one object per pipeline (for one
-    whose status cannot be read: its name and the error; the exit code is then 2)."""
+    whose status cannot be read: its name and the error; with Kafka's offsets unknown: no
+    partitions and `kafka_error`; the exit code is then 2)."""
     import json
 
     from kafka2pg.database import session
@@ -303,7 +312,7 @@ def _status_json(selected: list[Pipeline]) -> int:
         for name, result in results.items()
     ]
     print(json.dumps(shown, indent=2))
-    return 2 if _failed(results) else 0
+    return 2 if _failed(results) or any(s.get("kafka_error") for s in shown) else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

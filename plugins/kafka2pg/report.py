@@ -16,6 +16,11 @@ from kafka2pg.task_log import fit, table
 
 
 def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
+    return status_report(settings, pipeline)[0]
+
+
+def status_report(settings: Settings, pipeline: Pipeline) -> tuple[str, PipelineStatus]:
+    """What `kafka2pg status` prints of the pipeline, and the status it read."""
     with session(settings.database_url) as conn:  # Kafka is asked in between: no transaction
         status = pipeline_status(settings, pipeline, conn)
         target = sql.SQL("SELECT count(*) FROM {}").format(
@@ -33,7 +38,17 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
         [p.partition, p.next_offset, p.low_watermark, p.high_watermark, p.lag, p.margin, p.time_to_loss]
         for p in status.partitions
     ]
-    return "\n".join(
+    ledger = (
+        [f"ledger: Kafka's offsets unknown, not shown ({status.kafka_error})"]
+        if status.kafka_error
+        else [
+            "ledger:",
+            table(
+                ["partition", "next_offset", "low_watermark", "high_watermark", "lag", "margin", "time_to_loss"], rows
+            ),
+        ]
+    )
+    text = "\n".join(
         [
             f"pipeline {pipeline.name}: topic {pipeline.topic} -> {pipeline.target_schema}.{pipeline.target_table}",
             f"rows landed in target: {landed}; records in quarantine: {quarantined}",
@@ -41,12 +56,10 @@ def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
             *status.not_ready_lines("this command's"),
             *status.open_batch_lines(),
             *(batch.describe() for batch in status.stuck),
-            "ledger:",
-            table(
-                ["partition", "next_offset", "low_watermark", "high_watermark", "lag", "margin", "time_to_loss"], rows
-            ),
+            *ledger,
         ]
     )
+    return text, status
 
 
 def _count(conn: Connection, status: PipelineStatus, query: str | sql.Composed, *params: object) -> int | str:

@@ -14,7 +14,13 @@ import psycopg
 from psycopg import Connection
 
 from kafka2pg.config import Pipeline, Settings
-from kafka2pg.exceptions import SchemaNotReadyError
+from kafka2pg.exceptions import (
+    KafkaAuthenticationError,
+    KafkaRequestError,
+    KafkaUnavailableError,
+    SchemaNotReadyError,
+    TopicNotFoundError,
+)
 from kafka2pg.kafka_offsets import partition_offsets
 from kafka2pg.ledger import head_status, read_heads
 from kafka2pg.migrations import readiness_error
@@ -69,6 +75,8 @@ class PipelineStatus:
     # `not_ready_role` this status connected as (a run's role may differ); None: ready.
     not_ready: str | None
     not_ready_role: str | None
+    # Kafka's error when it did not answer (then `partitions` is empty); None: it answered.
+    kafka_error: str | None = None
 
     @property
     def stuck(self) -> tuple[StuckBatch, ...]:
@@ -130,16 +138,10 @@ NOT_READABLE = (
 def _read_status(
     settings: Settings, pipeline: Pipeline, conn: Connection, not_ready: SchemaNotReadyError | None
 ) -> PipelineStatus:
-    offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
-    heads = head_status(conn, pipeline, offsets)
-    horizons = {h.partition: h for h in loss_horizons(settings, pipeline, offsets, read_heads(conn, pipeline.name))}
-    stable = {o.partition: o.last_stable for o in offsets}
-    partitions = tuple(
-        _partition(
-            h.partition, h.next_offset, h.low, stable[h.partition], h.high, h.lag, horizons[h.partition], pipeline
-        )
-        for h in heads
-    )
+    try:
+        partitions, kafka_error = _partitions(settings, pipeline, conn), None
+    except KAFKA_TROUBLE as exc:  # what PostgreSQL holds is shown all the same
+        partitions, kafka_error = (), f"{type(exc).__name__}: {exc}"
     row = conn.execute(
         "SELECT batch_id, state, updated_at, extract(epoch FROM now() - updated_at)::float8"
         " FROM kafka2pg.batches WHERE pipeline = %s ORDER BY batch_id DESC LIMIT 1",
@@ -154,6 +156,24 @@ def _read_status(
         tuple(open_batches(conn, pipeline.name)),
         None if not_ready is None else str(not_ready),
         None if not_ready is None else not_ready.role,
+        kafka_error,
+    )
+
+
+# Kafka not answering, or refusing: the partitions' offsets are unknown.
+KAFKA_TROUBLE = (KafkaUnavailableError, KafkaRequestError, KafkaAuthenticationError, TopicNotFoundError)
+
+
+def _partitions(settings: Settings, pipeline: Pipeline, conn: Connection) -> tuple[PartitionStatus, ...]:
+    offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    heads = head_status(conn, pipeline, offsets)
+    horizons = {h.partition: h for h in loss_horizons(settings, pipeline, offsets, read_heads(conn, pipeline.name))}
+    stable = {o.partition: o.last_stable for o in offsets}
+    return tuple(
+        _partition(
+            h.partition, h.next_offset, h.low, stable[h.partition], h.high, h.lag, horizons[h.partition], pipeline
+        )
+        for h in heads
     )
 
 

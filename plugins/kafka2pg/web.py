@@ -225,6 +225,8 @@ def _status_section(base: str, status: PipelineStatus) -> str:
             f'<span class="state">{html.escape(last.state)}</span>, {_age(last.age_seconds)} ago ({report})'
         )
     alarms = [*status.not_ready_lines("this page's"), *(b.describe() for b in status.stuck)]
+    if status.kafka_error:
+        alarms.insert(0, f"Kafka's offsets unknown, partitions not shown: {status.kafka_error}")
     notes = "".join(f'<p class="alarm">{html.escape(line)}</p>' for line in alarms) + "".join(
         f'<p class="open">{html.escape(line.strip())}</p>' for line in status.open_batch_lines()
     )

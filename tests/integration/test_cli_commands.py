@@ -102,7 +102,9 @@ def test_status_shows_every_pipeline_it_can_when_one_is_broken_and_exits_2(make_
     good, bad, wrong = json.loads(shown.out)
     assert f"pipeline {broken['name']}: error:" not in shown.err  # in its object, once
     assert good["pipeline"] == env.pipeline.name and "partitions" in good
-    assert bad["pipeline"] == broken["name"] and bad["error"].startswith("TopicNotFoundError: topic 'absent-")
+    # Its topic missing: what PostgreSQL holds is shown all the same, with Kafka's error.
+    assert bad["pipeline"] == broken["name"] and bad["kafka_error"].startswith("TopicNotFoundError: topic 'absent-")
+    assert bad["partitions"] == [] and bad["open_batches"] == [] and "error" not in bad
     assert wrong["pipeline"] == unconfigured["name"]
     assert wrong["error"].startswith(f"ConfigError: the Airflow connection 'kafka_{suffix}' (its extra): ")
     assert "needs sasl.password" in wrong["error"]
@@ -110,7 +112,8 @@ def test_status_shows_every_pipeline_it_can_when_one_is_broken_and_exits_2(make_
     assert cli.main(["status"]) == 2
     shown = capsys.readouterr()
     assert f"pipeline {env.pipeline.name}: topic {env.topic}" in shown.out
-    assert f"pipeline {broken['name']}: error: TopicNotFoundError" in shown.err
+    assert f"pipeline {broken['name']}: Kafka's offsets unknown: TopicNotFoundError" in shown.err
+    assert f"pipeline {broken['name']}: topic absent-" in shown.out and "ledger: Kafka's offsets unknown" in shown.out
 
 
 def test_status_as_a_role_without_privileges_says_to_grant_them_instead_of_a_traceback(
@@ -433,3 +436,24 @@ def test_arguments_that_would_be_ignored_are_refused(make_pipeline, monkeypatch,
     assert "unknown pipeline ''" in capsys.readouterr().err
     assert cli.main(["report", "--pipeline", env.pipeline.name, "--out", "x.html"]) == 2
     assert "give --html too" in capsys.readouterr().err
+
+
+def test_status_with_kafka_down_still_shows_what_postgresql_holds_and_exits_2(make_pipeline, monkeypatch, capsys):
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(3, seed=75)))
+    batch = open_batch(env.settings, env.pipeline, run_id="run-k").batch
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "127.0.0.1:1")  # nothing listens there
+    monkeypatch.setenv("KAFKA2PG_KAFKA_TIMEOUT_S", "2")
+    capsys.readouterr()
+
+    assert cli.main(["status"]) == 2
+    shown = capsys.readouterr()
+    assert f"open: batch {batch.batch_id} (live, planned) p0[0,3)" in shown.out, shown.out
+    assert "ledger: Kafka's offsets unknown, not shown (KafkaUnavailableError: " in shown.out
+    assert f"pipeline {env.pipeline.name}: Kafka's offsets unknown: KafkaUnavailableError" in shown.err
+    assert cli.main(["status", "--json"]) == 2
+    (data,) = json.loads(capsys.readouterr().out)
+    assert data["kafka_error"].startswith("KafkaUnavailableError: ") and data["partitions"] == []
+    assert [b["batch_id"] for b in data["open_batches"]] == [batch.batch_id]
