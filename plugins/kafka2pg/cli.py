@@ -24,6 +24,7 @@ from kafka2pg.config import (
     get_pipeline,
     load_pipelines,
     pipelines_file_from_env,
+    read_pipelines,
 )
 from kafka2pg.exceptions import BatchStateError, ConfigError, Kafka2PgError
 from kafka2pg.locations import COMMAND, state_dir
@@ -48,14 +49,24 @@ def _selected_pipelines(args: argparse.Namespace) -> list[tuple[Settings, Pipeli
 
 
 def _selected(args: argparse.Namespace) -> list[Pipeline]:
-    """The pipeline named by --pipeline, or every pipeline of the file."""
+    """The pipeline named by --pipeline, or every pipeline of the file (`ConfigError`: the first
+    entry in error)."""
+    pipelines, broken = _each_selected(args)
+    if broken:
+        raise next(iter(broken.values()))
+    return pipelines
+
+
+def _each_selected(args: argparse.Namespace) -> tuple[list[Pipeline], dict[str, ConfigError]]:
+    """The pipeline named by --pipeline, or every pipeline of the file, and the file's entries in
+    error (by name, or by position when the name is unusable) when no pipeline is named."""
     path = pipelines_file_from_env()
     if args.pipeline is not None:  # '' too: an unknown pipeline, not every one
-        return [get_pipeline(args.pipeline, path)]
-    pipelines = list(load_pipelines(path).values())
-    if not pipelines:
+        return [get_pipeline(args.pipeline, path)], {}
+    pipelines, broken = read_pipelines(path)
+    if not pipelines and not broken:
         print(f"{path}: its 'pipelines:' list is empty: no pipeline to show", file=sys.stderr)
-    return pipelines
+    return list(pipelines.values()), broken
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
@@ -253,20 +264,25 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def _each_pipeline(
-    selected: list[Pipeline], did: str | None, work: Callable[[Settings, Pipeline], T]
+    args: argparse.Namespace, did: str | None, work: Callable[[Settings, Pipeline], T]
 ) -> dict[str, T | Exception]:
-    """`work` for each pipeline with its settings: one pipeline's trouble (its connections too)
-    hides none of the others; printed to stderr as "pipeline P: `did`: error" (None: not printed)."""
+    """`work` for each selected pipeline with its settings: one pipeline's trouble (its entry in
+    the pipelines file, its connections) hides none of the others; printed to stderr as
+    "pipeline P: `did`: error" (None: not printed)."""
     from kafka2pg.connections import settings_for
 
+    selected, broken = _each_selected(args)
     results: dict[str, T | Exception] = {}
     for pipeline in selected:
         try:
             results[pipeline.name] = work(settings_for(pipeline), pipeline)
         except Kafka2PgError as exc:
-            if did is not None:
-                print(f"pipeline {pipeline.name}: {did}: {type(exc).__name__}: {exc}", file=sys.stderr)
             results[pipeline.name] = exc
+    results.update(broken)
+    if did is not None:
+        for name in _failed(results):
+            error = results[name]
+            print(f"pipeline {name}: {did}: {type(error).__name__}: {error}", file=sys.stderr)
     return results
 
 
@@ -280,7 +296,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from kafka2pg.report import status_report
 
     if args.json:
-        return _status_json(_selected(args))
+        return _status_json(args)
 
     def show(settings: Settings, pipeline: Pipeline) -> bool:
         text, status = status_report(settings, pipeline)
@@ -289,11 +305,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"pipeline {pipeline.name}: Kafka's offsets unknown: {status.kafka_error}", file=sys.stderr)
         return status.kafka_error is None
 
-    results = _each_pipeline(_selected(args), "error", show)
+    results = _each_pipeline(args, "error", show)
     return 2 if _failed(results) or False in results.values() else 0
 
 
-def _status_json(selected: list[Pipeline]) -> int:
+def _status_json(args: argparse.Namespace) -> int:
     """`status --json`: what the Airflow overview page shows, one object per pipeline (for one
     whose status cannot be read: its name and the error; with Kafka's offsets unknown: no
     partitions and `kafka_error`; the exit code is then 2)."""
@@ -306,7 +322,7 @@ def _status_json(selected: list[Pipeline]) -> int:
         with session(settings.database_url) as conn:
             return pipeline_status(settings, pipeline, conn).to_json()
 
-    results = _each_pipeline(selected, None, status)  # each error is in the JSON, stdout alone
+    results = _each_pipeline(args, None, status)  # each error is in the JSON, stdout alone
     shown = [
         {"pipeline": name, "error": f"{type(result).__name__}: {result}"} if isinstance(result, Exception) else result
         for name, result in results.items()
@@ -333,7 +349,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(format_audit(pipeline, audits, stuck, None if not_ready is None else str(not_ready)))
         return all(a.clean for a in audits) and not stuck and not_ready is None
 
-    results = _each_pipeline(_selected(args), "not audited", audit)
+    results = _each_pipeline(args, "not audited", audit)
     failed = _failed(results)
     if any(result is False for result in results.values()):
         if failed:

@@ -102,3 +102,19 @@ def test_a_reset_before_any_batch_is_said_so_and_one_after_a_batch_names_it():
     assert "partition 0 audited since its reset (to offset 5, before any batch)" in early and "batch 0" not in early
     later = format_audit(pipeline, [PartitionAudit(0, 5, reset=(7, None))], [])
     assert "(dropping its head, after batch 7): what batches up to that one loaded is not compared" in later
+
+
+def test_an_entry_in_error_in_the_pipelines_file_hides_none_of_the_others(
+    three_pipelines, tmp_path, monkeypatch, capsys
+):
+    spec = three_pipelines
+    spec["pipelines"].append({**spec["pipelines"][0], "name": "mistyped", "columns": [{"name": "n", "type": "textt"}]})
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump(spec))
+    monkeypatch.setattr(audit, "audit_pipeline", audits_of({"clean": "ok", "broken": "missing", "unreadable": "ok"}))
+    monkeypatch.setattr(migrations, "readiness_error", lambda settings, pipeline, conn: None)
+    assert cli.main(["verify"]) == 1
+    shown = capsys.readouterr()
+    assert shown.out.count("result: ") == 3 and "result: DISCREPANCIES FOUND" in shown.out
+    assert "pipeline mistyped: not audited: ConfigError: " in shown.err and "textt" in shown.err
+    assert shown.err.strip().splitlines()[-1].endswith("also not audited: mistyped")
+    assert cli.main(["verify", "--pipeline", "mistyped"]) == 2  # named: its error alone
