@@ -279,12 +279,16 @@ def _each_pipeline(
             results[pipeline.name] = work(settings_for(pipeline), pipeline)
         except Kafka2PgError as exc:
             results[pipeline.name] = exc
-    results.update(broken)
-    if did is not None:
-        for name in _failed(results):
-            error = results[name]
-            print(f"pipeline {name}: {did}: {type(error).__name__}: {error}", file=sys.stderr)
+            _say_failed(pipeline.name, did, exc)
+    for name, error in broken.items():
+        results[name] = error
+        _say_failed(name, did, error)
     return results
+
+
+def _say_failed(name: str, did: str | None, error: Exception) -> None:
+    if did is not None:
+        print(f"pipeline {name}: {did}: {type(error).__name__}: {error}", file=sys.stderr)
 
 
 def _failed(results: Mapping[str, object]) -> list[str]:
@@ -334,9 +338,8 @@ def _status_json(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 1 when an audit found a discrepancy (or a STUCK batch, or the database NOT READY for
-    a run), else 2 when a pipeline could
-    not be audited (its error on stderr; the others are audited all the same), else 0. When both,
-    a last line on stderr names the pipelines not audited."""
+    a run), else 2 when a pipeline could not be audited (its error on stderr; the others are
+    audited all the same), else 0. When both, a last line on stderr names those not audited."""
     from kafka2pg.audit import audit_pipeline, format_audit
     from kafka2pg.database import session
     from kafka2pg.migrations import readiness_error
@@ -719,11 +722,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("airflow").setLevel(logging.WARNING)
         logging.getLogger("py4j").setLevel(logging.WARNING)  # a stage command's Spark gateway closing
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a reader gone away is caught, not at the interpreter's exit
+        return code
     except Kafka2PgError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (`status | head`): no trace, and none at exit's flush
         with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor: nothing to flush
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
         return 1

@@ -245,7 +245,7 @@ def _airflow_connection(conn_id: str) -> Any | None:
         # Airflow's first import sets its logging up, writing to what sys.stdout is then; outside
         # a task (where it was imported before) that would be where a CLI command's own output
         # goes (`status --json`): its log lines go to stderr instead.
-        with redirect_stdout(sys.stderr):
+        with redirect_stdout(sys.stderr) if "airflow" not in sys.modules else nullcontext():
             from airflow.exceptions import AirflowNotFoundException
     except ImportError:
         return None

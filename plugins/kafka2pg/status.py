@@ -21,7 +21,7 @@ from kafka2pg.exceptions import (
     SchemaNotReadyError,
     TopicNotFoundError,
 )
-from kafka2pg.kafka_offsets import partition_offsets
+from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets
 from kafka2pg.ledger import head_status, read_heads
 from kafka2pg.migrations import readiness_error
 from kafka2pg.opening import loss_horizons
@@ -139,9 +139,10 @@ def _read_status(
     settings: Settings, pipeline: Pipeline, conn: Connection, not_ready: SchemaNotReadyError | None
 ) -> PipelineStatus:
     try:
-        partitions, kafka_error = _partitions(settings, pipeline, conn), None
+        offsets, kafka_error = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s), None
     except KAFKA_TROUBLE as exc:  # what PostgreSQL holds is shown all the same
-        partitions, kafka_error = (), f"{type(exc).__name__}: {exc}"
+        offsets, kafka_error = None, f"{type(exc).__name__}: {exc}"
+    partitions = () if offsets is None else _partitions(settings, pipeline, conn, offsets)
     row = conn.execute(
         "SELECT batch_id, state, updated_at, extract(epoch FROM now() - updated_at)::float8"
         " FROM kafka2pg.batches WHERE pipeline = %s ORDER BY batch_id DESC LIMIT 1",
@@ -164,8 +165,9 @@ def _read_status(
 KAFKA_TROUBLE = (KafkaUnavailableError, KafkaRequestError, KafkaAuthenticationError, TopicNotFoundError)
 
 
-def _partitions(settings: Settings, pipeline: Pipeline, conn: Connection) -> tuple[PartitionStatus, ...]:
-    offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+def _partitions(
+    settings: Settings, pipeline: Pipeline, conn: Connection, offsets: list[PartitionOffsets]
+) -> tuple[PartitionStatus, ...]:
     heads = head_status(conn, pipeline, offsets)
     horizons = {h.partition: h for h in loss_horizons(settings, pipeline, offsets, read_heads(conn, pipeline.name))}
     stable = {o.partition: o.last_stable for o in offsets}

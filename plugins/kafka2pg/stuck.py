@@ -196,9 +196,15 @@ def with_next_runs(batches: list[OpenBatch]) -> list[OpenBatch]:
 
 # What the next run does with an open batch (as `opening.open_batch` plans): the oldest open live
 # batch is resumed, every later one (an earlier run's lookahead) abandoned; a replay's is its own.
-RESUMES = "resumes it, unless its plan no longer holds (offsets expired, the topic recreated)"
-ABANDONS = "abandons it (a lookahead of the run that planned it) and plans its offsets afresh"
-REPLAY_LEFT = "leaves it to its replay run"
+RESUMES = (
+    "resumes it, unless its plan no longer holds (the heads moved: an undo, a reset; its offsets expired; "
+    "the topic recreated)"
+)
+ABANDONS = (
+    "abandons it (a lookahead) and plans its offsets afresh, unless the run that planned it is still going "
+    "and finishes it first"
+)
+REPLAY_LEFT = "leaves it: only its replay run's retries carry it on"
 
 
 def oldest_open_batch(settings: Settings, pipeline: str, run_id: str) -> tuple[int, int] | None:

@@ -17,6 +17,7 @@ from kafka2pg.quality import validate_batch
 from kafka2pg.report import ledger_report
 from kafka2pg.staging import stage_batch
 from kafka2pg.status import pipeline_status
+from kafka2pg.stuck import RESUMES
 
 
 def verify(env) -> subprocess.CompletedProcess:
@@ -57,9 +58,7 @@ def test_a_batch_failing_promotion_in_two_runs_is_stuck_in_status_verify_and_the
     (opened,) = [line for line in status.splitlines() if line.startswith("open: ")]
     assert opened.startswith(f"open: batch {batch.batch_id} (live, validated) p0[0,") and " by run run-1; " in opened
     assert "; last failure at promote: " in opened and "target is read-only for maintenance" in opened, opened
-    assert opened.endswith(
-        "; next run: resumes it, unless its plan no longer holds (offsets expired, the topic recreated)"
-    )
+    assert opened.endswith(f"; next run: {RESUMES}")
     assert verify(env).returncode == 0
 
     resumed = open_batch(env.settings, env.pipeline, run_id="run-2").batch
