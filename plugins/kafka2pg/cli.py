@@ -26,6 +26,7 @@ from kafka2pg.config import (
     load_pipelines,
     pipelines_file_from_env,
     read_pipelines,
+    topic_name,
 )
 from kafka2pg.exceptions import BatchStateError, ConfigError, Kafka2PgError
 from kafka2pg.locations import COMMAND, state_dir
@@ -295,6 +296,11 @@ def _failed(results: Mapping[str, object]) -> list[str]:
     return [name for name, result in results.items() if isinstance(result, Exception)]
 
 
+def _answered_no(results: Mapping[str, object]) -> bool:
+    """Whether a pipeline's work ran and returned False (an error is `_failed`'s)."""
+    return any(result is False for result in results.values())
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """Exit 2 when a pipeline's status could not be read, or only what PostgreSQL holds (Kafka
     not answering, or its topic missing)."""
@@ -311,7 +317,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return status.kafka_error is None
 
     results = _each_pipeline(args, "error", show)
-    return 2 if _failed(results) or False in results.values() else 0
+    return 2 if _failed(results) or _answered_no(results) else 0
 
 
 def _status_json(args: argparse.Namespace) -> int:
@@ -355,7 +361,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     results = _each_pipeline(args, "not audited", audit)
     failed = _failed(results)
-    if any(result is False for result in results.values()):
+    if _answered_no(results):
         if failed:
             print(
                 "verify: exit 1 for the discrepancy, STUCK batch or NOT READY above; also not audited: "
@@ -541,6 +547,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _topic(text: str) -> str:
+    """argparse type: a name Kafka takes for a topic."""
+    try:
+        return topic_name(text, "topic")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _epoch_ms(text: str) -> int:
     try:
         moment = datetime.fromisoformat(text)
@@ -607,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_grant)
 
     p = sub.add_parser("produce", help="produce sample events with an idempotent producer")
-    p.add_argument("--topic", default="orders")
+    p.add_argument("--topic", type=_topic, default="orders")
     p.add_argument("--count", type=_positive, default=1000)
     p.add_argument(
         "--partitions",

@@ -573,7 +573,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         )
     name = _identifier(raw, "name", where, MAX_PIPELINE_NAME)
     where = f"{where} ({name})"
-    topic = _topic(raw.get("topic"), where)
+    topic = topic_name(raw.get("topic"), f"{where}.topic")
     schema, table = _target(raw.get("target_table"), where)
     columns = _columns(raw.get("columns"), where)
     value_root = _value_root(raw.get("value_root"), where)
@@ -704,11 +704,12 @@ def _check_locations(columns: tuple[Column, ...], root: tuple[str, ...], key_of_
                 )
 
 
-def _topic(value: Any, where: str) -> str:
+def topic_name(value: Any, where: str) -> str:
+    """`value` if it is a name Kafka takes for a topic; else a ConfigError naming `where`."""
     # Kafka's own rule (Topic.validate): 1-249 of these characters, and not "." or "..".
     if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", value) or value in (".", ".."):
         raise ConfigError(
-            f"{where}.topic: expected a Kafka topic name (1-249 characters of A-Z a-z 0-9 . _ -, "
+            f"{where}: expected a Kafka topic name (1-249 characters of A-Z a-z 0-9 . _ -, "
             f"not '.' or '..'), got {value!r}"
         )
     return value

@@ -313,6 +313,13 @@ def _interruptions_end_the_statement(conn: psycopg.Connection) -> Iterator[None]
         raise
 
 
+# What a statement meets on a database not migrated for it (a table, column or schema missing),
+# and, with `NOT_GRANTED`, on one not ready for the role running it.
+NOT_MIGRATED = (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn, psycopg.errors.InvalidSchemaName)
+NOT_GRANTED = psycopg.errors.InsufficientPrivilege
+NOT_READY_ERRORS = (*NOT_MIGRATED, NOT_GRANTED)
+
+
 @contextmanager
 def _statement_errors(url: str, conn: psycopg.Connection, outcome: str) -> Iterator[None]:
     """A table, column or privilege the statements need and `conn` lacks, as a `SchemaNotReadyError`
@@ -322,9 +329,9 @@ def _statement_errors(url: str, conn: psycopg.Connection, outcome: str) -> Itera
     try:
         with statement_timeouts(conn, outcome):
             yield
-    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn, psycopg.errors.InvalidSchemaName) as exc:
+    except NOT_MIGRATED as exc:
         raise _not_migrated(url, exc, outcome) from exc
-    except psycopg.errors.InsufficientPrivilege as exc:
+    except NOT_GRANTED as exc:
         role = conn.info.user
         raise SchemaNotReadyError(
             f"PostgreSQL at {describe(url)} refused role {role!r} ({str(exc).strip()}); {outcome}. As the role "

@@ -39,6 +39,7 @@ from kafka2pg.planner import (
     time_left,
 )
 from kafka2pg.rows import clear_finished_staging
+from kafka2pg.stuck import stuck_batches
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,10 @@ def _open(
     resumed, abandoned = _resume_or_abandon(conn, pipeline, open_id, heads, offsets, identity, run_id, dry_run=dry_run)
     if resumed is not None:
         verb = "dry run: would resume" if dry_run else "resuming"
-        return OpenedBatch(
-            resumed, True, f"{verb} unfinished batch {resumed.batch_id} ({resumed.state}, epoch {resumed.epoch})"
-        )
+        message = f"{verb} unfinished batch {resumed.batch_id} ({resumed.state}, epoch {resumed.epoch})"
+        for stuck in stuck_batches(conn, pipeline.name, resumed.batch_id):  # said before it fails again
+            message += f"; it is STUCK: it failed at {stuck.step} in {stuck.runs} consecutive runs (`kafka2pg status`)"
+        return OpenedBatch(resumed, True, message)
     check_topic_identity(conn, pipeline, identity)
     # A partition without a head that an abandoned batch (of this topic) meant to read from an offset.
     planned_from = {}

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
-import psycopg
 from psycopg import Connection
 
 from kafka2pg.config import Pipeline, Settings
+from kafka2pg.database import NOT_READY_ERRORS
 from kafka2pg.exceptions import (
     KafkaAuthenticationError,
     KafkaRequestError,
@@ -127,12 +127,7 @@ def pipeline_status(settings: Settings, pipeline: Pipeline, conn: Connection) ->
 
 
 # What reading the ledger or the tables meets on a database `readiness_error` found not ready.
-NOT_READABLE = (
-    psycopg.errors.UndefinedTable,
-    psycopg.errors.UndefinedColumn,
-    psycopg.errors.InvalidSchemaName,
-    psycopg.errors.InsufficientPrivilege,
-)
+NOT_READABLE = NOT_READY_ERRORS
 
 
 def _read_status(

@@ -15,7 +15,7 @@ import psycopg
 from psycopg import Connection
 
 from kafka2pg.config import Settings
-from kafka2pg.database import transaction
+from kafka2pg.database import session, transaction
 from kafka2pg.exceptions import (
     PROCESS_STOPS,
     RESUMES_ON_TRIGGER,
@@ -211,7 +211,7 @@ def oldest_open_batch(settings: Settings, pipeline: str, run_id: str) -> tuple[i
     """(batch id, epoch) of the oldest batch `run_id` claimed that is still open: where a stage
     job of several batches stopped (the batches before it were promoted, a lookahead after it
     is planned from it); None when the run holds none."""
-    with transaction(settings.database_url) as conn:
+    with session(settings.database_url) as conn:
         return conn.execute(
             "SELECT batch_id, epoch FROM kafka2pg.batches WHERE pipeline = %s AND run_id = %s AND state = ANY(%s)"
             " ORDER BY batch_id LIMIT 1",

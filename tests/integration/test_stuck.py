@@ -93,8 +93,14 @@ def test_a_batch_failing_promotion_in_two_runs_is_stuck_in_status_verify_and_the
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "result: STUCK" in failed.stdout and f"batch {batch.batch_id} (validated" in failed.stdout
 
+    dry = open_batch(env.settings, env.pipeline, dry_run=True).message  # a plan says so too
+    assert dry.startswith(f"dry run: would resume unfinished batch {batch.batch_id} (validated, ")
+    assert dry.endswith("; it is STUCK: it failed at promote in 2 consecutive runs (`kafka2pg status`)"), dry
+
     db.execute(sql.SQL("DROP TRIGGER refuse ON {}").format(target))
-    third = open_batch(env.settings, env.pipeline, run_id="run-3").batch
+    third = open_batch(env.settings, env.pipeline, run_id="run-3")
+    assert "STUCK" in third.message  # resumed STUCK: this run may fail it again
+    third = third.batch
     assert tasks.promote(env.pipeline.name, third.batch_id, third.epoch)["promoted"] == 20
     assert "STUCK" not in ledger_report(env.settings, env.pipeline)
     passed = verify(env)

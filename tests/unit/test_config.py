@@ -547,3 +547,15 @@ def test_a_schedule_airflow_could_not_read_is_refused(tmp_path, schedule, refusa
         get_pipeline("orders", write(tmp_path, schedule=schedule))
     for fine in ("@hourly", "@once", "*/5 * * * *", "0 3 * * 1-5", None):
         assert get_pipeline("orders", write(tmp_path, schedule=fine)).schedule == fine
+
+
+@pytest.mark.parametrize("topic", ["bad topic!", "", ".."])
+def test_produce_refuses_a_topic_name_kafka_would_refuse_before_connecting(topic, capsys):
+    """Kafka's rule for topic names, as for the pipelines file: a usage error (2), not a Kafka outage."""
+    from kafka2pg import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["produce", "--topic", topic, "--count", "1"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --topic: topic: expected a Kafka topic name" in err and "Unavailable" not in err, err
