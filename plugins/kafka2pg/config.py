@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -22,6 +23,8 @@ import yaml
 from kafka2pg import locations
 from kafka2pg.exceptions import ConfigError, UnknownPipelineError, did_you_mean
 from kafka2pg.kafka_config import KafkaConfig
+
+log = logging.getLogger(__name__)
 
 # The Airflow Connections a pipeline's services come from, unless it names its own.
 DEFAULT_POSTGRES_CONN_ID = "kafka2pg_postgres"
@@ -475,6 +478,12 @@ def read_pipelines(path: Path | None = None) -> tuple[dict[str, Pipeline], dict[
             indexes[key] = index
         except ConfigError as exc:
             broken[key] = exc
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a shape no check foresaw: this entry's
+            log.debug("pipelines[%s] of %s", index, path, exc_info=True)
+            broken[key] = ConfigError(
+                f"{path}: pipelines[{index}]: not a pipeline kafka2pg can read ({type(exc).__name__}: {exc}); "
+                "check each field's type against the pipelines-file reference"
+            )
     for name, error in _clashes(path, [(indexes[p.name], p) for p in pipelines.values()]).items():
         broken[name] = error
         del pipelines[name]
@@ -562,10 +571,15 @@ _PIPELINE_KEYS = {
 }
 
 
+def _unknown_keys(raw: dict, known: set[str]) -> list[str]:
+    """`raw`'s keys not in `known`, as text (YAML also makes keys of numbers, null, lists)."""
+    return sorted(key if isinstance(key, str) else repr(key) for key in raw if key not in known)
+
+
 def _parse_pipeline(raw: Any, where: str) -> Pipeline:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping")
-    unknown = sorted(set(raw) - _PIPELINE_KEYS)
+    unknown = _unknown_keys(raw, _PIPELINE_KEYS)
     if unknown:
         raise ConfigError(
             f"{where}: unknown field(s) {', '.join(unknown)}{did_you_mean(unknown, _PIPELINE_KEYS)}. "
@@ -817,6 +831,12 @@ def _cron(raw: dict, key: str, where: str, default: str) -> str:
     value = raw.get(key, default)
     if not isinstance(value, str) or len(value.split()) != 5:
         raise ConfigError(f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {value!r}")
+    try:
+        from croniter import croniter  # as in `_schedule`
+    except ImportError:
+        return value
+    if not croniter.is_valid(value):
+        raise ConfigError(f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {value!r}")
     return value
 
 
@@ -858,7 +878,7 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
         here = f"{where}.columns[{index}]"
         if not isinstance(raw, dict):
             raise ConfigError(f"{here}: expected a mapping with name and type")
-        unknown = sorted(set(raw) - _COLUMN_KEYS)
+        unknown = _unknown_keys(raw, _COLUMN_KEYS)
         if unknown:
             raise ConfigError(
                 f"{here}: unknown field(s) {', '.join(unknown)}{did_you_mean(unknown, _COLUMN_KEYS)}. "
@@ -921,7 +941,7 @@ _COLUMN_KEYS = {
 def _column_type(value: Any, here: str) -> str:
     """The column's type as PostgreSQL DDL will get it: lower case, `numeric(p,s)` without spaces."""
     pg_type = value.strip().lower() if isinstance(value, str) else value
-    if pg_type in _SPARK_TYPES:
+    if isinstance(pg_type, str) and pg_type in _SPARK_TYPES:
         return pg_type
     match = _DECIMAL.fullmatch(pg_type) if isinstance(pg_type, str) else None
     if match is None:
@@ -986,9 +1006,13 @@ def _rules(raw: dict, here: str, pg_type: str) -> tuple:
             continue
         if not _NUMERIC.fullmatch(pg_type):
             raise ConfigError(f"{here}.{key}: only numeric columns can have a range, not {pg_type}")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{here}.{key}: expected a number, got {value!r}")
-        bounds.append(float(value))
+        try:
+            bound = None if isinstance(value, bool) or not isinstance(value, int | float) else float(value)
+        except OverflowError:  # an integer beyond float's range
+            bound = None
+        if bound is None or not math.isfinite(bound):
+            raise ConfigError(f"{here}.{key}: expected a finite number, got {value!r}")
+        bounds.append(bound)
     if None not in bounds and bounds[0] > bounds[1]:
         raise ConfigError(f"{here}: min {bounds[0]} is above max {bounds[1]}")
     allowed = raw.get("allowed")

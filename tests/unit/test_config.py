@@ -149,6 +149,22 @@ def test_good_file_parses_with_defaults(tmp_path):
         ({"spark_conf": ["spark.x=1"]}, r"\(orders\)\.spark_conf: expected a mapping of Spark settings"),
         ({"spark_conf": {"spark.x": None}}, r"\(orders\)\.spark_conf: spark.x: expected a string or number"),
         ({"spark_log_level": "info"}, r"\(orders\)\.spark_log_level: expected one of WARN, ERROR, INFO, DEBUG"),
+        # YAML's lists and mappings where a type name goes (unhashable: a TypeError escaped).
+        ({"columns": [column(type=["text"])]}, r"columns\[0\]\.type: unsupported type \['text'\]"),
+        ({"columns": [column(type={"a": 1})]}, r"columns\[0\]\.type: unsupported type \{'a': 1\}"),
+        # Five fields are not yet a cron expression: Airflow refused it when it parsed the DAG file.
+        ({"replay_interval": "a b c d e"}, r"\(orders\)\.replay_interval: expected a 5-field cron expression"),
+        ({"replay_interval": "0 0 31 2 9"}, r"\(orders\)\.replay_interval: expected a 5-field cron expression"),
+        # A bound no value can be compared with (.nan flagged every row) or beyond every value.
+        (
+            {"columns": [column(type="numeric(10,2)", min=float("nan"))]},
+            r"columns\[0\]\.min: expected a finite number, got nan",
+        ),
+        (
+            {"columns": [column(type="numeric(10,2)", max=float("inf"))]},
+            r"columns\[0\]\.max: expected a finite number, got inf",
+        ),
+        ({"columns": [column(type="numeric(10,2)", max=10**400)]}, r"columns\[0\]\.max: expected a finite number"),
     ],
 )
 def test_bad_field_is_named(tmp_path, changes, message):
@@ -191,7 +207,7 @@ def test_column_rules_parse_typed_and_bad_rules_name_the_field(tmp_path):
     assert (columns[2].allowed, columns[2].on_violation) == ((1, 2), "fail")
     for bad, message in (
         ({"type": "bigint", "min": 5, "max": 1}, r"columns\[1\]: min 5.0 is above max 1.0"),
-        ({"type": "bigint", "max": "ten"}, r"columns\[1\].max: expected a number"),
+        ({"type": "bigint", "max": "ten"}, r"columns\[1\].max: expected a finite number, got .ten."),
         ({"type": "text", "min": 1}, r"columns\[1\].min: only numeric columns can have a range, not text"),
         ({"type": "bigint", "allowed": [1, "2"]}, r"columns\[1\].allowed: values \['2'\] are not of the column's type"),
         ({"type": "jsonb", "allowed": [1]}, r"columns\[1\].allowed: only text, bigint, integer, boolean columns"),
@@ -559,3 +575,38 @@ def test_produce_refuses_a_topic_name_kafka_would_refuse_before_connecting(topic
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "argument --topic: topic: expected a Kafka topic name" in err and "Unavailable" not in err, err
+
+
+@pytest.mark.parametrize("key", [1, None, True])
+def test_a_key_yaml_reads_as_no_string_is_named_as_an_unknown_field(tmp_path, key):
+    from kafka2pg.config import read_pipelines
+
+    path = write_all(tmp_path, GOOD, {**GOOD, "name": "other", "topic": "other", "target_table": "other", key: "x"})
+    pipelines, broken = read_pipelines(path)
+    assert list(pipelines) == ["orders"] and list(broken) == ["other"]
+    assert f"pipelines[1]: unknown field(s) {key!r}" in str(broken["other"])
+    column_key = write(tmp_path, columns=[{"name": "n", "type": "text", key: 1}])
+    with pytest.raises(ConfigError, match=rf"columns\[0\]: unknown field\(s\) {key!r}"):
+        load_pipelines(column_key)
+
+
+def test_an_entry_no_check_foresaw_spoils_only_itself(tmp_path, monkeypatch):
+    """A shape of entry that slips past every check and fails its parsing with a TypeError (or
+    the like) is that entry's configuration error: the others are read (their DAGs are built)."""
+    from kafka2pg import config
+
+    real = config._target
+
+    def target(value, where):
+        if value == "public.odd":
+            raise TypeError("unhashable type: 'list'")
+        return real(value, where)
+
+    monkeypatch.setattr(config, "_target", target)
+    path = write_all(tmp_path, GOOD, {**GOOD, "name": "odd", "topic": "odd", "target_table": "public.odd"})
+    pipelines, broken = config.read_pipelines(path)
+    assert list(pipelines) == ["orders"] and list(broken) == ["odd"]
+    assert str(broken["odd"]) == (
+        f"{path}: pipelines[1]: not a pipeline kafka2pg can read (TypeError: unhashable type: 'list'); "
+        "check each field's type against the pipelines-file reference"
+    )
