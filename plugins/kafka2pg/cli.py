@@ -404,8 +404,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_quarantine(args: argparse.Namespace) -> int:
     from kafka2pg.report import quarantine_listing
 
-    if args.limit < 1:
-        raise ConfigError(f"quarantine --limit {args.limit}: give 1 or more")
     settings, pipeline = _pipeline(args)
     print(quarantine_listing(settings, pipeline, args.batch_id, args.limit))
     return 0
@@ -441,9 +439,16 @@ def _export_report(args: argparse.Namespace) -> int:
     if args.out is None:
         sys.stdout.write(page)
         return 0
-    args.out.write_text(page)
+    _write_report(args, page)
     print(f"pipeline {pipeline.name} batch {args.batch_id}: quality report written to {args.out}")
     return 0
+
+
+def _write_report(args: argparse.Namespace, page: str) -> None:
+    try:
+        args.out.write_text(page)
+    except OSError as exc:
+        raise ConfigError(f"report --out {args.out}: cannot write it: {exc.strerror or exc}") from None
 
 
 def cmd_reset(args: argparse.Namespace) -> int:
@@ -536,12 +541,32 @@ def cmd_offsets(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    """argparse type: a whole number of at least 1."""
+def _not_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+# PostgreSQL's bigint: what a batch id, a count or an offset the ledger keeps can be.
+BIGINT_MAX = 2**63 - 1
+
+
+def _bigint(text: str) -> int:
+    """argparse type: a whole number PostgreSQL's bigint holds."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not -BIGINT_MAX - 1 <= value <= BIGINT_MAX:
+        raise argparse.ArgumentTypeError(f"out of range: {text} (at most {BIGINT_MAX})")
+    return value
+
+
+def _positive(text: str) -> int:
+    """argparse type: a whole number from 1 to `BIGINT_MAX`."""
+    value = _bigint(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
     return value
@@ -652,7 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the result stored in PostgreSQL",
     )
     p.add_argument("--pipeline")
-    p.add_argument("--batch-id", type=int)
+    p.add_argument("--batch-id", type=_bigint)
     p.add_argument(
         "--html",
         action="store_true",
@@ -667,8 +692,8 @@ def build_parser() -> argparse.ArgumentParser:
         "reason",
     )
     p.add_argument("--pipeline", required=True)
-    p.add_argument("--batch-id", type=int)
-    p.add_argument("--limit", type=int, default=50, help="rows to list at most (default 50)")
+    p.add_argument("--batch-id", type=_bigint)
+    p.add_argument("--limit", type=_positive, default=50, help="rows to list at most (default 50)")
     p.set_defaults(func=cmd_quarantine)
 
     p = sub.add_parser("reset", help="realign a partition's ledger head after the topic was recreated/restored")
@@ -704,7 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("undo", help="take back the newest promoted batch: delete its rows, rewind its heads")
     p.add_argument("--pipeline", required=True)
-    p.add_argument("--batch-id", type=int, required=True)
+    p.add_argument("--batch-id", type=_bigint, required=True)
     p.add_argument("--reason", default="", help="recorded in kafka2pg.replays")
     p.add_argument("--requested-by", default="", help="recorded in kafka2pg.replays (default: your user name)")
     p.add_argument("--confirm", action="store_true", help="apply; without it, only say what would change")
@@ -721,13 +746,18 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument("--pipeline", required=True)
-        p.add_argument("--batch-id", type=int, required=True)
+        p.add_argument("--batch-id", type=_bigint, required=True)
         p.set_defaults(func=func)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    for arg in argv:  # bytes that are no UTF-8 reach Python as lone surrogates, which no output takes
+        if not arg.isascii() and _not_utf8(arg):
+            parser.error(f"argument {arg!r} is not valid UTF-8")
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -4,6 +4,8 @@ target and staging tables; `kafka2pg grant` prints them or applies them as the o
 
 from __future__ import annotations
 
+import shlex
+
 import psycopg
 from psycopg import Connection, sql
 
@@ -57,7 +59,8 @@ def apply_grants(database_url: str, pipelines: list[Pipeline], role: str) -> Non
         if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone() is None:
             raise ConfigError(
                 f"role {role!r} does not exist in PostgreSQL at {describe(database_url)}: create it first "
-                f'(CREATE ROLE "{role}" LOGIN PASSWORD ...), then run `kafka2pg grant --role {role}` again.'
+                f"(CREATE ROLE {sql.Identifier(role).as_string(conn)} LOGIN PASSWORD ...), then run "
+                f"`kafka2pg grant --role {shlex.quote(role)}` again."
             )
         # GRANT warns instead of failing when the grantor may pass on only part of a privilege.
         conn.add_notice_handler(lambda notice: _keep_warning(notice, refused))

@@ -169,6 +169,11 @@ def test_migrate_and_grant_need_only_the_database_not_kafka(make_pipeline, monke
     assert f"-- kafka2pg_postgres ({describe(env.settings.database_url)})\n" in printed, printed
     assert cli.main(["offsets", "--pipeline", env.pipeline.name, "--from", "2026-01-02", "--to", "2026-01-01"]) == 2
     assert "--from 2026-01-02 must be before --to 2026-01-01" in capsys.readouterr().err
+    # A role that does not exist: the CREATE ROLE to copy quotes its name as PostgreSQL reads it.
+    assert cli.main(["grant", "--role", 'a"; DROP TABLE x; --']) == 2
+    said = capsys.readouterr().err
+    assert '(CREATE ROLE "a""; DROP TABLE x; --" LOGIN PASSWORD ...)' in said, said
+    assert "`kafka2pg grant --role 'a\"; DROP TABLE x; --'` again" in said, said
 
 
 def test_stage_and_report_of_a_batch_not_there_or_done_say_so_without_starting_spark(

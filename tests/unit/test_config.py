@@ -610,3 +610,33 @@ def test_an_entry_no_check_foresaw_spoils_only_itself(tmp_path, monkeypatch):
         f"{path}: pipelines[1]: not a pipeline kafka2pg can read (TypeError: unhashable type: 'list'); "
         "check each field's type against the pipelines-file reference"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "refusal"),
+    [
+        (["report", "--batch-id", "99999999999999999999"], "argument --batch-id: out of range: 99999999999999999999"),
+        (["quarantine", "--pipeline", "p", "--limit", str(2**63)], "argument --limit: out of range"),
+        (["quarantine", "--pipeline", "p", "--limit", "0"], "argument --limit: must be 1 or more, got 0"),
+        (["undo", "--pipeline", "p", "--batch-id", "1", "--reason", "\udcff\udcfe"], "is not valid UTF-8"),
+        (["grant", "--role", "x\udcff"], "argument 'x\\udcff' is not valid UTF-8"),
+    ],
+)
+def test_arguments_no_database_or_terminal_takes_are_usage_errors(argv, refusal, capsys):
+    """Before any connection: a number beyond PostgreSQL's bigint, bytes that are no UTF-8 (a
+    traceback each, after the undo's transaction had begun)."""
+    from kafka2pg import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert refusal in capsys.readouterr().err
+
+
+def test_report_out_to_a_path_it_cannot_write_is_an_error_not_a_trace(tmp_path, monkeypatch, capsys):
+    from kafka2pg import cli
+    from kafka2pg.exceptions import ConfigError
+
+    args = type("Args", (), {"out": tmp_path})()  # a directory
+    with pytest.raises(ConfigError, match=rf"report --out {tmp_path}: cannot write it: Is a directory"):
+        cli._write_report(args, "<html></html>")
