@@ -272,8 +272,19 @@ def reset_head(
             "SELECT topic_id FROM kafka2pg.ledger_heads WHERE pipeline = %s AND kafka_partition = %s",
             (pipeline.name, partition),
         ).fetchone()
+        same_topic = identity is not None and head_id == (identity,)
+        if same_topic and to_offset == current:
+            raise BatchStateError(
+                f"pipeline {pipeline.name!r}: partition {partition}'s head is {current} already, in topic "
+                f"{pipeline.topic!r} as it is now (ID {identity}): nothing to reset. Nothing was changed",
+                pipeline=pipeline.name,
+                topic=pipeline.topic,
+                partition=partition,
+                offsets=to_offset,
+                head=current,
+            )
         back = to_offset is not None and current is not None and to_offset < current
-        if back and identity is not None and head_id == (identity,) and not archive_old_rows:
+        if back and same_topic and not archive_old_rows:
             raise BatchStateError(
                 f"pipeline {pipeline.name!r}: partition {partition}'s head {current} is an offset in topic "
                 f"{pipeline.topic!r} as it is now (ID {identity}), not a recreated one: moving it back to {to_offset} "
@@ -299,7 +310,13 @@ def reset_head(
                 "will never be loaded: they are skipped, not lost to Kafka, and no audit reports them"
             )
         old_rows = _old_rows(conn, pipeline, partition)
-        if old_rows:
+        if old_rows and same_topic and not archive_old_rows:  # the same topic: only the audit's start moves
+            message += (
+                f"; the {old_rows} promoted/quarantined rows of partition {partition} loaded before the reset stay, "
+                "but `kafka2pg verify` audits the partition from the reset on and `kafka2pg replay` re-reads only "
+                "offsets loaded after it"
+            )
+        elif old_rows:
             message += (
                 f"; {old_rows} promoted/quarantined rows of partition {partition} came from the topic before the "
                 + ("reset: archived to kafka2pg.archived_rows" if archive_old_rows else "reset and keep their offsets")
