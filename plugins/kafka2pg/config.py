@@ -246,15 +246,6 @@ class Column:
         """Whether the column declares a range (a minimum, a maximum or both)."""
         return self.minimum is not None or self.maximum is not None
 
-    @property
-    def range_words(self) -> str:
-        """The declared range in words: `range [min, max]`, or the one bound declared."""
-        if self.maximum is None:
-            return f"minimum {self.minimum}"
-        if self.minimum is None:
-            return f"maximum {self.maximum}"
-        return f"range [{self.minimum}, {self.maximum}]"
-
 
 @dataclass(frozen=True)
 class Pipeline:
