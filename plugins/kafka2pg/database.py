@@ -471,18 +471,8 @@ NO_NESTED_LOOPS = {"enable_nestloop": "off"}
 
 
 # SQLSTATEs that mean "this row's data", never "this database": data exceptions (class 22),
-# integrity violations (class 23), program_limit_exceeded (an index row or a row too big) and a
-# trigger's own verdict on the row (PL/pgSQL's RAISE EXCEPTION without an ERRCODE, P0001, and
-# ASSERT, P0004: a validation trigger). A trigger that refuses every row is the table's fault
-# all the same (`REFUSALS_BEFORE_BLAMING_THE_TABLE`); one that means "not now" raises another
-# SQLSTATE (docs/operations.md).
-DATA_ERRORS = (
-    psycopg.errors.DataError,
-    psycopg.errors.IntegrityError,
-    psycopg.errors.ProgramLimitExceeded,
-    psycopg.errors.RaiseException,
-    psycopg.errors.AssertFailure,
-)
+# integrity violations (class 23) and program_limit_exceeded (an index row or a row too big).
+DATA_ERRORS = (psycopg.errors.DataError, psycopg.errors.IntegrityError, psycopg.errors.ProgramLimitExceeded)
 
 
 # Refusals past which isolating rows stops: at least this many, and more than half of the rows

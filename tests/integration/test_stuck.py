@@ -40,12 +40,10 @@ def test_a_batch_failing_promotion_in_two_runs_is_stuck_in_status_verify_and_the
     monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
     monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
     target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
-    # Not a data error: the database refuses every insert into the target (a trigger saying "not
-    # now" with a SQLSTATE that is no verdict on the row).
+    # Not a data error: the database refuses every insert into the target (a broken trigger).
     db.execute(
-        "CREATE OR REPLACE FUNCTION public.refuse_all() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
-        " RAISE EXCEPTION 'target is read-only for maintenance' USING ERRCODE = 'object_not_in_prerequisite_state';"
-        " END $$"
+        "CREATE OR REPLACE FUNCTION public.refuse_all() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$ BEGIN RAISE EXCEPTION 'target is read-only for maintenance'; END $$"
     )
     db.execute(sql.SQL("CREATE TRIGGER refuse BEFORE INSERT ON {} EXECUTE FUNCTION public.refuse_all()").format(target))
 

@@ -44,44 +44,6 @@ def test_a_check_constraint_on_the_target_quarantines_only_its_rows_and_the_batc
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
 
 
-@pytest.mark.parametrize("verdict", ["RAISE EXCEPTION 'customer % is not ours', NEW.customer_id", "ASSERT false"])
-def test_a_validation_trigger_that_raises_for_a_row_quarantines_only_its_rows(make_pipeline, run_batch, db, verdict):
-    """A trigger's RAISE EXCEPTION (P0001) or ASSERT (P0004) is a verdict on its row, like a CHECK:
-    that row is quarantined with the trigger's words, the batch promotes and the pipeline goes on."""
-    env = make_pipeline(partitions=2)
-    events = list(sample_events(40, seed=85))
-    for event in events[::9]:
-        event["customer_id"] = 100_000 + events.index(event)
-    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
-    db.execute(
-        sql.SQL(
-            "CREATE OR REPLACE FUNCTION public.only_ours() RETURNS trigger LANGUAGE plpgsql AS"
-            " $$ BEGIN IF NEW.customer_id >= 100000 THEN {}; END IF; RETURN NEW; END $$"
-        ).format(sql.SQL(verdict))
-    )
-    db.execute(
-        sql.SQL("CREATE TRIGGER only_ours BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION public.only_ours()").format(
-            target
-        )
-    )
-    produce(env.settings.bootstrap_servers, env.topic, events)
-
-    result = run_batch(env)
-
-    refused = {e["event_id"]: e["customer_id"] for e in events[::9]}
-    assert (result.promoted, result.quarantined) == (40 - len(refused), len(refused))
-    reasons = dict(
-        db.execute(
-            "SELECT record->>'event_id', reason FROM kafka2pg.quarantine WHERE pipeline = %s", (env.pipeline.name,)
-        ).fetchall()
-    )
-    assert set(reasons) == set(refused)
-    for event_id, customer in refused.items():
-        said = f"P0001 customer {customer} is not ours" if verdict.startswith("RAISE") else "P0004 assertion failed"
-        assert reasons[event_id] == f"PostgreSQL refused the row at promotion: {said}", reasons
-    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
-
-
 def test_a_row_the_staging_copy_refuses_is_isolated_and_quarantined(make_pipeline, run_batch, db):
     env = make_pipeline(partitions=1)
     events = list(sample_events(30, seed=82))
