@@ -560,7 +560,9 @@ def _bigint(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if not -BIGINT_MAX - 1 <= value <= BIGINT_MAX:
-        raise argparse.ArgumentTypeError(f"out of range: {text} (at most {BIGINT_MAX})")
+        raise argparse.ArgumentTypeError(
+            f"out of range: {text} (PostgreSQL's bigint: {-BIGINT_MAX - 1} to {BIGINT_MAX})"
+        )
     return value
 
 

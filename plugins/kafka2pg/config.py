@@ -478,8 +478,9 @@ def read_pipelines(path: Path | None = None) -> tuple[dict[str, Pipeline], dict[
             indexes[key] = index
         except ConfigError as exc:
             broken[key] = exc
-        except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a shape no check foresaw: this entry's
-            log.debug("pipelines[%s] of %s", index, path, exc_info=True)
+        except (TypeError, ValueError, ArithmeticError, AttributeError, KeyError) as exc:  # a shape no check foresaw
+            # This entry's error; the trace, in case the parser is at fault rather than the entry.
+            log.warning("pipelines[%s] of %s could not be read", index, path, exc_info=True)
             broken[key] = ConfigError(
                 f"{path}: pipelines[{index}]: not a pipeline kafka2pg can read ({type(exc).__name__}: {exc}); "
                 "check each field's type against the pipelines-file reference"
@@ -784,9 +785,21 @@ def _positive_number(raw: dict, key: str, where: str, default: float | None) -> 
     value = raw.get(key, default)
     if value is None and default is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+    number = _finite(value)
+    if number is None or not number > 0:
         raise ConfigError(f"{where}.{key}: expected a positive number, got {value!r}{_null_note(value, default)}")
-    return float(value)
+    return number
+
+
+def _finite(value: Any) -> float | None:
+    """`value` as a float if it is a finite number (not a bool, nor an integer beyond float's range)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _task_timeout(raw: dict, where: str) -> float | None:
@@ -836,7 +849,10 @@ def _cron(raw: dict, key: str, where: str, default: str) -> str:
     except ImportError:
         return value
     if not croniter.is_valid(value):
-        raise ConfigError(f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {value!r}")
+        raise ConfigError(
+            f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {value!r} "
+            "(not a cron expression croniter reads)"
+        )
     return value
 
 
@@ -1006,11 +1022,8 @@ def _rules(raw: dict, here: str, pg_type: str) -> tuple:
             continue
         if not _NUMERIC.fullmatch(pg_type):
             raise ConfigError(f"{here}.{key}: only numeric columns can have a range, not {pg_type}")
-        try:
-            bound = None if isinstance(value, bool) or not isinstance(value, int | float) else float(value)
-        except OverflowError:  # an integer beyond float's range
-            bound = None
-        if bound is None or not math.isfinite(bound):
+        bound = _finite(value)
+        if bound is None:
             raise ConfigError(f"{here}.{key}: expected a finite number, got {value!r}")
         bounds.append(bound)
     if None not in bounds and bounds[0] > bounds[1]:

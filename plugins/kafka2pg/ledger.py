@@ -273,10 +273,11 @@ def reset_head(
             (pipeline.name, partition),
         ).fetchone()
         same_topic = identity is not None and head_id == (identity,)
-        if same_topic and to_offset == current:
+        if same_topic and to_offset == current and open_id is None and not archive_old_rows:
             raise BatchStateError(
                 f"pipeline {pipeline.name!r}: partition {partition}'s head is {current} already, in topic "
-                f"{pipeline.topic!r} as it is now (ID {identity}): nothing to reset. Nothing was changed",
+                f"{pipeline.topic!r} as it is now (ID {identity}), and no batch is open: nothing to reset. Nothing was "
+                "changed",
                 pipeline=pipeline.name,
                 topic=pipeline.topic,
                 partition=partition,

@@ -573,6 +573,11 @@ def test_a_reset_forward_says_which_offsets_kafka_holds_that_will_never_be_loade
     audits = assert_audit_clean(env)
     shown = format_audit(env.pipeline, audits)  # the audit says where it starts: at the reset
     assert f"partition 0 audited since its reset (to offset 5, after batch {loaded.batch_id}): " in shown, shown
+    # With a batch open, a reset to the same head abandons it: allowed.
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(3, seed=42)))
+    planned = open_batch(env.settings, env.pipeline).batch
+    same = reset_head(env.settings, env.pipeline, 0, 30, reason="abandon it", confirm=False)
+    assert f"head 30 -> 30; unfinished batch {planned.batch_id} is abandoned" in same.message, same.message
 
 
 def test_a_time_window_maps_to_per_partition_offsets(make_pipeline):

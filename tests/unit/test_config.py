@@ -640,3 +640,13 @@ def test_report_out_to_a_path_it_cannot_write_is_an_error_not_a_trace(tmp_path, 
     args = type("Args", (), {"out": tmp_path})()  # a directory
     with pytest.raises(ConfigError, match=rf"report --out {tmp_path}: cannot write it: Is a directory"):
         cli._write_report(args, "<html></html>")
+
+
+@pytest.mark.parametrize("key", ["task_timeout_minutes", "data_loss_warning_hours"])
+def test_a_number_beyond_floats_range_is_named_not_an_overflow_of_the_whole_file(tmp_path, key):
+    from kafka2pg.config import read_pipelines
+
+    huge = {**GOOD, "name": "huge", "topic": "huge", "target_table": "huge", key: 10**400}
+    pipelines, broken = read_pipelines(write_all(tmp_path, GOOD, huge))
+    assert list(pipelines) == ["orders"] and list(broken) == ["huge"]
+    assert f"pipelines[1] (huge).{key}: expected a positive number, got 1000" in str(broken["huge"])
