@@ -1008,6 +1008,8 @@ def _quoted_numbers(raw: dict, here: str, pg_type: str) -> bool:
 
 _NUMERIC = re.compile(r"bigint|integer|double precision|numeric\([0-9]+,[0-9]+\)")
 _ALLOWED_TYPES = {"text": str, "bigint": int, "integer": int, "boolean": bool}
+# What PostgreSQL's integer types hold.
+_INTEGER_RANGES = {"bigint": (-(2**63), 2**63 - 1), "integer": (-(2**31), 2**31 - 1)}
 
 
 def _rules(raw: dict, here: str, pg_type: str) -> tuple:
@@ -1036,6 +1038,9 @@ def _rules(raw: dict, here: str, pg_type: str) -> tuple:
         if not isinstance(allowed, list) or not allowed:
             raise ConfigError(f"{here}.allowed: expected a non-empty list of values, got {allowed!r}")
         wrong = [v for v in allowed if not isinstance(v, kind) or (kind is int and isinstance(v, bool))]
+        low, high = _INTEGER_RANGES.get(pg_type, (None, None))
+        wrong += [v for v in allowed if v not in wrong and low is not None and not low <= v <= high]
+        wrong += [v for v in allowed if v not in wrong and isinstance(v, str) and "\x00" in v]  # text holds no NUL
         if wrong:
             raise ConfigError(f"{here}.allowed: values {wrong!r} are not of the column's type {pg_type}")
         allowed = tuple(allowed)

@@ -211,6 +211,10 @@ def test_column_rules_parse_typed_and_bad_rules_name_the_field(tmp_path):
         ({"type": "text", "min": 1}, r"columns\[1\].min: only numeric columns can have a range, not text"),
         ({"type": "bigint", "allowed": [1, "2"]}, r"columns\[1\].allowed: values \['2'\] are not of the column's type"),
         ({"type": "jsonb", "allowed": [1]}, r"columns\[1\].allowed: only text, bigint, integer, boolean columns"),
+        # Values the column's type cannot hold: the gate's typed array cast failed at run time.
+        ({"type": "bigint", "allowed": [1, 2**63]}, r"columns\[1\].allowed: values \[9223372036854775808\] are not"),
+        ({"type": "integer", "allowed": [-(2**31) - 1]}, r"columns\[1\].allowed: values \[-2147483649\] are not"),
+        ({"type": "text", "allowed": ["a", "b\x00"]}, r"columns\[1\].allowed: values \['b\\x00'\] are not"),
         ({"type": "bigint", "on_violation": "ignore"}, r"columns\[1\].on_violation: expected one of fail, quarantine"),
         ({"type": "bigint", "on_violation": "quarantine"}, r"columns\[1\].on_violation: the column declares no rule"),
     ):
