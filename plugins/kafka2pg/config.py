@@ -831,24 +831,26 @@ def _schedule(raw: dict, where: str) -> str | None:
         raise ConfigError(
             f"{expected}, got the text {value!r}: for runs only when triggered, leave schedule out (or write null)"
         )
-    try:
-        from croniter import croniter  # Airflow's own cron parser; not where the config is read without Airflow
-    except ImportError:
-        return value
-    if value.strip() not in SCHEDULE_PRESETS and not croniter.is_valid(value):
+    if value.strip() not in SCHEDULE_PRESETS and not _croniter_reads(value):
         raise ConfigError(f"{expected}, got {value!r} (not a cron expression croniter reads)")
     return value
+
+
+def _croniter_reads(value: str) -> bool:
+    """Whether croniter, Airflow's own cron parser, reads `value` (True where it is not installed:
+    the config is read without Airflow too, and Airflow checks it where it runs)."""
+    try:
+        from croniter import croniter
+    except ImportError:
+        return True
+    return croniter.is_valid(value)
 
 
 def _cron(raw: dict, key: str, where: str, default: str) -> str:
     value = raw.get(key, default)
     if not isinstance(value, str) or len(value.split()) != 5:
         raise ConfigError(f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {value!r}")
-    try:
-        from croniter import croniter  # as in `_schedule`
-    except ImportError:
-        return value
-    if not croniter.is_valid(value):
+    if not _croniter_reads(value):
         raise ConfigError(
             f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {value!r} "
             "(not a cron expression croniter reads)"
@@ -1012,6 +1014,17 @@ _ALLOWED_TYPES = {"text": str, "bigint": int, "integer": int, "boolean": bool}
 _INTEGER_RANGES = {"bigint": (-(2**63), 2**63 - 1), "integer": (-(2**31), 2**31 - 1)}
 
 
+def _holds(pg_type: str, kind: type, value: Any) -> bool:
+    """Whether a column of `pg_type` (`kind` in Python) holds `value`: its type, an integer
+    type's range, text without a NUL."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        return False
+    if pg_type in _INTEGER_RANGES:
+        low, high = _INTEGER_RANGES[pg_type]
+        return low <= value <= high
+    return not (isinstance(value, str) and "\x00" in value)
+
+
 def _rules(raw: dict, here: str, pg_type: str) -> tuple:
     """A column's declared value rules: min/max (numeric columns), allowed values (text, integer,
     boolean columns, typed like the column), and what a violation does. `pg_type` as
@@ -1037,10 +1050,7 @@ def _rules(raw: dict, here: str, pg_type: str) -> tuple:
             raise ConfigError(f"{here}.allowed: only {', '.join(_ALLOWED_TYPES)} columns can list allowed values")
         if not isinstance(allowed, list) or not allowed:
             raise ConfigError(f"{here}.allowed: expected a non-empty list of values, got {allowed!r}")
-        wrong = [v for v in allowed if not isinstance(v, kind) or (kind is int and isinstance(v, bool))]
-        low, high = _INTEGER_RANGES.get(pg_type, (None, None))
-        wrong += [v for v in allowed if v not in wrong and low is not None and not low <= v <= high]
-        wrong += [v for v in allowed if v not in wrong and isinstance(v, str) and "\x00" in v]  # text holds no NUL
+        wrong = [v for v in allowed if not _holds(pg_type, kind, v)]
         if wrong:
             raise ConfigError(f"{here}.allowed: values {wrong!r} are not of the column's type {pg_type}")
         allowed = tuple(allowed)

@@ -9,9 +9,9 @@ from psycopg import Connection, sql
 
 from kafka2pg.batch_store import load_claimed
 from kafka2pg.config import Pipeline, Settings
-from kafka2pg.database import session
+from kafka2pg.database import NOT_READY_ERRORS, session
 from kafka2pg.lifecycle import BatchState
-from kafka2pg.status import NOT_READABLE, PipelineStatus, pipeline_status
+from kafka2pg.status import PipelineStatus, pipeline_status
 from kafka2pg.task_log import fit, table
 
 
@@ -67,7 +67,7 @@ def _count(conn: Connection, status: PipelineStatus, query: str | sql.Composed, 
     yet, not granted) is "unknown": the NOT READY line says what to run."""
     try:
         return conn.execute(query, params).fetchone()[0]
-    except NOT_READABLE:
+    except NOT_READY_ERRORS:
         if status.not_ready is None:
             raise
         return "unknown (NOT READY)"

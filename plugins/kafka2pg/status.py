@@ -120,14 +120,10 @@ def pipeline_status(settings: Settings, pipeline: Pipeline, conn: Connection) ->
     not_ready = readiness_error(settings, pipeline, conn)
     try:
         return _read_status(settings, pipeline, conn, not_ready)
-    except NOT_READABLE as exc:  # the tables cannot be read: what is missing, all of it, and what to run
+    except NOT_READY_ERRORS as exc:  # the tables cannot be read: what is missing, all of it, and what to run
         if not_ready is None:
             raise
         raise not_ready from exc
-
-
-# What reading the ledger or the tables meets on a database `readiness_error` found not ready.
-NOT_READABLE = NOT_READY_ERRORS
 
 
 def _read_status(
