@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import secrets
 import sys
 from collections.abc import Callable, Mapping
@@ -71,7 +72,14 @@ def _each_selected(args: argparse.Namespace) -> tuple[list[Pipeline], dict[str, 
     return list(pipelines.values()), broken
 
 
+# Each `stack` flag and the one action it changes: given to another, it would do nothing.
+_STACK_FLAGS = {"confirm": "reset", "bench": "install", "secured": "start"}
+
+
 def cmd_stack(args: argparse.Namespace) -> int:
+    for flag, action in _STACK_FLAGS.items():
+        if getattr(args, flag) and args.action != action:
+            raise ConfigError(f"stack {args.action}: --{flag} is for `{COMMAND} stack {action}` only; nothing was done")
     cache = state_dir()
     if args.action == "install":
         from kafka2pg import class_archive
@@ -480,7 +488,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from kafka2pg.migrations import require_ready
     from kafka2pg.quality import validate_batch
     from kafka2pg.replay import CLI_RUN_ID, open_replay, split_differences
-    from kafka2pg.replay_request import request_from_params
+    from kafka2pg.replay_request import CLI_NAMES, request_from_params
     from kafka2pg.steps import promote_batch
 
     if not args.offsets and not (args.start or args.end):
@@ -493,7 +501,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "to_time": args.end,
         "reason": args.reason,
     }
-    request = request_from_params(params, run_type="manual", requested_by=args.requested_by)
+    request = request_from_params(params, run_type="manual", requested_by=args.requested_by, names=CLI_NAMES)
     assert request is not None  # a manual request without ranges or window raises instead
     require_ready(settings, pipeline)
     opened = open_replay(settings, pipeline, request, run_id=CLI_RUN_ID)
@@ -554,11 +562,13 @@ BIGINT_MAX = 2**63 - 1
 
 
 def _bigint(text: str) -> int:
-    """argparse type: a whole number PostgreSQL's bigint holds."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    """argparse type: a whole number PostgreSQL's bigint holds, in ASCII digits.
+
+    Python's int() also takes "+1", "1_000", spaces and other scripts' digits; a flag does not.
+    """
+    if not re.fullmatch(r"-?[0-9]+", text):
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    value = int(text)
     if not -BIGINT_MAX - 1 <= value <= BIGINT_MAX:
         raise argparse.ArgumentTypeError(
             f"out of range: {text} (PostgreSQL's bigint: {-BIGINT_MAX - 1} to {BIGINT_MAX})"
@@ -566,18 +576,29 @@ def _bigint(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    """argparse type: a whole number from 1 to `BIGINT_MAX`."""
-    value = _bigint(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
+def _at_least(low: int, high: int = BIGINT_MAX) -> Callable[[str], int]:
+    """argparse type: a whole number from `low` to `high`."""
+
+    def parse(text: str) -> int:
+        value = _bigint(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {low} or more, got {value}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be {high} or less, got {value}")
+        return value
+
+    return parse
+
+
+_positive = _at_least(1)
+_offset = _at_least(0)
+_partition = _at_least(0, 2**31 - 1)  # Kafka's partition numbers are int32
 
 
 def _topic(text: str) -> str:
     """argparse type: a name Kafka takes for a topic."""
     try:
-        return topic_name(text, "topic")
+        return topic_name(text, "")  # argparse names the flag
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -658,7 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--seed",
-        type=int,
+        type=_bigint,
         help="the same seed gives the same events (and business keys, which the pipeline flags as duplicates "
         "once promoted); default: a new one each time",
     )
@@ -700,9 +721,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reset", help="realign a partition's ledger head after the topic was recreated/restored")
     p.add_argument("--pipeline", required=True)
-    p.add_argument("--partition", type=int, required=True)
+    p.add_argument("--partition", type=_partition, required=True)
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--to-offset", type=int, help="the new head (next offset to read)")
+    where.add_argument("--to-offset", type=_offset, help="the new head (next offset to read)")
     where.add_argument("--drop", action="store_true", help="drop the head of a partition the topic no longer has")
     p.add_argument("--reason", default="no reason given", help="why: recorded in kafka2pg.ledger_resets")
     p.add_argument(

@@ -720,11 +720,11 @@ def _check_locations(columns: tuple[Column, ...], root: tuple[str, ...], key_of_
 
 
 def topic_name(value: Any, where: str) -> str:
-    """`value` if it is a name Kafka takes for a topic; else a ConfigError naming `where`."""
+    """`value` if it is a name Kafka takes for a topic; else a ConfigError naming `where` (if not empty)."""
     # Kafka's own rule (Topic.validate): 1-249 of these characters, and not "." or "..".
     if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", value) or value in (".", ".."):
         raise ConfigError(
-            f"{where}: expected a Kafka topic name (1-249 characters of A-Z a-z 0-9 . _ -, "
+            f"{where}{': ' if where else ''}expected a Kafka topic name (1-249 characters of A-Z a-z 0-9 . _ -, "
             f"not '.' or '..'), got {value!r}"
         )
     return value

@@ -3,6 +3,7 @@ interval: pure, no client library (opening and finishing replays: `kafka2pg.repl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -55,23 +56,32 @@ def parse_time(value: Any, name: str) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-def parse_ranges(value: Any) -> tuple[OffsetRange, ...]:
-    """[{"partition": p, "start": s, "end": e}, ...] or "p:s-e,p:s-e" -> offset ranges (end exclusive)."""
+# One "partition:start-end" of the command line's form: ASCII digits only (Python's int() would
+# also take "+1", "1_000" and other scripts' digits, which no user means as an offset).
+_RANGE_TEXT = re.compile(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*-\s*([0-9]+)\s*")
+
+
+def parse_ranges(value: Any, name: str = "offset_ranges") -> tuple[OffsetRange, ...]:
+    """[{"partition": p, "start": s, "end": e}, ...] or "p:s-e,p:s-e" -> offset ranges (end exclusive).
+
+    `name` is what the user wrote the value as (a DAG Param or a command-line flag), for errors.
+    """
     if value in (None, "", []):
         return ()
     items: list[Mapping[str, Any]] = []
     if isinstance(value, str):
-        for part in value.split(","):
-            try:
-                partition, span = part.strip().split(":")
-                start, end = span.split("-")
-                items.append({"partition": int(partition), "start": int(start), "end": int(end)})
-            except ValueError as exc:
-                raise ConfigError(f"replay offsets: expected 'partition:start-end,...', got {part!r}") from exc
+        parts = value.split(",")
+        for number, part in enumerate(parts, 1):
+            match = _RANGE_TEXT.fullmatch(part)
+            if match is None:
+                where = f" (part {number} of {value!r})" if len(parts) > 1 else ""
+                raise ConfigError(f"replay {name}: expected 'partition:start-end,...', got {part!r}{where}")
+            partition, start, end = (int(g) for g in match.groups())
+            items.append({"partition": partition, "start": start, "end": end})
     elif isinstance(value, list | tuple):
         items = list(value)
     else:
-        raise ConfigError(f"replay offset_ranges: expected a list of {{partition, start, end}}, got {value!r}")
+        raise ConfigError(f"replay {name}: expected a list of {{partition, start, end}}, got {value!r}")
     ranges = []
     for item in items:
         if not isinstance(item, Mapping) or set(item) != {"partition", "start", "end"}:
@@ -85,32 +95,40 @@ def parse_ranges(value: Any) -> tuple[OffsetRange, ...]:
     return tuple(sorted(ranges, key=lambda r: (r.partition, r.start)))
 
 
+# How the DAG's trigger form names the request's fields; the CLI passes its flags instead.
+PARAM_NAMES = {"offset_ranges": "offset_ranges", "from_time": "from_time", "to_time": "to_time"}
+CLI_NAMES = {"offset_ranges": "--offsets", "from_time": "--from", "to_time": "--to"}
+
+
 def request_from_params(
     params: Mapping[str, Any],
     *,
     run_type: str | None = None,
     interval: tuple[datetime | None, datetime | None] = (None, None),
     requested_by: str = "",
+    names: Mapping[str, str] = PARAM_NAMES,
 ) -> ReplayRequest | None:
     """The replay DAG's Params (+ the run's data interval for backfills) -> a request.
 
     Explicit `offset_ranges`, else `from_time`/`to_time`, else (backfill runs only) the run's
     data interval. A manual run without ranges or window is an error: a manual run's data
     interval is not something the user chose. A scheduled run (the DAG was unpaused so that
-    backfills run) replays nothing: None.
+    backfills run) replays nothing: None. Errors name the fields as `names` says (the Params
+    by default; `CLI_NAMES` for the command line).
     """
+    offsets, begin, until = names["offset_ranges"], names["from_time"], names["to_time"]
     mode = params.get("mode") or "replace"
     reason = params.get("reason") or ""
-    ranges = parse_ranges(params.get("offset_ranges"))
+    ranges = parse_ranges(params.get("offset_ranges"), offsets)
     start, end = params.get("from_time"), params.get("to_time")
     if ranges and (start or end):
-        raise ConfigError("replay: give offset_ranges OR from_time/to_time, not both")
+        raise ConfigError(f"replay: give {offsets} OR {begin}/{until}, not both")
     if ranges:
         return ReplayRequest(mode, ranges, None, requested_by, reason)
     if start or end:
         if not (start and end):
-            raise ConfigError("replay: a time window needs both from_time and to_time")
-        window = (parse_time(start, "from_time"), parse_time(end, "to_time"))
+            raise ConfigError(f"replay: a time window needs both {begin} and {until}")
+        window = (parse_time(start, begin), parse_time(end, until))
         return ReplayRequest(mode, (), window, requested_by, reason)
     if run_type == "scheduled":
         return None

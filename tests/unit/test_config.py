@@ -578,7 +578,7 @@ def test_produce_refuses_a_topic_name_kafka_would_refuse_before_connecting(topic
         cli.main(["produce", "--topic", topic, "--count", "1"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --topic: topic: expected a Kafka topic name" in err and "Unavailable" not in err, err
+    assert "argument --topic: expected a Kafka topic name" in err and "Unavailable" not in err, err
 
 
 @pytest.mark.parametrize("key", [1, None, True])
@@ -622,6 +622,12 @@ def test_an_entry_no_check_foresaw_spoils_only_itself(tmp_path, monkeypatch):
         (["report", "--batch-id", "99999999999999999999"], "argument --batch-id: out of range: 99999999999999999999"),
         (["quarantine", "--pipeline", "p", "--limit", str(2**63)], "argument --limit: out of range"),
         (["quarantine", "--pipeline", "p", "--limit", "0"], "argument --limit: must be 1 or more, got 0"),
+        (["quarantine", "--pipeline", "p", "--limit", "1_000"], "argument --limit: not a whole number: '1_000'"),
+        (["produce", "--count", "+5"], "argument --count: not a whole number: '+5'"),
+        (["produce", "--count", "\uff15"], "argument --count: not a whole number"),
+        (["reset", "--pipeline", "p", "--partition", "-1", "--drop"], "argument --partition: must be 0 or more"),
+        (["reset", "--pipeline", "p", "--partition", str(2**31), "--drop"], "must be 2147483647 or less"),
+        (["reset", "--pipeline", "p", "--partition", "0", "--to-offset", " 7"], "argument --to-offset: not a whole"),
         (["undo", "--pipeline", "p", "--batch-id", "1", "--reason", "\udcff\udcfe"], "is not valid UTF-8"),
         (["grant", "--role", "x\udcff"], "argument 'x\\udcff' is not valid UTF-8"),
     ],

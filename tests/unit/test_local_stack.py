@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 from kafka2pg.devtools import broker, local_stack
 from kafka2pg.devtools.broker import KafkaProcess
 from kafka2pg.devtools.postgres import PostgresProcess
@@ -116,3 +118,18 @@ def test_the_stacks_ports_are_free_and_outside_the_range_the_kernel_gives_outgoi
     assert not [p for p in ports if low <= p <= high or p < 1024], (ports, low, high)
     with socket.socket() as s:  # free once chosen
         s.bind(("127.0.0.1", ports[0]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "owner"),
+    [(["stop", "--confirm"], "reset"), (["status", "--bench"], "install"), (["reset", "--secured"], "start")],
+)
+def test_a_stack_flag_given_to_an_action_it_does_not_change_is_refused(tmp_path, monkeypatch, capsys, argv, owner):
+    """`stack stop --confirm` read as "stop and delete" would otherwise stop and keep the data, silently."""
+    from kafka2pg import cli
+
+    monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path))
+    assert cli.main(["stack", *argv]) == 2
+    error = capsys.readouterr().err
+    assert f"{argv[1]} is for `./kafka2pg stack {owner}` only" in error and "nothing was done" in error
+    assert not any(tmp_path.iterdir())

@@ -26,6 +26,10 @@ def test_offset_ranges_from_the_form_or_the_command_line():
         ([{"partition": 0, "start": -1, "end": 5}], "integers >= 0"),
         ([{"partition": 0, "start": 0}], "exactly the keys"),
         ("0:5", "partition:start-end"),
+        ("0:0-10,", "got '' \\(part 2 of '0:0-10,'\\)"),
+        ("0:+1-10", "got '0:\\+1-10'"),
+        ("0:1_0-20", "partition:start-end"),
+        ("0:\uff11-9", "partition:start-end"),
         (7, "expected a list"),
     ],
 )
@@ -49,6 +53,23 @@ def test_time_window_without_a_zone_is_utc_and_must_be_ordered():
         request_from_params({"from_time": "2026-11-02T00:00:00Z"})
     with pytest.raises(ConfigError, match="not an ISO-8601"):
         request_from_params({"from_time": "yesterday", "to_time": "today"})
+
+
+def test_errors_name_the_fields_as_the_user_wrote_them():
+    from kafka2pg.replay_request import CLI_NAMES
+
+    cases = [
+        ({"offset_ranges": "0:0-1", "from_time": "2026-11-01"}, "give --offsets OR --from/--to, not both"),
+        ({"from_time": "2026-11-01"}, "needs both --from and --to"),
+        ({"from_time": "2026-11-01", "to_time": "soon"}, "replay --to: not an ISO-8601 time: 'soon'"),
+        ({"offset_ranges": "0:0"}, "replay --offsets: expected 'partition:start-end,...'"),
+    ]
+    for params, message in cases:
+        with pytest.raises(ConfigError) as refused:
+            request_from_params(params, run_type="manual", names=CLI_NAMES)
+        assert message in str(refused.value)
+    with pytest.raises(ConfigError, match="needs both from_time and to_time"):
+        request_from_params({"to_time": "2026-11-01"}, run_type="manual")
 
 
 def test_a_backfill_run_replays_its_data_interval_a_bare_manual_run_is_an_error_a_scheduled_one_a_noop():
