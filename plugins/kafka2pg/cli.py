@@ -561,38 +561,29 @@ def _not_utf8(text: str) -> bool:
 BIGINT_MAX = 2**63 - 1
 
 
-def _bigint(text: str) -> int:
-    """argparse type: a whole number PostgreSQL's bigint holds, in ASCII digits.
+def _whole(low: int, high: int) -> Callable[[str], int]:
+    """argparse type: a whole number from `low` to `high` (within bigint), in ASCII digits.
 
     Python's int() also takes "+1", "1_000", spaces and other scripts' digits; a flag does not.
     """
-    if not re.fullmatch(r"-?[0-9]+", text):
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
-    value = int(text)
-    if not -BIGINT_MAX - 1 <= value <= BIGINT_MAX:
-        raise argparse.ArgumentTypeError(
-            f"out of range: {text} (PostgreSQL's bigint: {-BIGINT_MAX - 1} to {BIGINT_MAX})"
-        )
-    return value
-
-
-def _at_least(low: int, high: int = BIGINT_MAX) -> Callable[[str], int]:
-    """argparse type: a whole number from `low` to `high`."""
 
     def parse(text: str) -> int:
-        value = _bigint(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be {low} or more, got {value}")
-        if value > high:
-            raise argparse.ArgumentTypeError(f"must be {high} or less, got {value}")
+        if not re.fullmatch(r"-?[0-9]+", text):
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+        # More digits than bigint has is out of every range here (and int() refuses 4,300).
+        value = int(text) if len(text.lstrip("-").lstrip("0")) <= 19 else None
+        if value is None or not low <= value <= high:
+            shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+            raise argparse.ArgumentTypeError(f"out of range: {shown} (from {low} to {high})")
         return value
 
     return parse
 
 
-_positive = _at_least(1)
-_offset = _at_least(0)
-_partition = _at_least(0, 2**31 - 1)  # Kafka's partition numbers are int32
+_bigint = _whole(-BIGINT_MAX - 1, BIGINT_MAX)
+_positive = _whole(1, BIGINT_MAX)
+_offset = _whole(0, BIGINT_MAX)
+_partition = _whole(0, 2**31 - 1)  # Kafka's partition numbers are int32
 
 
 def _topic(text: str) -> str:

@@ -246,6 +246,15 @@ class Column:
         """Whether the column declares a range (a minimum, a maximum or both)."""
         return self.minimum is not None or self.maximum is not None
 
+    @property
+    def range_words(self) -> str:
+        """The declared range in words: "range [0.0, 10.0]", "minimum 0.0" or "maximum 10.0"."""
+        if self.maximum is None:
+            return f"minimum {self.minimum}"
+        if self.minimum is None:
+            return f"maximum {self.maximum}"
+        return f"range [{self.minimum}, {self.maximum}]"
+
 
 @dataclass(frozen=True)
 class Pipeline:

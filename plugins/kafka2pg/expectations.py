@@ -103,7 +103,7 @@ def suite_for(pipeline: Pipeline, expected_rows: int) -> list[Expectation]:
                 Expectation(
                     "ExpectColumnValuesToBeBetween",
                     {"column": column.name, "min_value": column.minimum, "max_value": column.maximum},
-                    f"declared range [{column.minimum}, {column.maximum}]",
+                    f"declared {column.range_words}",
                 )
             )
         if column.allowed is not None:

@@ -369,15 +369,13 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
         "SELECT kafka_partition, kafka_offset, ROW({values}) AS v FROM {target} WHERE kafka_topic = %(topic)s AND {r}"
     ).format(values=values, target=_target(pipeline), r=in_range)
     new_q = sql.SQL(
-        "SELECT kafka_partition, kafka_offset, regexp_replace(quarantine_reason, 'batch \\d+', 'batch N', 'g') AS v"
-        " FROM {staging}"
+        "SELECT kafka_partition, kafka_offset, {v} AS v FROM {staging}"
         " WHERE batch_id = %(batch)s AND quarantine_reason IS NOT NULL"
-    ).format(staging=staging)
+    ).format(v=_comparable_reason(sql.Identifier("quarantine_reason")), staging=staging)
     old_q = sql.SQL(
-        "SELECT kafka_partition, kafka_offset, regexp_replace(reason, 'batch \\d+', 'batch N', 'g') AS v"
-        " FROM kafka2pg.quarantine"
+        "SELECT kafka_partition, kafka_offset, {v} AS v FROM kafka2pg.quarantine"
         " WHERE pipeline = %(pipeline)s AND kafka_topic = %(topic)s AND {r}"
-    ).format(r=in_range)
+    ).format(v=_comparable_reason(sql.Identifier("reason")), r=in_range)
     kinds = {
         "target": ("only_in_target", "only_in_replay", "changed"),
         "quarantine": ("quarantined_only_before", "quarantined_only_by_replay", "quarantine_reason_changed"),
@@ -412,6 +410,16 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
             if len(entry["sample"]) < SAMPLE:
                 entry["sample"].append(f"{partition}:{offset}")
     return found
+
+
+def _comparable_reason(reason: sql.Composable) -> sql.Composable:
+    """SQL: a quarantine reason as a replay compares it. Batch ids vary between runs; a one-bound
+    range stored as "range [0.0, None]" reads "minimum 0.0" now (and "[None, 9.0]" "maximum 9.0")."""
+    return sql.SQL(
+        "regexp_replace(regexp_replace(regexp_replace({}, 'batch \\d+', 'batch N', 'g'),"
+        " 'declared range \\[([^],]+), None\\]$', 'declared minimum \\1'),"
+        " 'declared range \\[None, ([^],]+)\\]$', 'declared maximum \\1')"
+    ).format(reason)
 
 
 def split_differences(found: dict) -> tuple[dict, dict]:

@@ -57,8 +57,9 @@ def parse_time(value: Any, name: str) -> datetime:
 
 
 # One "partition:start-end" of the command line's form: ASCII digits only (Python's int() would
-# also take "+1", "1_000" and other scripts' digits, which no user means as an offset).
-_RANGE_TEXT = re.compile(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*-\s*([0-9]+)\s*")
+# also take "+1", "1_000" and other scripts' digits, which no user means as an offset), at most
+# as many as an offset has (int() refuses 4,300).
+_RANGE_TEXT = re.compile(r"\s*([0-9]{1,19})\s*:\s*([0-9]{1,19})\s*-\s*([0-9]{1,19})\s*")
 
 
 def parse_ranges(value: Any, name: str = "offset_ranges") -> tuple[OffsetRange, ...]:
@@ -68,7 +69,7 @@ def parse_ranges(value: Any, name: str = "offset_ranges") -> tuple[OffsetRange, 
     """
     if value in (None, "", []):
         return ()
-    items: list[Mapping[str, Any]] = []
+    items: list[tuple[str, Any]] = []  # (how the user wrote it, the range as a mapping)
     if isinstance(value, str):
         parts = value.split(",")
         for number, part in enumerate(parts, 1):
@@ -77,20 +78,20 @@ def parse_ranges(value: Any, name: str = "offset_ranges") -> tuple[OffsetRange, 
                 where = f" (part {number} of {value!r})" if len(parts) > 1 else ""
                 raise ConfigError(f"replay {name}: expected 'partition:start-end,...', got {part!r}{where}")
             partition, start, end = (int(g) for g in match.groups())
-            items.append({"partition": partition, "start": start, "end": end})
+            items.append((repr(part.strip()), {"partition": partition, "start": start, "end": end}))
     elif isinstance(value, list | tuple):
-        items = list(value)
+        items = [(repr(item), item) for item in value]
     else:
         raise ConfigError(f"replay {name}: expected a list of {{partition, start, end}}, got {value!r}")
     ranges = []
-    for item in items:
+    for shown, item in items:
         if not isinstance(item, Mapping) or set(item) != {"partition", "start", "end"}:
-            raise ConfigError(f"replay offset range {item!r}: expected exactly the keys partition, start, end")
+            raise ConfigError(f"replay {name} {shown}: expected exactly the keys partition, start, end")
         values = [item["partition"], item["start"], item["end"]]
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
-            raise ConfigError(f"replay offset range {item!r}: partition, start and end must be integers >= 0")
+            raise ConfigError(f"replay {name} {shown}: partition, start and end must be integers >= 0")
         if values[2] <= values[1]:
-            raise ConfigError(f"replay offset range {item!r}: end (exclusive) must be greater than start")
+            raise ConfigError(f"replay {name} {shown}: end (exclusive) must be greater than start")
         ranges.append(OffsetRange(*values))
     return tuple(sorted(ranges, key=lambda r: (r.partition, r.start)))
 

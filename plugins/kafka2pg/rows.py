@@ -235,7 +235,7 @@ def rule_violations(column: Column, alias: str | None = None) -> list[tuple[sql.
         rules.append(
             (
                 sql.SQL(" OR ").join([c for c in (low, high) if c is not None]),
-                f"range [{column.minimum}, {column.maximum}]",
+                column.range_words,
             )
         )
     if column.allowed is not None:

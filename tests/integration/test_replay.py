@@ -469,3 +469,31 @@ def test_undoing_a_partitions_first_batch_says_the_partition_is_left_without_a_h
     ), preview.message
     assert undo_batch(env.settings, env.pipeline, first.batch_id, confirm=True).applied
     assert heads(env) == {}
+
+
+def test_verify_only_reads_a_one_bound_range_stored_in_its_older_words_as_the_same_reason(
+    make_pipeline, run_batch, replay, db, heads, sample_columns
+):
+    """A `min` without `max` is "the declared minimum 100.0"; quarantine rows stored when it read
+    "the declared range [100.0, None]" are the same verdict to a verify-only replay, not a change."""
+    columns = [{**c, "min": 100, "on_violation": "quarantine"} if c["name"] == "amount" else c for c in sample_columns]
+    env = make_pipeline(columns=columns)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(200, seed=5))
+    load_all(run_batch, env)
+    reasons = [r for _, _, r, _ in snapshot(db, env)[1]]
+    assert reasons and all(r.endswith(" violates the declared minimum 100.0") for r in reasons), reasons
+    db.execute(
+        "UPDATE kafka2pg.quarantine SET reason = replace(reason, 'declared minimum 100.0',"
+        " 'declared range [100.0, None]') WHERE pipeline = %s",
+        (env.pipeline.name,),
+    )
+    ranges = tuple(OffsetRange(p, 0, h) for p, h in sorted(heads(env).items()))
+    assert replay(env, ReplayRequest("verify-only", ranges, requested_by="test")).differences == {}
+    changed = db.execute(
+        "UPDATE kafka2pg.quarantine SET reason = replace(reason, '[100.0, None]', '[90.0, None]')"
+        " WHERE pipeline = %s AND ctid = (SELECT min(ctid) FROM kafka2pg.quarantine WHERE pipeline = %s)",
+        (env.pipeline.name, env.pipeline.name),
+    ).rowcount
+    assert changed == 1
+    found = replay(env, ReplayRequest("verify-only", ranges, requested_by="test")).differences
+    assert {k: v["count"] for k, v in found.items()} == {"quarantine_reason_changed": 1}

@@ -1,6 +1,7 @@
 """The pipelines file is validated with errors that name the file and the field."""
 
 import re
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -205,6 +206,9 @@ def test_column_rules_parse_typed_and_bad_rules_name_the_field(tmp_path):
     columns = get_pipeline("orders", write(tmp_path, columns=[GOOD["columns"][0], ranged, listed])).columns
     assert (columns[1].minimum, columns[1].maximum, columns[1].on_violation) == (0.0, 10.0, "quarantine")
     assert (columns[2].allowed, columns[2].on_violation) == ((1, 2), "fail")
+    assert columns[1].range_words == "range [0.0, 10.0]"
+    assert replace(columns[1], maximum=None).range_words == "minimum 0.0"
+    assert replace(columns[1], minimum=None).range_words == "maximum 10.0"
     for bad, message in (
         ({"type": "bigint", "min": 5, "max": 1}, r"columns\[1\]: min 5.0 is above max 1.0"),
         ({"type": "bigint", "max": "ten"}, r"columns\[1\].max: expected a finite number, got .ten."),
@@ -621,12 +625,13 @@ def test_an_entry_no_check_foresaw_spoils_only_itself(tmp_path, monkeypatch):
     [
         (["report", "--batch-id", "99999999999999999999"], "argument --batch-id: out of range: 99999999999999999999"),
         (["quarantine", "--pipeline", "p", "--limit", str(2**63)], "argument --limit: out of range"),
-        (["quarantine", "--pipeline", "p", "--limit", "0"], "argument --limit: must be 1 or more, got 0"),
+        (["quarantine", "--pipeline", "p", "--limit", "0"], "argument --limit: out of range: 0 (from 1 to 9223"),
         (["quarantine", "--pipeline", "p", "--limit", "1_000"], "argument --limit: not a whole number: '1_000'"),
         (["produce", "--count", "+5"], "argument --count: not a whole number: '+5'"),
         (["produce", "--count", "\uff15"], "argument --count: not a whole number"),
-        (["reset", "--pipeline", "p", "--partition", "-1", "--drop"], "argument --partition: must be 0 or more"),
-        (["reset", "--pipeline", "p", "--partition", str(2**31), "--drop"], "must be 2147483647 or less"),
+        (["reset", "--pipeline", "p", "--partition", "-1", "--drop"], "--partition: out of range: -1 (from 0 to"),
+        (["reset", "--pipeline", "p", "--partition", str(2**63), "--drop"], "(from 0 to 2147483647)"),
+        (["produce", "--count", "1" * 5000], "--count: out of range: 11111111111111111111... (5000 characters)"),
         (["reset", "--pipeline", "p", "--partition", "0", "--to-offset", " 7"], "argument --to-offset: not a whole"),
         (["undo", "--pipeline", "p", "--batch-id", "1", "--reason", "\udcff\udcfe"], "is not valid UTF-8"),
         (["grant", "--role", "x\udcff"], "argument 'x\\udcff' is not valid UTF-8"),
@@ -641,6 +646,13 @@ def test_arguments_no_database_or_terminal_takes_are_usage_errors(argv, refusal,
         cli.main(argv)
     assert exited.value.code == 2
     assert refusal in capsys.readouterr().err
+
+
+def test_whole_number_flags_take_leading_zeros_and_a_minus_where_the_range_has_room():
+    from kafka2pg.cli import build_parser
+
+    args = build_parser().parse_args(["produce", "--count", "0" * 30 + "7", "--seed", "-" + "0" * 25 + "5"])
+    assert (args.count, args.seed) == (7, -5)
 
 
 def test_report_out_to_a_path_it_cannot_write_is_an_error_not_a_trace(tmp_path, monkeypatch, capsys):

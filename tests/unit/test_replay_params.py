@@ -63,6 +63,8 @@ def test_errors_name_the_fields_as_the_user_wrote_them():
         ({"from_time": "2026-11-01"}, "needs both --from and --to"),
         ({"from_time": "2026-11-01", "to_time": "soon"}, "replay --to: not an ISO-8601 time: 'soon'"),
         ({"offset_ranges": "0:0"}, "replay --offsets: expected 'partition:start-end,...'"),
+        ({"offset_ranges": "1:0-5, 0:5-3"}, "replay --offsets '0:5-3': end (exclusive) must be greater than start"),
+        ({"offset_ranges": "0:" + "1" * 5000 + "-9"}, "replay --offsets: expected 'partition:start-end,...'"),
     ]
     for params, message in cases:
         with pytest.raises(ConfigError) as refused:
