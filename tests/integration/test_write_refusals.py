@@ -356,3 +356,52 @@ def test_a_validation_that_died_before_the_raw_bytes_leaves_them_to_the_promotio
     assert (promote_batch(env.settings, env.pipeline, batch_id).quarantined) == 1
     raw = db.execute("SELECT raw_value FROM kafka2pg.quarantine WHERE batch_id = %s", (batch_id,)).fetchall()
     assert raw == [(json.dumps(copy).encode(),)]
+
+
+def test_a_validation_trigger_raising_a_class_23_sqlstate_quarantines_its_rows_a_plain_raise_fails_loudly(
+    make_pipeline, run_batch, db, heads
+):
+    """How a target's validation trigger says "this row is bad": `USING ERRCODE = 'check_violation'`
+    (any class 22/23 SQLSTATE) is the row's refusal, quarantined with the trigger's words. A plain
+    `RAISE EXCEPTION` (P0001) might be a maintenance lock or a statement-level check, so it fails
+    the promotion whole instead (test_stuck: retried, then STUCK)."""
+    import psycopg
+
+    env = make_pipeline(partitions=1)
+    events = list(sample_events(40, seed=86))
+    for event in events[::9]:
+        event["customer_id"] = 100_000
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    validate = sql.Identifier(env.pipeline.target_schema, f"{env.pipeline.target_table}_validate")
+    errcode = sql.Identifier(env.pipeline.target_schema, f"{env.pipeline.target_table}_errcode")
+    db.execute(sql.SQL("CREATE TABLE {} (code text)").format(errcode))
+    db.execute(sql.SQL("INSERT INTO {} VALUES ('P0001')").format(errcode))
+    db.execute(
+        sql.SQL(
+            "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN IF NEW.customer_id >= 10000 THEN RAISE EXCEPTION 'customer % unknown', NEW.customer_id "
+            "USING ERRCODE = (SELECT code FROM {}); END IF; RETURN NEW; END $$"
+        ).format(validate, errcode)
+    )
+    db.execute(
+        sql.SQL("CREATE TRIGGER validate BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION {}()").format(
+            target, validate
+        )
+    )
+    produce(env.settings.bootstrap_servers, env.topic, events, key_field=None)
+    with pytest.raises(psycopg.errors.RaiseException, match="customer 100000 unknown"):
+        run_batch(env)
+    assert heads(env) == {} and db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 0
+
+    db.execute(sql.SQL("UPDATE {} SET code = 'check_violation'").format(errcode))
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (40 - len(events[::9]), len(events[::9]))
+    reasons = [
+        r[0] for r in db.execute("SELECT reason FROM kafka2pg.quarantine WHERE pipeline = %s", (env.pipeline.name,))
+    ]
+    assert reasons and all(
+        r.startswith("PostgreSQL refused the row at promotion: 23514 customer 100000 unknown") for r in reasons
+    ), reasons
+    assert heads(env) == {0: 40}
+    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
