@@ -34,15 +34,18 @@ def describe(url: str) -> str:
         params = conninfo_to_dict(url)
     except psycopg.ProgrammingError:
         return "(a malformed connection string)"
+    if password_misread(url):  # what libpq took for the host, port or database holds part of the password
+        return "(a URL whose password libpq misreads)"
     host = params.get("host") or params.get("hostaddr") or "localhost"
-    return hide_password(f"{host}:{params.get('port') or 5432}/{params.get('dbname') or ''}", url)
+    return f"{host}:{params.get('port') or 5432}/{params.get('dbname') or ''}"
 
 
 def hide_password(text: str, url: str) -> str:
     """`text` with the parts of the password typed in `url` replaced by ***, when libpq misread
     the URL: a password with an unencoded `/`, `@`, `?` or `#` is read partly as the host, port
-    or database, which its messages and `describe` then show. A URL libpq reads as written
-    shows no password anywhere: `text` is returned as it is."""
+    or database, which messages about the connection then show (`describe` and `connect` show
+    none of those parts then). A URL libpq reads as written shows no password anywhere: `text`
+    is returned as it is."""
     if not password_misread(url):
         return text
     password = typed_password(url)
@@ -72,7 +75,7 @@ def password_misread(url: str) -> bool:
     except psycopg.ProgrammingError:
         return False  # never quoted: see `_malformed`
     host, port, dbname = (str(params.get(k) or "") for k in ("host", "port", "dbname"))
-    if "@" in host or "@" in dbname:
+    if "@" in host or "@" in port or "@" in dbname:  # the '@' that ended the user-info, read past
         return True
     # A port that is no number: misread only where the user-info did not end at its '@' (a '/',
     # '?' or '#' in the password ended the authority before it); else the port is just wrong.
@@ -104,18 +107,19 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
             "(postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL"
         ) from None
     except psycopg.OperationalError as exc:
-        message = hide_password(_one_line(exc), url)
-        if _INVALID_OPTION.match(message) and not password_misread(url):  # libpq's own check, no server asked
+        if password_misread(url):  # libpq's words would quote what it read as host or port: not shown
+            raise ConfigError(
+                "the PostgreSQL connection URL cannot work: libpq read part of its password as the host, port or "
+                "database. In a URL, percent-encode / @ ? # : in the password (%2F %40 %3F %23 %3A); fix the "
+                "postgres connection (postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL"
+            ) from None
+        message = _one_line(exc)
+        if _INVALID_OPTION.match(message):  # libpq's own check, no server asked
             raise ConfigError(
                 f"the PostgreSQL connection string to {describe(url)} has an option libpq refuses "
                 f"({message.removeprefix('connection is bad: ')}); fix the postgres connection (postgres_conn_id, "
                 "default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL"
             ) from None
-        if password_misread(url):
-            message = (
-                f"{_sentence(message)} Part of the URL's password was read as its host, port or database: in a "
-                "URL, percent-encode / @ ? # : in the password (%2F %40 %3F %23 %3A)"
-            )
         if any(refusal in message for refusal in _REFUSALS):
             raise DatabaseRefusedError(
                 f"PostgreSQL at {describe(url)} refuses the connection: {_sentence(message)} Retrying cannot "

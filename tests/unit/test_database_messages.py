@@ -8,7 +8,16 @@ import pytest
 from kafka2pg.database import connect, describe
 from kafka2pg.exceptions import ConfigError, DatabaseRefusedError, DatabaseUnavailableError
 
-PASSWORDS = ["S3cr/etXy", "S3cret@Passw0rd", "Pa55word?x=1", "Pa55#word", "Pa55:w0rd/sl@sh"]
+PASSWORDS = [
+    "S3cr/etXy",
+    "S3cret@Passw0rd",
+    "Pa55word?x=1",
+    "Pa55#word",
+    "Pa55:w0rd/sl@sh",
+    "Pa55@Zq9v:2024#x",  # libpq: host "Zq9v", port "2024#x@127.0.0.1:9"
+    "Adm1n@prod#2024:x",
+    "S3cr3t@PW",  # a 2-character rest: no part of a misread URL is shown, however short
+]
 
 
 @pytest.mark.parametrize("password", PASSWORDS)
@@ -20,6 +29,10 @@ def test_no_part_of_a_password_typed_unencoded_in_a_url_is_in_the_error_or_the_d
     parts = [password, *(p for p in re.split(r"[/@?#:]", password) if len(p) >= 3)]
     assert not [part for part in parts if part in shown], shown
     assert failed.value.__cause__ is None and failed.value.__context__ is None or failed.value.__suppress_context__
+    if "@" in password or "/" in password:  # misread: nothing libpq took for the host, port or database
+        assert describe(url) == "(a URL whose password libpq misreads)"
+        assert isinstance(failed.value, ConfigError) and "percent-encode / @ ? # :" in str(failed.value)
+        assert "PW" not in shown.replace("PostgreSQL", "")
 
 
 def test_a_space_in_a_url_is_named_as_a_space_without_quoting_the_url():

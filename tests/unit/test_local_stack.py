@@ -26,6 +26,31 @@ def test_a_kraft_cluster_id_never_starts_with_a_dash(monkeypatch):
     assert len(ids) == 2000 and all(len(i) == 22 and not i.startswith("-") for i in ids)
 
 
+def test_the_storage_formats_arguments_reach_java_as_written_through_an_argfile(tmp_path):
+    """The SCRAM credential (its salted password logs a client in) goes to StorageTool in a java
+    @argfile, not on the command line: each argument arrives whole, double quotes, spaces,
+    backslashes and single quotes kept."""
+    import shutil
+    import subprocess
+
+    from kafka2pg.devtools.secured_listeners import SaslUser, scram_credential
+
+    (tmp_path / "Echo.java").write_text(
+        "public class Echo { public static void main(String[] a) { for (String s : a) System.out.println(s); } }"
+    )
+    subprocess.run([shutil.which("javac") or "javac", "-d", str(tmp_path), str(tmp_path / "Echo.java")], check=True)
+    arguments = ["format", "-c", "/a dir/with 'quotes' and \\back\\slashes", "--add-scram"]
+    arguments.append(scram_credential(SaslUser("kafka2pg_scram", "S3cr3t-PW")))
+    (tmp_path / "args").write_text(broker._argfile(["Echo", *arguments]))
+    echoed = subprocess.run(
+        [shutil.which("java") or "java", "-cp", str(tmp_path), f"@{tmp_path / 'args'}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert echoed.stdout.splitlines() == arguments
+
+
 def test_stack_reset_without_confirm_deletes_nothing(tmp_path, monkeypatch, capsys):
     """`stack reset` lists what it would delete and exits 1; only --confirm deletes. The recorded
     PIDs belong to no running broker or cluster, so nothing is stopped either."""

@@ -151,17 +151,20 @@ def start_kafka(
         f"{jars}/*",
     ]
     if not formatted:
-        scram = ["--add-scram", scram_credential(listener.scram)] if listener is not None else []
-        done = subprocess.run(
-            [*java, "kafka.tools.StorageTool", "format", "-t", new_cluster_id(), "-c", str(props_file), *scram],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        credential = scram_credential(listener.scram) if listener is not None else ""
+        format_args = ["kafka.tools.StorageTool", "format", "-t", new_cluster_id(), "-c", str(props_file)]
+        # The salted password logs a client in as the user: in a file only its owner reads (java's
+        # @argfile), never on a command line `ps` shows.
+        arguments = work_dir / "format.args"
+        write_private(arguments, _argfile([*format_args, *(["--add-scram", credential] if credential else [])]))
+        try:
+            done = subprocess.run([*java, f"@{arguments}"], capture_output=True, text=True, check=False)
+        finally:
+            arguments.unlink()
         if done.returncode != 0:
             output = f"{done.stdout}\n{done.stderr}"
-            if scram:
-                output = output.replace(scram[1], "<the SCRAM credential>")
+            if credential:
+                output = output.replace(credential, "<the SCRAM credential>")
             raise StackError(f"Kafka storage format failed:\n{output}")
     log_file = work_dir / "kafka.log"
     with open(log_file, "ab") as out:
@@ -183,6 +186,12 @@ def start_kafka(
     )
     _wait_for_kafka(kafka, timeout_s)
     return kafka
+
+
+def _argfile(arguments: list[str]) -> str:
+    """`arguments` as a java @argfile: one per line, each in single quotes (which keep a SCRAM
+    credential's double quotes and a path's spaces), `\\` and `'` escaped as the launcher reads them."""
+    return "".join("'" + a.replace("\\", "\\\\").replace("'", "\\'") + "'\n" for a in arguments)
 
 
 def _wait_for_kafka(kafka: KafkaProcess, timeout_s: float) -> None:
