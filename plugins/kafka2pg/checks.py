@@ -171,14 +171,16 @@ def _quarantines(column) -> bool:
 
 def _quarantine_rule_violations(conn: Connection, pipeline: Pipeline, batch: Batch, column) -> Check:
     """`on_violation: quarantine`: rows outside a column's declared range/values go to quarantine
-    with the value and the rule; the GX expectation then checks what is left."""
+    with the value (quoted, shortened to 40 characters as admission's reasons show values) and the
+    rule; the GX expectation then checks what is left."""
     col = sql.Identifier(column.name)
     rules = rule_violations(column)
     flagged = 0
     for violated, rule in rules:
         flagged += conn.execute(
             sql.SQL(
-                "UPDATE {staging} SET quarantine_reason = {prefix} || {col}::text || {suffix}"
+                "UPDATE {staging} SET quarantine_reason = {prefix} || quote_literal(left({col}::text, 40)"
+                " || CASE WHEN length({col}::text) > 40 THEN '…' ELSE '' END) || {suffix}"
                 " WHERE batch_id = %s AND quarantine_reason IS NULL AND ({violated})"
             ).format(
                 staging=_staging(pipeline),

@@ -31,6 +31,7 @@ from kafka2pg.config import (
 )
 from kafka2pg.exceptions import BatchStateError, ConfigError, Kafka2PgError
 from kafka2pg.locations import COMMAND, state_dir
+from kafka2pg.task_log import printable
 
 log = logging.getLogger("kafka2pg")
 T = TypeVar("T")
@@ -784,7 +785,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, where a reader gone away is caught, not at the interpreter's exit
         return code
     except Kafka2PgError as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        # printable: an error may quote a record's bytes (PostgreSQL's words about a key).
+        print(f"error: {type(exc).__name__}: {printable(str(exc), keep_newlines=True)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (`status | head`): no trace, and none at exit's flush
         with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor: nothing to flush

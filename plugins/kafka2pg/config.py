@@ -583,7 +583,12 @@ _PIPELINE_KEYS = {
 
 def _unknown_keys(raw: dict, known: set[str]) -> list[str]:
     """`raw`'s keys not in `known`, as text (YAML also makes keys of numbers, null, lists)."""
-    return sorted(key if isinstance(key, str) else repr(key) for key in raw if key not in known)
+    return sorted(_key_text(key) for key in raw if key not in known)
+
+
+def _key_text(key: Any) -> str:
+    """A key of the file as an error shows it: as written, or quoted if it is no printable text."""
+    return key if isinstance(key, str) and key.isprintable() else repr(key)
 
 
 def _parse_pipeline(raw: Any, where: str) -> Pipeline:
@@ -764,7 +769,7 @@ def _spark_conf(value: Any, where: str) -> dict[str, str]:
         return {}
     if not isinstance(value, dict):
         raise ConfigError(f"{where}.spark_conf: expected a mapping of Spark settings, got {value!r}")
-    wrong = sorted(str(k) for k, v in value.items() if not isinstance(v, str | int | float | bool))
+    wrong = sorted(_key_text(k) for k, v in value.items() if not isinstance(v, str | int | float | bool))
     if wrong:
         raise ConfigError(f"{where}.spark_conf: {', '.join(wrong)}: expected a string or number as the value")
     return {str(k): str(v) for k, v in value.items()}

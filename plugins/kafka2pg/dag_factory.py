@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -379,6 +380,13 @@ def build_dags(dag_folder: Path | None = None) -> dict:
 INVALID_PIPELINES_DAG = "kafka2pg-invalid-pipelines"  # a hyphen: no pipeline's DAG id has one
 
 
+def _fenced(text: str) -> str:
+    """`text` as a Markdown code block its own backticks cannot close (a key quoted in an error)."""
+    longest = max((len(run) for run in re.findall("`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}\n{text}\n{fence}"
+
+
 def build_broken_dag(dag_id: str, errors: list[str]):
     """A DAG standing in for a pipeline whose configuration is in error: its description and doc
     say why, it is not scheduled, and a run fails at once with the errors (no retry)."""
@@ -388,7 +396,7 @@ def build_broken_dag(dag_id: str, errors: list[str]):
         dag_id=dag_id,
         description="CONFIGURATION ERROR: " + errors[0].splitlines()[0][:200],
         doc_md="**The pipelines file has an error here: this DAG runs nothing until it is fixed.**\n\n"
-        + "\n\n".join(f"```\n{e}\n```" for e in errors),
+        + "\n\n".join(_fenced(e) for e in errors),
         schedule=None,
         start_date=datetime(2026, 1, 1),
         catchup=False,

@@ -413,12 +413,15 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
 
 
 def _comparable_reason(reason: sql.Composable) -> sql.Composable:
-    """SQL: a quarantine reason as a replay compares it. Batch ids vary between runs; a one-bound
-    range stored as "range [0.0, None]" reads "minimum 0.0" now (and "[None, 9.0]" "maximum 9.0")."""
+    """SQL: a quarantine reason as a replay compares it. Batch ids vary between runs; a declared
+    rule's reason compares by its column and rule, not the value it quotes (stored unquoted and
+    whole before values were quoted and shortened); a one-bound range stored as "range [0.0,
+    None]" reads "minimum 0.0" now (and "[None, 9.0]" "maximum 9.0")."""
     return sql.SQL(
-        "regexp_replace(regexp_replace(regexp_replace({}, 'batch \\d+', 'batch N', 'g'),"
+        "regexp_replace(regexp_replace(regexp_replace(regexp_replace({}, 'batch \\d+', 'batch N', 'g'),"
         " 'declared range \\[([^],]+), None\\]$', 'declared minimum \\1'),"
-        " 'declared range \\[None, ([^],]+)\\]$', 'declared maximum \\1')"
+        " 'declared range \\[None, ([^],]+)\\]$', 'declared maximum \\1'),"
+        " '^(\\S+) = .* violates the declared ', '\\1 violates the declared ')"
     ).format(reason)
 
 

@@ -12,7 +12,7 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import NOT_READY_ERRORS, session
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.status import PipelineStatus, pipeline_status
-from kafka2pg.task_log import fit, table
+from kafka2pg.task_log import fit, printable, table
 
 
 def ledger_report(settings: Settings, pipeline: Pipeline) -> str:
@@ -182,7 +182,7 @@ def quarantine_listing(settings: Settings, pipeline: Pipeline, batch_id: int | N
     head = f"pipeline {pipeline.name} ({scope}): {total} quarantined record(s){shown}"
     body = table(
         ["batch", "partition", "offset", "raw bytes", "reason"],
-        [(b, p, o, size, _printable(reason)) for b, p, o, size, reason in rows],
+        [(b, p, o, size, printable(reason)) for b, p, o, size, reason in rows],
     )
     return f"{head}\n{body}"
 
@@ -203,9 +203,3 @@ def _none_quarantined(pipeline: Pipeline, state: BatchState | None) -> str:
         BatchState.VERIFIED: ": the batch is a verify-only replay, which writes no rows",
         BatchState.UNDONE: ": the batch was undone, its rows (the quarantine's too) removed",
     }.get(state, "")
-
-
-def _printable(text: str) -> str:
-    """`text` with each control or other unprintable character escaped (`\\n`, `\\x1b`): a reason
-    may quote a record's bytes or PostgreSQL's words about them."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

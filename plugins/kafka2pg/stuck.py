@@ -24,6 +24,7 @@ from kafka2pg.exceptions import (
     StageInterrupted,
 )
 from kafka2pg.lifecycle import OPEN
+from kafka2pg.task_log import printable
 
 log = logging.getLogger(__name__)
 OPEN_STATES = sorted(str(s) for s in OPEN)
@@ -58,7 +59,7 @@ class StuckBatch:
         return (
             f"STUCK: pipeline {self.pipeline!r} batch {self.batch_id} ({self.state}, offsets {self.ranges}) failed "
             f"at {self.step} in {self.runs} consecutive runs since {self.since:%Y-%m-%d %H:%M:%S %Z}: "
-            f"{self.error.rstrip('. ')}. {advice}"
+            f"{printable(self.error).rstrip('. ')}. {advice}"
         )
 
 
@@ -155,7 +156,8 @@ class OpenBatch:
         by = f" by run {self.run_id}" if self.run_id else ""
         line = f"open: batch {self.batch_id} ({what}) {self.ranges}, claimed {self.claimed_at:%Y-%m-%d %H:%M:%S %Z}{by}"
         if self.failed_step:
-            failure = self.last_failure or "no message"  # stored shortened to its first lines
+            # Stored shortened to its first lines; it may quote a record's bytes (a key, a value).
+            failure = printable(self.last_failure or "no message")
             line += f"; last failure at {self.failed_step}: " + (
                 failure if len(failure) <= _FAILURE_SHOWN else failure[: _FAILURE_SHOWN - 1] + "…"
             )

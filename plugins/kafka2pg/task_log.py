@@ -113,3 +113,13 @@ def promotion_summary(pipeline: str, result, seconds: float) -> str:
         quarantined=result.quarantined,
         already_promoted=result.already_promoted or None,
     )
+
+
+def printable(text: str, *, keep_newlines: bool = False) -> str:
+    """`text` with each control or other unprintable character escaped (`\\n`, `\\x1b`): what
+    quotes a record's bytes (a reason, PostgreSQL's words about a row, a key) cannot move the
+    cursor of the terminal or log viewer it is shown in. `keep_newlines`: a message's own line
+    breaks stay."""
+    if keep_newlines:
+        return "\n".join(printable(line) for line in text.split("\n"))
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

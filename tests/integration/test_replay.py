@@ -4,6 +4,7 @@ verify-only changes nothing, range locks keep replays and live batches exactly-o
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -471,27 +472,51 @@ def test_undoing_a_partitions_first_batch_says_the_partition_is_left_without_a_h
     assert heads(env) == {}
 
 
-def test_verify_only_reads_a_one_bound_range_stored_in_its_older_words_as_the_same_reason(
+def test_verify_only_reads_a_rules_reason_stored_in_its_older_words_as_the_same_verdict(
     make_pipeline, run_batch, replay, db, heads, sample_columns
 ):
-    """A `min` without `max` is "the declared minimum 100.0"; quarantine rows stored when it read
-    "the declared range [100.0, None]" are the same verdict to a verify-only replay, not a change."""
-    columns = [{**c, "min": 100, "on_violation": "quarantine"} if c["name"] == "amount" else c for c in sample_columns]
+    """A `min` without `max` is "the declared minimum 100.0", and the value is quoted and shortened
+    to 40 characters; quarantine rows stored when they read "amount = 5.5 violates the declared
+    range [100.0, None]" (the value unquoted and whole) are the same verdict to a verify-only
+    replay, not a change."""
+    rules = {"amount": {"min": 100}, "currency": {"allowed": ["EUR", "USD", "GBP"]}}
+    columns = [
+        {**c, **rules[c["name"]], "on_violation": "quarantine"} if c["name"] in rules else c for c in sample_columns
+    ]
     env = make_pipeline(columns=columns)
-    produce(env.settings.bootstrap_servers, env.topic, sample_events(200, seed=5))
+    events = list(sample_events(200, seed=5))
+    events[3] = {**events[3], "amount": 250.0, "currency": "X" * 60}
+    produce(env.settings.bootstrap_servers, env.topic, events)
     load_all(run_batch, env)
     reasons = [r for _, _, r, _ in snapshot(db, env)[1]]
-    assert reasons and all(r.endswith(" violates the declared minimum 100.0") for r in reasons), reasons
+    long = "currency = '" + "X" * 40 + "…' violates the declared allowed values ['EUR', 'USD', 'GBP']"
+    assert reasons.count(long) == 1, reasons
+    ranged = [r for r in reasons if r != long]
+    assert ranged and all(re.fullmatch(r"amount = '[0-9.]+' violates the declared minimum 100.0", r) for r in ranged)
     db.execute(
-        "UPDATE kafka2pg.quarantine SET reason = replace(reason, 'declared minimum 100.0',"
-        " 'declared range [100.0, None]') WHERE pipeline = %s",
+        "UPDATE kafka2pg.quarantine SET reason = regexp_replace(reason,"
+        " '^(\\w+) = ''(.*)'' violates the declared minimum 100.0$',"
+        " '\\1 = \\2 violates the declared range [100.0, None]')"
+        " WHERE pipeline = %s",
         (env.pipeline.name,),
+    )
+    db.execute(
+        "UPDATE kafka2pg.quarantine SET reason = %s WHERE pipeline = %s AND reason = %s",
+        (long.replace("'" + "X" * 40 + "…'", "X" * 60), env.pipeline.name, long),
+    )
+    stored = [r for _, _, r, _ in snapshot(db, env)[1]]
+    assert sum(r.startswith("currency = " + "X" * 60 + " violates") for r in stored) == 1, stored
+    assert all(
+        re.fullmatch(r"amount = [0-9.]+ violates the declared range \[100.0, None\]", r)
+        for r in stored
+        if "amount" in r
     )
     ranges = tuple(OffsetRange(p, 0, h) for p, h in sorted(heads(env).items()))
     assert replay(env, ReplayRequest("verify-only", ranges, requested_by="test")).differences == {}
     changed = db.execute(
         "UPDATE kafka2pg.quarantine SET reason = replace(reason, '[100.0, None]', '[90.0, None]')"
-        " WHERE pipeline = %s AND ctid = (SELECT min(ctid) FROM kafka2pg.quarantine WHERE pipeline = %s)",
+        " WHERE pipeline = %s AND ctid = (SELECT min(ctid) FROM kafka2pg.quarantine WHERE pipeline = %s"
+        " AND reason LIKE 'amount%%')",
         (env.pipeline.name, env.pipeline.name),
     ).rowcount
     assert changed == 1

@@ -445,3 +445,20 @@ def test_a_pipeline_whose_dag_airflow_refuses_to_build_stands_in_alone(tmp_path,
     assert "read_and_stage" in dags["kafka2pg_good"].task_ids
     assert dags["kafka2pg_other"].task_ids == ["configuration_error"]
     assert "Airflow refused its DAG (ValueError: a schedule Airflow cannot read)" in dags["kafka2pg_other"].doc_md
+
+
+def test_an_errors_text_cannot_close_its_code_block_in_the_stand_in_dags_doc(tmp_path, monkeypatch):
+    """The doc of a pipeline in error shows the error in a Markdown code block, which Airflow's UI
+    renders: a key written with backticks and newlines stays inside it, quoted."""
+    from kafka2pg.dag_factory import build_dags
+
+    key = "x\n```\n# Pipeline OK\n[fix it](https://evil.example/login)\n````"
+    good = {"name": "good", "topic": "good", "target_table": "good", "columns": [{"name": "a", "type": "text"}]}
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(json.dumps({"pipelines": [{**good, key: 1}]}))
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(path))
+    doc = build_dags()["kafka2pg_good"].doc_md
+    fence = "`" * 5  # one more than the longest run of backticks in the error
+    block = doc.split("\n\n", 1)[1]
+    assert block.startswith(fence + "\n") and block.endswith("\n" + fence) and block.count(fence) == 2, doc
+    assert repr(key) in block and "\n# Pipeline OK" not in block

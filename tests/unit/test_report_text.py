@@ -4,12 +4,13 @@ STUCK batch's advice is said once."""
 
 from kafka2pg.config import Column, Pipeline
 from kafka2pg.lifecycle import BatchState
-from kafka2pg.report import _none_quarantined, _printable
+from kafka2pg.report import _none_quarantined
+from kafka2pg.task_log import printable
 
 
 def test_control_characters_in_a_reason_are_escaped_and_the_rest_kept():
     reason = "field 'note': 'a\nb\x1b[31mred\x00' é 😀\t"
-    assert _printable(reason) == "field 'note': 'a\\nb\\x1b[31mred\\x00' é 😀\\t"
+    assert printable(reason) == "field 'note': 'a\\nb\\x1b[31mred\\x00' é 😀\\t"
 
 
 def test_a_batch_without_quarantined_rows_says_why_by_its_state():
@@ -83,3 +84,29 @@ def test_status_lists_each_open_batch_once_a_stuck_one_by_its_stuck_line_and_jso
     assert (data["not_ready"], data["not_ready_role"]) == ("gone", "kafka")
     ready = PipelineStatus("orders", "orders", "public.orders", (), None, (planned,), None, None)
     assert ready.not_ready_lines("x") == [] and ready.to_json()["stuck"] == []
+
+
+def test_a_failure_quoting_a_records_bytes_cannot_move_the_terminal(capsys, monkeypatch):
+    """A key collision's text quotes the key as the record had it (PostgreSQL's `Key (id)=(…)`):
+    the STUCK line, the open-batch line and the CLI's error line show it escaped."""
+    from datetime import UTC, datetime
+
+    from kafka2pg import cli
+    from kafka2pg.exceptions import ConfigError
+    from kafka2pg.stuck import OpenBatch, StuckBatch
+
+    error = "KeyCollisionError: Key (event_id)=(a-1\x1b]0;owned\x07\x1b[2J\u202e\rnothing STUCK) already exists"
+    since = datetime(2026, 1, 2, tzinfo=UTC)
+    stuck = StuckBatch("orders", 7, "validated", "promote", 2, since, error, "p0[0,10)").describe()
+    opened = OpenBatch("orders", 7, "live", "validated", None, None, since, "promote", 1, since, error, "p0[0,9)")
+    for line in (stuck, opened.describe()):
+        assert "(a-1\\x1b]0;owned\\x07\\x1b[2J\\u202e\\rnothing STUCK)" in line and line.isprintable(), line
+
+    def fail(args):
+        raise ConfigError(f"first line\nsecond {error}")
+
+    monkeypatch.setattr(cli, "cmd_status", fail)
+    assert cli.main(["status"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ConfigError: first line\nsecond KeyCollisionError: Key (event_id)=(a-1\\x1b]0;")
+    assert "\x1b" not in err and "\r" not in err and "\u202e" not in err
