@@ -20,7 +20,7 @@ from kafka2pg.ledger import reset_floors
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import has_index, table_indexes
 from kafka2pg.planner import account_gap
-from kafka2pg.rows import WITHIN_BATCH_DUPLICATE, range_predicate, rule_violations
+from kafka2pg.rows import WITHIN_BATCH_DUPLICATE, literal, range_predicate, rule_violations
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _quarantine_rule_violations(conn: Connection, pipeline: Pipeline, batch: Bat
                 staging=_staging(pipeline),
                 prefix=sql.Literal(f"{column.name} = "),
                 col=col,
-                suffix=sql.Literal(f" violates the declared {rule}"),
+                suffix=literal(f" violates the declared {rule}"),
                 violated=violated,
             ),
             (batch.batch_id,),

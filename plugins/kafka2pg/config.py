@@ -588,7 +588,7 @@ def _unknown_keys(raw: dict, known: set[str]) -> list[str]:
 
 def _key_text(key: Any) -> str:
     """A key of the file as an error shows it: as written, or quoted if it is no printable text."""
-    return key if isinstance(key, str) and key.isprintable() else repr(key)
+    return key if isinstance(key, str) and key.isprintable() and key.strip() == key and key else repr(key)
 
 
 def _parse_pipeline(raw: Any, where: str) -> Pipeline:

@@ -75,8 +75,10 @@ def password_misread(url: str) -> bool:
     except psycopg.ProgrammingError:
         return False  # never quoted: see `_malformed`
     host, port, dbname = (str(params.get(k) or "") for k in ("host", "port", "dbname"))
-    if "@" in host or "@" in port or "@" in dbname:  # the '@' that ended the user-info, read past
+    if "@" in host or "@" in port:  # the '@' that ended the user-info, read past: no host has one
         return True
+    if "@" in dbname:  # a database may have one (`app%40prod`): misread if the password came out other
+        return unquote(typed_password(url)) != str(params.get("password") or "")
     # A port that is no number: misread only where the user-info did not end at its '@' (a '/',
     # '?' or '#' in the password ended the authority before it); else the port is just wrong.
     authority = re.split(r"[/?#]", url.split("://", 1)[1], maxsplit=1)[0]
@@ -110,8 +112,9 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
         if password_misread(url):  # libpq's words would quote what it read as host or port: not shown
             raise ConfigError(
                 "the PostgreSQL connection URL cannot work: libpq read part of its password as the host, port or "
-                "database. In a URL, percent-encode / @ ? # : in the password (%2F %40 %3F %23 %3A); fix the "
-                "postgres connection (postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL"
+                "database. In a URL, percent-encode / @ ? # : in the password (%2F %40 %3F %23 %3A) and @ in the "
+                "database name; fix the postgres connection (postgres_conn_id, default kafka2pg_postgres) or "
+                "KAFKA2PG_DATABASE_URL"
             ) from None
         message = _one_line(exc)
         if _INVALID_OPTION.match(message):  # libpq's own check, no server asked

@@ -224,6 +224,15 @@ def _refused_keys(pipeline: Pipeline) -> sql.Composed:
     )
 
 
+def literal(value: object) -> sql.Composable:
+    """`sql.Literal(value)`, but a text holding `%` spelled without one (decoded from hex by
+    PostgreSQL): psycopg reads a `%` in a statement run with parameters as a placeholder, even
+    inside a literal, and a pipeline's allowed values are the user's text ("50%")."""
+    if isinstance(value, str) and "%" in value:
+        return sql.SQL("convert_from(decode({}, 'hex'), 'UTF8')").format(sql.Literal(value.encode().hex()))
+    return sql.Literal(value)
+
+
 def rule_violations(column: Column, alias: str | None = None) -> list[tuple[sql.Composable, str]]:
     """A column's declared rules (`min`/`max`, `allowed`) as SQL conditions true for a row whose
     value violates them (NULL for a NULL value), each with the rule's words."""
@@ -240,7 +249,8 @@ def rule_violations(column: Column, alias: str | None = None) -> list[tuple[sql.
         )
     if column.allowed is not None:
         # Compare typed values (the column's own type), never their text forms.
-        typed = sql.SQL("{} <> ALL({}::{}[])").format(col, sql.Literal(list(column.allowed)), sql.SQL(column.type))
+        values = sql.SQL(", ").join(literal(v) for v in column.allowed)
+        typed = sql.SQL("{} <> ALL(ARRAY[{}]::{}[])").format(col, values, sql.SQL(column.type))
         rules.append((typed, f"allowed values {list(column.allowed)}"))
     return rules
 

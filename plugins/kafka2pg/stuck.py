@@ -157,8 +157,8 @@ class OpenBatch:
         line = f"open: batch {self.batch_id} ({what}) {self.ranges}, claimed {self.claimed_at:%Y-%m-%d %H:%M:%S %Z}{by}"
         if self.failed_step:
             # Stored shortened to its first lines; it may quote a record's bytes (a key, a value).
-            failure = printable(self.last_failure or "no message")
-            line += f"; last failure at {self.failed_step}: " + (
+            failure = self.last_failure or "no message"
+            line += f"; last failure at {self.failed_step}: " + printable(
                 failure if len(failure) <= _FAILURE_SHOWN else failure[: _FAILURE_SHOWN - 1] + "…"
             )
         return line + (f"; next run: {self.next_run}" if self.next_run else "")

@@ -1016,3 +1016,26 @@ def test_a_required_jsonb_value_too_long_for_pythons_int_lands_instead_of_reject
         sql.SQL("SELECT payload->>'seq' FROM {} WHERE event_id = %s").format(table), (events[1]["event_id"],)
     ).fetchone()
     assert landed == (long_number.decode(),)
+
+
+@pytest.mark.parametrize("on_violation", ["quarantine", "fail"])
+def test_allowed_values_holding_a_percent_sign_are_checked_like_any_other(
+    make_pipeline, run_batch, db, sample_columns, on_violation
+):
+    """psycopg reads a `%` in a statement run with parameters as a placeholder, even inside a
+    literal: a text column allowed "50%" failed every gate run before its values were spelled
+    without one."""
+    rule = {"allowed": ["EUR", "50%", "100%%"], "on_violation": on_violation}
+    env = make_pipeline(partitions=1, columns=[{**c, **rule} if c["name"] == "currency" else c for c in sample_columns])
+    events = list(sample_events(6, seed=52))
+    for event, currency in zip(events, ["EUR", "50%", "100%%", "EUR", "50%", "%s"], strict=True):
+        event["currency"] = currency
+    produce(env.settings.bootstrap_servers, env.topic, events, key_field=None)
+    if on_violation == "fail":
+        with pytest.raises(QualityGateFailed, match="currency"):
+            run_batch(env)
+        return
+    result = run_batch(env)
+    assert (result.promoted, result.quarantined) == (5, 1)
+    assert quarantine(db, env) == [(5, "currency = '%s' violates the declared allowed values ['EUR', '50%', '100%%']")]
+    assert target_ids(db, env) == sorted(e["event_id"] for e in events[:5])

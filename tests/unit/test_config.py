@@ -585,8 +585,9 @@ def test_produce_refuses_a_topic_name_kafka_would_refuse_before_connecting(topic
     assert "argument --topic: expected a Kafka topic name" in err and "Unavailable" not in err, err
 
 
-@pytest.mark.parametrize("key", [1, None, True])
+@pytest.mark.parametrize("key", [1, None, True, "", " name", "a\x1b[2Jb"])
 def test_a_key_yaml_reads_as_no_string_is_named_as_an_unknown_field(tmp_path, key):
+    """...or as text an error would not show as written (empty, blanks around it, control characters): quoted."""
     from kafka2pg.config import read_pipelines
 
     path = write_all(tmp_path, GOOD, {**GOOD, "name": "other", "topic": "other", "target_table": "other", key: "x"})
@@ -594,7 +595,7 @@ def test_a_key_yaml_reads_as_no_string_is_named_as_an_unknown_field(tmp_path, ke
     assert list(pipelines) == ["orders"] and list(broken) == ["other"]
     assert f"pipelines[1]: unknown field(s) {key!r}" in str(broken["other"])
     column_key = write(tmp_path, columns=[{"name": "n", "type": "text", key: 1}])
-    with pytest.raises(ConfigError, match=rf"columns\[0\]: unknown field\(s\) {key!r}"):
+    with pytest.raises(ConfigError, match=rf"columns\[0\]: unknown field\(s\) {re.escape(repr(key))}"):
         load_pipelines(column_key)
 
 

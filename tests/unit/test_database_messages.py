@@ -56,6 +56,21 @@ def test_a_url_libpq_reads_as_written_is_described_as_it_is(url, described):
 
 
 @pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u:pw@127.0.0.1:9/app%40prod",
+        "postgresql:///app@prod?host=/nonexistent-socket-dir",
+    ],
+)
+def test_an_at_sign_in_a_database_name_is_no_misread_password_and_a_failure_stays_retryable(url):
+    """Only a password libpq read otherwise than typed makes the URL unusable (ConfigError); a
+    database named with an '@' is described as it is, and a server down is still unavailable."""
+    assert describe(url).endswith("/app@prod"), describe(url)
+    with pytest.raises(DatabaseUnavailableError):
+        connect(url, connect_timeout=2)
+
+
+@pytest.mark.parametrize(
     ("tail", "refused"),
     [
         ("127.0.0.1:9/kafka2pg?sslmode=bogus", 'invalid sslmode value: "bogus"'),
