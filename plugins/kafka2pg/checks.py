@@ -179,13 +179,12 @@ def _quarantine_rule_violations(conn: Connection, pipeline: Pipeline, batch: Bat
     for violated, rule in rules:
         flagged += conn.execute(
             sql.SQL(
-                "UPDATE {staging} SET quarantine_reason = {prefix} || quote_literal(left({col}::text, 40)"
-                " || CASE WHEN length({col}::text) > 40 THEN '…' ELSE '' END) || {suffix}"
+                "UPDATE {staging} SET quarantine_reason = {prefix} || {value} || {suffix}"
                 " WHERE batch_id = %s AND quarantine_reason IS NULL AND ({violated})"
             ).format(
                 staging=_staging(pipeline),
                 prefix=sql.Literal(f"{column.name} = "),
-                col=col,
+                value=_shown(col),
                 suffix=literal(f" violates the declared {rule}"),
                 violated=violated,
             ),
@@ -422,11 +421,19 @@ def _key_columns(pipeline: Pipeline, alias: str) -> sql.Composed:
     return sql.SQL(", ").join(sql.Identifier(alias, k) for k in pipeline.business_key)
 
 
+def _shown(value: sql.Composable) -> sql.Composed:
+    """SQL: a value as a reason quotes it, as SQL text shortened to 40 characters and marked so
+    (`'abc…'`), as admission's reasons show values; NULL as `NULL`."""
+    return sql.SQL(
+        "quote_nullable(left({v}::text, 40) || CASE WHEN length({v}::text) > 40 THEN '…' ELSE '' END)"
+    ).format(v=value)
+
+
 def _key_shown(pipeline: Pipeline) -> sql.Composed:
     """SQL text naming the flagged staging row's (`s`) business key columns and values, each
-    value shortened to 40 characters as admission's reasons show them: ` (event_id = 'a-1')`."""
+    value shown by `_shown`: ` (event_id = 'a-1')`."""
     pairs = [
-        sql.SQL("{} || quote_nullable(left(s.{}::text, 40))").format(sql.Literal(f"{k} = "), sql.Identifier(k))
+        sql.SQL("{} || {}").format(sql.Literal(f"{k} = "), _shown(sql.Identifier("s", k)))
         for k in pipeline.business_key
     ]
     return sql.SQL("' (' || concat_ws(', ', {}) || ')'").format(sql.SQL(", ").join(pairs))

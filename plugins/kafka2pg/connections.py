@@ -13,6 +13,7 @@ import os
 import sys
 from contextlib import nullcontext, redirect_stdout
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -202,6 +203,14 @@ def _postgres_url(conn_id: str) -> str | None:
     connection = _airflow_connection(conn_id)
     if connection is None:
         return None
+    if _uri_misread(conn_id):
+        variable = f"AIRFLOW_CONN_{conn_id.upper()}"
+        raise ConfigError(
+            f"the Airflow connection {conn_id!r}: {variable}'s URI cannot be read as written: an '@' comes after "
+            "where Airflow's URI parser ends the host, so part of the password would be taken for the host or "
+            "port. Percent-encode / ? # @ : in the password (%2F %3F %23 %40 %3A), or write the connection as a "
+            "JSON object"
+        )
     extra = _extra(connection, conn_id)
     params = {k: str(v) for k, v in extra.items() if k in _LIBPQ_EXTRAS}
     return make_conninfo(
@@ -212,6 +221,19 @@ def _postgres_url(conn_id: str) -> str | None:
         dbname=connection.schema or "postgres",
         **params,
     )
+
+
+def _uri_misread(conn_id: str) -> bool:
+    """Whether the connection's AIRFLOW_CONN_* variable is a URI whose password Airflow reads
+    partly as the host or port: an unencoded `/`, `?` or `#` in it ends the URI's authority early,
+    leaving the `@` that ends the user-info in the path, a query key or the fragment (where no
+    well-written URI has one: a query's values may)."""
+    raw = os.environ.get(f"AIRFLOW_CONN_{conn_id.upper()}", "").strip()
+    if not raw or raw.startswith("{") or "://" not in raw:
+        return False
+    parts = urlsplit(raw)
+    keys = (piece.partition("=")[0] for piece in parts.query.split("&"))
+    return "@" in parts.fragment or "@" in parts.path or any("@" in key for key in keys)
 
 
 def _kafka_config(conn_id: str) -> KafkaConfig | None:

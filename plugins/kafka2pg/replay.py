@@ -416,9 +416,11 @@ def _comparable_reason(reason: sql.Composable) -> sql.Composable:
     """SQL: a quarantine reason as a replay compares it. Batch ids vary between runs; a declared
     rule's reason compares by its column and rule, not the value it quotes (stored unquoted and
     whole before values were quoted and shortened); a one-bound range stored as "range [0.0,
-    None]" reads "minimum 0.0" now (and "[None, 9.0]" "maximum 9.0")."""
+    None]" reads "minimum 0.0" now (and "[None, 9.0]" "maximum 9.0"); a value shortened to 40
+    characters is compared without its mark ("…"), which reasons of keys once lacked."""
     return sql.SQL(
-        "regexp_replace(regexp_replace(regexp_replace(regexp_replace({}, 'batch \\d+', 'batch N', 'g'),"
+        "regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace({},"
+        " 'batch \\d+', 'batch N', 'g'), '…''', '''', 'g'),"
         " 'declared range \\[([^],]+), None\\]$', 'declared minimum \\1'),"
         " 'declared range \\[None, ([^],]+)\\]$', 'declared maximum \\1'),"
         " '^(\\S+) = .* violates the declared ', '\\1 violates the declared ')"

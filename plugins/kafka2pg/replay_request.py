@@ -57,9 +57,15 @@ def parse_time(value: Any, name: str) -> datetime:
 
 
 # One "partition:start-end" of the command line's form: ASCII digits only (Python's int() would
-# also take "+1", "1_000" and other scripts' digits, which no user means as an offset), at most
-# as many as an offset has (int() refuses 4,300).
-_RANGE_TEXT = re.compile(r"\s*([0-9]{1,19})\s*:\s*([0-9]{1,19})\s*-\s*([0-9]{1,19})\s*")
+# also take "+1", "1_000" and other scripts' digits, which no user means as an offset).
+_RANGE_TEXT = re.compile(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*-\s*([0-9]+)\s*")
+# What Kafka's partition numbers (int32) and offsets (int64) can be.
+_LIMITS = {"partition": 2**31 - 1, "start": 2**63 - 1, "end": 2**63 - 1}
+
+
+def _shown(text: str) -> str:
+    """`text` quoted for an error, cut short when long (a 5,000-digit argument)."""
+    return repr(text) if len(text) <= 60 else f"{text[:40]!r}... ({len(text)} characters)"
 
 
 def parse_ranges(value: Any, name: str = "offset_ranges") -> tuple[OffsetRange, ...]:
@@ -75,10 +81,14 @@ def parse_ranges(value: Any, name: str = "offset_ranges") -> tuple[OffsetRange, 
         for number, part in enumerate(parts, 1):
             match = _RANGE_TEXT.fullmatch(part)
             if match is None:
-                where = f" (part {number} of {value!r})" if len(parts) > 1 else ""
-                raise ConfigError(f"replay {name}: expected 'partition:start-end,...', got {part!r}{where}")
-            partition, start, end = (int(g) for g in match.groups())
-            items.append((repr(part.strip()), {"partition": partition, "start": start, "end": end}))
+                where = f" (part {number} of {_shown(value)})" if len(parts) > 1 else ""
+                raise ConfigError(f"replay {name}: expected 'partition:start-end,...', got {_shown(part)}{where}")
+            # More digits than an int64 has is beyond every limit (and int() refuses 4,300).
+            numbers = [int(g) if len(g.lstrip("0")) <= 19 else 2**64 for g in match.groups()]
+            for (field, limit), given in zip(_LIMITS.items(), numbers, strict=True):
+                if given > limit:
+                    raise ConfigError(f"replay {name} {_shown(part.strip())}: the {field} is above {limit}")
+            items.append((repr(part.strip()), dict(zip(_LIMITS, numbers, strict=True))))
     elif isinstance(value, list | tuple):
         items = [(repr(item), item) for item in value]
     else:

@@ -183,6 +183,7 @@ def quarantine_listing(settings: Settings, pipeline: Pipeline, batch_id: int | N
     body = table(
         ["batch", "partition", "offset", "raw bytes", "reason"],
         [(b, p, o, size, printable(reason)) for b, p, o, size, reason in rows],
+        text_last=True,
     )
     return f"{head}\n{body}"
 

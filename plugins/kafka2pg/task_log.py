@@ -65,15 +65,20 @@ def fit(text: str, width: int = LOG_WIDTH, indent: str = "    ") -> str:
     return "\n".join(lines)
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]], width: int = LOG_WIDTH) -> str:
+def table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], width: int = LOG_WIDTH, *, text_last: bool = False
+) -> str:
     """Columns right-aligned; when a row would be wider than `width`, the last column (details,
-    free text) is left-aligned and wrapped under itself instead."""
+    free text) is left-aligned and wrapped under itself instead. `text_last`: the last column is
+    free text, left-aligned whatever the width."""
     cells = [[str("-" if v is None else v) for v in row] for row in rows]
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     if sum(widths) + 2 * (len(widths) - 1) <= width:
-        lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
-        lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-        return "\n".join(lines)
+        aligned = [*(str.rjust for _ in widths[:-1]), str.ljust if text_last else str.rjust]
+        lines = [list(headers), *cells]
+        return "\n".join(
+            "  ".join(align(v, w) for align, v, w in zip(aligned, row, widths, strict=True)).rstrip() for row in lines
+        )
     lead = widths[:-1]
     margin = sum(lead) + 2 * len(lead)
     last = max(20, width - margin)

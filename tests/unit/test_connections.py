@@ -141,6 +141,38 @@ def test_a_connection_variable_airflow_cannot_read_is_refused_not_skipped_for_th
     assert "S3cretPW" not in message
 
 
+@pytest.mark.parametrize("password", ["Pa55@Zq9v:2024#x", "Pa55@Zq9v/x", "Pa55@Zq9v?x", "Zq9v/Pa55"])
+def test_a_connection_uri_whose_password_airflow_misreads_is_refused_quoting_none_of_it(
+    pipelines, monkeypatch, password
+):
+    """Airflow's URI parser ends the host at an unencoded / ? #: `Pa55@Zq9v:2024#x` would be read
+    as host zq9v, port 2024, and both quoted by every message about the connection."""
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", f"postgres://kafka2pg:{password}@127.0.0.1:5432/kafka2pg")
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "k:9092")
+    with pytest.raises(ConfigError) as error:
+        settings_for(pipelines["orders"])
+    message = str(error.value)
+    # Or, where the misread port is no number, Airflow's own refusal of the variable.
+    assert "AIRFLOW_CONN_KAFKA2PG_POSTGRES's URI cannot be read as written" in message or (
+        password == "Zq9v/Pa55" and "AIRFLOW_CONN_KAFKA2PG_POSTGRES is set but Airflow cannot read it" in message
+    ), message
+    assert not [p for p in ("Pa55", "Zq9v", "zq9v", "2024") if p in message], message
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "postgres://u:Pa55%40Zq9v%3A2024%23x@db.example:5432/warehouse",
+        "postgres://u:Pa55@Zq9v@db.example:5432/warehouse",  # an '@' alone: Python's parser takes the last
+        "postgres://u:pw@db.example:5432/warehouse?application_name=etl@host&sslmode=require",
+    ],
+)
+def test_a_connection_uri_read_as_written_is_used(pipelines, monkeypatch, uri):
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", uri)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "k:9092")
+    assert conninfo_to_dict(settings_for(pipelines["orders"]).database_url)["host"] == "db.example"
+
+
 K1 = json.dumps({"conn_type": "kafka", "host": "k1", "port": 9093})
 
 

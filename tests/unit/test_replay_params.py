@@ -64,7 +64,17 @@ def test_errors_name_the_fields_as_the_user_wrote_them():
         ({"from_time": "2026-11-01", "to_time": "soon"}, "replay --to: not an ISO-8601 time: 'soon'"),
         ({"offset_ranges": "0:0"}, "replay --offsets: expected 'partition:start-end,...'"),
         ({"offset_ranges": "1:0-5, 0:5-3"}, "replay --offsets '0:5-3': end (exclusive) must be greater than start"),
-        ({"offset_ranges": "0:" + "1" * 5000 + "-9"}, "replay --offsets: expected 'partition:start-end,...'"),
+        ({"offset_ranges": "0:" + "1" * 5000 + "-9"}, "replay --offsets '0:111111111111111111111111111111111111"),
+        ({"offset_ranges": "0:" + "1" * 5000 + "-9"}, "... (5004 characters): the start is above 9223372036854775807"),
+        (
+            {"offset_ranges": "0:0-" + "9" * 30},
+            "replay --offsets '0:0-999999999999999999999999999999': the end is above",
+        ),
+        ({"offset_ranges": f"{2**31}:0-1"}, "replay --offsets '2147483648:0-1': the partition is above 2147483647"),
+        (
+            {"offset_ranges": "0:1-2,x" * 20},
+            "got 'x0:1-2' (part 2 of '0:1-2,x0:1-2,x0:1-2,x0:1-2,x0:1-2,x0:1-2'... (140 characters))",
+        ),
     ]
     for params, message in cases:
         with pytest.raises(ConfigError) as refused:

@@ -69,6 +69,10 @@ def test_a_table_too_wide_wraps_its_last_column_a_narrow_one_stays_as_it_was():
     assert len(wide.splitlines()) > 3 and "refuses it" in wide.splitlines()[-1]
     narrow = table(["partition", "lag"], [[0, 5], [1, None]])
     assert narrow == "partition  lag\n        0    5\n        1    -"
+    reasons = table(
+        ["offset", "raw bytes", "reason"], [[3381, 62, "not UTF-8"], [3383, 112, "contains NUL"]], text_last=True
+    )
+    assert reasons == "offset  raw bytes  reason\n  3381         62  not UTF-8\n  3383        112  contains NUL"
 
 
 @pytest.mark.parametrize(
