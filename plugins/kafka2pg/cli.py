@@ -486,9 +486,10 @@ def cmd_reset(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """Plan, read (local Spark), validate and finish one replay in this process."""
+    from kafka2pg.lifecycle import CLI_RUN_ID
     from kafka2pg.migrations import require_ready
     from kafka2pg.quality import validate_batch
-    from kafka2pg.replay import CLI_RUN_ID, open_replay, split_differences
+    from kafka2pg.replay import open_replay, split_differences
     from kafka2pg.replay_request import CLI_NAMES, request_from_params
     from kafka2pg.steps import promote_batch
 
@@ -521,18 +522,29 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_undo(args: argparse.Namespace) -> int:
-    from kafka2pg.undo import undo_batch
-
+def _confirmed_batch_change(args: argparse.Namespace, change: Callable, verb: str, done: str) -> int:
+    """Run an undo or an abandon of `--batch-id`: without `--confirm` a preview (exit 1, nothing changed)."""
     settings, pipeline = _pipeline(args)
-    undo = undo_batch(
+    result = change(
         settings, pipeline, args.batch_id, confirm=args.confirm, reason=args.reason, requested_by=args.requested_by
     )
-    if not undo.applied:
-        print(f"would undo: {undo.message}\nnothing changed: re-run with --confirm to apply")
+    if not result.applied:
+        print(f"would {verb}: {result.message}\nnothing changed: re-run with --confirm to apply")
         return 1
-    print(f"undone: {undo.message} (recorded in kafka2pg.replays)")
+    print(f"{done}: {result.message}")
     return 0
+
+
+def cmd_undo(args: argparse.Namespace) -> int:
+    from kafka2pg import undo
+
+    return _confirmed_batch_change(args, undo.undo_batch, "undo", "undone")
+
+
+def cmd_abandon(args: argparse.Namespace) -> int:
+    from kafka2pg import undo
+
+    return _confirmed_batch_change(args, undo.abandon_replay, "abandon", "abandoned")
 
 
 def cmd_offsets(args: argparse.Namespace) -> int:
@@ -742,13 +754,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requested-by", default="", help="recorded in kafka2pg.replays (default: your user name)")
     p.set_defaults(func=cmd_replay)
 
-    p = sub.add_parser("undo", help="take back the newest promoted batch: delete its rows, rewind its heads")
-    p.add_argument("--pipeline", required=True)
-    p.add_argument("--batch-id", type=_bigint, required=True)
-    p.add_argument("--reason", default="", help="recorded in kafka2pg.replays")
-    p.add_argument("--requested-by", default="", help="recorded in kafka2pg.replays (default: your user name)")
-    p.add_argument("--confirm", action="store_true", help="apply; without it, only say what would change")
-    p.set_defaults(func=cmd_undo)
+    for name, func, text, recorded in (
+        (
+            "undo",
+            cmd_undo,
+            "take back the newest promoted batch: delete its rows, rewind its heads",
+            "kafka2pg.replays",
+        ),
+        (
+            "abandon",
+            cmd_abandon,
+            "discard an open replay batch its run will not finish (a killed CLI replay, a failed run)",
+            "the batch",
+        ),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--pipeline", required=True)
+        p.add_argument("--batch-id", type=_bigint, required=True)
+        p.add_argument("--reason", default="", help=f"recorded in {recorded}")
+        p.add_argument("--requested-by", default="", help=f"recorded in {recorded} (default: your user name)")
+        p.add_argument("--confirm", action="store_true", help="apply; without it, only say what would change")
+        p.set_defaults(func=func)
 
     p = sub.add_parser("plan", help="plan (or resume) the next batch of a pipeline")
     p.add_argument("--pipeline", required=True)

@@ -25,6 +25,10 @@ class BatchState(StrEnum):
     UNDONE = "undone"  # a promoted batch whose rows were removed and heads rewound
 
 
+# The run id of a replay started from the command line (`kafka2pg replay`): no Airflow DAG run,
+# so no retries; only that process carries its batch on.
+CLI_RUN_ID = "cli"
+
 OPEN = frozenset({BatchState.PLANNED, BatchState.STAGED, BatchState.VALIDATED})
 FINAL = frozenset(BatchState) - OPEN
 

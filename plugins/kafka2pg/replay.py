@@ -50,8 +50,6 @@ log = logging.getLogger(__name__)
 SAMPLE = 20
 # The suffix of a verify-only kind for rows whose record the replay could not read (compacted away).
 RECORD_GONE = "_record_gone"
-# The run id of a replay started from the command line (`kafka2pg replay`): no Airflow DAG run.
-CLI_RUN_ID = "cli"
 
 
 def resolve_ranges(settings: Settings, pipeline: Pipeline, request: ReplayRequest) -> tuple[OffsetRange, ...]:

@@ -23,7 +23,7 @@ from kafka2pg.exceptions import (
     LedgerConflictError,
     StageInterrupted,
 )
-from kafka2pg.lifecycle import OPEN
+from kafka2pg.lifecycle import CLI_RUN_ID, OPEN
 from kafka2pg.task_log import printable
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,8 @@ def with_next_runs(batches: list[OpenBatch]) -> list[OpenBatch]:
     shown, live = [], 0
     for batch in batches:
         if batch.kind != "live":
-            action = REPLAY_LEFT
+            left = REPLAY_LEFT_CLI if batch.run_id == CLI_RUN_ID else REPLAY_LEFT
+            action = left.format(pipeline=batch.pipeline, batch_id=batch.batch_id)
         else:
             live += 1
             action = RESUMES if live == 1 else ABANDONS
@@ -206,7 +207,14 @@ ABANDONS = (
     "abandons it (a lookahead) and plans its offsets afresh, unless the run that planned it is still going "
     "and finishes it first"
 )
-REPLAY_LEFT = "leaves it: only its replay run's retries carry it on"
+REPLAY_LEFT = (
+    "leaves it: only its replay run's retries carry it on; once that run has failed for good, "
+    "`kafka2pg abandon --pipeline {pipeline} --batch-id {batch_id} --confirm` discards it"
+)
+REPLAY_LEFT_CLI = (
+    "leaves it: only the `kafka2pg replay` process that planned it carries it on; if that process is gone, "
+    "`kafka2pg abandon --pipeline {pipeline} --batch-id {batch_id} --confirm` discards it"
+)
 
 
 def oldest_open_batch(settings: Settings, pipeline: str, run_id: str) -> tuple[int, int] | None:

@@ -1,9 +1,11 @@
 """Undo: take the newest promoted live batch back (delete its rows, rewind its heads and ledger
 ranges), only when it is the newest batch of every partition it touched; otherwise a replay
-of the range is the way (`kafka2pg.replay`)."""
+of the range is the way (`kafka2pg.replay`). And abandon a replay batch left open by a run
+that will not finish it (nothing of it was promoted: only its staging rows go)."""
 
 from __future__ import annotations
 
+import getpass
 import logging
 from dataclasses import dataclass
 
@@ -13,10 +15,10 @@ from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ReplayRefusedError
 from kafka2pg.kafka_offsets import topic_retention
 from kafka2pg.ledger import lock_partitions, lock_plan, reset_floors
-from kafka2pg.lifecycle import BatchState
+from kafka2pg.lifecycle import BatchState, is_open
 from kafka2pg.planner import OffsetRange, describe_ranges
 from kafka2pg.replay import count_rows, delete_rows, finish_record, record_operation
-from kafka2pg.rows import range_predicate
+from kafka2pg.rows import range_predicate, staged_counts
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,13 @@ def undo_batch(
             raise BatchStateError.other_pipeline(pipeline.name, batch_id, batch.pipeline)
         if batch.kind != "live" or batch.state is not BatchState.PROMOTED:
             raise ReplayRefusedError(
-                f"{where} is a {batch.kind} batch in state {batch.state}: only a promoted live batch can be undone",
+                f"{where} is a {batch.kind} batch in state {batch.state}: only a promoted live batch can be undone"
+                + (
+                    f" (`kafka2pg abandon --pipeline {pipeline.name} --batch-id {batch_id}` discards an open replay"
+                    " batch its run will not finish)"
+                    if batch.kind == "replay" and is_open(batch.state)
+                    else ""
+                ),
                 pipeline=pipeline.name,
                 batch_id=batch_id,
                 state=batch.state,
@@ -154,4 +162,64 @@ def undo_batch(
         record_operation(conn, pipeline, batch_id, "undo", ranges, None, None, requested_by=requested_by, reason=reason)
         finish_record(conn, batch_id, rows, (0, 0), None)
     log.warning("undo: %s (reason: %s)", message, reason or "-")
-    return Undo(batch_id, ranges, rows, True, message)
+    return Undo(batch_id, ranges, rows, True, message + " (recorded in kafka2pg.replays)")
+
+
+@dataclass(frozen=True)
+class Abandon:
+    batch_id: int
+    staged_rows: int
+    applied: bool
+    message: str
+
+
+def abandon_replay(
+    settings: Settings,
+    pipeline: Pipeline,
+    batch_id: int,
+    *,
+    confirm: bool,
+    reason: str = "",
+    requested_by: str = "",
+) -> Abandon:
+    """Abandon an open replay batch whose run will not finish it: a CLI replay whose process is
+    gone, an Airflow replay run that failed for good. The batch ends `abandoned` and its staging
+    rows are deleted; its kafka2pg.replays record ends too. Nothing of it was promoted, so the
+    target, the quarantine, the ledger and the heads stay as they are. A run still working on it
+    is fenced off: its next step (a staging chunk, the gate, the finish) finds it abandoned and
+    stops without writing. Without `confirm` nothing changes and the message says what would.
+    An open live batch is refused: the next live run resumes or abandons it itself."""
+    with transaction(settings.database_url) as conn:
+        batch = load_batch(conn, batch_id, for_update=True)
+        where = f"pipeline {pipeline.name!r} batch {batch_id}"
+        if batch.pipeline != pipeline.name:
+            raise BatchStateError.other_pipeline(pipeline.name, batch_id, batch.pipeline)
+        if batch.kind != "replay" or not is_open(batch.state):
+            why = (
+                "the next live run resumes or abandons an open live batch itself"
+                if is_open(batch.state)
+                else "it is already finished"
+            )
+            raise ReplayRefusedError(
+                f"{where} is a {batch.kind} batch in state {batch.state}: only an open replay batch can be abandoned "
+                f"({why})",
+                pipeline=pipeline.name,
+                batch_id=batch_id,
+                state=batch.state,
+                kind=batch.kind,
+            )
+        staged = sum(staged_counts(conn, pipeline, batch_id).values())
+        by = f", claimed by run {batch.run_id}" if batch.run_id else ""
+        message = (
+            f"{where} (replay, {batch.state}{by}) of {describe_ranges(batch.plan.ranges)}: mark it abandoned and"
+            f" delete its {staged} staging rows; the target, the quarantine and the heads are unchanged"
+        )
+        if not confirm:
+            return Abandon(batch_id, staged, False, message)
+        who = requested_by or getpass.getuser()
+        abandon_unpromoted(conn, pipeline, batch, f"abandoned by {who}: {reason}" if reason else f"abandoned by {who}")
+        conn.execute(
+            "UPDATE kafka2pg.replays SET finished_at = now() WHERE batch_id = %s AND finished_at IS NULL", (batch_id,)
+        )
+    log.warning("abandon: %s (reason: %s)", message, reason or "-")
+    return Abandon(batch_id, staged, True, message)

@@ -322,7 +322,7 @@ def _dag_of(pipeline: Pipeline, kind: str) -> str:
 
 def _run_link(ui: str, dag_id: str, run_id: str | None) -> str:
     """A run id linked to its run of the DAG in the Airflow UI (the whole window, not the plugin's frame)."""
-    from kafka2pg.replay import CLI_RUN_ID
+    from kafka2pg.lifecycle import CLI_RUN_ID
 
     if run_id is None or run_id == CLI_RUN_ID:
         return html.escape(run_id or "-")

@@ -14,9 +14,11 @@ import pytest
 from psycopg import sql
 
 from kafka2pg.audit import audit_pipeline, format_audit
+from kafka2pg.browse import history_page
 from kafka2pg.checks import KEY_PROMOTED_CHECK
 from kafka2pg.devtools.producer import produce, sample_events
-from kafka2pg.exceptions import KeyCollisionError, QualityGateFailed, ReplayRefusedError
+from kafka2pg.exceptions import BatchStateError, KeyCollisionError, QualityGateFailed, ReplayRefusedError
+from kafka2pg.lifecycle import CLI_RUN_ID
 from kafka2pg.opening import open_batch
 from kafka2pg.planner import OffsetRange
 from kafka2pg.quality import validate_batch
@@ -24,7 +26,7 @@ from kafka2pg.replay import open_replay
 from kafka2pg.replay_request import ReplayRequest, request_from_params
 from kafka2pg.staging import stage_batch
 from kafka2pg.steps import promote_batch
-from kafka2pg.undo import undo_batch
+from kafka2pg.undo import abandon_replay, undo_batch
 
 DAYS = 3
 PER_DAY = 60
@@ -455,6 +457,54 @@ def test_a_key_a_live_batch_promoted_after_a_replay_was_validated_is_flagged_whe
     ).fetchone()[0]
     assert reason.startswith(f"business key already promoted by batch {live.batch_id} at partition 0 offset 1")
     assert_clean(relaxed)
+
+
+def test_abandoning_a_replay_its_run_left_open_drops_only_its_staging_rows_and_fences_the_run(
+    make_pipeline, run_batch, spark, db, heads
+):
+    """A CLI replay whose process was killed after staging leaves its batch open for good: it is
+    abandoned by hand (previewed first), its staging rows go, its history entry says so, the
+    target and heads stay as they were, and the run, were it still going, cannot finish it."""
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(20, seed=93))
+    live = run_batch(env)
+    before, before_heads = snapshot(db, env), heads(env)
+    staging = sql.SQL("SELECT count(*) FROM {} WHERE batch_id = %s").format(
+        sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    )
+    request = ReplayRequest("replace", (OffsetRange(0, 0, 20),), requested_by="test")
+    replaying = open_replay(env.settings, env.pipeline, request, run_id=CLI_RUN_ID).batch
+    stage_batch(spark, env.settings, env.pipeline, replaying.batch_id)
+    with pytest.raises(ReplayRefusedError, match=f"kafka2pg abandon --pipeline {env.pipeline.name} --batch-id"):
+        undo_batch(env.settings, env.pipeline, replaying.batch_id, confirm=True)
+    with pytest.raises(ReplayRefusedError, match="only an open replay batch can be abandoned"):
+        abandon_replay(env.settings, env.pipeline, live.batch_id, confirm=True)
+
+    preview = abandon_replay(env.settings, env.pipeline, replaying.batch_id, confirm=False)
+    assert not preview.applied and preview.staged_rows == 20
+    assert "delete its 20 staging rows" in preview.message and "claimed by run cli" in preview.message
+    assert db.execute(staging, (replaying.batch_id,)).fetchone()[0] == 20
+    done = abandon_replay(
+        env.settings, env.pipeline, replaying.batch_id, confirm=True, reason="process killed", requested_by="ops"
+    )
+
+    assert done.applied
+    state, error = db.execute(
+        "SELECT state, error FROM kafka2pg.batches WHERE batch_id = %s", (replaying.batch_id,)
+    ).fetchone()
+    assert (state, error) == ("abandoned", "abandoned by ops: process killed")
+    assert db.execute(staging, (replaying.batch_id,)).fetchone()[0] == 0
+    assert snapshot(db, env) == before and heads(env) == before_heads
+    with pytest.raises(BatchStateError):  # the run, still going, cannot go on
+        validate_batch(env.settings, env.pipeline, replaying.batch_id)
+    with pytest.raises(BatchStateError):
+        promote_batch(env.settings, env.pipeline, replaying.batch_id)
+    entry = next(e for e in history_page(db, env.pipeline.name, None, 10) if e.batch_id == replaying.batch_id)
+    assert entry.outcome == "abandoned: target and quarantine unchanged"
+    with pytest.raises(ReplayRefusedError, match="it is already finished"):
+        abandon_replay(env.settings, env.pipeline, replaying.batch_id, confirm=True)
+    assert snapshot(db, env) == before
+    assert_clean(env)
 
 
 def test_undoing_a_partitions_first_batch_says_the_partition_is_left_without_a_head(make_pipeline, run_batch, heads):

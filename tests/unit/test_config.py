@@ -636,6 +636,7 @@ def test_an_entry_no_check_foresaw_spoils_only_itself(tmp_path, monkeypatch):
         (["reset", "--pipeline", "p", "--partition", "0", "--to-offset", " 7"], "argument --to-offset: not a whole"),
         (["undo", "--pipeline", "p", "--batch-id", "1", "--reason", "\udcff\udcfe"], "is not valid UTF-8"),
         (["grant", "--role", "x\udcff"], "argument 'x\\udcff' is not valid UTF-8"),
+        (["abandon", "--pipeline", "p", "--batch-id", "-" + "9" * 19], "argument --batch-id: out of range"),
     ],
 )
 def test_arguments_no_database_or_terminal_takes_are_usage_errors(argv, refusal, capsys):
@@ -654,6 +655,26 @@ def test_whole_number_flags_take_leading_zeros_and_a_minus_where_the_range_has_r
 
     args = build_parser().parse_args(["produce", "--count", "0" * 30 + "7", "--seed", "-" + "0" * 25 + "5"])
     assert (args.count, args.seed) == (7, -5)
+
+
+@pytest.mark.parametrize(("confirm", "code", "said"), [(False, 1, "would abandon: "), (True, 0, "abandoned: ")])
+def test_abandon_previews_without_confirm_and_exits_1_as_nothing_changed(monkeypatch, capsys, confirm, code, said):
+    from kafka2pg import cli, undo
+
+    asked = {}
+
+    def abandon_replay(settings, pipeline, batch_id, **kwargs):
+        asked.update(batch_id=batch_id, **kwargs)
+        return undo.Abandon(batch_id, 3, kwargs["confirm"], "batch 7 (replay, staged): mark it abandoned")
+
+    monkeypatch.setattr(cli, "_pipeline", lambda args: (None, None))
+    monkeypatch.setattr(undo, "abandon_replay", abandon_replay)
+    argv = ["abandon", "--pipeline", "p", "--batch-id", "7", "--reason", "killed"] + ["--confirm"] * confirm
+    assert cli.main(argv) == code
+    out = capsys.readouterr().out
+    assert out.startswith(said + "batch 7 (replay, staged): mark it abandoned")
+    assert ("re-run with --confirm" in out) is not confirm
+    assert asked == {"batch_id": 7, "confirm": confirm, "reason": "killed", "requested_by": ""}
 
 
 def test_report_out_to_a_path_it_cannot_write_is_an_error_not_a_trace(tmp_path, monkeypatch, capsys):

@@ -50,34 +50,46 @@ def test_status_lists_each_open_batch_once_a_stuck_one_by_its_stuck_line_and_jso
     from datetime import UTC, datetime
 
     from kafka2pg.status import PipelineStatus
-    from kafka2pg.stuck import ABANDONS, REPLAY_LEFT, RESUMES, OpenBatch, with_next_runs
+    from kafka2pg.stuck import ABANDONS, RESUMES, OpenBatch, with_next_runs
 
     since = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     failing = OpenBatch("orders", 7, "live", "validated", None, "run-2", since, "promote", 2, since, "E: no", "p0[0,9)")
     resumable = OpenBatch(
         "orders", 8, "live", "staged", 7, "run-2", since, "validate", 1, since, "E: x" * 99, "p0[9,12)"
     )
-    planned = OpenBatch("orders", 9, "replay", "planned", None, None, since, None, 0, None, None, "none")
-    opened = with_next_runs([failing, resumable, planned])
+    planned = OpenBatch("orders", 9, "replay", "planned", None, "manual__1", since, None, 0, None, None, "none")
+    by_cli = OpenBatch("orders", 10, "replay", "staged", None, "cli", since, None, 0, None, None, "p0[0,9)")
+    opened = with_next_runs([failing, resumable, planned, by_cli])
     status = PipelineStatus("orders", "orders", "public.orders", (), None, tuple(opened), "gone", "kafka")
 
-    # The oldest open live batch is resumed, a later one (a lookahead) abandoned, a replay's left to it.
-    assert [b.next_run for b in opened] == [RESUMES, ABANDONS, REPLAY_LEFT]
+    # The oldest open live batch is resumed, a later one (a lookahead) abandoned, a replay's left to
+    # its run, and each replay's line says how to discard it once its run will not finish it.
+    abandon = "`kafka2pg abandon --pipeline orders --batch-id {} --confirm` discards it"
+    replay_left = f"leaves it: only its replay run's retries carry it on; once that run has failed for good, {abandon}"
+    cli_left = (
+        "leaves it: only the `kafka2pg replay` process that planned it carries it on; if that process is gone, "
+        + abandon.format(10)
+    )
+    assert [b.next_run for b in opened] == [RESUMES, ABANDONS, replay_left.format(9), cli_left]
     assert [b.batch_id for b in status.stuck] == [7]
     lines = status.open_batch_lines()
-    assert [line.split(" (")[0] for line in lines] == ["open: batch 8", "open: batch 9"]
+    assert [line.split(" (")[0] for line in lines] == ["open: batch 8", "open: batch 9", "open: batch 10"]
     assert lines[0].startswith("open: batch 8 (live, staged, planned after batch 7) p0[9,12), claimed 2026-01-02")
     assert " by run run-2; last failure at validate: E: xE: x" in lines[0]
     assert lines[0].endswith(f"…; next run: {ABANDONS}")
     assert len(lines[0].split("last failure at validate: ")[1].split("; next run: ")[0]) == 200
-    assert lines[1] == f"open: batch 9 (replay, planned) none, claimed 2026-01-02 03:04:05 UTC; next run: {REPLAY_LEFT}"
+    assert lines[1] == (
+        "open: batch 9 (replay, planned) none, claimed 2026-01-02 03:04:05 UTC by run manual__1; next run: "
+        + replay_left.format(9)
+    )
     assert status.not_ready_lines("this command's") == ["NOT READY for a run as role 'kafka' (this command's): gone"]
 
     data = json.loads(json.dumps(status.to_json()))
     assert [(b["batch_id"], b["stuck"], b["next_run"]) for b in data["open_batches"]] == [
         (7, True, RESUMES),
         (8, False, ABANDONS),
-        (9, False, REPLAY_LEFT),
+        (9, False, replay_left.format(9)),
+        (10, False, cli_left),
     ]
     assert data["open_batches"][0]["claimed_at"] == "2026-01-02T03:04:05+00:00"
     assert [(b["batch_id"], b["step"], b["since"]) for b in data["stuck"]] == [(7, "promote", since.isoformat())]
