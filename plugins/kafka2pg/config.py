@@ -255,6 +255,20 @@ class Column:
             return f"maximum {self.maximum}"
         return f"range [{self.minimum}, {self.maximum}]"
 
+    @property
+    def allowed_words(self) -> str:
+        """The declared allowed values in words, the list cut after `ALLOWED_SHOWN` characters (a
+        quarantine reason repeats it in every row): "allowed values ['EUR', 'USD']",
+        "allowed values ['AED', 'AFN', … (183 values)"."""
+        shown = repr(list(self.allowed or ()))
+        if len(shown) > ALLOWED_SHOWN:
+            shown = f"{shown[:ALLOWED_SHOWN]}… ({len(self.allowed)} values)"
+        return f"allowed values {shown}"
+
+
+# Of a column's allowed values, the characters of their list a quarantine reason shows.
+ALLOWED_SHOWN = 120
+
 
 @dataclass(frozen=True)
 class Pipeline:

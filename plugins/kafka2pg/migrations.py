@@ -364,7 +364,8 @@ def _rebuild_staging_if_retyped(conn: Connection, pipeline: Pipeline, staging: s
             f"pipeline {pipeline.name!r}: the pipelines file changed column types ({'; '.join(changed)}) while "
             f"kafka2pg.{pipeline.staging_table} holds the rows of open batch(es) "
             f"{', '.join(f'{b} ({state})' for b, state in held)}: finish them with the old types first (trigger "
-            "a run with the old pipelines file), then run `kafka2pg migrate` again. Nothing was changed."
+            "a run with the old pipelines file; a replay batch its run will not finish: `kafka2pg abandon`), then run "
+            "`kafka2pg migrate` again. Nothing was changed."
         )
     conn.execute(sql.SQL("DROP TABLE {}").format(staging))  # its index and grants with it
     conn.execute(_template("staging_table.sql").format(table=staging, columns=_column_list(pipeline, not_null=False)))

@@ -104,7 +104,9 @@ def _validate(
                 batch_id,
                 batch.state,
                 "only a staged batch can be validated",
-                "Run the stage step first (or trigger a new run).",
+                "Run the stage step first (or trigger a new run)."
+                if batch.state is BatchState.PLANNED
+                else "It is over: trigger a new run (for a replay's range, a new replay).",
             )
         staged = staged_counts(conn, pipeline, batch_id)  # one count: the loss guard and completeness
         lost = staging_lost(conn, pipeline, batch, staged)

@@ -26,7 +26,7 @@ from kafka2pg.batch_store import (
     staging_lost,
     transition,
 )
-from kafka2pg.config import Pipeline, Settings
+from kafka2pg.config import ALLOWED_SHOWN, Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ReplayRefusedError
 from kafka2pg.kafka_offsets import offsets_for_times, partition_offsets, topic_id
@@ -415,14 +415,16 @@ def _comparable_reason(reason: sql.Composable) -> sql.Composable:
     rule's reason compares by its column and rule, not the value it quotes (stored unquoted and
     whole before values were quoted and shortened); a one-bound range stored as "range [0.0,
     None]" reads "minimum 0.0" now (and "[None, 9.0]" "maximum 9.0"); a value shortened to 40
-    characters is compared without its mark ("…"), which reasons of keys once lacked."""
+    characters is compared without its mark ("…"), which reasons of keys once lacked; a list of
+    allowed values by its first `ALLOWED_SHOWN` characters (stored whole before lists were cut)."""
     return sql.SQL(
-        "regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace({},"
+        "regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace({},"
         " 'batch \\d+', 'batch N', 'g'), '…''', '''', 'g'),"
         " 'declared range \\[([^],]+), None\\]$', 'declared minimum \\1'),"
         " 'declared range \\[None, ([^],]+)\\]$', 'declared maximum \\1'),"
-        " '^(\\S+) = .* violates the declared ', '\\1 violates the declared ')"
-    ).format(reason)
+        " '^(\\S+) = .* violates the declared ', '\\1 violates the declared '),"
+        " {allowed}, 'declared allowed values \\1…')"
+    ).format(reason, allowed=sql.Literal(f"declared allowed values (.{{{ALLOWED_SHOWN}}}).+$"))
 
 
 def split_differences(found: dict) -> tuple[dict, dict]:

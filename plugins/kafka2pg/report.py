@@ -200,7 +200,10 @@ def _none_quarantined(pipeline: Pipeline, state: BatchState | None) -> str:
         BatchState.REJECTED: (
             f": the batch was rejected, never promoted (its rows stay in {staging} until the next batch is planned)"
         ),
-        BatchState.ABANDONED: ": the batch was abandoned, never promoted (its offsets were planned afresh)",
+        BatchState.ABANDONED: (
+            ": the batch was abandoned, never promoted (a live batch's offsets were planned afresh; a replay's "
+            "range keeps the rows it had)"
+        ),
         BatchState.VERIFIED: ": the batch is a verify-only replay, which writes no rows",
         BatchState.UNDONE: ": the batch was undone, its rows (the quarantine's too) removed",
     }.get(state, "")

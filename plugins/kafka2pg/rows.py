@@ -251,7 +251,7 @@ def rule_violations(column: Column, alias: str | None = None) -> list[tuple[sql.
         # Compare typed values (the column's own type), never their text forms.
         values = sql.SQL(", ").join(literal(v) for v in column.allowed)
         typed = sql.SQL("{} <> ALL(ARRAY[{}]::{}[])").format(col, values, sql.SQL(column.type))
-        rules.append((typed, f"allowed values {list(column.allowed)}"))
+        rules.append((typed, column.allowed_words))
     return rules
 
 

@@ -230,7 +230,7 @@ def _read_and_write(
             current = load_claimed(conn, pipeline, batch.batch_id, batch.epoch)
         if current.state is not BatchState.PLANNED:
             why = (
-                "a newer run, a ledger reset or an undo abandoned it"
+                "a newer run, a ledger reset, an undo or `kafka2pg abandon` abandoned it"
                 if current.state is BatchState.ABANDONED
                 else "a concurrent attempt finished first"
             )

@@ -208,7 +208,7 @@ ABANDONS = (
     "and finishes it first"
 )
 REPLAY_LEFT = (
-    "leaves it: only its replay run's retries carry it on; once that run has failed for good, "
+    "leaves it: only its replay run's retries carry it on; once that run has ended without it, "
     "`kafka2pg abandon --pipeline {pipeline} --batch-id {batch_id} --confirm` discards it"
 )
 REPLAY_LEFT_CLI = (

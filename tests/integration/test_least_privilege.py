@@ -24,7 +24,7 @@ from kafka2pg.migrations import STAGING_PRIVILEGES, migrate, migration_files
 from kafka2pg.report import ledger_report
 from kafka2pg.staging import stage_batch
 from kafka2pg.status import pipeline_status
-from kafka2pg.undo import undo_batch
+from kafka2pg.undo import abandon_replay, undo_batch
 
 TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
 
@@ -143,6 +143,11 @@ def test_every_step_runs_as_a_runtime_role_holding_only_the_granted_privileges(
     tasks.validate(env.pipeline.name, planned["batch_id"], planned["epoch"])
     replayed = tasks.finish_replay(env.pipeline.name, planned["batch_id"], planned["epoch"])
     assert replayed["promoted"] == head0 and counts(db, env) == (len(first), 0)
+    # A replay whose run ended without it, abandoned by hand.
+    left = tasks.plan_replay(env.pipeline.name, params, run_id="replay-2", run_type="manual", requested_by="test")
+    stage_batch(spark, env.settings, env.pipeline, left["batch_id"], left["epoch"])
+    assert abandon_replay(env.settings, env.pipeline, left["batch_id"], confirm=True).applied
+    assert counts(db, env) == (len(first), 0)
 
     reset = reset_head(env.settings, env.pipeline, 1, 0, reason="test", confirm=True, archive_old_rows=True)
     assert reset.applied

@@ -496,11 +496,16 @@ def test_abandoning_a_replay_its_run_left_open_drops_only_its_staging_rows_and_f
     assert db.execute(staging, (replaying.batch_id,)).fetchone()[0] == 0
     assert snapshot(db, env) == before and heads(env) == before_heads
     with pytest.raises(BatchStateError):  # the run, still going, cannot go on
+        stage_batch(spark, env.settings, env.pipeline, replaying.batch_id)
+    with pytest.raises(BatchStateError, match="It is over"):
         validate_batch(env.settings, env.pipeline, replaying.batch_id)
     with pytest.raises(BatchStateError):
         promote_batch(env.settings, env.pipeline, replaying.batch_id)
     entry = next(e for e in history_page(db, env.pipeline.name, None, 10) if e.batch_id == replaying.batch_id)
-    assert entry.outcome == "abandoned: target and quarantine unchanged"
+    assert entry.outcome == "abandoned by ops: process killed; target and quarantine unchanged"
+    assert (entry.requested_by, entry.run_id) == ("test", CLI_RUN_ID)
+    finished = db.execute("SELECT finished_at FROM kafka2pg.replays WHERE batch_id = %s", (replaying.batch_id,))
+    assert finished.fetchone()[0] is not None
     with pytest.raises(ReplayRefusedError, match="it is already finished"):
         abandon_replay(env.settings, env.pipeline, replaying.batch_id, confirm=True)
     assert snapshot(db, env) == before
@@ -525,11 +530,12 @@ def test_undoing_a_partitions_first_batch_says_the_partition_is_left_without_a_h
 def test_verify_only_reads_a_rules_reason_stored_in_its_older_words_as_the_same_verdict(
     make_pipeline, run_batch, replay, db, heads, sample_columns
 ):
-    """A `min` without `max` is "the declared minimum 100.0", and the value is quoted and shortened
-    to 40 characters; quarantine rows stored when they read "amount = 5.5 violates the declared
-    range [100.0, None]" (the value unquoted and whole) are the same verdict to a verify-only
-    replay, not a change."""
-    rules = {"amount": {"min": 100}, "currency": {"allowed": ["EUR", "USD", "GBP"]}}
+    """A `min` without `max` is "the declared minimum 100.0", the value is quoted and shortened
+    to 40 characters, a long list of allowed values cut; quarantine rows stored when they read
+    "amount = 5.5 violates the declared range [100.0, None]" (the value unquoted and whole, the
+    list whole) are the same verdict to a verify-only replay, not a change."""
+    allowed = ["EUR", "USD", "GBP", *(f"Z{i:02}" for i in range(30))]
+    rules = {"amount": {"min": 100}, "currency": {"allowed": allowed}}
     columns = [
         {**c, **rules[c["name"]], "on_violation": "quarantine"} if c["name"] in rules else c for c in sample_columns
     ]
@@ -539,7 +545,15 @@ def test_verify_only_reads_a_rules_reason_stored_in_its_older_words_as_the_same_
     produce(env.settings.bootstrap_servers, env.topic, events)
     load_all(run_batch, env)
     reasons = [r for _, _, r, _ in snapshot(db, env)[1]]
-    long = "currency = '" + "X" * 40 + "…' violates the declared allowed values ['EUR', 'USD', 'GBP']"
+    listed = f"allowed values {allowed!r}"
+    assert len(listed) > len("allowed values ") + 120
+    long = (
+        "currency = '"
+        + "X" * 40
+        + "…' violates the declared "
+        + listed[: len("allowed values ") + 120]
+        + "… (33 values)"
+    )
     assert reasons.count(long) == 1, reasons
     ranged = [r for r in reasons if r != long]
     assert ranged and all(re.fullmatch(r"amount = '[0-9.]+' violates the declared minimum 100.0", r) for r in ranged)
@@ -552,7 +566,7 @@ def test_verify_only_reads_a_rules_reason_stored_in_its_older_words_as_the_same_
     )
     db.execute(
         "UPDATE kafka2pg.quarantine SET reason = %s WHERE pipeline = %s AND reason = %s",
-        (long.replace("'" + "X" * 40 + "…'", "X" * 60), env.pipeline.name, long),
+        ("currency = " + "X" * 60 + " violates the declared " + listed, env.pipeline.name, long),
     )
     stored = [r for _, _, r, _ in snapshot(db, env)[1]]
     assert sum(r.startswith("currency = " + "X" * 60 + " violates") for r in stored) == 1, stored

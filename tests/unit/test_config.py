@@ -209,6 +209,10 @@ def test_column_rules_parse_typed_and_bad_rules_name_the_field(tmp_path):
     assert columns[1].range_words == "range [0.0, 10.0]"
     assert replace(columns[1], maximum=None).range_words == "minimum 0.0"
     assert replace(columns[1], minimum=None).range_words == "maximum 10.0"
+    assert columns[2].allowed_words == "allowed values [1, 2]"
+    many = replace(columns[2], allowed=tuple(range(1000, 1183)))
+    assert many.allowed_words == f"allowed values {list(many.allowed)!r:.120}… (183 values)"
+    assert len(replace(columns[2], allowed=tuple(range(20))).allowed_words) == len("allowed values ") + 70
     for bad, message in (
         ({"type": "bigint", "min": 5, "max": 1}, r"columns\[1\]: min 5.0 is above max 1.0"),
         ({"type": "bigint", "max": "ten"}, r"columns\[1\].max: expected a finite number, got .ten."),

@@ -65,7 +65,7 @@ def test_status_lists_each_open_batch_once_a_stuck_one_by_its_stuck_line_and_jso
     # The oldest open live batch is resumed, a later one (a lookahead) abandoned, a replay's left to
     # its run, and each replay's line says how to discard it once its run will not finish it.
     abandon = "`kafka2pg abandon --pipeline orders --batch-id {} --confirm` discards it"
-    replay_left = f"leaves it: only its replay run's retries carry it on; once that run has failed for good, {abandon}"
+    replay_left = f"leaves it: only its replay run's retries carry it on; once that run has ended without it, {abandon}"
     cli_left = (
         "leaves it: only the `kafka2pg replay` process that planned it carries it on; if that process is gone, "
         + abandon.format(10)
