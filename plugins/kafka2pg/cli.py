@@ -630,7 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="In a checkout, the ./kafka2pg wrapper also takes: setup (only the set-up), test [pytest args] (the "
         "whole suite), airflow ARGS (Airflow's CLI with this environment), python FILE (the venv's python).",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="kafka2pg's debug logging (Airflow's and py4j's at INFO)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="start the local stack, produce events, run the DAG twice, print the ledger")
@@ -803,9 +805,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if not args.verbose:  # Airflow, imported to look connections up, tells where its config is at INFO
-        logging.getLogger("airflow").setLevel(logging.WARNING)
-        logging.getLogger("py4j").setLevel(logging.WARNING)  # a stage command's Spark gateway closing
+    # Airflow, imported to look connections up, tells where its config is at INFO, and at DEBUG
+    # logs each provider and a trace for the absent airflow_local_settings, which reads as a failure;
+    # py4j, a stage command's Spark gateway, each call at DEBUG and its closing at INFO.
+    quieter = logging.INFO if args.verbose else logging.WARNING
+    logging.getLogger("airflow").setLevel(quieter)
+    logging.getLogger("py4j").setLevel(quieter)
     try:
         code = args.func(args)
         sys.stdout.flush()  # here, where a reader gone away is caught, not at the interpreter's exit
