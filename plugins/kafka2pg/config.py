@@ -248,12 +248,14 @@ class Column:
 
     @property
     def range_words(self) -> str:
-        """The declared range in words: "range [0.0, 10.0]", "minimum 0.0" or "maximum 10.0"."""
+        """The declared range in words: "range [0, 10.5]", "minimum 0" or "maximum 10.5" (a whole
+        number as the pipelines file has it, not as the float it is read into)."""
+        low, high = _bound_words(self.minimum), _bound_words(self.maximum)
         if self.maximum is None:
-            return f"minimum {self.minimum}"
+            return f"minimum {low}"
         if self.minimum is None:
-            return f"maximum {self.maximum}"
-        return f"range [{self.minimum}, {self.maximum}]"
+            return f"maximum {high}"
+        return f"range [{low}, {high}]"
 
     @property
     def allowed_words(self) -> str:
@@ -264,6 +266,13 @@ class Column:
         if len(shown) > ALLOWED_SHOWN:
             shown = f"{shown[:ALLOWED_SHOWN]}… ({len(self.allowed)} values)"
         return f"allowed values {shown}"
+
+
+def _bound_words(bound: float | None) -> str:
+    """A range's bound as written: 100000 for 100000.0 (below 2**53, where floats are whole numbers exactly)."""
+    if bound is not None and bound.is_integer() and abs(bound) < 2**53:
+        return str(int(bound))
+    return str(bound)
 
 
 # Of a column's allowed values, the characters of their list a quarantine reason shows.

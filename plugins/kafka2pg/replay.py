@@ -414,15 +414,19 @@ def _comparable_reason(reason: sql.Composable) -> sql.Composable:
     """SQL: a quarantine reason as a replay compares it. Batch ids vary between runs; a declared
     rule's reason compares by its column and rule, not the value it quotes (stored unquoted and
     whole before values were quoted and shortened); a one-bound range stored as "range [0.0,
-    None]" reads "minimum 0.0" now (and "[None, 9.0]" "maximum 9.0"); a value shortened to 40
-    characters is compared without its mark ("…"), which reasons of keys once lacked; a list of
-    allowed values by its first `ALLOWED_SHOWN` characters (stored whole before lists were cut)."""
+    None]" reads "minimum 0" now (and "[None, 9.5]" "maximum 9.5"), and a whole-number bound
+    stored as "100.0" reads "100"; a value shortened to 40 characters is compared without its
+    mark ("…"), which reasons of keys once lacked; a list of allowed values by its first
+    `ALLOWED_SHOWN` characters (stored whole before lists were cut)."""
     return sql.SQL(
-        "regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace({},"
+        "regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace("
+        "regexp_replace(regexp_replace({},"
         " 'batch \\d+', 'batch N', 'g'), '…''', '''', 'g'),"
         " 'declared range \\[([^],]+), None\\]$', 'declared minimum \\1'),"
         " 'declared range \\[None, ([^],]+)\\]$', 'declared maximum \\1'),"
         " '^(\\S+) = .* violates the declared ', '\\1 violates the declared '),"
+        " '(declared (?:range \\[|minimum |maximum )-?\\d+)\\.0(?=\\]|, |$)', '\\1'),"
+        " '(declared range \\[[^],]+, -?\\d+)\\.0\\]$', '\\1]'),"
         " {allowed}, 'declared allowed values \\1…')"
     ).format(reason, allowed=sql.Literal(f"declared allowed values (.{{{ALLOWED_SHOWN}}}).+$"))
 

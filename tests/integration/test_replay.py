@@ -530,18 +530,19 @@ def test_undoing_a_partitions_first_batch_says_the_partition_is_left_without_a_h
 def test_verify_only_reads_a_rules_reason_stored_in_its_older_words_as_the_same_verdict(
     make_pipeline, run_batch, replay, db, heads, sample_columns
 ):
-    """A `min` without `max` is "the declared minimum 100.0", the value is quoted and shortened
+    """A `min` without `max` is "the declared minimum 100", the value is quoted and shortened
     to 40 characters, a long list of allowed values cut; quarantine rows stored when they read
     "amount = 5.5 violates the declared range [100.0, None]" (the value unquoted and whole, the
     list whole) are the same verdict to a verify-only replay, not a change."""
     allowed = ["EUR", "USD", "GBP", *(f"Z{i:02}" for i in range(30))]
-    rules = {"amount": {"min": 100}, "currency": {"allowed": allowed}}
+    rules = {"amount": {"min": 100}, "currency": {"allowed": allowed}, "customer_id": {"min": 0, "max": 10**6}}
     columns = [
         {**c, **rules[c["name"]], "on_violation": "quarantine"} if c["name"] in rules else c for c in sample_columns
     ]
     env = make_pipeline(columns=columns)
     events = list(sample_events(200, seed=5))
     events[3] = {**events[3], "amount": 250.0, "currency": "X" * 60}
+    events[4] = {**events[4], "amount": 250.0, "customer_id": -5}
     produce(env.settings.bootstrap_servers, env.topic, events)
     load_all(run_batch, env)
     reasons = [r for _, _, r, _ in snapshot(db, env)[1]]
@@ -555,11 +556,13 @@ def test_verify_only_reads_a_rules_reason_stored_in_its_older_words_as_the_same_
         + "… (33 values)"
     )
     assert reasons.count(long) == 1, reasons
-    ranged = [r for r in reasons if r != long]
-    assert ranged and all(re.fullmatch(r"amount = '[0-9.]+' violates the declared minimum 100.0", r) for r in ranged)
+    customer = "customer_id = '-5' violates the declared range [0, 1000000]"  # the bounds as written
+    assert reasons.count(customer) == 1, reasons
+    ranged = [r for r in reasons if r not in (long, customer)]
+    assert ranged and all(re.fullmatch(r"amount = '[0-9.]+' violates the declared minimum 100", r) for r in ranged)
     db.execute(
         "UPDATE kafka2pg.quarantine SET reason = regexp_replace(reason,"
-        " '^(\\w+) = ''(.*)'' violates the declared minimum 100.0$',"
+        " '^(\\w+) = ''(.*)'' violates the declared minimum 100$',"
         " '\\1 = \\2 violates the declared range [100.0, None]')"
         " WHERE pipeline = %s",
         (env.pipeline.name,),
@@ -567,6 +570,10 @@ def test_verify_only_reads_a_rules_reason_stored_in_its_older_words_as_the_same_
     db.execute(
         "UPDATE kafka2pg.quarantine SET reason = %s WHERE pipeline = %s AND reason = %s",
         ("currency = " + "X" * 60 + " violates the declared " + listed, env.pipeline.name, long),
+    )
+    db.execute(
+        "UPDATE kafka2pg.quarantine SET reason = %s WHERE pipeline = %s AND reason = %s",
+        ("customer_id = -5 violates the declared range [0.0, 1000000.0]", env.pipeline.name, customer),
     )
     stored = [r for _, _, r, _ in snapshot(db, env)[1]]
     assert sum(r.startswith("currency = " + "X" * 60 + " violates") for r in stored) == 1, stored

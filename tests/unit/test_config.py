@@ -206,9 +206,10 @@ def test_column_rules_parse_typed_and_bad_rules_name_the_field(tmp_path):
     columns = get_pipeline("orders", write(tmp_path, columns=[GOOD["columns"][0], ranged, listed])).columns
     assert (columns[1].minimum, columns[1].maximum, columns[1].on_violation) == (0.0, 10.0, "quarantine")
     assert (columns[2].allowed, columns[2].on_violation) == ((1, 2), "fail")
-    assert columns[1].range_words == "range [0.0, 10.0]"
-    assert replace(columns[1], maximum=None).range_words == "minimum 0.0"
-    assert replace(columns[1], minimum=None).range_words == "maximum 10.0"
+    assert columns[1].range_words == "range [0, 10]"  # as written, not as the floats they are read into
+    assert replace(columns[1], maximum=None).range_words == "minimum 0"
+    assert replace(columns[1], minimum=None, maximum=10.5).range_words == "maximum 10.5"
+    assert replace(columns[1], minimum=-1e300, maximum=2.0**53).range_words == "range [-1e+300, 9007199254740992.0]"
     assert columns[2].allowed_words == "allowed values [1, 2]"
     many = replace(columns[2], allowed=tuple(range(1000, 1183)))
     assert many.allowed_words == f"allowed values {list(many.allowed)!r:.120}… (183 values)"
