@@ -801,10 +801,17 @@ def main(argv: list[str] | None = None) -> int:
         if not arg.isascii() and _not_utf8(arg):
             parser.error(f"argument {arg!r} is not valid UTF-8")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    line = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=line)
+    if args.verbose:
+        # A handler of its own: Airflow's first import (a connection's lookup) configures the
+        # root logger anew, at INFO, which would drop kafka2pg's debug lines from then on.
+        verbose = logging.StreamHandler(sys.stderr)
+        verbose.setFormatter(logging.Formatter(line))
+        own = logging.getLogger("kafka2pg")
+        own.setLevel(logging.DEBUG)
+        own.addHandler(verbose)
+        own.propagate = False
     # Airflow, imported to look connections up, tells where its config is at INFO, and at DEBUG
     # logs each provider and a trace for the absent airflow_local_settings, which reads as a failure;
     # py4j, a stage command's Spark gateway, each call at DEBUG and its closing at INFO.

@@ -269,9 +269,10 @@ class Column:
 
 
 def _bound_words(bound: float | None) -> str:
-    """A range's bound as written: 100000 for 100000.0 (below 2**53, where floats are whole numbers exactly)."""
-    if bound is not None and bound.is_integer() and abs(bound) < 2**53:
-        return str(int(bound))
+    """A range's bound without a whole number's ".0": 100000 for 100000.0 (below 1e16, where
+    Python's str turns to an exponent)."""
+    if bound is not None and bound.is_integer() and abs(bound) < 1e16:
+        return f"{bound:.0f}"  # -0.0 as -0, as its older words "-0.0" compare
     return str(bound)
 
 

@@ -85,6 +85,7 @@ def services(
         ],
         env,
     )
+    log.debug("%s: PostgreSQL %s, Kafka %s", who, describe(database_url), kafka)
     return Settings(kafka=kafka, database_url=database_url, **common_settings(env))
 
 

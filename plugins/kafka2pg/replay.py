@@ -26,7 +26,7 @@ from kafka2pg.batch_store import (
     staging_lost,
     transition,
 )
-from kafka2pg.config import ALLOWED_SHOWN, Pipeline, Settings
+from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ReplayRefusedError
 from kafka2pg.kafka_offsets import offsets_for_times, partition_offsets, topic_id
@@ -43,7 +43,15 @@ from kafka2pg.lifecycle import Action, BatchState, promote_action, replay_outcom
 from kafka2pg.opening import OpenedBatch
 from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan, describe_ranges
 from kafka2pg.replay_request import ReplayRequest
-from kafka2pg.rows import clear_staging, insert_quarantine, insert_target, range_predicate, records_read, shortfall
+from kafka2pg.rows import (
+    clear_staging,
+    insert_quarantine,
+    insert_target,
+    literal,
+    range_predicate,
+    records_read,
+    shortfall,
+)
 
 log = logging.getLogger(__name__)
 
@@ -369,11 +377,11 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
     new_q = sql.SQL(
         "SELECT kafka_partition, kafka_offset, {v} AS v FROM {staging}"
         " WHERE batch_id = %(batch)s AND quarantine_reason IS NOT NULL"
-    ).format(v=_comparable_reason(sql.Identifier("quarantine_reason")), staging=staging)
+    ).format(v=_comparable_reason(sql.Identifier("quarantine_reason"), pipeline), staging=staging)
     old_q = sql.SQL(
         "SELECT kafka_partition, kafka_offset, {v} AS v FROM kafka2pg.quarantine"
         " WHERE pipeline = %(pipeline)s AND kafka_topic = %(topic)s AND {r}"
-    ).format(v=_comparable_reason(sql.Identifier("reason")), r=in_range)
+    ).format(v=_comparable_reason(sql.Identifier("reason"), pipeline), r=in_range)
     kinds = {
         "target": ("only_in_target", "only_in_replay", "changed"),
         "quarantine": ("quarantined_only_before", "quarantined_only_by_replay", "quarantine_reason_changed"),
@@ -410,25 +418,30 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
     return found
 
 
-def _comparable_reason(reason: sql.Composable) -> sql.Composable:
+def _comparable_reason(reason: sql.Composable, pipeline: Pipeline) -> sql.Composable:
     """SQL: a quarantine reason as a replay compares it. Batch ids vary between runs; a declared
     rule's reason compares by its column and rule, not the value it quotes (stored unquoted and
     whole before values were quoted and shortened); a one-bound range stored as "range [0.0,
     None]" reads "minimum 0" now (and "[None, 9.5]" "maximum 9.5"), and a whole-number bound
     stored as "100.0" reads "100"; a value shortened to 40 characters is compared without its
-    mark ("…"), which reasons of keys once lacked; a list of allowed values by its first
-    `ALLOWED_SHOWN` characters (stored whole before lists were cut)."""
+    mark ("…"), which reasons of keys once lacked; a column's list of allowed values stored
+    whole, before long lists were cut, reads as the list is cut now (a list the current config
+    does not declare stays as it was stored: a changed rule is a difference)."""
+    for column in pipeline.columns:
+        whole = f"declared allowed values {list(column.allowed or ())!r}"
+        if column.allowed is not None and f"declared {column.allowed_words}" != whole:
+            cut = literal(f"declared {column.allowed_words}")
+            reason = sql.SQL("replace({}, {}, {})").format(reason, literal(whole), cut)
     return sql.SQL(
-        "regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace("
+        "regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace("
         "regexp_replace(regexp_replace({},"
         " 'batch \\d+', 'batch N', 'g'), '…''', '''', 'g'),"
         " 'declared range \\[([^],]+), None\\]$', 'declared minimum \\1'),"
         " 'declared range \\[None, ([^],]+)\\]$', 'declared maximum \\1'),"
         " '^(\\S+) = .* violates the declared ', '\\1 violates the declared '),"
         " '(declared (?:range \\[|minimum |maximum )-?\\d+)\\.0(?=\\]|, |$)', '\\1'),"
-        " '(declared range \\[[^],]+, -?\\d+)\\.0\\]$', '\\1]'),"
-        " {allowed}, 'declared allowed values \\1…')"
-    ).format(reason, allowed=sql.Literal(f"declared allowed values (.{{{ALLOWED_SHOWN}}}).+$"))
+        " '(declared range \\[[^],]+, -?\\d+)\\.0\\]$', '\\1]')"
+    ).format(reason)
 
 
 def split_differences(found: dict) -> tuple[dict, dict]:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import uuid
+from urllib.parse import urlsplit
 
 import psycopg
 import yaml
@@ -50,7 +51,11 @@ def test_produce_makes_new_events_each_time_and_the_same_ones_for_a_seed(base_se
     assert seeded == again and not set(seeded) & set(first + second)
 
 
-def test_a_command_prints_no_airflow_info_lines_unless_verbose(base_settings):
+def test_a_command_prints_no_airflow_info_lines_unless_verbose_and_verbose_keeps_its_own_debug_lines(base_settings):
+    """`-v` is kafka2pg's debug logging, also after Airflow's first import (a connection's lookup)
+    set the root logger up anew at INFO; never Airflow's debug lines (a trace for its absent
+    airflow_local_settings read as a failure), never a password."""
+    password = urlsplit(base_settings.database_url).password
     env = {
         **os.environ,
         "KAFKA2PG_BOOTSTRAP_SERVERS": base_settings.bootstrap_servers,
@@ -67,6 +72,10 @@ def test_a_command_prints_no_airflow_info_lines_unless_verbose(base_settings):
         )
         assert done.returncode == 0, done.stderr
         assert ("INFO airflow." in done.stderr) is bool(verbose), done.stderr
+        debug = f"DEBUG kafka2pg.connections: produce: PostgreSQL {describe(base_settings.database_url)}, Kafka "
+        assert (debug in done.stderr) is bool(verbose), done.stderr
+        assert "Traceback" not in done.stderr and "DEBUG airflow" not in done.stderr, done.stderr
+        assert not password or password not in done.stderr + done.stdout
 
 
 def test_status_shows_every_pipeline_it_can_when_one_is_broken_and_exits_2(make_pipeline, monkeypatch, capsys):

@@ -534,7 +534,7 @@ def test_verify_only_reads_a_rules_reason_stored_in_its_older_words_as_the_same_
     to 40 characters, a long list of allowed values cut; quarantine rows stored when they read
     "amount = 5.5 violates the declared range [100.0, None]" (the value unquoted and whole, the
     list whole) are the same verdict to a verify-only replay, not a change."""
-    allowed = ["EUR", "USD", "GBP", *(f"Z{i:02}" for i in range(30))]
+    allowed = ["EUR", "USD", "GBP", "Y…", *(f"Z{i:02}" for i in range(30))]
     rules = {"amount": {"min": 100}, "currency": {"allowed": allowed}, "customer_id": {"min": 0, "max": 10**6}}
     columns = [
         {**c, **rules[c["name"]], "on_violation": "quarantine"} if c["name"] in rules else c for c in sample_columns
@@ -553,7 +553,7 @@ def test_verify_only_reads_a_rules_reason_stored_in_its_older_words_as_the_same_
         + "X" * 40
         + "…' violates the declared "
         + listed[: len("allowed values ") + 120]
-        + "… (33 values)"
+        + "… (34 values)"
     )
     assert reasons.count(long) == 1, reasons
     customer = "customer_id = '-5' violates the declared range [0, 1000000]"  # the bounds as written
