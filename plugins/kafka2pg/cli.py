@@ -803,12 +803,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     line = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=logging.INFO, format=line)
+    own = logging.getLogger("kafka2pg")
+    was = (own.level, own.propagate)
+    verbose = logging.StreamHandler(sys.stderr)
     if args.verbose:
         # A handler of its own: Airflow's first import (a connection's lookup) configures the
         # root logger anew, at INFO, which would drop kafka2pg's debug lines from then on.
-        verbose = logging.StreamHandler(sys.stderr)
         verbose.setFormatter(logging.Formatter(line))
-        own = logging.getLogger("kafka2pg")
         own.setLevel(logging.DEBUG)
         own.addHandler(verbose)
         own.propagate = False
@@ -818,6 +819,16 @@ def main(argv: list[str] | None = None) -> int:
     quieter = logging.INFO if args.verbose else logging.WARNING
     logging.getLogger("airflow").setLevel(quieter)
     logging.getLogger("py4j").setLevel(quieter)
+    try:
+        return _run(args)
+    finally:  # called in process (tests, a wrapper): kafka2pg's logging as it was before
+        own.removeHandler(verbose)
+        own.setLevel(was[0])
+        own.propagate = was[1]
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command, its kafka2pg errors as one line (exit 2)."""
     try:
         code = args.func(args)
         sys.stdout.flush()  # here, where a reader gone away is caught, not at the interpreter's exit

@@ -148,6 +148,12 @@ def test_every_step_runs_as_a_runtime_role_holding_only_the_granted_privileges(
     stage_batch(spark, env.settings, env.pipeline, left["batch_id"], left["epoch"])
     assert abandon_replay(env.settings, env.pipeline, left["batch_id"], confirm=True).applied
     assert counts(db, env) == (len(first), 0)
+    staged = sql.SQL("SELECT count(*) FROM {} WHERE batch_id = %s").format(
+        sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    )
+    assert db.execute(staged, (left["batch_id"],)).fetchone()[0] == 0
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (left["batch_id"],)).fetchone()[0]
+    assert state == "abandoned"
 
     reset = reset_head(env.settings, env.pipeline, 1, 0, reason="test", confirm=True, archive_old_rows=True)
     assert reset.applied

@@ -684,6 +684,19 @@ def test_abandon_previews_without_confirm_and_exits_1_as_nothing_changed(monkeyp
     assert asked == {"batch_id": 7, "confirm": confirm, "reason": "killed", "requested_by": ""}
 
 
+def test_verbose_leaves_kafka2pgs_logging_as_it_found_it_for_whoever_calls_main_in_process(capsys):
+    import logging
+
+    from kafka2pg import cli
+
+    own = logging.getLogger("kafka2pg")
+    before = (own.level, own.propagate, list(own.handlers))
+    for _ in range(2):
+        assert cli.main(["-v", "replay", "--pipeline", "p"]) == 2  # nothing to replay: a ConfigError
+    assert (own.level, own.propagate, list(own.handlers)) == before
+    assert capsys.readouterr().err.count("error: ConfigError: replay: nothing to replay") == 2
+
+
 def test_report_out_to_a_path_it_cannot_write_is_an_error_not_a_trace(tmp_path, monkeypatch, capsys):
     from kafka2pg import cli
     from kafka2pg.exceptions import ConfigError
