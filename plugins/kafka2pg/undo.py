@@ -9,10 +9,17 @@ import getpass
 import logging
 from dataclasses import dataclass
 
-from kafka2pg.batch_store import abandon_lookaheads, abandon_unpromoted, load_batch, open_batch_id, transition
+from kafka2pg.batch_store import (
+    abandon_lookaheads,
+    abandon_unpromoted,
+    load_batch,
+    load_claimed,
+    open_batch_id,
+    transition,
+)
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
-from kafka2pg.exceptions import BatchStateError, ReplayRefusedError
+from kafka2pg.exceptions import ReplayRefusedError
 from kafka2pg.kafka_offsets import topic_retention
 from kafka2pg.ledger import lock_partitions, lock_plan, reset_floors
 from kafka2pg.lifecycle import BatchState, is_open
@@ -61,10 +68,8 @@ def undo_batch(
         # Plan lock, then the open live batch: no live promotion moves a head while this runs.
         lock_plan(conn, pipeline.name)
         open_id = open_batch_id(conn, pipeline)
-        batch = load_batch(conn, batch_id, for_update=True)
+        batch = load_claimed(conn, pipeline, batch_id, None)  # locked, of this pipeline, whatever its claim
         where = f"pipeline {pipeline.name!r} batch {batch_id}"
-        if batch.pipeline != pipeline.name:
-            raise BatchStateError.other_pipeline(pipeline.name, batch_id, batch.pipeline)
         if batch.kind != "live" or batch.state is not BatchState.PROMOTED:
             raise ReplayRefusedError(
                 f"{where} is a {batch.kind} batch in state {batch.state}: only a promoted live batch can be undone"
@@ -190,10 +195,8 @@ def abandon_replay(
     stops without writing. Without `confirm` nothing changes and the message says what would.
     An open live batch is refused: the next live run resumes or abandons it itself."""
     with transaction(settings.database_url) as conn:
-        batch = load_batch(conn, batch_id, for_update=True)
+        batch = load_claimed(conn, pipeline, batch_id, None)  # locked, of this pipeline, whatever its claim
         where = f"pipeline {pipeline.name!r} batch {batch_id}"
-        if batch.pipeline != pipeline.name:
-            raise BatchStateError.other_pipeline(pipeline.name, batch_id, batch.pipeline)
         if batch.kind != "replay" or not is_open(batch.state):
             why = (
                 "the next live run resumes or abandons an open live batch itself"
