@@ -9,7 +9,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from urllib.parse import unquote
 
 import psycopg
@@ -250,12 +250,15 @@ def _one_line(exc: Exception) -> str:
 
 
 @contextmanager
-def transaction(url: str) -> Iterator[psycopg.Connection]:
-    """One connection, one transaction: commit on success, roll back on any exception."""
+def transaction(url: str, *, waits: str | None = None) -> Iterator[psycopg.Connection]:
+    """One connection, one transaction: commit on success, roll back on any exception.
+
+    `waits` (what the transaction is for, as an operator reads it: "pipeline=orders undo of
+    batch 7") logs every LOCK_WAIT_LOG_S seconds who holds a lock it waits for (`waits_logged`)."""
     conn = connect(url)
     try:
         with _statement_errors(url, conn, "its transaction was rolled back"), conn.transaction():
-            with _interruptions_end_the_statement(conn):
+            with _interruptions_end_the_statement(conn), waits_logged(url, conn, waits) if waits else nullcontext():
                 yield conn
     except psycopg.OperationalError as exc:
         if not conn.broken:

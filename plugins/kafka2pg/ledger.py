@@ -249,7 +249,7 @@ def reset_head(
             topic=pipeline.topic,
             partition=partition,
         )
-    with transaction(settings.database_url) as conn:
+    with transaction(settings.database_url, waits=f"pipeline={pipeline.name} reset of partition {partition}") as conn:
         lock_plan(conn, pipeline.name)
         open_id = open_batch_id(conn, pipeline)  # before the heads: see open_batch
         current = read_heads(conn, pipeline.name).get(partition)

@@ -87,7 +87,7 @@ def open_replay(
         return OpenedBatch(None, False, f"replay: no records to replay{window}; nothing recorded, Spark not launched")
     broker = {o.partition: o for o in partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)}
     identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
-    with transaction(settings.database_url) as conn:
+    with transaction(settings.database_url, waits=f"pipeline={pipeline.name} the replay's plan") as conn:
         # Serialised with planning, undo and reset: the heads read here stay valid until commit.
         lock_plan(conn, pipeline.name)
         heads = read_heads(conn, pipeline.name)

@@ -64,7 +64,7 @@ def undo_batch(
             batch_id=batch_id,
             topic=pipeline.topic,
         )
-    with transaction(settings.database_url) as conn:
+    with transaction(settings.database_url, waits=f"pipeline={pipeline.name} undo of batch {batch_id}") as conn:
         # Plan lock, then the open live batch: no live promotion moves a head while this runs.
         lock_plan(conn, pipeline.name)
         open_id = open_batch_id(conn, pipeline)
@@ -194,7 +194,8 @@ def abandon_replay(
     is fenced off: its next step (a staging chunk, the gate, the finish) finds it abandoned and
     stops without writing. Without `confirm` nothing changes and the message says what would.
     An open live batch is refused: the next live run resumes or abandons it itself."""
-    with transaction(settings.database_url) as conn:
+    # A step in progress holds the batch's row until its transaction ends: the wait is logged.
+    with transaction(settings.database_url, waits=f"pipeline={pipeline.name} abandon of batch {batch_id}") as conn:
         batch = load_claimed(conn, pipeline, batch_id, None)  # locked, of this pipeline, whatever its claim
         where = f"pipeline {pipeline.name!r} batch {batch_id}"
         if batch.kind != "replay" or not is_open(batch.state):

@@ -512,6 +512,48 @@ def test_abandoning_a_replay_its_run_left_open_drops_only_its_staging_rows_and_f
     assert_clean(env)
 
 
+def test_abandon_and_undo_name_who_holds_the_batch_while_they_wait(make_pipeline, run_batch, monkeypatch, caplog):
+    """A step frozen inside its transaction holds the batch's row: abandon (and undo, behind the
+    plan lock) wait for it, and say every LOCK_WAIT_LOG_S seconds which backend holds it, until
+    PostgreSQL ends the frozen session; then they go on."""
+    import logging
+
+    from kafka2pg import database
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(5, seed=94))
+    live = run_batch(env)
+    request = ReplayRequest("replace", (OffsetRange(0, 0, 5),), requested_by="test")
+    replaying = open_replay(env.settings, env.pipeline, request, run_id=CLI_RUN_ID).batch
+    monkeypatch.setattr(database, "IDLE_IN_TRANSACTION_TIMEOUT_S", 4)
+    monkeypatch.setattr(database, "LOCK_WAIT_LOG_S", 0.5)
+
+    def frozen_holding(query: str, params: tuple) -> psycopg.Connection:
+        frozen = database.connect(env.settings.database_url)
+        frozen.execute(query, params)
+        return frozen
+
+    for command, holding in (
+        (
+            lambda: abandon_replay(env.settings, env.pipeline, replaying.batch_id, confirm=True),
+            ("SELECT 1 FROM kafka2pg.batches WHERE batch_id = %s FOR UPDATE", (replaying.batch_id,)),
+        ),
+        (
+            lambda: undo_batch(env.settings, env.pipeline, live.batch_id, confirm=True),
+            ("SELECT pg_advisory_xact_lock(hashtext('kafka2pg.plan'), hashtext(%s))", (env.pipeline.name,)),
+        ),
+    ):
+        frozen = frozen_holding(*holding)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kafka2pg.database"):
+            assert command().applied
+        waits = [r.getMessage() for r in caplog.records if "waits for a lock held by" in r.getMessage()]
+        assert waits and f"backend pid {frozen.info.backend_pid} (" in waits[0], caplog.text
+        assert waits[0].startswith(f"pipeline={env.pipeline.name} "), waits[0]
+        with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):  # PostgreSQL ended its session
+            frozen.execute("SELECT 1")
+
+
 def test_undoing_a_partitions_first_batch_says_the_partition_is_left_without_a_head(make_pipeline, run_batch, heads):
     env = make_pipeline(partitions=1)
     produce(env.settings.bootstrap_servers, env.topic, sample_events(5, seed=91))
