@@ -111,7 +111,7 @@ def suite_for(pipeline: Pipeline, expected_rows: int) -> list[Expectation]:
                 Expectation(
                     "ExpectColumnValuesToBeInSet",
                     {"column": column.name, "value_set": list(column.allowed)},
-                    f"declared allowed values {list(column.allowed)}",
+                    f"declared {column.allowed_words}",
                 )
             )
     return suite

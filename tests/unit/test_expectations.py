@@ -129,3 +129,23 @@ def test_gx_is_imported_without_its_extras_and_defers_what_only_other_expectatio
     assert result["unique"] == [2]
     assert result["chart"] == "Chart" and result["entropy"] == 0.693
     assert result["altair"] == "module" and result["sqlalchemy"] == "sqlalchemy"
+
+
+def test_a_rules_meaning_in_the_suite_reads_as_the_quarantine_reason_does():
+    """The report's meaning of a column's rule shows a long allowed list cut, as a quarantine
+    reason does, and a range's whole-number bounds without ".0"."""
+    from dataclasses import replace
+
+    orders = get_pipeline("orders")
+    by_name = {c.name: c for c in orders.columns}
+    many = replace(by_name["currency"], allowed=tuple(f"C{i:03d}" for i in range(183)))
+    ranged = replace(by_name["amount"], minimum=0.0, maximum=1000.0)
+    pipeline = replace(
+        orders, columns=tuple({"currency": many, "amount": ranged}.get(c.name, c) for c in orders.columns)
+    )
+    meanings = {
+        e.kwargs.get("column"): e.meaning for e in suite_for(pipeline, 10) if e.type != "ExpectColumnValuesToNotBeNull"
+    }
+    assert meanings[many.name] == f"declared {many.allowed_words}" and meanings[many.name].endswith("… (183 values)")
+    assert len(meanings[many.name]) < 200
+    assert meanings[ranged.name] == f"declared {ranged.range_words}" and ".0" not in meanings[ranged.name]
