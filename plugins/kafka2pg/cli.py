@@ -490,6 +490,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from kafka2pg.migrations import require_ready
     from kafka2pg.quality import validate_batch
     from kafka2pg.replay import open_replay, split_differences
+    from kafka2pg.replay_process import held_while_running
     from kafka2pg.replay_request import CLI_NAMES, request_from_params
     from kafka2pg.steps import promote_batch
 
@@ -511,9 +512,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if opened.batch is None:
         return 0
     batch_id = opened.batch.batch_id
-    _stage_locally(settings, pipeline, batch_id)
-    print(validate_batch(settings, pipeline, batch_id).message)
-    result = promote_batch(settings, pipeline, batch_id)
+    with held_while_running(settings.database_url, batch_id):  # status and abandon see this process run
+        _stage_locally(settings, pipeline, batch_id)
+        print(validate_batch(settings, pipeline, batch_id).message)
+        result = promote_batch(settings, pipeline, batch_id)
     print(result.message)
     differences, gone = split_differences(result.differences)
     for label, findings in (("", differences), ("record gone, not a difference: ", gone)):

@@ -24,6 +24,7 @@ from kafka2pg.exceptions import (
     StageInterrupted,
 )
 from kafka2pg.lifecycle import CLI_RUN_ID, OPEN
+from kafka2pg.replay_process import running_replays
 from kafka2pg.task_log import printable
 
 log = logging.getLogger(__name__)
@@ -180,16 +181,22 @@ def open_batches(conn: Connection, pipeline: str, batch_id: int | None = None) -
         (pipeline, batch_id, batch_id, OPEN_STATES),
     ).fetchall()
     batches = [OpenBatch(pipeline, *row) for row in rows]
-    return with_next_runs(batches) if batch_id is None else batches
+    if batch_id is not None:
+        return batches
+    by_cli = (b.batch_id for b in batches if b.kind != "live" and b.run_id == CLI_RUN_ID)
+    return with_next_runs(batches, running_replays(conn, by_cli))
 
 
-def with_next_runs(batches: list[OpenBatch]) -> list[OpenBatch]:
-    """A pipeline's open batches (all of them, in id order), each with what the next run does with it."""
-    shown, live = [], 0
+def with_next_runs(batches: list[OpenBatch], running: dict[int, int] | None = None) -> list[OpenBatch]:
+    """A pipeline's open batches (all of them, in id order), each with what the next run does with it.
+
+    `running`: the CLI replay batches whose `kafka2pg replay` process runs, with its session's pid."""
+    shown, live, running = [], 0, running or {}
     for batch in batches:
         if batch.kind != "live":
-            left = REPLAY_LEFT_CLI if batch.run_id == CLI_RUN_ID else REPLAY_LEFT
-            action = left.format(pipeline=batch.pipeline, batch_id=batch.batch_id)
+            pid = running.get(batch.batch_id) if batch.run_id == CLI_RUN_ID else None
+            left = REPLAY_LEFT if batch.run_id != CLI_RUN_ID else REPLAY_LEFT_CLI if pid is None else REPLAY_RUNNING_CLI
+            action = left.format(pipeline=batch.pipeline, batch_id=batch.batch_id, pid=pid)
         else:
             live += 1
             action = RESUMES if live == 1 else ABANDONS
@@ -212,8 +219,12 @@ REPLAY_LEFT = (
     "`kafka2pg abandon --pipeline {pipeline} --batch-id {batch_id} --confirm` discards it"
 )
 REPLAY_LEFT_CLI = (
-    "leaves it: only the `kafka2pg replay` process that planned it carries it on; if that process is gone, "
-    "`kafka2pg abandon --pipeline {pipeline} --batch-id {batch_id} --confirm` discards it"
+    "leaves it: the `kafka2pg replay` process that planned it is gone (no session holds its lock), and only it "
+    "would carry it on; `kafka2pg abandon --pipeline {pipeline} --batch-id {batch_id} --confirm` discards it"
+)
+REPLAY_RUNNING_CLI = (
+    "leaves it to the `kafka2pg replay` process running it (its session: backend pid {pid}); if that process "
+    "hangs, stop it, then `kafka2pg abandon --pipeline {pipeline} --batch-id {batch_id} --confirm` discards it"
 )
 
 

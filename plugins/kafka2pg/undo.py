@@ -9,6 +9,8 @@ import getpass
 import logging
 from dataclasses import dataclass
 
+from psycopg import Connection
+
 from kafka2pg.batch_store import (
     abandon_lookaheads,
     abandon_unpromoted,
@@ -22,9 +24,10 @@ from kafka2pg.database import transaction
 from kafka2pg.exceptions import ReplayRefusedError
 from kafka2pg.kafka_offsets import topic_retention
 from kafka2pg.ledger import lock_partitions, lock_plan, reset_floors
-from kafka2pg.lifecycle import BatchState, is_open
+from kafka2pg.lifecycle import CLI_RUN_ID, BatchState, is_open
 from kafka2pg.planner import OffsetRange, describe_ranges
 from kafka2pg.replay import count_rows, delete_rows, finish_record, record_operation
+from kafka2pg.replay_process import running_replays
 from kafka2pg.rows import range_predicate, staged_counts
 
 log = logging.getLogger(__name__)
@@ -196,8 +199,12 @@ def abandon_replay(
     An open live batch is refused: the next live run resumes or abandons it itself."""
     # A step in progress holds the batch's row until its transaction ends: the wait is logged.
     with transaction(settings.database_url, waits=f"pipeline={pipeline.name} abandon of batch {batch_id}") as conn:
-        batch = load_claimed(conn, pipeline, batch_id, None)  # locked, of this pipeline, whatever its claim
         where = f"pipeline {pipeline.name!r} batch {batch_id}"
+        # Before the batch's lock, which the running process may hold in a step: refused at once.
+        seen = load_claimed(conn, pipeline, batch_id, None, lock=False)
+        if seen.kind == "replay" and is_open(seen.state) and seen.run_id == CLI_RUN_ID:
+            _refuse_a_running_replay(conn, pipeline, batch_id, where)
+        batch = load_claimed(conn, pipeline, batch_id, None)  # locked, of this pipeline, whatever its claim
         if batch.kind != "replay" or not is_open(batch.state):
             why = (
                 "the next live run resumes or abandons an open live batch itself"
@@ -227,3 +234,18 @@ def abandon_replay(
         )
     log.warning("abandon: %s (reason: %s)", message, reason or "-")
     return Abandon(batch_id, staged, True, message)
+
+
+def _refuse_a_running_replay(conn: Connection, pipeline: Pipeline, batch_id: int, where: str) -> None:
+    """`ReplayRefusedError` when the `kafka2pg replay` process of the batch still runs."""
+    running = running_replays(conn, [batch_id]).get(batch_id)
+    if running is not None:
+        raise ReplayRefusedError(
+            f"{where} is still being replayed by a running `kafka2pg replay` process (its session: backend pid "
+            f"{running}); nothing was changed. Stop that process (Ctrl-C or a kill) and abandon it then; if the "
+            f"process is out of reach, SELECT pg_terminate_backend({running}) ends its session (the process, "
+            "should it go on, is fenced once the batch is abandoned).",
+            pipeline=pipeline.name,
+            batch_id=batch_id,
+            backend_pid=running,
+        )

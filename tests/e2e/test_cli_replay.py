@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from psycopg import sql
@@ -14,17 +16,24 @@ from kafka2pg.devtools.producer import produce, sample_events
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cli(env, *args: str) -> subprocess.CompletedProcess:
-    environ = {
-        **os.environ,
+def cli_environment(env) -> dict[str, str]:
+    return {
         "KAFKA2PG_PIPELINES": str(env.settings.pipelines_file),
         "KAFKA2PG_BOOTSTRAP_SERVERS": env.settings.bootstrap_servers,
         "KAFKA2PG_DATABASE_URL": env.settings.database_url,
         "KAFKA2PG_SPARK_MASTER": "local[1]",
         "PYTHONPATH": str(ROOT / "plugins"),
     }
+
+
+def cli(env, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kafka2pg", *args], env=environ, capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-m", "kafka2pg", *args],
+        env={**os.environ, **cli_environment(env)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
 
 
@@ -71,3 +80,66 @@ def test_a_replay_from_the_command_line_reads_through_sparks_kafka_source(make_p
 
     assert out.returncode == 0, out.stderr[-3000:]
     assert "0 difference(s)" in out.stdout, out.stdout
+
+
+def test_status_and_abandon_tell_a_running_replay_process_from_a_killed_one(make_pipeline, run_batch, db, tmp_path):
+    """A `kafka2pg replay` process holds a lock while it lives: status names its session and
+    abandon refuses its batch; killed from outside (its process group), its batch shows as left by
+    a process that is gone, and abandon discards it."""
+    from kafka2pg.replay_process import running_replays
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(30, seed=29))
+    run_batch(env)
+    name = env.pipeline.name
+    environ = {**os.environ, **cli_environment(env)}
+    with open(tmp_path / "replay.out", "w") as out:
+        replay = subprocess.Popen(
+            [sys.executable, "-m", "kafka2pg", "replay", "--pipeline", name, "--offsets", "0:0-30"],
+            env=environ,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        batch_id = pid = None
+        while pid is None:
+            assert replay.poll() is None, (tmp_path / "replay.out").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the replay process never held its batch's lock"
+            found = db.execute(
+                "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'replay'", (name,)
+            ).fetchone()
+            if found:
+                batch_id = found[0]
+                pid = running_replays(db, [batch_id]).get(batch_id)
+            time.sleep(0.1)
+        os.killpg(replay.pid, signal.SIGSTOP)  # held where it is, alive
+        state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
+        assert state in ("planned", "staged", "validated"), state
+
+        status = cli(env, "status", "--pipeline", name)
+        assert (
+            f"leaves it to the `kafka2pg replay` process running it (its session: backend pid {pid})" in status.stdout
+        )
+        refused = cli(env, "abandon", "--pipeline", name, "--batch-id", str(batch_id), "--confirm")
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert f"still being replayed by a running `kafka2pg replay` process (its session: backend pid {pid})" in (
+            refused.stderr
+        )
+
+        os.killpg(replay.pid, signal.SIGKILL)
+        replay.wait(timeout=60)
+        while running_replays(db, [batch_id]):  # PostgreSQL ends the killed process's sessions
+            assert time.monotonic() < deadline, "the killed process's lock stayed held"
+            time.sleep(0.2)
+        status = cli(env, "status", "--pipeline", name)
+        assert "the `kafka2pg replay` process that planned it is gone (no session holds its lock)" in status.stdout
+        done = cli(env, "abandon", "--pipeline", name, "--batch-id", str(batch_id), "--reason", "killed", "--confirm")
+        assert done.returncode == 0, done.stderr[-3000:]
+        state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
+        assert state == "abandoned"
+    finally:
+        if replay.poll() is None:
+            os.killpg(replay.pid, signal.SIGKILL)
+            replay.wait(timeout=60)

@@ -47,6 +47,7 @@ def test_a_stuck_batch_gives_the_errors_own_advice_once():
 
 def test_status_lists_each_open_batch_once_a_stuck_one_by_its_stuck_line_and_json_holds_both():
     import json
+    from dataclasses import replace
     from datetime import UTC, datetime
 
     from kafka2pg.status import PipelineStatus
@@ -59,7 +60,8 @@ def test_status_lists_each_open_batch_once_a_stuck_one_by_its_stuck_line_and_jso
     )
     planned = OpenBatch("orders", 9, "replay", "planned", None, "manual__1", since, None, 0, None, None, "none")
     by_cli = OpenBatch("orders", 10, "replay", "staged", None, "cli", since, None, 0, None, None, "p0[0,9)")
-    opened = with_next_runs([failing, resumable, planned, by_cli])
+    running = replace(by_cli, batch_id=11)
+    opened = with_next_runs([failing, resumable, planned, by_cli, running], {11: 4242, 9: 77})
     status = PipelineStatus("orders", "orders", "public.orders", (), None, tuple(opened), "gone", "kafka")
 
     # The oldest open live batch is resumed, a later one (a lookahead) abandoned, a replay's left to
@@ -67,13 +69,22 @@ def test_status_lists_each_open_batch_once_a_stuck_one_by_its_stuck_line_and_jso
     abandon = "`kafka2pg abandon --pipeline orders --batch-id {} --confirm` discards it"
     replay_left = f"leaves it: only its replay run's retries carry it on; once that run has ended without it, {abandon}"
     cli_left = (
-        "leaves it: only the `kafka2pg replay` process that planned it carries it on; if that process is gone, "
-        + abandon.format(10)
+        "leaves it: the `kafka2pg replay` process that planned it is gone (no session holds its lock), and only it "
+        "would carry it on; " + abandon.format(10)
     )
-    assert [b.next_run for b in opened] == [RESUMES, ABANDONS, replay_left.format(9), cli_left]
+    cli_running = (
+        "leaves it to the `kafka2pg replay` process running it (its session: backend pid 4242); if that process "
+        "hangs, stop it, then " + abandon.format(11)
+    )
+    assert [b.next_run for b in opened] == [RESUMES, ABANDONS, replay_left.format(9), cli_left, cli_running]
     assert [b.batch_id for b in status.stuck] == [7]
     lines = status.open_batch_lines()
-    assert [line.split(" (")[0] for line in lines] == ["open: batch 8", "open: batch 9", "open: batch 10"]
+    assert [line.split(" (")[0] for line in lines] == [
+        "open: batch 8",
+        "open: batch 9",
+        "open: batch 10",
+        "open: batch 11",
+    ]
     assert lines[0].startswith("open: batch 8 (live, staged, planned after batch 7) p0[9,12), claimed 2026-01-02")
     assert " by run run-2; last failure at validate: E: xE: x" in lines[0]
     assert lines[0].endswith(f"…; next run: {ABANDONS}")
@@ -90,6 +101,7 @@ def test_status_lists_each_open_batch_once_a_stuck_one_by_its_stuck_line_and_jso
         (8, False, ABANDONS),
         (9, False, replay_left.format(9)),
         (10, False, cli_left),
+        (11, False, cli_running),
     ]
     assert data["open_batches"][0]["claimed_at"] == "2026-01-02T03:04:05+00:00"
     assert [(b["batch_id"], b["step"], b["since"]) for b in data["stuck"]] == [(7, "promote", since.isoformat())]
