@@ -202,6 +202,35 @@ def replay(spark):
 
 
 @pytest.fixture
+def end_at_deadline():
+    """`with end_at_deadline(url, pid, seconds) as rescued:` should the block still run after
+    `seconds`, PostgreSQL's backend `pid` (what the block waits for) is terminated and `rescued`
+    gets True: a test that waits on a lock asserts `not rescued` instead of hanging."""
+    import contextlib
+    import threading
+
+    import psycopg
+
+    @contextlib.contextmanager
+    def guard(url: str, pid: int, seconds: float = 120):
+        rescued: list[bool] = []
+
+        def rescue() -> None:
+            rescued.append(True)
+            with psycopg.connect(url, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+        timer = threading.Timer(seconds, rescue)
+        timer.start()
+        try:
+            yield rescued
+        finally:
+            timer.cancel()
+
+    return guard
+
+
+@pytest.fixture
 def db(base_settings):
     import psycopg
 

@@ -490,7 +490,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from kafka2pg.migrations import require_ready
     from kafka2pg.quality import validate_batch
     from kafka2pg.replay import open_replay, split_differences
-    from kafka2pg.replay_process import held_while_running
+    from kafka2pg.replay_process import ReplayProcess
     from kafka2pg.replay_request import CLI_NAMES, request_from_params
     from kafka2pg.steps import promote_batch
 
@@ -507,21 +507,50 @@ def cmd_replay(args: argparse.Namespace) -> int:
     request = request_from_params(params, run_type="manual", requested_by=args.requested_by, names=CLI_NAMES)
     assert request is not None  # a manual request without ranges or window raises instead
     require_ready(settings, pipeline)
-    opened = open_replay(settings, pipeline, request, run_id=CLI_RUN_ID)
-    print(opened.message)
-    if opened.batch is None:
-        return 0
-    batch_id = opened.batch.batch_id
-    with held_while_running(settings.database_url, batch_id):  # status and abandon see this process run
-        _stage_locally(settings, pipeline, batch_id)
-        print(validate_batch(settings, pipeline, batch_id).message)
-        result = promote_batch(settings, pipeline, batch_id)
+    with ReplayProcess(settings.database_url) as process:  # status and abandon see this process run
+        opened = open_replay(settings, pipeline, request, run_id=CLI_RUN_ID, on_planned=process.hold)
+        print(opened.message)
+        if opened.batch is None:
+            return 0
+        batch_id = opened.batch.batch_id
+        try:
+            _stage_locally(settings, pipeline, batch_id)
+            print(validate_batch(settings, pipeline, batch_id).message)
+            result = promote_batch(settings, pipeline, batch_id)
+        except BaseException:
+            _say_if_left_open(settings, pipeline, batch_id)
+            raise
     print(result.message)
     differences, gone = split_differences(result.differences)
     for label, findings in (("", differences), ("record gone, not a difference: ", gone)):
         for kind, found in sorted(findings.items()):
             print(f"  {label}{kind}: {found['count']} (e.g. {', '.join(found['sample'][:10])})")
-    return 0
+    return 1 if differences else 0  # verify-only's findings, as `verify` exits on its own
+
+
+def _say_if_left_open(settings: Settings, pipeline: Pipeline, batch_id: int) -> None:
+    """On stderr, after a CLI replay failed: its batch, if still open, waits for `abandon` (this
+    process, gone, will not carry it on; a gate's rejection or a fence has ended it already)."""
+    import psycopg
+
+    from kafka2pg.database import session
+    from kafka2pg.lifecycle import BatchState, is_open
+
+    command = f"`kafka2pg abandon --pipeline {pipeline.name} --batch-id {batch_id} --confirm`"
+    try:
+        with session(settings.database_url) as conn:
+            row = conn.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()
+    except (Kafka2PgError, psycopg.Error):  # the failure itself may be PostgreSQL's: say what to check
+        print(
+            f"replay batch {batch_id} may be left open: `kafka2pg status` tells; {command} discards it", file=sys.stderr
+        )
+        return
+    if row is not None and is_open(BatchState(row[0])):
+        print(
+            f"replay batch {batch_id} is left open ({row[0]}), and this process will not carry it on: {command} "
+            "discards it (a new `kafka2pg replay` of the range plans a batch of its own)",
+            file=sys.stderr,
+        )
 
 
 def _confirmed_batch_change(args: argparse.Namespace, change: Callable, verb: str, done: str) -> int:
@@ -838,6 +867,16 @@ def _run(args: argparse.Namespace) -> int:
     except Kafka2PgError as exc:
         # printable: an error may quote a record's bytes (PostgreSQL's words about a key).
         print(f"error: {type(exc).__name__}: {printable(str(exc), keep_newlines=True)}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        # PostgreSQL refused a statement kafka2pg has no words of its own for (a trigger's RAISE, a
+        # constraint or permission of the DBA's): its words, not a trace. (psycopg is imported by
+        # the commands that use it, so an error of it means it is there.)
+        psycopg = sys.modules.get("psycopg")
+        if psycopg is None or not isinstance(exc, psycopg.Error):
+            raise
+        state = f" (SQLSTATE {exc.sqlstate})" if exc.sqlstate else ""
+        print(f"error: {type(exc).__name__}{state}: {printable(str(exc).strip(), keep_newlines=True)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (`status | head`): no trace, and none at exit's flush
         with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor: nothing to flush

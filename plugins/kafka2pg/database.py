@@ -195,7 +195,7 @@ def waits_logged(url: str, conn: psycopg.Connection, purpose: str) -> Iterator[N
                     ).fetchall()
             except psycopg.Error:
                 continue
-            if holders:
+            if holders and not done.is_set():  # not once the transaction has its lock and has ended
                 log.warning(
                     "%s waits for a lock held by %s; a holder frozen while idle in its transaction is ended by "
                     "PostgreSQL after %s s (idle_in_transaction_session_timeout); one busy in a statement can be "

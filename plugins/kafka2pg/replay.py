@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import getpass
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from psycopg import Connection, sql
@@ -71,9 +72,15 @@ def resolve_ranges(settings: Settings, pipeline: Pipeline, request: ReplayReques
 
 
 def open_replay(
-    settings: Settings, pipeline: Pipeline, request: ReplayRequest, *, run_id: str | None = None
+    settings: Settings,
+    pipeline: Pipeline,
+    request: ReplayRequest,
+    *,
+    run_id: str | None = None,
+    on_planned: Callable[[int], None] | None = None,
 ) -> OpenedBatch:
-    """Check the ranges against the ledger and the broker, then record a planned replay batch.
+    """Check the ranges against the ledger and the broker, then record a planned replay batch
+    (`on_planned` gets its id before the plan commits: a CLI replay's process lock).
 
     Refused (`ReplayRefusedError`, nothing recorded) when a range reaches beyond the live head,
     covers offsets the ledger never loaded (a recorded gap, an older topic generation), or
@@ -113,6 +120,8 @@ def open_replay(
         batch = insert_batch(conn, pipeline, plan, run_id, kind="replay")
         batch_id = batch.batch_id
         record_operation(conn, pipeline, batch_id, request.mode, ranges, request, run_id)
+        if on_planned is not None:
+            on_planned(batch_id)
     described = describe_ranges(ranges)
     message = f"planned replay batch {batch_id} ({request.mode}) of {plan.record_budget} offsets: {described}{window}"
     log.info("pipeline=%s %s", pipeline.name, message)

@@ -24,7 +24,7 @@ from kafka2pg.exceptions import (
     StageInterrupted,
 )
 from kafka2pg.lifecycle import CLI_RUN_ID, OPEN
-from kafka2pg.replay_process import running_replays
+from kafka2pg.replay_process import process_locks, running_pid
 from kafka2pg.task_log import printable
 
 log = logging.getLogger(__name__)
@@ -171,6 +171,7 @@ _FAILURE_SHOWN = 200
 
 def open_batches(conn: Connection, pipeline: str, batch_id: int | None = None) -> list[OpenBatch]:
     """The pipeline's open batches (or the one given, if open), oldest first, with their ranges."""
+    locks = process_locks(conn) if batch_id is None else {}
     rows = conn.execute(
         "SELECT b.batch_id, b.kind, b.state, b.after_batch_id, b.run_id, b.claimed_at, b.failed_step, b.failures,"
         " b.failing_since, b.last_failure, coalesce(string_agg(format('p%%s[%%s,%%s)', p.kafka_partition,"
@@ -184,7 +185,7 @@ def open_batches(conn: Connection, pipeline: str, batch_id: int | None = None) -
     if batch_id is not None:
         return batches
     by_cli = (b.batch_id for b in batches if b.kind != "live" and b.run_id == CLI_RUN_ID)
-    return with_next_runs(batches, running_replays(conn, by_cli))
+    return with_next_runs(batches, {i: pid for i in by_cli if (pid := running_pid(locks, i)) is not None})
 
 
 def with_next_runs(batches: list[OpenBatch], running: dict[int, int] | None = None) -> list[OpenBatch]:

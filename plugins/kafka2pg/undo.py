@@ -27,7 +27,7 @@ from kafka2pg.ledger import lock_partitions, lock_plan, reset_floors
 from kafka2pg.lifecycle import CLI_RUN_ID, BatchState, is_open
 from kafka2pg.planner import OffsetRange, describe_ranges
 from kafka2pg.replay import count_rows, delete_rows, finish_record, record_operation
-from kafka2pg.replay_process import running_replays
+from kafka2pg.replay_process import process_locks, running_pid
 from kafka2pg.rows import range_predicate, staged_counts
 
 log = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ def abandon_replay(
 
 def _refuse_a_running_replay(conn: Connection, pipeline: Pipeline, batch_id: int, where: str) -> None:
     """`ReplayRefusedError` when the `kafka2pg replay` process of the batch still runs."""
-    running = running_replays(conn, [batch_id]).get(batch_id)
+    running = running_pid(process_locks(conn), batch_id)
     if running is not None:
         raise ReplayRefusedError(
             f"{where} is still being replayed by a running `kafka2pg replay` process (its session: backend pid "

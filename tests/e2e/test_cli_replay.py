@@ -46,7 +46,7 @@ def test_replay_verify_only_and_undo_from_the_command_line(make_pipeline, run_ba
 
     name = env.pipeline.name
     out = cli(env, "replay", "--pipeline", name, "--offsets", "0:0-20", "--mode", "verify-only", "--reason", "check")
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 1, out.stderr[-3000:]  # a difference found: as `verify` exits on a discrepancy
     assert "1 difference(s)" in out.stdout and "changed: 1 (e.g. 0:4)" in out.stdout
 
     refused = cli(env, "replay", "--pipeline", name, "--offsets", "0:0-41")
@@ -86,7 +86,7 @@ def test_status_and_abandon_tell_a_running_replay_process_from_a_killed_one(make
     """A `kafka2pg replay` process holds a lock while it lives: status names its session and
     abandon refuses its batch; killed from outside (its process group), its batch shows as left by
     a process that is gone, and abandon discards it."""
-    from kafka2pg.replay_process import running_replays
+    from kafka2pg.replay_process import process_locks, running_pid
 
     env = make_pipeline(partitions=1)
     produce(env.settings.bootstrap_servers, env.topic, sample_events(30, seed=29))
@@ -112,7 +112,7 @@ def test_status_and_abandon_tell_a_running_replay_process_from_a_killed_one(make
             ).fetchone()
             if found:
                 batch_id = found[0]
-                pid = running_replays(db, [batch_id]).get(batch_id)
+                pid = running_pid(process_locks(db), batch_id)
             time.sleep(0.1)
         os.killpg(replay.pid, signal.SIGSTOP)  # held where it is, alive
         state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]
@@ -130,7 +130,7 @@ def test_status_and_abandon_tell_a_running_replay_process_from_a_killed_one(make
 
         os.killpg(replay.pid, signal.SIGKILL)
         replay.wait(timeout=60)
-        while running_replays(db, [batch_id]):  # PostgreSQL ends the killed process's sessions
+        while running_pid(process_locks(db), batch_id):  # PostgreSQL ends the killed process's sessions
             assert time.monotonic() < deadline, "the killed process's lock stayed held"
             time.sleep(0.2)
         status = cli(env, "status", "--pipeline", name)
@@ -143,3 +143,36 @@ def test_status_and_abandon_tell_a_running_replay_process_from_a_killed_one(make
         if replay.poll() is None:
             os.killpg(replay.pid, signal.SIGKILL)
             replay.wait(timeout=60)
+
+
+def test_a_replay_postgresql_refuses_says_so_in_one_line_and_names_its_batch_left_open(make_pipeline, run_batch, db):
+    """A statement PostgreSQL refuses in words kafka2pg has none for (a DBA's trigger on the
+    target): PostgreSQL's error as one line, exit 2, no trace, and the batch this process leaves
+    open named with the command that discards it."""
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(10, seed=31))
+    run_batch(env)
+    table = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    db.execute(
+        "CREATE OR REPLACE FUNCTION public.kafka2pg_test_refuse() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$ BEGIN RAISE EXCEPTION 'refused by the DBA''s trigger'; END $$"
+    )
+    db.execute(
+        sql.SQL(
+            "CREATE TRIGGER refuse BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION public.kafka2pg_test_refuse()"
+        ).format(table)
+    )
+
+    out = cli(env, "replay", "--pipeline", env.pipeline.name, "--offsets", "0:0-10")
+
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "error: RaiseException (SQLSTATE P0001): refused by the DBA's trigger" in out.stderr, out.stderr[-3000:]
+    batch_id, state = db.execute(
+        "SELECT batch_id, state FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'replay'", (env.pipeline.name,)
+    ).fetchone()
+    assert state == "validated"
+    assert (
+        f"replay batch {batch_id} is left open (validated), and this process will not carry it on: "
+        f"`kafka2pg abandon --pipeline {env.pipeline.name} --batch-id {batch_id} --confirm` discards it"
+    ) in out.stderr

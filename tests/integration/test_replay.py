@@ -548,10 +548,47 @@ def test_abandon_and_undo_name_who_holds_the_batch_while_they_wait(make_pipeline
         with caplog.at_level(logging.WARNING, logger="kafka2pg.database"):
             assert command().applied
         waits = [r.getMessage() for r in caplog.records if "waits for a lock held by" in r.getMessage()]
-        assert waits and f"backend pid {frozen.info.backend_pid} (" in waits[0], caplog.text
-        assert waits[0].startswith(f"pipeline={env.pipeline.name} "), waits[0]
+        assert waits and f"backend pid {frozen.info.backend_pid} (" in waits[-1], caplog.text
+        assert waits[-1].startswith(f"pipeline={env.pipeline.name} "), waits[-1]
         with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):  # PostgreSQL ended its session
             frozen.execute("SELECT 1")
+
+
+def test_abandon_refuses_the_batch_of_a_running_replay_process_at_once_whatever_locks_the_batch(
+    make_pipeline, run_batch, end_at_deadline
+):
+    """A `kafka2pg replay` process's lock, taken before its plan commits, makes abandon refuse its
+    batch without waiting for the batch's row (which the process's step in progress may hold);
+    gone with the process's session, the batch is abandoned."""
+    import contextlib
+
+    from kafka2pg.replay_process import ReplayProcess, process_locks, running_pid
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(5, seed=95))
+    run_batch(env)
+    request = ReplayRequest("replace", (OffsetRange(0, 0, 5),), requested_by="test")
+    with ReplayProcess(env.settings.database_url) as process:
+        seen = []
+        replaying = open_replay(
+            env.settings,
+            env.pipeline,
+            request,
+            run_id=CLI_RUN_ID,
+            on_planned=lambda batch_id: (process.hold(batch_id), seen.append(batch_id)),
+        ).batch
+        assert seen == [replaying.batch_id]
+        step = psycopg.connect(env.settings.database_url)  # a step in progress holds the batch's row
+        with contextlib.closing(step):
+            step.execute("SELECT 1 FROM kafka2pg.batches WHERE batch_id = %s FOR UPDATE", (replaying.batch_id,))
+            # The refusal must not wait for the row: its holder is ended at a deadline, and the test fails.
+            with end_at_deadline(env.settings.database_url, step.info.backend_pid, 60) as rescued:
+                with pytest.raises(ReplayRefusedError, match="still being replayed by a running `kafka2pg replay`"):
+                    abandon_replay(env.settings, env.pipeline, replaying.batch_id, confirm=False)
+            assert not rescued, "abandon waited for the batch's row before refusing"
+        with psycopg.connect(env.settings.database_url) as db:
+            assert running_pid(process_locks(db), replaying.batch_id) == process._conn.info.backend_pid
+    assert abandon_replay(env.settings, env.pipeline, replaying.batch_id, confirm=True).applied
 
 
 def test_undoing_a_partitions_first_batch_says_the_partition_is_left_without_a_head(make_pipeline, run_batch, heads):
@@ -635,3 +672,27 @@ def test_verify_only_reads_a_rules_reason_stored_in_its_older_words_as_the_same_
     assert changed == 1
     found = replay(env, ReplayRequest("verify-only", ranges, requested_by="test")).differences
     assert {k: v["count"] for k, v in found.items()} == {"quarantine_reason_changed": 1}
+
+
+def test_a_replay_process_that_loses_its_lock_session_says_so(make_pipeline, monkeypatch, caplog):
+    """The session holding a replay process's lock ended from outside (a DBA, a pooler, a network
+    cut): the process logs that status now shows it gone and an abandon would fence it."""
+    import logging
+
+    from kafka2pg import replay_process
+    from kafka2pg.replay_process import ReplayProcess, process_locks, running_pid
+
+    env = make_pipeline(partitions=1)
+    monkeypatch.setattr(replay_process, "PING_S", 0.2)
+    with psycopg.connect(env.settings.database_url, autocommit=True) as admin:
+        with caplog.at_level(logging.WARNING, logger="kafka2pg.replay_process"):
+            with ReplayProcess(env.settings.database_url) as process:
+                process.hold(2**32 + 7)  # a batch id beyond int4 keys by its low 32 bits
+                pid = running_pid(process_locks(admin), 2**32 + 7)
+                assert pid is not None and running_pid(process_locks(admin), 7) == pid
+                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                deadline = time.monotonic() + 120
+                while "lost the session that tells status and abandon this process runs" not in caplog.text:
+                    assert time.monotonic() < deadline, caplog.text
+                    time.sleep(0.1)
+        assert running_pid(process_locks(admin), 2**32 + 7) is None

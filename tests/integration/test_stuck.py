@@ -176,10 +176,9 @@ def test_a_step_stopped_by_airflows_execution_timeout_is_a_recorded_failure_and_
 
 
 def test_a_frozen_process_holding_the_open_batch_is_named_while_the_plan_waits_and_ended_by_postgresql(
-    make_pipeline, monkeypatch, caplog
+    make_pipeline, monkeypatch, caplog, end_at_deadline
 ):
     import logging
-    import threading
 
     from kafka2pg import database
 
@@ -192,18 +191,10 @@ def test_a_frozen_process_holding_the_open_batch_is_named_while_the_plan_waits_a
     frozen = database.connect(env.settings.database_url)
     frozen.execute("SELECT 1 FROM kafka2pg.batches WHERE batch_id = %s FOR UPDATE", (planned.batch.batch_id,))
 
-    rescued = []  # without the timeout the plan would wait for good: end the holder at a deadline, and fail
-
-    def rescue() -> None:
-        rescued.append(True)
-        with psycopg.connect(env.settings.database_url, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s)", (frozen.info.backend_pid,))
-
-    deadline = threading.Timer(120, rescue)
-    deadline.start()
-    with caplog.at_level(logging.WARNING, logger="kafka2pg.database"):
-        resumed = open_batch(env.settings, env.pipeline, run_id="second")
-    deadline.cancel()
+    # Without the timeout the plan would wait for good: the holder is ended at a deadline, and the test fails.
+    with end_at_deadline(env.settings.database_url, frozen.info.backend_pid) as rescued:
+        with caplog.at_level(logging.WARNING, logger="kafka2pg.database"):
+            resumed = open_batch(env.settings, env.pipeline, run_id="second")
     assert not rescued, "the frozen holder was not ended by PostgreSQL"
 
     assert resumed.resumed and resumed.batch.batch_id == planned.batch.batch_id
