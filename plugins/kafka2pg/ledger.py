@@ -151,13 +151,15 @@ def lock_partitions(conn: Connection, pipeline: str, partitions: set[int] | list
         conn.execute("SELECT set_config('lock_timeout', %s, true)", (previous,))
 
 
-def _old_rows(conn: Connection, pipeline: Pipeline, partition: int) -> int:
+def _old_rows(conn: Connection, pipeline: Pipeline, partition: int, below: int | None = None) -> int:
+    """The partition's rows in the target and the quarantine (with `below`: of offsets below it)."""
     target = sql.Identifier(pipeline.target_schema, pipeline.target_table)
     query = sql.SQL(
-        "SELECT (SELECT count(*) FROM {} WHERE kafka_topic = %(topic)s AND kafka_partition = %(p)s)"
-        " + (SELECT count(*) FROM kafka2pg.quarantine WHERE pipeline = %(pipeline)s AND kafka_partition = %(p)s)"
-    ).format(target)
-    return conn.execute(query, {"topic": pipeline.topic, "p": partition, "pipeline": pipeline.name}).fetchone()[0]
+        "SELECT (SELECT count(*) FROM {} WHERE kafka_topic = %(topic)s AND kafka_partition = %(p)s{below})"
+        " + (SELECT count(*) FROM kafka2pg.quarantine WHERE pipeline = %(pipeline)s AND kafka_partition = %(p)s{below})"
+    ).format(target, below=sql.SQL("" if below is None else " AND kafka_offset < %(below)s"))
+    params = {"topic": pipeline.topic, "p": partition, "pipeline": pipeline.name, "below": below}
+    return conn.execute(query, params).fetchone()[0]
 
 
 def _archive_rows(conn: Connection, pipeline: Pipeline, partition: int, reset_id: int) -> None:
@@ -291,8 +293,9 @@ def reset_head(
                 f"{pipeline.topic!r} as it is now (ID {identity}), not a recreated one: moving it back to {to_offset} "
                 f"would read [{to_offset}, {current}) again, whose rows are in the target or the quarantine, and the "
                 "quality gate would reject every such batch as already promoted. To load a range again with the "
-                "current config, use `kafka2pg replay`; to discard those rows and load the records as new, add "
-                "--archive-old-rows. Nothing was changed",
+                "current config, use `kafka2pg replay`. --archive-old-rows would archive EVERY row of partition "
+                f"{partition} (offsets below {to_offset} too, which are not loaded again) and load [{to_offset}, "
+                f"{current}) as new. Nothing was changed",
                 pipeline=pipeline.name,
                 topic=pipeline.topic,
                 partition=partition,
@@ -317,6 +320,17 @@ def reset_head(
                 "but `kafka2pg verify` audits the partition from the reset on and `kafka2pg replay` re-reads only "
                 "offsets loaded after it"
             )
+        elif old_rows and same_topic:  # archived: every row of the partition, not only those read again
+            message += (
+                f"; all {old_rows} promoted/quarantined rows of partition {partition} are archived to "
+                "kafka2pg.archived_rows"
+            )
+            kept_out = _old_rows(conn, pipeline, partition, to_offset) if to_offset is not None else 0
+            if kept_out:
+                message += (
+                    f", {kept_out} of them of offsets below the new head {to_offset}: those leave the target and the "
+                    "quarantine for good (the next runs load only from the new head on)"
+                )
         elif old_rows:
             message += (
                 f"; {old_rows} promoted/quarantined rows of partition {partition} came from the topic before the "

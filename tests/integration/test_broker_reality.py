@@ -567,7 +567,18 @@ def test_a_reset_forward_says_which_offsets_kafka_holds_that_will_never_be_loade
     # Backwards on the same topic: its rows are there, every batch would be rejected as promoted.
     with pytest.raises(BatchStateError, match=r"moving it back to 5 would read \[5, 20\) again") as back:
         reset_head(env.settings, env.pipeline, 0, 5, reason="load again", confirm=True)
-    assert "kafka2pg replay" in str(back.value) and "--archive-old-rows" in str(back.value)
+    assert "kafka2pg replay" in str(back.value)
+    assert (
+        "--archive-old-rows would archive EVERY row of partition 0 (offsets below 5 too, which are not loaded again)"
+        " and load [5, 20) as new"
+    ) in str(back.value)
+    # Archiving takes the whole partition's rows: those below the new head are not loaded again.
+    preview = reset_head(env.settings, env.pipeline, 0, 5, reason="load again", confirm=False, archive_old_rows=True)
+    assert preview.message.endswith(
+        "; all 20 promoted/quarantined rows of partition 0 are archived to kafka2pg.archived_rows, 5 of them of "
+        "offsets below the new head 5: those leave the target and the quarantine for good (the next runs load only "
+        "from the new head on)"
+    ), preview.message
     moved = reset_head(env.settings, env.pipeline, 0, 5, reason="load again", confirm=True, archive_old_rows=True)
     assert moved.applied and run_batch(env).promoted == 25
     audits = assert_audit_clean(env)
