@@ -878,6 +878,9 @@ def _run(args: argparse.Namespace) -> int:
         state = f" (SQLSTATE {exc.sqlstate})" if exc.sqlstate else ""
         print(f"error: {type(exc).__name__}{state}: {printable(str(exc).strip(), keep_newlines=True)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: every step is safe to stop and to run again
+        print("interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (`status | head`): no trace, and none at exit's flush
         with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor: nothing to flush
             devnull = os.open(os.devnull, os.O_WRONLY)

@@ -714,3 +714,16 @@ def test_a_number_beyond_floats_range_is_named_not_an_overflow_of_the_whole_file
     pipelines, broken = read_pipelines(write_all(tmp_path, GOOD, huge))
     assert list(pipelines) == ["orders"] and list(broken) == ["huge"]
     assert f"pipelines[1] (huge).{key}: expected a positive number, got 1000" in str(broken["huge"])
+
+
+def test_a_command_stopped_by_ctrl_c_says_interrupted_and_exits_130_without_a_trace(capsys):
+    import argparse
+
+    from kafka2pg import cli
+
+    def stopped(args):
+        raise KeyboardInterrupt
+
+    assert cli._run(argparse.Namespace(func=stopped)) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "interrupted" and "Traceback" not in err
