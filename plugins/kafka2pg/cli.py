@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import sys
+import traceback
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -859,7 +860,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """The command, its kafka2pg errors as one line (exit 2)."""
+    """The command, its kafka2pg errors and PostgreSQL's refusals as one line (exit 2; with -v
+    their trace too), Ctrl-C as "interrupted" (exit 130)."""
     try:
         code = args.func(args)
         sys.stdout.flush()  # here, where a reader gone away is caught, not at the interpreter's exit
@@ -867,16 +869,7 @@ def _run(args: argparse.Namespace) -> int:
     except Kafka2PgError as exc:
         # printable: an error may quote a record's bytes (PostgreSQL's words about a key).
         print(f"error: {type(exc).__name__}: {printable(str(exc), keep_newlines=True)}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        # PostgreSQL refused a statement kafka2pg has no words of its own for (a trigger's RAISE, a
-        # constraint or permission of the DBA's): its words, not a trace. (psycopg is imported by
-        # the commands that use it, so an error of it means it is there.)
-        psycopg = sys.modules.get("psycopg")
-        if psycopg is None or not isinstance(exc, psycopg.Error):
-            raise
-        state = f" (SQLSTATE {exc.sqlstate})" if exc.sqlstate else ""
-        print(f"error: {type(exc).__name__}{state}: {printable(str(exc).strip(), keep_newlines=True)}", file=sys.stderr)
+        _trace_if_verbose(args)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: every step is safe to stop and to run again
         print("interrupted", file=sys.stderr)
@@ -887,3 +880,22 @@ def _run(args: argparse.Namespace) -> int:
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
         return 1
+    except _postgresql_errors() as exc:
+        # PostgreSQL refused a statement kafka2pg has no words of its own for (a trigger's RAISE, a
+        # constraint or permission of the DBA's): its words, not a trace.
+        state = f" (SQLSTATE {exc.sqlstate})" if exc.sqlstate else ""
+        print(f"error: {type(exc).__name__}{state}: {printable(str(exc).strip(), keep_newlines=True)}", file=sys.stderr)
+        _trace_if_verbose(args)
+        return 2
+
+
+def _postgresql_errors() -> tuple[type[BaseException], ...]:
+    """psycopg's errors, if a command imported psycopg (else none can have been raised): the CLI
+    itself stays light to import. Evaluated only when an exception reaches that clause."""
+    psycopg = sys.modules.get("psycopg")
+    return (psycopg.Error,) if psycopg is not None else ()
+
+
+def _trace_if_verbose(args: argparse.Namespace) -> None:
+    if getattr(args, "verbose", False):
+        traceback.print_exc(file=sys.stderr)

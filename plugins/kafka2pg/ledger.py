@@ -288,14 +288,16 @@ def reset_head(
             )
         back = to_offset is not None and current is not None and to_offset < current
         if back and same_topic and not archive_old_rows:
+            below = _old_rows(conn, pipeline, partition, to_offset)
             raise BatchStateError(
                 f"pipeline {pipeline.name!r}: partition {partition}'s head {current} is an offset in topic "
                 f"{pipeline.topic!r} as it is now (ID {identity}), not a recreated one: moving it back to {to_offset} "
                 f"would read [{to_offset}, {current}) again, whose rows are in the target or the quarantine, and the "
                 "quality gate would reject every such batch as already promoted. To load a range again with the "
                 "current config, use `kafka2pg replay`. --archive-old-rows would archive EVERY row of partition "
-                f"{partition} (offsets below {to_offset} too, which are not loaded again) and load [{to_offset}, "
-                f"{current}) as new. Nothing was changed",
+                f"{partition}"
+                + (f" (the {below} of offsets below {to_offset} too, which are not loaded again)" if below else "")
+                + f" and load [{to_offset}, {current}) as new. Nothing was changed",
                 pipeline=pipeline.name,
                 topic=pipeline.topic,
                 partition=partition,

@@ -44,12 +44,12 @@ class ReplayProcess:
         self._pinger: threading.Thread | None = None
 
     def __enter__(self) -> ReplayProcess:
-        self._conn = connect(self._url)  # its transaction begins with the lock and stays open
         return self
 
     def hold(self, batch_id: int) -> None:
-        """Take the batch's lock (called inside the plan's transaction, before it commits)."""
-        assert self._conn is not None
+        """Take the batch's lock (called inside the plan's transaction, before it commits: a
+        connection refused here rolls the plan back)."""
+        self._conn = connect(self._url)  # its transaction begins with the lock and stays open
         taken = self._conn.execute(
             "SELECT pg_try_advisory_xact_lock(hashtext(%s), %s)", (_KEY, _lock_key(batch_id))
         ).fetchone()[0]
@@ -66,9 +66,9 @@ class ReplayProcess:
             except psycopg.Error as exc:
                 if not self._done.is_set():
                     log.warning(
-                        "replay batch %s: lost the session that tells status and abandon this process runs (%s); "
-                        "status now shows the batch as left by a process that is gone, and an abandon would fence "
-                        "this replay",
+                        "replay batch %s: cannot keep the lock that tells status and abandon this process runs (%s); "
+                        "once PostgreSQL ends that session, status shows the batch as left by a process that is "
+                        "gone, and an abandon would fence this replay",
                         batch_id,
                         " ".join(str(exc).split())[:200],
                     )
@@ -78,7 +78,11 @@ class ReplayProcess:
         self._done.set()
         if self._pinger is not None:
             self._pinger.join(timeout=60)
-        self._conn.close()  # the lock goes with its transaction
+            if self._pinger.is_alive():  # a ping stuck on the network: closing under it is unsafe
+                log.warning("the replay-process lock's session did not answer; left to end with this process")
+                return
+        if self._conn is not None:
+            self._conn.close()  # the lock goes with its transaction
 
 
 def process_locks(conn: Connection) -> dict[int, int]:

@@ -171,6 +171,8 @@ _FAILURE_SHOWN = 200
 
 def open_batches(conn: Connection, pipeline: str, batch_id: int | None = None) -> list[OpenBatch]:
     """The pipeline's open batches (or the one given, if open), oldest first, with their ranges."""
+    # Read before and after the batches: a process that ends in between finished its batch, and
+    # one that starts in between holds its lock by then.
     locks = process_locks(conn) if batch_id is None else {}
     rows = conn.execute(
         "SELECT b.batch_id, b.kind, b.state, b.after_batch_id, b.run_id, b.claimed_at, b.failed_step, b.failures,"
@@ -184,7 +186,9 @@ def open_batches(conn: Connection, pipeline: str, batch_id: int | None = None) -
     batches = [OpenBatch(pipeline, *row) for row in rows]
     if batch_id is not None:
         return batches
-    by_cli = (b.batch_id for b in batches if b.kind != "live" and b.run_id == CLI_RUN_ID)
+    by_cli = [b.batch_id for b in batches if b.kind != "live" and b.run_id == CLI_RUN_ID]
+    if by_cli:
+        locks |= process_locks(conn)
     return with_next_runs(batches, {i: pid for i in by_cli if (pid := running_pid(locks, i)) is not None})
 
 

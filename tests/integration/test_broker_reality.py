@@ -569,8 +569,8 @@ def test_a_reset_forward_says_which_offsets_kafka_holds_that_will_never_be_loade
         reset_head(env.settings, env.pipeline, 0, 5, reason="load again", confirm=True)
     assert "kafka2pg replay" in str(back.value)
     assert (
-        "--archive-old-rows would archive EVERY row of partition 0 (offsets below 5 too, which are not loaded again)"
-        " and load [5, 20) as new"
+        "--archive-old-rows would archive EVERY row of partition 0 (the 5 of offsets below 5 too, which are not"
+        " loaded again) and load [5, 20) as new"
     ) in str(back.value)
     # Archiving takes the whole partition's rows: those below the new head are not loaded again.
     preview = reset_head(env.settings, env.pipeline, 0, 5, reason="load again", confirm=False, archive_old_rows=True)

@@ -692,7 +692,7 @@ def test_a_replay_process_that_loses_its_lock_session_says_so(make_pipeline, mon
                 assert pid is not None and running_pid(process_locks(admin), 7) == pid
                 admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
                 deadline = time.monotonic() + 120
-                while "lost the session that tells status and abandon this process runs" not in caplog.text:
+                while "cannot keep the lock that tells status and abandon this process runs" not in caplog.text:
                     assert time.monotonic() < deadline, caplog.text
                     time.sleep(0.1)
         assert running_pid(process_locks(admin), 2**32 + 7) is None

@@ -716,14 +716,27 @@ def test_a_number_beyond_floats_range_is_named_not_an_overflow_of_the_whole_file
     assert f"pipelines[1] (huge).{key}: expected a positive number, got 1000" in str(broken["huge"])
 
 
-def test_a_command_stopped_by_ctrl_c_says_interrupted_and_exits_130_without_a_trace(capsys):
+def test_the_cli_ends_ctrl_c_a_gone_reader_and_postgresqls_refusals_without_a_trace(capsys):
     import argparse
+
+    import psycopg
 
     from kafka2pg import cli
 
-    def stopped(args):
-        raise KeyboardInterrupt
+    def raising(exc):
+        def command(args):
+            raise exc
 
-    assert cli._run(argparse.Namespace(func=stopped)) == 130
+        return command
+
+    assert cli._run(argparse.Namespace(func=raising(KeyboardInterrupt()))) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+    assert cli._run(argparse.Namespace(func=raising(BrokenPipeError()))) == 1  # `status | head`
+    refused = psycopg.errors.RaiseException("refused by the DBA's trigger")
+    assert cli._run(argparse.Namespace(func=raising(refused), verbose=False)) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "interrupted" and "Traceback" not in err
+    assert err == "error: RaiseException (SQLSTATE P0001): refused by the DBA's trigger\n", err
+    assert cli._run(argparse.Namespace(func=raising(refused), verbose=True)) == 2  # -v: the trace too
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+    with pytest.raises(ZeroDivisionError):  # a defect of kafka2pg's own keeps its trace
+        cli._run(argparse.Namespace(func=raising(ZeroDivisionError())))
