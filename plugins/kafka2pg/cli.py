@@ -535,21 +535,21 @@ def _say_if_left_open(settings: Settings, pipeline: Pipeline, batch_id: int) -> 
     import psycopg
 
     from kafka2pg.database import session
-    from kafka2pg.lifecycle import BatchState, is_open
+    from kafka2pg.stuck import ABANDON_COMMAND, open_batches
 
-    command = f"`kafka2pg abandon --pipeline {pipeline.name} --batch-id {batch_id} --confirm`"
+    command = ABANDON_COMMAND.format(pipeline=pipeline.name, batch_id=batch_id)
     try:
         with session(settings.database_url) as conn:
-            row = conn.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()
+            left = open_batches(conn, pipeline.name, batch_id)
     except (Kafka2PgError, psycopg.Error):  # the failure itself may be PostgreSQL's: say what to check
         print(
             f"replay batch {batch_id} may be left open: `kafka2pg status` tells; {command} discards it", file=sys.stderr
         )
         return
-    if row is not None and is_open(BatchState(row[0])):
+    if left:
         print(
-            f"replay batch {batch_id} is left open ({row[0]}), and this process will not carry it on: {command} "
-            "discards it (a new `kafka2pg replay` of the range plans a batch of its own)",
+            f"replay batch {batch_id} is left open ({left[0].state}), and this process will not carry it on: "
+            f"{command} discards it (a new `kafka2pg replay` of the range plans a batch of its own)",
             file=sys.stderr,
         )
 

@@ -219,17 +219,19 @@ ABANDONS = (
     "abandons it (a lookahead) and plans its offsets afresh, unless the run that planned it is still going "
     "and finishes it first"
 )
+# The command that discards an open replay batch its run or process will not finish.
+ABANDON_COMMAND = "`kafka2pg abandon --pipeline {pipeline} --batch-id {batch_id} --confirm`"
 REPLAY_LEFT = (
     "leaves it: only its replay run's retries carry it on; once that run has ended without it, "
-    "`kafka2pg abandon --pipeline {pipeline} --batch-id {batch_id} --confirm` discards it"
+    f"{ABANDON_COMMAND} discards it"
 )
 REPLAY_LEFT_CLI = (
     "leaves it: the `kafka2pg replay` process that planned it is gone (no session holds its lock), and only it "
-    "would carry it on; `kafka2pg abandon --pipeline {pipeline} --batch-id {batch_id} --confirm` discards it"
+    f"would carry it on; {ABANDON_COMMAND} discards it"
 )
 REPLAY_RUNNING_CLI = (
     "leaves it to the `kafka2pg replay` process running it (its session: backend pid {pid}); if that process "
-    "hangs, stop it, then `kafka2pg abandon --pipeline {pipeline} --batch-id {batch_id} --confirm` discards it"
+    f"hangs, stop it, then {ABANDON_COMMAND} discards it"
 )
 
 
