@@ -660,7 +660,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kafka2pg",
         description="Exactly-once Kafka -> PostgreSQL micro-batches.",
         epilog="In a checkout, the ./kafka2pg wrapper also takes: setup (only the set-up), test [pytest args] (the "
-        "whole suite), airflow ARGS (Airflow's CLI with this environment), python FILE (the venv's python).",
+        "whole suite), airflow ARGS (Airflow's CLI with this environment), python FILE (the venv's python). "
+        "Exit codes: 0 done; 1 a finding (verify, replay --mode verify-only); 2 a refusal or an error "
+        "(one line on stderr, with -v its trace); 130 interrupted (Ctrl-C: every step is safe to run again).",
     )
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="kafka2pg's debug logging (Airflow's and py4j's at INFO)"

@@ -268,11 +268,14 @@ def finish_replay(
         result = promote_batch(settings, pipeline, batch_id, epoch)
         event = run_event_of(settings, pipeline, batch_id, None)
     seconds = time.monotonic() - started
-    log.info("pipeline=%s %s", pipeline_name, result.message)
     differences, gone = split_differences(result.differences)
+    # A verify-only replay that found differences ends green (it changed nothing and the findings
+    # are recorded) but says so at WARNING, which Airflow's log view marks.
+    level = logging.WARNING if differences else logging.INFO
+    log.log(level, "pipeline=%s %s", pipeline_name, result.message)
     for label, findings in (("difference", differences), ("record gone", gone)):
         for kind, found in sorted(findings.items()):
-            log.info("%s", fit(f"{label} {kind:<35} {found['count']:>6}  e.g. {', '.join(found['sample'])}"))
+            log.log(level, "%s", fit(f"{label} {kind:<35} {found['count']:>6}  e.g. {', '.join(found['sample'])}"))
     log.info("%s", promotion_summary(pipeline_name, result, seconds))
     return {
         "batch_id": batch_id,

@@ -29,6 +29,7 @@ from kafka2pg.planner import OffsetRange, describe_ranges
 from kafka2pg.replay import count_rows, delete_rows, finish_record, record_operation
 from kafka2pg.replay_process import process_locks, running_pid
 from kafka2pg.rows import range_predicate, staged_counts
+from kafka2pg.stuck import ABANDON_COMMAND
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def undo_batch(
             raise ReplayRefusedError(
                 f"{where} is a {batch.kind} batch in state {batch.state}: only a promoted live batch can be undone"
                 + (
-                    f" (`kafka2pg abandon --pipeline {pipeline.name} --batch-id {batch_id}` discards an open replay"
+                    f" ({ABANDON_COMMAND.format(pipeline=pipeline.name, batch_id=batch_id)} discards an open replay"
                     " batch its run will not finish)"
                     if batch.kind == "replay" and is_open(batch.state)
                     else ""

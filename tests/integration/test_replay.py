@@ -3,6 +3,7 @@ verify-only changes nothing, range locks keep replays and live batches exactly-o
 
 from __future__ import annotations
 
+import logging.handlers
 import random
 import re
 import threading
@@ -13,6 +14,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from kafka2pg import tasks
 from kafka2pg.audit import audit_pipeline, format_audit
 from kafka2pg.browse import history_page
 from kafka2pg.checks import KEY_PROMOTED_CHECK
@@ -188,8 +190,12 @@ def test_backfill_over_three_dates_twice_gives_an_identical_target(loaded, repla
     assert open_replay(env.settings, env.pipeline, empty).batch is None
 
 
-def test_verify_only_reports_a_planted_difference_and_changes_nothing(loaded, replay, db, heads):
+def test_verify_only_reports_a_planted_difference_and_changes_nothing(loaded, spark, db, heads, monkeypatch):
+    """Finished by the replay DAG's task: the differences recorded, and said at WARNING."""
     old, *_ = loaded
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", old.settings.bootstrap_servers)
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", old.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(old.settings.pipelines_file))
     table = sql.Identifier(old.pipeline.target_schema, old.pipeline.target_table)
     db.execute(
         sql.SQL("UPDATE {} SET amount = amount + 1 WHERE kafka_partition = 1 AND kafka_offset = 3").format(table)
@@ -198,18 +204,30 @@ def test_verify_only_reports_a_planted_difference_and_changes_nothing(loaded, re
     before = snapshot(db, old)
     before_heads = heads(old)
     ranges = tuple(OffsetRange(p, 0, h) for p, h in sorted(before_heads.items()))
-    result = replay(old, ReplayRequest("verify-only", ranges, requested_by="test"))
-    assert result.mode == "verify-only"
-    assert {k: v["count"] for k, v in result.differences.items()} == {"changed": 1, "only_in_replay": 1}
-    assert result.differences["changed"]["sample"] == ["1:3"]
-    assert result.differences["only_in_replay"]["sample"] == ["2:5"]
+    batch = open_replay(old.settings, old.pipeline, ReplayRequest("verify-only", ranges, requested_by="test")).batch
+    stage_batch(spark, old.settings, old.pipeline, batch.batch_id)
+    validate_batch(old.settings, old.pipeline, batch.batch_id)
+    # A handler on the logger itself: Airflow's logging set-up (on the first task, when the test
+    # runs alone) takes pytest's handler off the root logger.
+    logged = logging.handlers.BufferingHandler(100)
+    logging.getLogger("kafka2pg").addHandler(logged)
+    try:
+        result = tasks.finish_replay(old.pipeline.name, batch.batch_id, batch.epoch)
+    finally:
+        logging.getLogger("kafka2pg").removeHandler(logged)
+    assert result["mode"] == "verify-only" and result["asset_event"] is None
+    assert result["differences"] == {"changed": 1, "only_in_replay": 1}
+    warned = [r.getMessage() for r in logged.buffer if r.levelno == logging.WARNING]
+    assert any("2 difference(s)" in line for line in warned), warned
+    assert any(line.startswith("difference changed") and "e.g. 1:3" in line for line in warned), warned
     assert snapshot(db, old) == before and heads(old) == before_heads
     state, stored = db.execute(
         "SELECT b.state, r.differences FROM kafka2pg.batches b JOIN kafka2pg.replays r USING (batch_id)"
         " WHERE b.batch_id = %s",
-        (result.batch_id,),
+        (batch.batch_id,),
     ).fetchone()
     assert state == "verified" and stored["changed"]["count"] == 1
+    assert stored["changed"]["sample"] == ["1:3"] and stored["only_in_replay"]["sample"] == ["2:5"]
     staging = sql.Identifier("kafka2pg", old.pipeline.staging_table)
     assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(staging)).fetchone()[0] == 0
 
@@ -475,7 +493,8 @@ def test_abandoning_a_replay_its_run_left_open_drops_only_its_staging_rows_and_f
     request = ReplayRequest("replace", (OffsetRange(0, 0, 20),), requested_by="test")
     replaying = open_replay(env.settings, env.pipeline, request, run_id=CLI_RUN_ID).batch
     stage_batch(spark, env.settings, env.pipeline, replaying.batch_id)
-    with pytest.raises(ReplayRefusedError, match=f"kafka2pg abandon --pipeline {env.pipeline.name} --batch-id"):
+    abandon = f"kafka2pg abandon --pipeline {env.pipeline.name} --batch-id {replaying.batch_id} --confirm"
+    with pytest.raises(ReplayRefusedError, match=abandon):
         undo_batch(env.settings, env.pipeline, replaying.batch_id, confirm=True)
     with pytest.raises(ReplayRefusedError, match="only an open replay batch can be abandoned"):
         abandon_replay(env.settings, env.pipeline, live.batch_id, confirm=True)
