@@ -27,6 +27,7 @@ from kafka2pg.batch_store import (
     staging_lost,
     transition,
 )
+from kafka2pg.checks import KEY_PROMOTED_REASON
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ReplayRefusedError
@@ -45,6 +46,7 @@ from kafka2pg.opening import OpenedBatch
 from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan, describe_ranges
 from kafka2pg.replay_request import ReplayRequest
 from kafka2pg.rows import (
+    WITHIN_BATCH_DUPLICATE,
     clear_staging,
     insert_quarantine,
     insert_target,
@@ -435,13 +437,20 @@ def _comparable_reason(reason: sql.Composable, pipeline: Pipeline) -> sql.Compos
     stored as "100.0" reads "100"; a value shortened to 40 characters is compared without its
     mark ("…"), which reasons of keys once lacked; a column's list of allowed values stored
     whole, before long lists were cut, reads as the list is cut now (a list the current config
-    does not declare stays as it was stored: a changed rule is a difference)."""
+    does not declare stays as it was stored: a changed rule is a difference). A business key's
+    duplicate compares by the copy that landed: "within batch N: kept partition P offset O" (the
+    kept copy in its batch; or, when that copy was refused at promotion, the copy that "landed
+    instead") and "already promoted by batch N at partition P offset O" (an earlier batch's copy)
+    are the same verdict when P and O are, which one depends only on where a batch or a replay's
+    range started."""
     for column in pipeline.columns:
         whole = f"declared allowed values {list(column.allowed or ())!r}"
         if column.allowed is not None and f"declared {column.allowed_words}" != whole:
             cut = literal(f"declared {column.allowed_words}")
             reason = sql.SQL("replace({}, {}, {})").format(reason, literal(whole), cut)
-    return sql.SQL(
+    within = f"^{WITHIN_BATCH_DUPLICATE}N: kept partition "
+    promoted = f"^{KEY_PROMOTED_REASON}N at partition "
+    reason = sql.SQL(
         "regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace("
         "regexp_replace(regexp_replace({},"
         " 'batch \\d+', 'batch N', 'g'), '…''', '''', 'g'),"
@@ -451,6 +460,25 @@ def _comparable_reason(reason: sql.Composable, pipeline: Pipeline) -> sql.Compos
         " '(declared (?:range \\[|minimum |maximum )-?\\d+)\\.0(?=\\]|, |$)', '\\1'),"
         " '(declared range \\[[^],]+, -?\\d+)\\.0\\]$', '\\1]')"
     ).format(reason)
+    return sql.SQL(
+        "regexp_replace(regexp_replace(regexp_replace({},"
+        " {within_refused}, {of_landed}), {within}, {of}), {promoted}, {of})"
+    ).format(
+        reason,
+        within_refused=literal(
+            within + "\\d+ offset \\d+ (\\(.*\\)); that copy was refused at promotion,"
+            " partition (\\d+) offset (\\d+) landed instead$"
+        ),
+        of_landed=literal(f"{KEY_DUPLICATE_OF}\\2 offset \\3 \\1"),
+        within=literal(within),
+        promoted=literal(promoted),
+        of=literal(KEY_DUPLICATE_OF),
+    )
+
+
+# A business key duplicate's reason as a replay compares it, before the landed copy's partition,
+# offset and key.
+KEY_DUPLICATE_OF = "duplicate business key of partition "
 
 
 def split_differences(found: dict) -> tuple[dict, dict]:

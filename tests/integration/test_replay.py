@@ -24,7 +24,7 @@ from kafka2pg.lifecycle import CLI_RUN_ID
 from kafka2pg.opening import open_batch
 from kafka2pg.planner import OffsetRange
 from kafka2pg.quality import validate_batch
-from kafka2pg.replay import open_replay
+from kafka2pg.replay import _comparable_reason, open_replay
 from kafka2pg.replay_request import ReplayRequest, request_from_params
 from kafka2pg.staging import stage_batch
 from kafka2pg.steps import promote_batch
@@ -691,6 +691,51 @@ def test_verify_only_reads_a_rules_reason_stored_in_its_older_words_as_the_same_
     assert changed == 1
     found = replay(env, ReplayRequest("verify-only", ranges, requested_by="test")).differences
     assert {k: v["count"] for k, v in found.items()} == {"quarantine_reason_changed": 1}
+
+
+def test_verify_only_reads_a_key_duplicate_by_the_copy_that_landed_wherever_its_range_starts(
+    make_pipeline, run_batch, replay, db
+):
+    """A business key's later copy is quarantined as a duplicate "within batch N: kept partition P
+    offset O" when its batch holds the kept copy, and as "already promoted by batch N at partition P
+    offset O" when an earlier batch promoted it: the same verdict, the same landed copy. A
+    verify-only replay whose range starts between the copies (or holds both where the loads had
+    them in two batches) finds no difference; another landed copy is one."""
+    env = make_pipeline(partitions=1, max_records_per_batch=20)
+    events = list(sample_events(40, seed=12))
+    for copy in (12, 15, 30):
+        events[copy] = {**events[copy], "event_id": events[10]["event_id"]}
+    produce(env.settings.bootstrap_servers, env.topic, events)
+    assert load_all(run_batch, env) == 2
+    stored = {o: r for p, o, r, _ in snapshot(db, env)[1]}
+    assert sorted(stored) == [12, 15, 30], stored
+    assert (
+        stored[12].startswith("duplicate business key within batch ") and ": kept partition 0 offset 10 (" in stored[12]
+    )
+    assert (
+        stored[30].startswith("business key already promoted by batch ") and " at partition 0 offset 10 (" in stored[30]
+    )
+    for start in (0, 11, 16):
+        request = ReplayRequest("verify-only", (OffsetRange(0, start, 40),), requested_by="test")
+        assert replay(env, request).differences == {}, start
+    db.execute(
+        "UPDATE kafka2pg.quarantine SET reason = replace(reason, 'partition 0 offset 10 (', 'partition 0 offset 9 (')"
+        " WHERE pipeline = %s AND kafka_offset = 30",
+        (env.pipeline.name,),
+    )
+    found = replay(env, ReplayRequest("verify-only", (OffsetRange(0, 11, 40),), requested_by="test")).differences
+    assert {k: v["count"] for k, v in found.items()} == {"quarantine_reason_changed": 1}
+    assert found["quarantine_reason_changed"]["sample"] == ["0:30"]
+    # A kept copy refused at promotion: the copy that landed instead is the one compared.
+    refused = (
+        "duplicate business key within batch 7: kept partition 0 offset 10 (event_id = 'a; b');"
+        " that copy was refused at promotion, partition 1 offset 4 landed instead"
+    )
+    compared = [
+        db.execute(sql.SQL("SELECT {}").format(_comparable_reason(sql.Literal(r), env.pipeline))).fetchone()[0]
+        for r in (refused, "business key already promoted by batch 9 at partition 1 offset 4 (event_id = 'a; b')")
+    ]
+    assert compared == ["duplicate business key of partition 1 offset 4 (event_id = 'a; b')"] * 2, compared
 
 
 def test_a_replay_process_that_loses_its_lock_session_says_so(make_pipeline, monkeypatch, caplog):
