@@ -18,7 +18,7 @@ from kafka2pg.kafka_offsets import partition_offsets, topic_id, topic_retention
 from kafka2pg.kafka_reader import read_offsets
 from kafka2pg.ledger import last_resets, ranges_since_reset, read_heads, recreated_partitions
 from kafka2pg.planner import ledger_breaks
-from kafka2pg.stuck import StuckBatch
+from kafka2pg.stuck import OpenBatch, StuckBatch
 
 SAMPLE = 20
 
@@ -178,10 +178,16 @@ def _not_in_kafka(
 
 
 def format_audit(
-    pipeline: Pipeline, audits: list[PartitionAudit], stuck: Sequence[StuckBatch] = (), not_ready: str | None = None
+    pipeline: Pipeline,
+    audits: list[PartitionAudit],
+    stuck: Sequence[StuckBatch] = (),
+    not_ready: str | None = None,
+    open_replays: Sequence[OpenBatch] = (),
 ) -> str:
     """The audit's table and result; `stuck` and `not_ready` (what stops the next run's plan: a
-    migration or a grant missing) are results too: the pipeline does not advance."""
+    migration or a grant missing) are results too: the pipeline does not advance. `open_replays`
+    (replay batches not finished, each saying who carries it on or how to discard it) are shown,
+    not a result: a replay moves no head, and its staged rows are in no table the audit counts."""
     lines = [f"audit of pipeline {pipeline.name} (topic {pipeline.topic})"]
     header = f"{'partition':>9} {'head':>10} {'kafka':>10} {'matched':>10} {'missing':>8} {'duplicated':>10} "
     lines.append(header + f"{'unexplained':>11} {'expired':>8} {'compacted':>9}")
@@ -206,6 +212,7 @@ def format_audit(
             unread = ": what batches up to that one loaded is not compared" if after else ""
             lines.append(f"          partition {a.partition} audited since its reset ({where}, {when}){unread}")
     lines += [batch.describe() for batch in stuck]
+    lines += [batch.describe() for batch in open_replays]
     if not_ready is not None:
         lines.append(f"NOT READY: {not_ready}")
     if not all(a.clean for a in audits):

@@ -135,6 +135,11 @@ def test_status_and_abandon_tell_a_running_replay_process_from_a_killed_one(make
             time.sleep(0.2)
         status = cli(env, "status", "--pipeline", name)
         assert "the `kafka2pg replay` process that planned it is gone (no session holds its lock)" in status.stdout
+        # verify shows it too (not a finding: a replay moves no head and its staged rows are counted nowhere)
+        audited = cli(env, "verify", "--pipeline", name)
+        assert audited.returncode == 0 and "result: clean" in audited.stdout, audited.stdout + audited.stderr[-3000:]
+        assert f"open: batch {batch_id} (replay, " in audited.stdout
+        assert f"kafka2pg abandon --pipeline {name} --batch-id {batch_id} --confirm" in audited.stdout
         done = cli(env, "abandon", "--pipeline", name, "--batch-id", str(batch_id), "--reason", "killed", "--confirm")
         assert done.returncode == 0, done.stderr[-3000:]
         state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]

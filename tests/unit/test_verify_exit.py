@@ -32,6 +32,7 @@ def three_pipelines(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(database, "session", lambda url: nullcontext(None))
     monkeypatch.setattr(stuck, "stuck_batches", lambda conn, name: [])
+    monkeypatch.setattr(stuck, "open_batches", lambda conn, name: [])
     return spec
 
 
