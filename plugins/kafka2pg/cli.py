@@ -662,7 +662,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exactly-once Kafka -> PostgreSQL micro-batches.",
         epilog="In a checkout, the ./kafka2pg wrapper also takes: setup (only the set-up), test [pytest args] (the "
         "whole suite), airflow ARGS (Airflow's CLI with this environment), python FILE (the venv's python). "
-        "Exit codes: 0 done; 1 a finding (verify, replay --mode verify-only); 2 a refusal or an error "
+        "Exit codes: 0 done; 1 a finding (verify, replay --mode verify-only), a preview (without --confirm), "
+        "nothing to show (report, stack status); 2 a refusal or an error "
         "(one line on stderr, with -v its trace); 130 interrupted (Ctrl-C: every step is safe to run again).",
     )
     parser.add_argument(
