@@ -359,14 +359,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from kafka2pg.audit import audit_pipeline, format_audit
     from kafka2pg.database import session
     from kafka2pg.migrations import readiness_error
-    from kafka2pg.stuck import open_batches, stuck_batches
+    from kafka2pg.stuck import open_batches
 
     def audit(settings: Settings, pipeline: Pipeline) -> bool:
         audits = audit_pipeline(settings, pipeline)
         with session(settings.database_url) as conn:
-            stuck = stuck_batches(conn, pipeline.name)
+            batches = open_batches(conn, pipeline.name)
             not_ready = readiness_error(settings, pipeline, conn)
-            replays = [b for b in open_batches(conn, pipeline.name) if b.kind != "live" and b.stuck is None]
+        stuck = [b.stuck for b in batches if b.stuck is not None]
+        replays = [b for b in batches if b.kind != "live" and b.stuck is None]
         print(format_audit(pipeline, audits, stuck, None if not_ready is None else str(not_ready), replays))
         return all(a.clean for a in audits) and not stuck and not_ready is None
 

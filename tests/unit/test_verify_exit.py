@@ -2,6 +2,7 @@
 discrepancy even when another pipeline could not be audited (named again at the end), 2 when one
 could not be audited and the rest are clean; the audit's line for a reset before any batch."""
 
+import dataclasses
 from contextlib import nullcontext
 from datetime import UTC, datetime
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ from kafka2pg import audit, cli, connections, database, migrations, stuck
 from kafka2pg.audit import PartitionAudit, format_audit
 from kafka2pg.config import Column, Pipeline
 from kafka2pg.exceptions import SchemaNotReadyError, TopicNotFoundError
-from kafka2pg.stuck import StuckBatch
+from kafka2pg.stuck import OpenBatch
 
 
 @pytest.fixture
@@ -31,7 +32,6 @@ def three_pipelines(tmp_path, monkeypatch):
         connections, "settings_for", lambda pipeline: SimpleNamespace(database_url="postgresql://nowhere/x")
     )
     monkeypatch.setattr(database, "session", lambda url: nullcontext(None))
-    monkeypatch.setattr(stuck, "stuck_batches", lambda conn, name: [])
     monkeypatch.setattr(stuck, "open_batches", lambda conn, name: [])
     return spec
 
@@ -76,12 +76,11 @@ def test_verify_exits_1_for_a_discrepancy_2_for_a_pipeline_not_audited_and_names
         else None,
     )
     since = datetime(2026, 1, 2, tzinfo=UTC)
+    failing = OpenBatch("", 7, "live", "validated", None, "r", since, "promote", 2, since, "E: no", "p0[0,9)")
     monkeypatch.setattr(
         stuck,
-        "stuck_batches",
-        lambda conn, name: [StuckBatch(name, 7, "validated", "promote", 2, since, "E: no", "p0[0,9)")]
-        if outcomes[name] == "stuck"
-        else [],
+        "open_batches",
+        lambda conn, name: [dataclasses.replace(failing, pipeline=name)] if outcomes[name] == "stuck" else [],
     )
     assert cli.main(["verify"]) == code
     shown = capsys.readouterr()
