@@ -46,6 +46,8 @@ from kafka2pg.opening import OpenedBatch
 from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan, describe_ranges
 from kafka2pg.replay_request import ReplayRequest
 from kafka2pg.rows import (
+    STAND_IN_LANDED,
+    STAND_IN_REFUSED,
     WITHIN_BATCH_DUPLICATE,
     clear_staging,
     insert_quarantine,
@@ -466,8 +468,7 @@ def _comparable_reason(reason: sql.Composable, pipeline: Pipeline) -> sql.Compos
     ).format(
         reason,
         within_refused=literal(
-            within + "\\d+ offset \\d+ (\\(.*\\)); that copy was refused at promotion,"
-            " partition (\\d+) offset (\\d+) landed instead$"
+            f"{within}\\d+ offset \\d+ (\\(.*\\)){STAND_IN_REFUSED}(\\d+) offset (\\d+){STAND_IN_LANDED}$"
         ),
         of_landed=literal(f"{KEY_DUPLICATE_OF}\\2 offset \\3 \\1"),
         within=literal(within),

@@ -206,6 +206,10 @@ def _insert_isolating(
 
 # The start of the quality gate's reason for a business key's later copies in one batch.
 WITHIN_BATCH_DUPLICATE = "duplicate business key within batch "
+# What promotion appends to such a reason when the kept copy was refused: the two pieces around
+# the partition and the offset of the copy that landed in its stead (`_name_stand_ins`).
+STAND_IN_REFUSED = "; that copy was refused at promotion, partition "
+STAND_IN_LANDED = " landed instead"
 
 
 def _refused_keys(pipeline: Pipeline) -> sql.Composed:
@@ -321,8 +325,8 @@ def _name_stand_ins(conn: Connection, pipeline: Pipeline, batch_id: int) -> None
     with planner(conn, **NO_NESTED_LOOPS):
         named = conn.execute(
             sql.SQL(
-                "UPDATE {staging} s SET quarantine_reason = s.quarantine_reason || '; that copy was refused at"
-                " promotion, partition ' || a.kafka_partition || ' offset ' || a.kafka_offset || ' landed instead'"
+                "UPDATE {staging} s SET quarantine_reason = s.quarantine_reason || {stand_in} || a.kafka_partition"
+                " || ' offset ' || a.kafka_offset || {landed}"
                 " FROM {staging} a WHERE s.batch_id = %(batch)s AND a.batch_id = %(batch)s"
                 " AND a.quarantine_reason IS NULL"
                 " AND {join} AND starts_with(s.quarantine_reason, {duplicate})"
@@ -334,6 +338,8 @@ def _name_stand_ins(conn: Connection, pipeline: Pipeline, batch_id: int) -> None
                 refused_join=_key_join(pipeline, "r", "s"),
                 duplicate=sql.Literal(WITHIN_BATCH_DUPLICATE),
                 refused=sql.Literal(PROMOTION_REFUSED),
+                stand_in=sql.Literal(STAND_IN_REFUSED),
+                landed=sql.Literal(STAND_IN_LANDED),
             ),
             {"batch": batch_id},
         ).rowcount
