@@ -493,10 +493,10 @@ def run_airflow(settings: Settings, topic: str, work: Path) -> dict:
     batches_per_run unlimited (the job's loop; what a user runs to catch up). Metadata DB untimed."""
     import yaml
 
-    from kafka2pg.config import load_pipelines
+    from kafka2pg.config import default_pipelines_file, load_pipelines
     from kafka2pg.devtools.airflow_cli import dags_test, ensure_airflow_db
     from kafka2pg.jars import spark_jars
-    from kafka2pg.locations import default_pipelines_file, default_state_dir
+    from kafka2pg.locations import default_state_dir
 
     spec = next(p for p in yaml.safe_load(default_pipelines_file().read_text())["pipelines"])
     fixed = {**spec, "name": "airflow_fixed", "topic": f"{topic}-airflow", "target_table": "public.airflow_fixed"}

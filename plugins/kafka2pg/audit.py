@@ -17,6 +17,7 @@ from kafka2pg.database import snapshot
 from kafka2pg.kafka_offsets import partition_offsets, topic_id, topic_retention
 from kafka2pg.kafka_reader import read_offsets
 from kafka2pg.ledger import last_resets, ranges_since_reset, read_heads, recreated_partitions
+from kafka2pg.locations import COMMAND
 from kafka2pg.planner import ledger_breaks
 from kafka2pg.stuck import OpenBatch, StuckBatch
 
@@ -102,13 +103,13 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
             if held is None:
                 result.ledger_breaks.append(
                     f"topic {pipeline.topic} has no partition {partition} now: its rows cannot be re-read (a "
-                    "recreated topic: see `kafka2pg reset`)"
+                    f"recreated topic: see `{COMMAND} reset`)"
                 )
             if partition in recreated:  # the offsets of the topic it loaded are not this topic's
                 result.ledger_breaks.append(
                     f"the ledger's head is an offset in the topic with ID {recreated[partition]}, but topic "
                     f"{pipeline.topic} now has ID {identity} (deleted and recreated): its records are not the ones "
-                    "loaded, so they were not compared (see `kafka2pg reset`)"
+                    f"loaded, so they were not compared (see `{COMMAND} reset`)"
                 )
                 audits.append(result)
                 continue

@@ -18,6 +18,7 @@ from kafka2pg.kafka_offsets import topic_retention
 from kafka2pg.kafka_reader import count_range
 from kafka2pg.ledger import reset_floors
 from kafka2pg.lifecycle import BatchState
+from kafka2pg.locations import COMMAND
 from kafka2pg.migrations import has_index, table_indexes
 from kafka2pg.planner import account_gap
 from kafka2pg.rows import WITHIN_BATCH_DUPLICATE, literal, range_predicate, rule_violations
@@ -354,7 +355,7 @@ def _not_already_promoted(conn: Connection, pipeline: Pipeline, batch: Batch) ->
     details = f"{overlap} staged offsets already in the target or the quarantine"
     if overlap:
         details += (
-            " (a recreated topic reuses offsets: `kafka2pg reset --archive-old-rows` moves the old topic's rows away)"
+            f" (a recreated topic reuses offsets: `{COMMAND} reset --archive-old-rows` moves the old topic's rows away)"
         )
     return Check("provenance_not_already_promoted", overlap == 0, overlap, details)
 

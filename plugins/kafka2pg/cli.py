@@ -545,13 +545,14 @@ def _say_if_left_open(settings: Settings, pipeline: Pipeline, batch_id: int) -> 
             left = open_batches(conn, pipeline.name, batch_id)
     except (Kafka2PgError, psycopg.Error):  # the failure itself may be PostgreSQL's: say what to check
         print(
-            f"replay batch {batch_id} may be left open: `kafka2pg status` tells; {command} discards it", file=sys.stderr
+            f"replay batch {batch_id} may be left open: `{COMMAND} status` tells; {command} discards it",
+            file=sys.stderr,
         )
         return
     if left:
         print(
             f"replay batch {batch_id} is left open ({left[0].state}), and this process will not carry it on: "
-            f"{command} discards it (a new `kafka2pg replay` of the range plans a batch of its own)",
+            f"{command} discards it (a new `{COMMAND} replay` of the range plans a batch of its own)",
             file=sys.stderr,
         )
 
@@ -664,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="In a checkout, the ./kafka2pg wrapper also takes: setup (only the set-up), test [pytest args] (the "
         "whole suite), airflow ARGS (Airflow's CLI with this environment), python FILE (the venv's python). "
         "Exit codes: 0 done; 1 a finding (verify, replay --mode verify-only), a preview (without --confirm), "
-        "nothing to show (report, stack status); 2 a refusal or an error "
+        "nothing to show (report --batch-id or --html, stack status); 2 a refusal or an error "
         "(one line on stderr, with -v its trace); 130 interrupted (Ctrl-C: every step is safe to run again).",
     )
     parser.add_argument(

@@ -214,6 +214,17 @@ def spark_type_for(pg_type: str) -> str | None:
     return f"decimal({int(match[1])},{int(match[2])})" if match else None
 
 
+def default_pipelines_file() -> Path:
+    """The pipelines file when neither KAFKA2PG_PIPELINES nor the DAG file names one: the checkout's
+    `dags/pipelines.yaml`; installed, `pipelines.yaml` in Airflow's DAGs folder (`[core] dags_folder`),
+    where the README's installation puts it beside the DAG file."""
+    if locations.CHECKOUT_PIPELINES_FILE is not None:
+        return locations.CHECKOUT_PIPELINES_FILE
+    from airflow.configuration import conf
+
+    return Path(conf.get("core", "dags_folder")).expanduser() / "pipelines.yaml"
+
+
 @dataclass(frozen=True)
 class Column:
     """One target column filled from one field of the JSON value (in the value_root's object, or at `path`)."""
@@ -372,7 +383,7 @@ class Settings:
     kafka: KafkaConfig
     database_url: str = field(repr=False)  # it may hold a password
     spark_master: str = "local[*]"
-    pipelines_file: Path = field(default_factory=locations.default_pipelines_file)
+    pipelines_file: Path = field(default_factory=default_pipelines_file)
     kafka_timeout_s: float = 10.0
     state_dir: Path = field(default_factory=locations.default_state_dir)
 
@@ -462,9 +473,9 @@ def common_settings(env: dict[str, str]) -> dict[str, Any]:
 
 def pipelines_file_from_env(default: Path | None = None, env: dict[str, str] | None = None) -> Path:
     """The pipelines file: KAFKA2PG_PIPELINES, else `default` (the DAG file passes the `pipelines.yaml`
-    beside it), else `locations.default_pipelines_file()`. Needs no service settings."""
+    beside it), else `default_pipelines_file()`. Needs no service settings."""
     value = (os.environ if env is None else env).get("KAFKA2PG_PIPELINES")
-    return Path(value) if value else Path(default or locations.default_pipelines_file())
+    return Path(value) if value else Path(default or default_pipelines_file())
 
 
 def load_pipelines(path: Path | None = None) -> dict[str, Pipeline]:

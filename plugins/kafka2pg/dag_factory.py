@@ -350,7 +350,7 @@ def build_replay_dag(pipeline: Pipeline, pipelines_file: Path):
 def build_dags(dag_folder: Path | None = None) -> dict:
     """The live and replay DAG of every pipeline in the pipelines file: KAFKA2PG_PIPELINES, else the
     `pipelines.yaml` in `dag_folder` (the DAG file passes its own folder), else the default
-    (`locations.default_pipelines_file`). Every task reads the pipeline from that same file."""
+    (`config.default_pipelines_file`). Every task reads the pipeline from that same file."""
     pipelines_file = pipelines_file_from_env(dag_folder / "pipelines.yaml" if dag_folder else None)
     pipelines, broken = read_pipelines(pipelines_file)
     dags = {}

@@ -10,6 +10,7 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from urllib.parse import unquote
 
 import psycopg
@@ -19,13 +20,22 @@ from kafka2pg.exceptions import (
     ConfigError,
     DatabaseRefusedError,
     DatabaseUnavailableError,
+    InstallationError,
     SchemaNotReadyError,
     StatementTimeoutError,
     TableRefusesRowsError,
 )
-from kafka2pg.locations import COMMAND, migration_files
+from kafka2pg.locations import COMMAND, SQL_DIR
 
 log = logging.getLogger(__name__)
+
+
+def migration_files() -> list[Path]:
+    """The numbered migrations kafka2pg ships; an installation without them is an error, never "none pending"."""
+    files = sorted(SQL_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql"))
+    if not files:
+        raise InstallationError("SQL migrations", SQL_DIR)
+    return files
 
 
 def describe(url: str) -> str:
@@ -435,8 +445,8 @@ def _not_migrated(url: str, exc: psycopg.Error, outcome: str) -> SchemaNotReadyE
     found = f"pending migration(s) {', '.join(pending)}" if pending else "missing kafka2pg tables or columns"
     return SchemaNotReadyError(
         f"PostgreSQL at {describe(url)} is not ready for this version of kafka2pg: {found} "
-        f"({_one_line(exc)}); {outcome}. Run `kafka2pg migrate` with the URL of the role "
-        "that owns kafka2pg's objects (then `kafka2pg grant --role <runtime role>` unless it is that role), and "
+        f"({_one_line(exc)}); {outcome}. Run `{COMMAND} migrate` with the URL of the role "
+        f"that owns kafka2pg's objects (then `{COMMAND} grant --role <runtime role>` unless it is that role), and "
         "retry.",
         missing=tuple(f"migration {m}" for m in pending),
         database=describe(url),

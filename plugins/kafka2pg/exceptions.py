@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Self
 
 from kafka2pg.lifecycle import BatchState
+from kafka2pg.locations import COMMAND
 
 # The stage job's exit code for a terminal error (a rejected batch, a configuration error): the
 # stage operator fails its task without a retry, which could not mend it.
@@ -328,7 +329,7 @@ class OffsetRegressionError(Kafka2PgError):
             f"pipeline {pipeline!r}, topic {topic!r}, partition {partition}: the ledger head "
             f"{head} is beyond the high watermark {high_watermark}. The topic was probably "
             "deleted and recreated, shrunk, or restored from a backup. Nothing was read. "
-            f"Inspect the topic, then realign the partition explicitly: `kafka2pg reset --pipeline {pipeline} "
+            f"Inspect the topic, then realign the partition explicitly: `{COMMAND} reset --pipeline {pipeline} "
             f"--partition {partition} --to-offset <offset> --confirm`.",
             pipeline=pipeline,
             topic=topic,
@@ -345,7 +346,7 @@ class OffsetRegressionError(Kafka2PgError):
             f"pipeline {pipeline!r}, topic {topic!r}: the ledger heads of partition(s) {partitions} are offsets in "
             f"the topic with ID {ledgered}, but the topic now has ID {now}: it was deleted and recreated, and its "
             "offsets start again from 0, so the heads no longer say what was loaded. Nothing was read. Realign "
-            f"each partition explicitly: `kafka2pg reset --pipeline {pipeline} --partition <p> --to-offset <offset> "
+            f"each partition explicitly: `{COMMAND} reset --pipeline {pipeline} --partition <p> --to-offset <offset> "
             "--confirm` (`--archive-old-rows` moves the old topic's rows away, whose offsets the new records reuse).",
             pipeline=pipeline,
             topic=topic,
@@ -375,7 +376,7 @@ class OffsetRegressionError(Kafka2PgError):
         return cls(
             f"pipeline {pipeline!r}, topic {topic!r}: the ledger has heads for partition(s) {partitions} that "
             "the topic no longer has. It was probably deleted and recreated with fewer partitions. Nothing "
-            "was read. Inspect the topic, then realign with `kafka2pg reset` for each affected partition.",
+            f"was read. Inspect the topic, then realign with `{COMMAND} reset` for each affected partition.",
             pipeline=pipeline,
             topic=topic,
             partitions=partitions,

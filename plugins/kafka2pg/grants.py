@@ -12,7 +12,7 @@ from psycopg import Connection, sql
 from kafka2pg.config import Pipeline
 from kafka2pg.database import connect, describe, transaction
 from kafka2pg.exceptions import ConfigError
-from kafka2pg.locations import SQL_DIR
+from kafka2pg.locations import COMMAND, SQL_DIR
 from kafka2pg.migrations import STAGING_PRIVILEGES, TARGET_PRIVILEGES
 
 GRANTS_FILE = SQL_DIR / "grants.sql"
@@ -52,7 +52,7 @@ def apply_grants(database_url: str, pipelines: list[Pipeline], role: str) -> Non
         owner = conn.info.user
         if role == owner:
             raise ConfigError(
-                f"`kafka2pg grant --role {role}`: that is the role this command connects as, which owns the "
+                f"`{COMMAND} grant --role {role}`: that is the role this command connects as, which owns the "
                 "objects already. Give the runtime role, a separate LOGIN role the Airflow tasks and the Spark "
                 "job connect as."
             )
@@ -60,7 +60,7 @@ def apply_grants(database_url: str, pipelines: list[Pipeline], role: str) -> Non
             raise ConfigError(
                 f"role {role!r} does not exist in PostgreSQL at {describe(database_url)}: create it first "
                 f"(CREATE ROLE {sql.Identifier(role).as_string(conn)} LOGIN PASSWORD ...), then run "
-                f"`kafka2pg grant --role {shlex.quote(role)}` again."
+                f"`{COMMAND} grant --role {shlex.quote(role)}` again."
             )
         # GRANT warns instead of failing when the grantor may pass on only part of a privilege.
         conn.add_notice_handler(lambda notice: _keep_warning(notice, refused))
@@ -70,9 +70,9 @@ def apply_grants(database_url: str, pipelines: list[Pipeline], role: str) -> Non
             refused.append(str(exc).strip())
         if refused:
             raise ConfigError(
-                f"`kafka2pg grant` as role {owner!r} at {describe(database_url)} could not grant everything: "
+                f"`{COMMAND} grant` as role {owner!r} at {describe(database_url)} could not grant everything: "
                 f"{'; '.join(refused)}. Nothing was granted. Run it with the URL (KAFKA2PG_DATABASE_URL) of the "
-                "role that owns kafka2pg's objects (the one that ran `kafka2pg migrate`)."
+                f"role that owns kafka2pg's objects (the one that ran `{COMMAND} migrate`)."
             )
 
 

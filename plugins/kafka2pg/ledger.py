@@ -18,6 +18,7 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, OffsetRegressionError, RangeLockedError
 from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_id
+from kafka2pg.locations import COMMAND
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +295,7 @@ def reset_head(
                 f"{pipeline.topic!r} as it is now (ID {identity}), not a recreated one: moving it back to {to_offset} "
                 f"would read [{to_offset}, {current}) again, whose rows are in the target or the quarantine, and the "
                 "quality gate would reject every such batch as already promoted. To load a range again with the "
-                "current config, use `kafka2pg replay`. --archive-old-rows would archive EVERY row of partition "
+                f"current config, use `{COMMAND} replay`. --archive-old-rows would archive EVERY row of partition "
                 f"{partition}"
                 + (f" (the {below} of offsets below {to_offset} too, which are not loaded again)" if below else "")
                 + f" and load [{to_offset}, {current}) as new. Nothing was changed",
@@ -319,7 +320,7 @@ def reset_head(
         if old_rows and same_topic and not archive_old_rows:  # the same topic: only the audit's start moves
             message += (
                 f"; the {old_rows} promoted/quarantined rows of partition {partition} loaded before the reset stay, "
-                "but `kafka2pg verify` audits the partition from the reset on and `kafka2pg replay` re-reads only "
+                f"but `{COMMAND} verify` audits the partition from the reset on and `{COMMAND} replay` re-reads only "
                 "offsets loaded after it"
             )
         elif old_rows and same_topic:  # archived: every row of the partition, not only those read again

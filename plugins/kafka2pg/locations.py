@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kafka2pg.exceptions import InstallationError
-
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -27,16 +25,10 @@ CHECKOUT = _checkout()
 #: How a user runs kafka2pg's command here, for messages that tell them to: the checkout's
 #: wrapper, or the installed package's console script.
 COMMAND = "./kafka2pg" if CHECKOUT else "kafka2pg"
+#: The checkout's pipelines file; installed, it is in Airflow's DAGs folder (`config.default_pipelines_file`).
+CHECKOUT_PIPELINES_FILE = CHECKOUT / "dags" / "pipelines.yaml" if CHECKOUT else None
 # The wheel carries the top-level sql/ inside the package (pyproject.toml's force-include).
 SQL_DIR = CHECKOUT / "sql" if CHECKOUT else PACKAGE_DIR / "sql"
-
-
-def migration_files() -> list[Path]:
-    """The numbered migrations kafka2pg ships; an installation without them is an error, never "none pending"."""
-    files = sorted(SQL_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql"))
-    if not files:
-        raise InstallationError("SQL migrations", SQL_DIR)
-    return files
 
 
 def default_state_dir() -> Path:
@@ -53,14 +45,3 @@ def state_dir(env: dict[str, str] | None = None) -> Path:
     directories), or the default above."""
     value = (os.environ if env is None else env).get("KAFKA2PG_STATE_DIR")
     return Path(value).expanduser().absolute() if value else default_state_dir()
-
-
-def default_pipelines_file() -> Path:
-    """The pipelines file when neither KAFKA2PG_PIPELINES nor the DAG file names one: the checkout's
-    `dags/pipelines.yaml`; installed, `pipelines.yaml` in Airflow's DAGs folder (`[core] dags_folder`),
-    where the README's installation puts it beside the DAG file."""
-    if CHECKOUT is not None:
-        return CHECKOUT / "dags" / "pipelines.yaml"
-    from airflow.configuration import conf
-
-    return Path(conf.get("core", "dags_folder")).expanduser() / "pipelines.yaml"

@@ -13,10 +13,10 @@ import psycopg
 from psycopg import Connection, sql
 
 from kafka2pg.config import Pipeline, Settings
-from kafka2pg.database import connect, describe, transaction
+from kafka2pg.database import connect, describe, migration_files, transaction
 from kafka2pg.exceptions import ConfigError, ObjectNameTakenError, SchemaNotReadyError
 from kafka2pg.lifecycle import OPEN
-from kafka2pg.locations import COMMAND, SQL_DIR, migration_files
+from kafka2pg.locations import COMMAND, SQL_DIR
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def migrate(database_url: str, pipelines: list[Pipeline]) -> list[str]:
                 _create_pipeline_tables(conn, pipeline)
         except psycopg.errors.InsufficientPrivilege as exc:
             raise ConfigError(
-                f"`kafka2pg migrate` as role {conn.info.user!r} at {describe(database_url)}: {str(exc).strip()}; "
+                f"`{COMMAND} migrate` as role {conn.info.user!r} at {describe(database_url)}: {str(exc).strip()}; "
                 "nothing was changed. Migrations create schemas, tables and indexes: run them with the URL "
                 "(KAFKA2PG_DATABASE_URL) of the role that owns kafka2pg's objects, not the runtime role's."
             ) from exc
@@ -242,23 +242,23 @@ def _not_ready_message(settings: Settings, pipeline: Pipeline, role: str, ready:
     pipelines = f"KAFKA2PG_PIPELINES={settings.pipelines_file}"
     if ready.pending or ready.tables:
         todo.append(
-            f"run `kafka2pg migrate` ({pipelines}) with the URL of the role that owns kafka2pg's objects, "
-            f"then, unless {role!r} is that role, `kafka2pg grant --role {role}`"
+            f"run `{COMMAND} migrate` ({pipelines}) with the URL of the role that owns kafka2pg's objects, "
+            f"then, unless {role!r} is that role, `{COMMAND} grant --role {role}`"
         )
     if ready.columns:
         todo.append(
-            "`kafka2pg migrate` creates missing tables but does not change existing ones: add the columns "
+            f"`{COMMAND} migrate` creates missing tables but does not change existing ones: add the columns "
             "(ALTER TABLE ... ADD COLUMN, as the owner) or correct the pipeline's columns in the pipelines file"
         )
     if ready.retyped:
         todo.append(
-            f"the pipelines file changed column types since `kafka2pg migrate`: run it again ({pipelines}) as the "
+            f"the pipelines file changed column types since `{COMMAND} migrate`: run it again ({pipelines}) as the "
             "owning role (it makes the staging table again once no batch is staged, and says which target columns "
-            f"to change), then `kafka2pg grant --role {role}` unless {role!r} is that role"
+            f"to change), then `{COMMAND} grant --role {role}` unless {role!r} is that role"
         )
     if ready.privileges and not (ready.pending or ready.tables):
         todo.append(
-            f"run `kafka2pg grant --role {role}` ({pipelines}) as the owning role; it is needed again after "
+            f"run `{COMMAND} grant --role {role}` ({pipelines}) as the owning role; it is needed again after "
             "adding a pipeline or upgrading kafka2pg"
         )
     return (
@@ -364,14 +364,14 @@ def _rebuild_staging_if_retyped(conn: Connection, pipeline: Pipeline, staging: s
             f"pipeline {pipeline.name!r}: the pipelines file changed column types ({'; '.join(changed)}) while "
             f"kafka2pg.{pipeline.staging_table} holds the rows of open batch(es) "
             f"{', '.join(f'{b} ({state})' for b, state in held)}: finish them with the old types first (trigger "
-            "a run with the old pipelines file; a replay batch its run will not finish: `kafka2pg abandon`), then run "
-            "`kafka2pg migrate` again. Nothing was changed."
+            f"a run with the old pipelines file; a replay batch its run will not finish: `{COMMAND} abandon`), "
+            f"then run `{COMMAND} migrate` again. Nothing was changed."
         )
     conn.execute(sql.SQL("DROP TABLE {}").format(staging))  # its index and grants with it
     conn.execute(_template("staging_table.sql").format(table=staging, columns=_column_list(pipeline, not_null=False)))
     log.warning(
         "pipeline=%s staging table made again with the declared types (%s); a runtime role needs "
-        "`kafka2pg grant` again",
+        f"`{COMMAND} grant` again",
         pipeline.name,
         "; ".join(changed),
     )

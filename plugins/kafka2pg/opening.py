@@ -28,6 +28,7 @@ from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_id
 from kafka2pg.kafka_reader import first_timestamps
 from kafka2pg.ledger import check_topic_identity, lock_plan, read_head_batches, read_heads
 from kafka2pg.lifecycle import OPEN, BatchState, resume_or_abandon
+from kafka2pg.locations import COMMAND
 from kafka2pg.planner import (
     BatchPlan,
     LossHorizon,
@@ -100,7 +101,7 @@ def _open(
         verb = "dry run: would resume" if dry_run else "resuming"
         message = f"{verb} unfinished batch {resumed.batch_id} ({resumed.state}, epoch {resumed.epoch})"
         for stuck in stuck_batches(conn, pipeline.name, resumed.batch_id):  # said before it fails again
-            message += f"; it is STUCK: it failed at {stuck.step} in {stuck.runs} consecutive runs (`kafka2pg status`)"
+            message += f"; it is STUCK: it failed at {stuck.step} in {stuck.runs} consecutive runs (`{COMMAND} status`)"
         return OpenedBatch(resumed, True, message)
     check_topic_identity(conn, pipeline, identity)
     # A partition without a head that an abandoned batch (of this topic) meant to read from an offset.

@@ -42,6 +42,7 @@ from kafka2pg.ledger import (
     reset_floors,
 )
 from kafka2pg.lifecycle import Action, BatchState, promote_action, replay_outcome
+from kafka2pg.locations import COMMAND
 from kafka2pg.opening import OpenedBatch
 from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan, describe_ranges
 from kafka2pg.replay_request import ReplayRequest
@@ -111,7 +112,7 @@ def open_replay(
                     r.partition,
                     (r.start, r.end),
                     f"the topic was deleted and recreated since the ledger loaded it (topic ID {recreated[r.partition]}"
-                    f" -> {identity}): its offsets now hold other records. Realign the ledger with `kafka2pg reset`.",
+                    f" -> {identity}): its offsets now hold other records. Realign the ledger with `{COMMAND} reset`.",
                     topic_id=identity,
                 )
             _check_replayable(pipeline, r, heads.get(r.partition), loaded.get(r.partition, []), broker.get(r.partition))

@@ -11,6 +11,7 @@ from kafka2pg.batch_store import load_claimed
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import NOT_READY_ERRORS, session
 from kafka2pg.lifecycle import BatchState
+from kafka2pg.locations import COMMAND
 from kafka2pg.status import PipelineStatus, pipeline_status
 from kafka2pg.task_log import fit, printable, table
 
@@ -142,7 +143,7 @@ def quality_summary(settings: Settings, pipeline: Pipeline, batch_id: int | None
     where = (
         f"quality report {row[2]}"
         if row[2]
-        else f"quality report in the database (kafka2pg report --html --pipeline {pipeline.name} --batch-id {row[0]})"
+        else f"quality report in the database ({COMMAND} report --html --pipeline {pipeline.name} --batch-id {row[0]})"
     )
     return "\n".join(
         [

@@ -44,7 +44,7 @@ from kafka2pg.kafka_config import kafka_config
 from kafka2pg.kafka_offsets import topic_id
 from kafka2pg.kafka_reader import raw_records_at, read_ranges
 from kafka2pg.lifecycle import Action, BatchState, stage_action
-from kafka2pg.locations import PACKAGE_DIR
+from kafka2pg.locations import COMMAND, PACKAGE_DIR
 from kafka2pg.planner import BatchPlan, OffsetRange, describe_ranges
 from kafka2pg.raw_bytes import fill_raw_bytes, staging_place
 from kafka2pg.rows import staged_counts
@@ -230,7 +230,7 @@ def _read_and_write(
             current = load_claimed(conn, pipeline, batch.batch_id, batch.epoch)
         if current.state is not BatchState.PLANNED:
             why = (
-                "a newer run, a ledger reset, an undo or `kafka2pg abandon` abandoned it"
+                f"a newer run, a ledger reset, an undo or `{COMMAND} abandon` abandoned it"
                 if current.state is BatchState.ABANDONED
                 else "a concurrent attempt finished first"
             )
@@ -264,7 +264,7 @@ def _read_with_spark_source(spark: SparkSession, settings: Settings, batch: Batc
         raise ConfigError(
             "Spark has no Kafka source on its classpath (org.apache.spark:spark-sql-kafka-0-10_2.13 and its "
             "dependencies), and the pipeline's kafka_reader is spark. The DAG passes the comma-separated jars in "
-            "KAFKA2PG_SPARK_JARS, else those resolved under $KAFKA2PG_STATE_DIR/jars/spark (`kafka2pg stack "
+            f"KAFKA2PG_SPARK_JARS, else those resolved under $KAFKA2PG_STATE_DIR/jars/spark (`{COMMAND} stack "
             "install` resolves them), else spark.jars.packages; on a cluster, install them or set "
             "spark.jars.packages in the pipeline's spark_conf. Nothing was staged."
         ) from None
@@ -354,7 +354,7 @@ def _kafka_error(text: str, settings: Settings, pipeline: Pipeline, batch: Batch
             f"{where}: Spark's Kafka source cannot read a record of it: {_java_message(text, _SPARK_RECORD_REFUSAL)} "
             "The default reader, kafka_reader: librdkafka, reads such a record and quarantines it (its Kafka "
             "timestamp named) while the rest lands: set it for this pipeline if its Kafka connection needs no "
-            "Java-only property, or move the partition's ledger head past it with `kafka2pg reset --pipeline "
+            f"Java-only property, or move the partition's ledger head past it with `{COMMAND} reset --pipeline "
             f"{pipeline.name} --partition <p> --to-offset <offset + 1> --confirm` (recorded in kafka2pg.ledger_resets; "
             "the records skipped are not loaded). Nothing was staged; the batch stays planned.",
             pipeline=pipeline.name,

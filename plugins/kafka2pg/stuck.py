@@ -24,6 +24,7 @@ from kafka2pg.exceptions import (
     StageInterrupted,
 )
 from kafka2pg.lifecycle import CLI_RUN_ID, OPEN
+from kafka2pg.locations import COMMAND
 from kafka2pg.replay_process import process_locks, running_pid
 from kafka2pg.task_log import printable
 
@@ -220,17 +221,17 @@ ABANDONS = (
     "and finishes it first"
 )
 # The command that discards an open replay batch its run or process will not finish.
-ABANDON_COMMAND = "`kafka2pg abandon --pipeline {pipeline} --batch-id {batch_id} --confirm`"
+ABANDON_COMMAND = f"`{COMMAND} abandon --pipeline {{pipeline}} --batch-id {{batch_id}} --confirm`"
 REPLAY_LEFT = (
     "leaves it: only its replay run's retries carry it on; once that run has ended without it, "
     f"{ABANDON_COMMAND} discards it"
 )
 REPLAY_LEFT_CLI = (
-    "leaves it: the `kafka2pg replay` process that planned it is gone (no session holds its lock), and only it "
+    f"leaves it: the `{COMMAND} replay` process that planned it is gone (no session holds its lock), and only it "
     f"would carry it on; {ABANDON_COMMAND} discards it"
 )
 REPLAY_RUNNING_CLI = (
-    "leaves it to the `kafka2pg replay` process running it (its session: backend pid {pid}); if that process "
+    f"leaves it to the `{COMMAND} replay` process running it (its session: backend pid {{pid}}); if that process "
     f"hangs, stop it, then {ABANDON_COMMAND} discards it"
 )
 

@@ -25,6 +25,7 @@ from kafka2pg.exceptions import ReplayRefusedError
 from kafka2pg.kafka_offsets import topic_retention
 from kafka2pg.ledger import lock_partitions, lock_plan, reset_floors
 from kafka2pg.lifecycle import CLI_RUN_ID, BatchState, is_open
+from kafka2pg.locations import COMMAND
 from kafka2pg.planner import OffsetRange, describe_ranges
 from kafka2pg.replay import count_rows, delete_rows, finish_record, record_operation
 from kafka2pg.replay_process import process_locks, running_pid
@@ -110,7 +111,7 @@ def undo_batch(
             raise ReplayRefusedError(
                 f"{where} is not the newest batch of partition(s) {sorted(newer)} (last moved by batch(es) "
                 f"{moved_by}): undoing it would leave a hole in the ledger. Replay its range instead (offsets "
-                f"{spans}), e.g. `kafka2pg replay --pipeline {pipeline.name} --offsets {spans}`.",
+                f"{spans}), e.g. `{COMMAND} replay --pipeline {pipeline.name} --offsets {spans}`.",
                 pipeline=pipeline.name,
                 batch_id=batch_id,
                 partitions=sorted(newer),
@@ -242,7 +243,7 @@ def _refuse_a_running_replay(conn: Connection, pipeline: Pipeline, batch_id: int
     running = running_pid(process_locks(conn), batch_id)
     if running is not None:
         raise ReplayRefusedError(
-            f"{where} is still being replayed by a running `kafka2pg replay` process (its session: backend pid "
+            f"{where} is still being replayed by a running `{COMMAND} replay` process (its session: backend pid "
             f"{running}); nothing was changed. Stop that process (Ctrl-C or a kill) and abandon it then; if the "
             f"process is out of reach, SELECT pg_terminate_backend({running}) ends its session (the process, "
             "should it go on, is fenced once the batch is abandoned).",

@@ -22,6 +22,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse
 
 from kafka2pg.exceptions import ConfigError, Kafka2PgError
+from kafka2pg.locations import COMMAND
 
 if TYPE_CHECKING:
     from kafka2pg.config import Pipeline, Settings
@@ -83,7 +84,7 @@ async def _service_errors(request: Request, call_next):
         log.warning("kafka2pg page %s: %s: %s", request.url.path, type(exc).__name__, exc)
         cause = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn):
-            cause += " (the ledger lacks a migration of this version: run `kafka2pg migrate`)"
+            cause += f" (the ledger lacks a migration of this version: run `{COMMAND} migrate`)"
         # A configuration error (the pipelines file, a connection) is the deployment's to fix, not
         # a service that may come back: 500, named as such (its first line, to signed-in users only).
         configuration = isinstance(exc, ConfigError)

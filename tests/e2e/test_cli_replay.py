@@ -120,11 +120,11 @@ def test_status_and_abandon_tell_a_running_replay_process_from_a_killed_one(make
 
         status = cli(env, "status", "--pipeline", name)
         assert (
-            f"leaves it to the `kafka2pg replay` process running it (its session: backend pid {pid})" in status.stdout
+            f"leaves it to the `./kafka2pg replay` process running it (its session: backend pid {pid})" in status.stdout
         )
         refused = cli(env, "abandon", "--pipeline", name, "--batch-id", str(batch_id), "--confirm")
         assert refused.returncode == 2, refused.stderr[-3000:]
-        assert f"still being replayed by a running `kafka2pg replay` process (its session: backend pid {pid})" in (
+        assert f"still being replayed by a running `./kafka2pg replay` process (its session: backend pid {pid})" in (
             refused.stderr
         )
 
@@ -134,7 +134,7 @@ def test_status_and_abandon_tell_a_running_replay_process_from_a_killed_one(make
             assert time.monotonic() < deadline, "the killed process's lock stayed held"
             time.sleep(0.2)
         status = cli(env, "status", "--pipeline", name)
-        assert "the `kafka2pg replay` process that planned it is gone (no session holds its lock)" in status.stdout
+        assert "the `./kafka2pg replay` process that planned it is gone (no session holds its lock)" in status.stdout
         # verify shows it too (not a finding: a replay moves no head and its staged rows are counted nowhere)
         audited = cli(env, "verify", "--pipeline", name)
         assert audited.returncode == 0 and "result: clean" in audited.stdout, audited.stdout + audited.stderr[-3000:]
@@ -179,5 +179,5 @@ def test_a_replay_postgresql_refuses_says_so_in_one_line_and_names_its_batch_lef
     assert state == "validated"
     assert (
         f"replay batch {batch_id} is left open (validated), and this process will not carry it on: "
-        f"`kafka2pg abandon --pipeline {env.pipeline.name} --batch-id {batch_id} --confirm` discards it"
+        f"`./kafka2pg abandon --pipeline {env.pipeline.name} --batch-id {batch_id} --confirm` discards it"
     ) in out.stderr

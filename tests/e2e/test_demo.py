@@ -77,3 +77,7 @@ def test_the_demo_runs_from_a_checkout_whose_path_has_a_space(where, tmp_path):
     assert (checkout / ".cache" / "airflow" / "fernet.key").stat().st_mode & 0o077 == 0
     assert list((checkout / ".cache" / "jvm").glob("spark-*.jsa")), "no class-data archive was made"
     assert not left_behind, "the demo left its stack behind"
+    # The broker's and PostgreSQL's logs outlive the stack, beside the Airflow runs' (README).
+    kept = checkout / ".cache" / "demo"
+    assert "QuorumController" in (kept / "kafka.log").read_text(errors="replace")  # a KRaft broker's first WARN
+    assert "database system is ready to accept connections" in (kept / "postgres.log").read_text(errors="replace")

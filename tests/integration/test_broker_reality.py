@@ -557,8 +557,8 @@ def test_a_reset_forward_says_which_offsets_kafka_holds_that_will_never_be_loade
     assert "offsets [20, 25) that Kafka still holds (5 at most) will never be loaded" in preview.message
     # The same topic: its rows did not come "from the topic before the reset"; what the reset costs them.
     assert preview.message.endswith(
-        "; the 20 promoted/quarantined rows of partition 0 loaded before the reset stay, but `kafka2pg verify` "
-        "audits the partition from the reset on and `kafka2pg replay` re-reads only offsets loaded after it"
+        "; the 20 promoted/quarantined rows of partition 0 loaded before the reset stay, but `./kafka2pg verify` "
+        "audits the partition from the reset on and `./kafka2pg replay` re-reads only offsets loaded after it"
     ), preview.message
     with pytest.raises(BatchStateError, match="partition 0's head is 20 already, in topic .* nothing to reset"):
         reset_head(env.settings, env.pipeline, 0, 20, reason="no-op", confirm=True)

@@ -185,7 +185,7 @@ def test_migrate_and_grant_need_only_the_database_not_kafka(make_pipeline, monke
     assert cli.main(["grant", "--role", 'a"; DROP TABLE x; --']) == 2
     said = capsys.readouterr().err
     assert '(CREATE ROLE "a""; DROP TABLE x; --" LOGIN PASSWORD ...)' in said, said
-    assert "`kafka2pg grant --role 'a\"; DROP TABLE x; --'` again" in said, said
+    assert "`./kafka2pg grant --role 'a\"; DROP TABLE x; --'` again" in said, said
 
 
 def test_stage_and_report_of_a_batch_not_there_or_done_say_so_without_starting_spark(
@@ -411,7 +411,7 @@ def test_status_of_a_pipeline_added_but_not_migrated_says_not_ready_in_text_and_
     text = capsys.readouterr().out
     assert "rows landed in target: unknown (NOT READY); records in quarantine: 0" in text, text
     missing = f"missing table(s) {added['target_table']}, kafka2pg.stg_{added['name']}"
-    assert "NOT READY for a run as role " in text and missing in text and "run `kafka2pg migrate`" in text, text
+    assert "NOT READY for a run as role " in text and missing in text and "run `./kafka2pg migrate`" in text, text
     assert "ledger:" in text
     assert cli.main(["status", "--pipeline", added["name"], "--json"]) == 0
     (shown,) = json.loads(capsys.readouterr().out)

@@ -208,17 +208,17 @@ def test_a_plan_on_a_database_not_ready_fails_once_naming_what_is_missing_and_ch
     finally:
         db.execute("INSERT INTO public.kafka2pg_migrations (name, applied_at) VALUES (%s, %s)", (newest, applied_at))
     assert error.missing == (f"migration {newest}",)
-    assert f"pending migration(s) {newest}" in str(error) and "run `kafka2pg migrate`" in str(error)
+    assert f"pending migration(s) {newest}" in str(error) and "run `./kafka2pg migrate`" in str(error)
 
     db.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier("kafka2pg", env.pipeline.staging_table)))
     error = plan_fails_once(env)
-    assert error.missing == (f"table {staging}",) and "run `kafka2pg migrate`" in str(error)
+    assert error.missing == (f"table {staging}",) and "run `./kafka2pg migrate`" in str(error)
 
     # `migrate` brings the table back, but not the runtime role's privileges on it.
     migrate(owner_env.settings.database_url, [owner_env.pipeline])
     error = plan_fails_once(env)
     assert error.missing == tuple(f"{p} on {staging}" for p in STAGING_PRIVILEGES)
-    assert f"run `kafka2pg grant --role {runtime.role}`" in str(error)
+    assert f"run `./kafka2pg grant --role {runtime.role}`" in str(error)
     apply_grants(owner_env.settings.database_url, [owner_env.pipeline], runtime.role)
 
     # A deployment upgraded without `grant`: the raw bytes of rows refused at promotion could not be kept.

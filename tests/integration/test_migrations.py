@@ -160,7 +160,7 @@ def test_a_database_migrated_up_to_0008_names_migration_0009_at_every_step(
         validate_batch(settings, env.pipeline, batch_id)
     assert not_ready.value.missing == tuple(f"migration {name}" for name in pending)
     message = str(not_ready.value)
-    assert f"pending migration(s) {', '.join(pending)}" in message and "Run `kafka2pg migrate`" in message
+    assert f"pending migration(s) {', '.join(pending)}" in message and "Run `./kafka2pg migrate`" in message
     assert isinstance(not_ready.value.__cause__, psycopg.errors.UndefinedColumn | psycopg.errors.UndefinedTable)
 
     assert migrate(own_database, [env.pipeline]) == list(pending)
@@ -191,5 +191,5 @@ def test_commands_on_a_database_never_migrated_say_to_migrate_instead_of_a_trace
     ):
         assert cli.main(command) == 2, command
         shown = capsys.readouterr().err
-        assert "SchemaNotReadyError" in shown and "Run `kafka2pg migrate`" in shown, (command, shown)
+        assert "SchemaNotReadyError" in shown and "Run `./kafka2pg migrate`" in shown, (command, shown)
         assert "Traceback" not in shown

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from kafka2pg import cli
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import QualityGateFailed
+from kafka2pg.locations import COMMAND
 from kafka2pg.opening import open_batch
 from kafka2pg.quality import validate_batch
 from kafka2pg.staging import stage_batch
@@ -98,7 +99,7 @@ def test_the_report_is_stored_with_the_batch_and_rendered_from_the_database(
     capsys.readouterr()
     assert cli.main(["report", "--pipeline", name]) == 0
     summary = capsys.readouterr().out
-    assert f"batch {result.batch_id} (promoted): quality report in the database (kafka2pg report --html" in summary
+    assert f"batch {result.batch_id} (promoted): quality report in the database ({COMMAND} report --html" in summary
     assert "caught and quarantined (of 6 records read): refused by admission or PostgreSQL: 1;" in summary
     assert "business_key_unique_in_batch: 1" in summary
 

@@ -602,7 +602,7 @@ def test_abandon_refuses_the_batch_of_a_running_replay_process_at_once_whatever_
             step.execute("SELECT 1 FROM kafka2pg.batches WHERE batch_id = %s FOR UPDATE", (replaying.batch_id,))
             # The refusal must not wait for the row: its holder is ended at a deadline, and the test fails.
             with end_at_deadline(env.settings.database_url, step.info.backend_pid, 60) as rescued:
-                with pytest.raises(ReplayRefusedError, match="still being replayed by a running `kafka2pg replay`"):
+                with pytest.raises(ReplayRefusedError, match="still being replayed by a running `./kafka2pg replay`"):
                     abandon_replay(env.settings, env.pipeline, replaying.batch_id, confirm=False)
             assert not rescued, "abandon waited for the batch's row before refusing"
         with psycopg.connect(env.settings.database_url) as db:

@@ -95,7 +95,7 @@ def test_a_batch_failing_promotion_in_two_runs_is_stuck_in_status_verify_and_the
 
     dry = open_batch(env.settings, env.pipeline, dry_run=True).message  # a plan says so too
     assert dry.startswith(f"dry run: would resume unfinished batch {batch.batch_id} (validated, ")
-    assert dry.endswith("; it is STUCK: it failed at promote in 2 consecutive runs (`kafka2pg status`)"), dry
+    assert dry.endswith("; it is STUCK: it failed at promote in 2 consecutive runs (`./kafka2pg status`)"), dry
 
     db.execute(sql.SQL("DROP TRIGGER refuse ON {}").format(target))
     third = open_batch(env.settings, env.pipeline, run_id="run-3")

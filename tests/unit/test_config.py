@@ -12,11 +12,11 @@ from kafka2pg.config import (
     VALUE_FORMATS,
     Pipeline,
     Settings,
+    default_pipelines_file,
     get_pipeline,
     load_pipelines,
 )
 from kafka2pg.exceptions import ConfigError, UnknownPipelineError
-from kafka2pg.locations import default_pipelines_file
 
 GOOD = {
     "name": "orders",

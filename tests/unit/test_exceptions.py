@@ -91,13 +91,13 @@ BUILT = {
         {"pipeline": "orders", "topic": "orders-topic", "partition": 0, "head": 50, "high_watermark": 10},
         [
             "partition 0: the ledger head 50 is beyond the high watermark 10",
-            "`kafka2pg reset --pipeline orders --partition 0 --to-offset <offset> --confirm`",
+            "`./kafka2pg reset --pipeline orders --partition 0 --to-offset <offset> --confirm`",
         ],
     ),
     "partitions_gone": (
         OffsetRegressionError.partitions_gone("orders", "orders-topic", [2, 3]),
         {"pipeline": "orders", "topic": "orders-topic", "partitions": [2, 3]},
-        ["heads for partition(s) [2, 3] that the topic no longer has", "`kafka2pg reset`"],
+        ["heads for partition(s) [2, 3] that the topic no longer has", "`./kafka2pg reset`"],
     ),
     "held": (
         RangeLockedError.held("orders", 4, "replay batch 7", 300, "backend pid 42, application 'kafka2pg'"),

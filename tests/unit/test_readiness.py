@@ -3,7 +3,7 @@
 import yaml
 
 from kafka2pg.config import get_pipeline
-from kafka2pg.locations import migration_files
+from kafka2pg.database import migration_files
 from kafka2pg.migrations import (
     MIGRATIONS_TABLE,
     QUARANTINE_PRIVILEGES,

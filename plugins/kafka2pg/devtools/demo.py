@@ -6,9 +6,11 @@ second run that is a no-op without Spark.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
 from kafka2pg.config import get_pipeline, pipelines_file_from_env
@@ -52,8 +54,21 @@ def run(*, events: int, keep: bool) -> int:
         if keep:
             print(f"stack left running: `source {env_file}` to use it, `{COMMAND} stack stop` to stop it")
         else:
+            kept = _keep_logs(stack, cache / "demo")
             local_stack.reset_stack(cache)
-            print("the demo's stack stopped and deleted")
+            print(f"the demo's stack stopped and deleted; its logs kept: {', '.join(map(str, kept))}")
+
+
+def _keep_logs(stack: local_stack.Stack, logs: Path) -> list[Path]:
+    """Copy the broker's and PostgreSQL's logs beside the Airflow runs' before the stack (and its
+    logs with it) is deleted: what a failed demo is read by."""
+    logs.mkdir(parents=True, exist_ok=True)
+    kept = []
+    for source, name in ((stack.kafka.log_file, "kafka.log"), (stack.postgres.log_file, "postgres.log")):
+        with contextlib.suppress(OSError):  # a process that never wrote one: nothing to keep
+            shutil.copyfile(source, logs / name)
+            kept.append(logs / name)
+    return kept
 
 
 def _run_with_stack(stack: local_stack.Stack, events: int, cache: Path) -> int:
