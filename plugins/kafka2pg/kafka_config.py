@@ -29,6 +29,9 @@ SECRET_PROPERTIES = frozenset(
         "ssl.key.pem",
         "ssl.keystore.key",
         "sasl.oauthbearer.client.secret",
+        # librdkafka's own OAUTHBEARER settings ("principal=… scope=…", free-form): a secret may be
+        # among them, and librdkafka quotes the part it cannot read in its error.
+        "sasl.oauthbearer.config",
     }
 )
 # A property for the Java client only (Spark's source), given with this prefix, goes to Spark as is
@@ -199,10 +202,18 @@ class KafkaConfig:
         for key, value in self.properties:
             if _secret(key):
                 found += [value, *_pem_lines(value)]
-            elif key == "ssl.key.location":
+                found += _settings_pieces(value) if key.endswith("oauthbearer.config") else []
+            elif key in _KEY_FILES:
                 with contextlib.suppress(OSError, UnicodeDecodeError):
                     found += _pem_lines(Path(value).read_text())
         return list(dict.fromkeys(text for text in (t.strip() for t in found) if len(text) >= _SHORTEST_MASKED))
+
+    def scrub(self, text: str) -> str:
+        """`text` (a client library's words: librdkafka's errors may quote a property's value) with
+        every secret of `secrets` replaced by ***."""
+        for secret in sorted(self.secrets(), key=len, reverse=True):
+            text = text.replace(secret, "***")
+        return text
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict)
@@ -297,7 +308,17 @@ class KafkaConfig:
 
 def _secret(key: str) -> bool:
     bare = key.removeprefix(JAVA_ONLY_PREFIX)
-    return bare in SECRET_PROPERTIES or "password" in bare or "secret" in bare
+    return bare in SECRET_PROPERTIES or any(word in bare for word in ("password", "secret", "passphrase", "key.pem"))
+
+
+# Properties naming a file that holds a private key: its PEM lines are secrets too.
+_KEY_FILES = frozenset({"ssl.key.location", "sasl.oauthbearer.assertion.private.key.file"})
+
+
+def _settings_pieces(value: str) -> list[str]:
+    """The `name=value` pieces of a space-separated settings string, and each piece's value."""
+    pieces = value.split()
+    return pieces + [piece.partition("=")[2] for piece in pieces]
 
 
 _PEM_ARMOUR = re.compile(r"-----(BEGIN|END) [A-Z0-9 ]+-----")
@@ -368,6 +389,11 @@ def _pkcs8_key(props: Mapping[str, str], source: tuple[str, str]) -> str:
 
 
 KafkaLike = KafkaConfig | str  # a plain bootstrap-servers string means PLAINTEXT
+
+
+def scrubbed(kafka: KafkaLike, text: str) -> str:
+    """`text` without the secrets of `kafka`'s configuration (`KafkaConfig.scrub`)."""
+    return kafka.scrub(text) if isinstance(kafka, KafkaConfig) else text
 
 
 def kafka_config(kafka: KafkaLike) -> KafkaConfig:

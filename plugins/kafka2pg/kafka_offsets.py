@@ -30,7 +30,7 @@ from kafka2pg.exceptions import (
     KafkaUnavailableError,
     TopicNotFoundError,
 )
-from kafka2pg.kafka_config import KafkaLike, kafka_config
+from kafka2pg.kafka_config import KafkaLike, kafka_config, scrubbed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,8 +85,8 @@ def configuration_checked(kafka: KafkaLike) -> Iterator[None]:
         if error is None or error.code() != KafkaError._INVALID_ARG:
             raise
         raise ConfigError(
-            f"librdkafka refuses the Kafka client configuration for {kafka}: {error.str()}. Fix the pipeline's "
-            "Kafka connection (its extra) or KAFKA2PG_KAFKA_CONFIG (README, Connections)",
+            f"librdkafka refuses the Kafka client configuration for {kafka}: {scrubbed(kafka, error.str())}. Fix the "
+            "pipeline's Kafka connection (its extra) or KAFKA2PG_KAFKA_CONFIG (README, Connections)",
             cluster=str(kafka),
         ) from None
 
@@ -261,7 +261,7 @@ def commit_group_offsets(
     except KafkaException as exc:
         error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
         if error is not None and error.code() in _GROUP_REFUSALS:
-            raise ConsumerGroupRefusedError.refused(group, topic, error.str()) from exc
+            raise ConsumerGroupRefusedError.refused(group, topic, scrubbed(kafka, error.str())) from exc
         raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
     failed = [tp for tp in result.topic_partitions if tp.error]
     if failed:
@@ -372,10 +372,11 @@ def _unavailable(
     for reported in [*(errors or []), *([error] if error is not None else [])]:
         refused = refusal([reported])
         if refused is not None:
-            return KafkaAuthenticationError.refused(str(kafka), refused, reported.str(), topic=topic)
+            return KafkaAuthenticationError.refused(str(kafka), refused, scrubbed(kafka, reported.str()), topic=topic)
+    said = scrubbed(kafka, str(cause))  # librdkafka's words may quote a property's value
     if error is None or error.code() in _NO_ANSWER:
-        return KafkaUnavailableError.no_answer(str(kafka), timeout_s, str(cause), topic=topic, partition=partition)
-    detail = f"{error.name()} ({error.str()})" if isinstance(cause, KafkaException) else str(cause)
+        return KafkaUnavailableError.no_answer(str(kafka), timeout_s, said, topic=topic, partition=partition)
+    detail = f"{error.name()} ({scrubbed(kafka, error.str())})" if isinstance(cause, KafkaException) else said
     if error.code() in _INVALID_REQUESTS:
         return KafkaRequestError.refused(str(kafka), detail, topic=topic, partition=partition)
     if error.code() < 0:  # librdkafka's own codes are negative, the protocol's positive

@@ -17,7 +17,7 @@ import pyarrow as pa
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from kafka2pg.exceptions import KafkaAuthenticationError, KafkaUnavailableError, RetentionLossError
-from kafka2pg.kafka_config import KafkaLike
+from kafka2pg.kafka_config import KafkaLike, scrubbed
 from kafka2pg.kafka_offsets import _unavailable, client_config, configuration_checked, partition_bounds, refusal
 from kafka2pg.planner import OffsetRange, describe_ranges
 
@@ -172,7 +172,7 @@ class RangeReader:
             return KafkaAuthenticationError.refused(
                 str(self.kafka),
                 f"refused to let the client read {where} (an ACL: READ on the topic)",
-                error.str(),
+                scrubbed(self.kafka, error.str()),
                 topic=self.topic,
             )
         if error.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
@@ -182,7 +182,8 @@ class RangeReader:
                 "the plan step reports exactly which offsets were lost.",
                 **evidence,
             )
-        return KafkaUnavailableError(f"Kafka at {self.kafka}: reading {where}: {error}", cause=str(error), **evidence)
+        said = scrubbed(self.kafka, str(error))  # librdkafka's words may quote a property's value
+        return KafkaUnavailableError(f"Kafka at {self.kafka}: reading {where}: {said}", cause=said, **evidence)
 
 
 def read_ranges(

@@ -51,8 +51,8 @@ def mask_secrets(settings: Settings) -> None:
     """Airflow's log masker learns the services' secrets, so that a task log line quoting one
     (Spark's, a client library's, spark-submit's output) shows *** instead. Airflow registers a
     connection's password and its extras under names it deems sensitive itself; not a password
-    in KAFKA2PG_DATABASE_URL, a `sasl.jaas.config`, an inline PEM key or the lines of the key
-    file `ssl.key.location` names."""
+    (or the client key's `sslpassword`) in KAFKA2PG_DATABASE_URL, a `sasl.jaas.config`, an inline
+    PEM key or the lines of the key file `ssl.key.location` names."""
     import psycopg
     from airflow.sdk.log import mask_secret
     from psycopg.conninfo import conninfo_to_dict
@@ -64,7 +64,8 @@ def mask_secrets(settings: Settings) -> None:
     typed = typed_password(settings.database_url)  # as written in a URL, and decoded
     passwords = [typed, unquote(typed)]
     with suppress(psycopg.Error):  # a malformed URL fails the task where it is used, saying so
-        passwords.append(conninfo_to_dict(settings.database_url).get("password"))
+        params = conninfo_to_dict(settings.database_url)
+        passwords += [params.get("password"), params.get("sslpassword")]  # the client key's too
     for password in passwords:
         if password:
             mask_secret(str(password))

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from kafka2pg.config import Settings
-from kafka2pg.exceptions import ConfigError
+from kafka2pg.exceptions import ConfigError, KafkaAuthenticationError
 from kafka2pg.kafka_config import KafkaConfig
 
 CA = "-----BEGIN CERTIFICATE-----\nca\n-----END CERTIFICATE-----\n"
@@ -471,6 +471,9 @@ def test_a_task_has_airflow_mask_the_services_secrets_in_its_log(tmp_path, monke
 
     assert redact(line) == "at DEBUG: key *** url postgresql://etl:***@db:5432/warehouse pw ***"
     mask_secrets(Settings(database_url="postgresql://etl:bad%zz@db/x", kafka=kafka))  # malformed: no raise
+    # The client key's password, given in the URL's query.
+    mask_secrets(Settings(database_url="postgresql://etl@db/x?sslkey=/k.pem&sslpassword=Key-pw-6612", kafka=kafka))
+    assert redact("could not load the key (Key-pw-6612)") == "could not load the key (***)"
 
 
 @pytest.mark.parametrize(
@@ -502,3 +505,29 @@ def test_request_timeout_ms_reaches_both_clients_as_before():
     config = KafkaConfig.of({"bootstrap.servers": "b:1", "request.timeout.ms": "45000"})
     assert config.spark_options()["kafka.request.timeout.ms"] == "45000"
     assert config.as_dict["request.timeout.ms"] == "45000"
+
+
+def test_librdkafka_quoting_an_oauthbearer_setting_shows_none_of_its_secrets():
+    """librdkafka's OAUTHBEARER settings are free-form `name=value` pieces, and its error quotes the
+    piece it cannot read: the error kafka2pg raises (CLI, status, the ledger's last failure) and
+    the masked secrets hold none of them."""
+    from kafka2pg.kafka_offsets import partition_offsets
+
+    kafka = KafkaConfig.of(
+        {
+            "bootstrap.servers": "127.0.0.1:1",
+            "security.protocol": "SASL_PLAINTEXT",
+            "sasl.mechanism": "OAUTHBEARER",
+            "enable.sasl.oauthbearer.unsecure.jwt": "true",
+            "sasl.oauthbearer.config": "principal=svc clientSecret=Tok-5521-x",
+        }
+    )
+    assert {"clientSecret=Tok-5521-x", "Tok-5521-x"} <= set(kafka.secrets())
+    with pytest.raises(KafkaAuthenticationError) as refused:
+        partition_offsets(kafka, "t", 60.0)
+    said = str(refused.value)
+    assert "Unrecognized sasl.oauthbearer.config" in said and "Tok-5521-x" not in said, said
+    passphrase = KafkaConfig.of(
+        {"bootstrap.servers": "b", "sasl.oauthbearer.assertion.private.key.passphrase": "Pass-7781-q"}
+    )
+    assert passphrase.secrets() == ["Pass-7781-q"]
