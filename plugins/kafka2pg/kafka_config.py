@@ -316,8 +316,9 @@ _KEY_FILES = frozenset({"ssl.key.location", "sasl.oauthbearer.assertion.private.
 
 
 def _settings_pieces(value: str) -> list[str]:
-    """The `name=value` pieces of a space-separated settings string, and each piece's value."""
-    pieces = value.split()
+    """The `name=value` pieces of a space-separated settings string whose name looks secret, and
+    their values (not `principal=…` or `scope=…`: masked, their words would hide innocent text)."""
+    pieces = [p for p in value.split() if re.search(r"secret|password|token|key", p.partition("=")[0], re.I)]
     return pieces + [piece.partition("=")[2] for piece in pieces]
 
 

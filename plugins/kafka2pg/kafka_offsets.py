@@ -265,7 +265,7 @@ def commit_group_offsets(
         raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
     failed = [tp for tp in result.topic_partitions if tp.error]
     if failed:
-        detail = "; ".join(f"{topic}[{tp.partition}]: {tp.error}" for tp in failed)
+        detail = scrubbed(kafka, "; ".join(f"{topic}[{tp.partition}]: {tp.error}" for tp in failed))
         if all(tp.error.code() in _GROUP_REFUSALS for tp in failed):
             raise ConsumerGroupRefusedError.refused(group, topic, detail)
         error = next(tp.error for tp in failed if tp.error.code() not in _GROUP_REFUSALS)

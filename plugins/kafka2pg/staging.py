@@ -322,6 +322,7 @@ READ_STALL_S = 60.0
 def _kafka_error(text: str, settings: Settings, pipeline: Pipeline, batch: Batch) -> Exception | None:
     """The kafka2pg error for a Spark job that failed on Kafka (from either reader), or None."""
     where = f"pipeline {pipeline.name!r} batch {batch.batch_id}"
+    text = settings.kafka.scrub(text)  # a client's words may quote a property's value
     refused = next((n for n in _JAVA_REFUSALS if n in text), None)
     if refused is not None:
         cause = _java_message(text, refused)

@@ -56,16 +56,18 @@ def run(*, events: int, keep: bool) -> int:
         else:
             kept = _keep_logs(stack, cache / "demo")
             local_stack.reset_stack(cache)
-            print(f"the demo's stack stopped and deleted; its logs kept: {', '.join(map(str, kept))}")
+            print(
+                f"the demo's stack stopped and deleted{'; its logs kept: ' if kept else ''}{', '.join(map(str, kept))}"
+            )
 
 
 def _keep_logs(stack: local_stack.Stack, logs: Path) -> list[Path]:
     """Copy the broker's and PostgreSQL's logs beside the Airflow runs' before the stack (and its
     logs with it) is deleted: what a failed demo is read by."""
-    logs.mkdir(parents=True, exist_ok=True)
     kept = []
     for source, name in ((stack.kafka.log_file, "kafka.log"), (stack.postgres.log_file, "postgres.log")):
-        with contextlib.suppress(OSError):  # a process that never wrote one: nothing to keep
+        with contextlib.suppress(OSError):  # none written, or no room: the stack is deleted all the same
+            logs.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, logs / name)
             kept.append(logs / name)
     return kept

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from confluent_kafka import KafkaException, Producer
 
 from kafka2pg.exceptions import KafkaUnavailableError
-from kafka2pg.kafka_config import KafkaLike
+from kafka2pg.kafka_config import KafkaLike, scrubbed
 from kafka2pg.kafka_offsets import client_config
 
 _PRODUCTS = ("book", "lamp", "chair", "kettle", "bike", "tent", "guitar", "scarf")
@@ -86,7 +86,8 @@ def produce(
     remaining = producer.flush(timeout_s)
     if remaining or errors:
         raise KafkaUnavailableError(
-            f"producing to {topic!r} on Kafka at {kafka}: {remaining} undelivered, errors: {sorted(set(errors))[:3]}",
+            f"producing to {topic!r} on Kafka at {kafka}: {remaining} undelivered, "
+            f"errors: {scrubbed(kafka, str(sorted(set(errors))[:3]))}",
             cluster=str(kafka),
             topic=topic,
         )
@@ -98,5 +99,5 @@ def produce_sample(kafka: KafkaLike, topic: str, count: int, *, seed: int = 0) -
         return produce(kafka, topic, sample_events(count, seed=seed))
     except KafkaException as exc:
         raise KafkaUnavailableError(
-            f"producing to {topic!r} on Kafka at {kafka}: {exc}", cluster=str(kafka), topic=topic
+            f"producing to {topic!r} on Kafka at {kafka}: {scrubbed(kafka, str(exc))}", cluster=str(kafka), topic=topic
         ) from exc
