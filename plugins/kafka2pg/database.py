@@ -24,6 +24,7 @@ from kafka2pg.exceptions import (
     SchemaNotReadyError,
     StatementTimeoutError,
     TableRefusesRowsError,
+    without_secrets,
 )
 from kafka2pg.locations import COMMAND, SQL_DIR
 
@@ -61,10 +62,7 @@ def hide_password(text: str, url: str) -> str:
     password = typed_password(url)
     pieces = {password, unquote(password)}
     pieces |= {p for piece in list(pieces) for p in re.split(r"[/@?#:]", piece)}
-    for piece in sorted(pieces, key=len, reverse=True):
-        if len(piece) >= 3:
-            text = text.replace(piece, "***")
-    return text
+    return without_secrets(text, (piece for piece in pieces if len(piece) >= 3))
 
 
 def typed_password(url: str) -> str:

@@ -98,6 +98,15 @@ def did_you_mean(unknown: Iterable[str], known: Iterable[str]) -> str:
     return f" (did you mean {'; '.join(hints)}?)" if hints else ""
 
 
+def without_secrets(text: str, secrets: Iterable[str]) -> str:
+    """`text` (a client library's or server's words) with each of `secrets` replaced by ***, the
+    longest first: a secret that holds another is never left partly shown."""
+    for secret in sorted(set(secrets), key=len, reverse=True):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
 class UnknownRunConfError(ConfigError):
     """A DAG run's conf names keys its DAG has no Param for (a typo would otherwise run with defaults)."""
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kafka2pg.exceptions import ConfigError
+from kafka2pg.exceptions import ConfigError, without_secrets
 
 # Properties whose values are secrets: never shown (`redacted`), never logged.
 SECRET_PROPERTIES = frozenset(
@@ -211,9 +211,7 @@ class KafkaConfig:
     def scrub(self, text: str) -> str:
         """`text` (a client library's words: librdkafka's errors may quote a property's value) with
         every secret of `secrets` replaced by ***."""
-        for secret in sorted(self.secrets(), key=len, reverse=True):
-            text = text.replace(secret, "***")
-        return text
+        return without_secrets(text, self.secrets())
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict)

@@ -229,3 +229,12 @@ def test_a_head_a_reset_moved_is_not_blamed_on_a_batch_named_none():
     assert "has head 150 (moved by batch 6). Another run promoted these offsets first" in by_batch
     by_reset = str(LedgerConflictError.head_moved("orders", 7, 0, 100, 0, None))
     assert "has head 0 (moved by a ledger reset). The ledger moved since" in by_reset and "None" not in by_reset
+
+
+def test_a_secret_holding_another_is_hidden_whole_and_an_empty_one_hides_nothing():
+    """Secrets are replaced longest first: the shorter one inside a longer one (a password's piece,
+    a PEM line of a key) replaced first would leave the rest of the longer one on show."""
+    text = "login refused for 'svc:Tr0ub4dor&3' (password Tr0ub4dor&3)"
+    hidden = exceptions.without_secrets(text, ["Tr0ub", "svc:Tr0ub4dor&3", "Tr0ub4dor&3", ""])
+    assert hidden == "login refused for '***' (password ***)"
+    assert exceptions.without_secrets("nothing to hide", ["", "absent"]) == "nothing to hide"
