@@ -28,7 +28,7 @@ from kafka2pg.admission import (
 )
 from kafka2pg.config import Pipeline
 from kafka2pg.copy_binary import HEADER, TRAILER, copy_rows
-from kafka2pg.database import isolate_refused, session_settings, statement_timeouts
+from kafka2pg.database import isolate_refused, session_settings, statement_refusals
 from kafka2pg.exceptions import BatchStateError
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import PROVENANCE, RAW, staging_columns
@@ -86,7 +86,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
                 psycopg.connect(database_url, client_encoding="UTF8", connect_timeout=10),
                 f"kafka2pg chunk writer (batch {batch_id})",
             ) as conn,
-            statement_timeouts(conn, f"chunk {chunk} of batch {batch_id} was not staged; the batch stays planned"),
+            statement_refusals(conn, f"chunk {chunk} of batch {batch_id} was not staged; the batch stays planned"),
         ):
             claim = conn.execute(
                 "SELECT state, epoch FROM kafka2pg.batches WHERE batch_id = %s FOR SHARE", (batch_id,)

@@ -341,11 +341,11 @@ NOT_READY_ERRORS = (*NOT_MIGRATED, NOT_GRANTED)
 @contextmanager
 def _statement_errors(url: str, conn: psycopg.Connection, outcome: str) -> Iterator[None]:
     """A table, column or privilege the statements need and `conn` lacks, as a `SchemaNotReadyError`
-    saying what to run; a statement_timeout as a `StatementTimeoutError`; a server that takes no
+    saying what to run; a statement_timeout or a pooler as `statement_refusals` says; a server that takes no
     writes (a standby, default_transaction_read_only) as a retryable `DatabaseUnavailableError`
     saying why; `outcome`: what became of the statements' work."""
     try:
-        with statement_timeouts(conn, outcome):
+        with statement_refusals(conn, outcome):
             yield
     except NOT_MIGRATED as exc:
         raise _not_migrated(url, exc, outcome) from exc
@@ -388,13 +388,33 @@ _SOURCES = {
 }
 
 
+# What psycopg meets when its connection runs through a pooler that hands each transaction to
+# any server connection: a statement it prepared on one server connection, missing on the next
+# (or a name another client prepared there first).
+_POOLED_AWAY = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)
+
+
 @contextmanager
-def statement_timeouts(conn: psycopg.Connection, outcome: str) -> Iterator[None]:
+def statement_refusals(conn: psycopg.Connection, outcome: str) -> Iterator[None]:
     """A statement of `conn` cancelled by PostgreSQL's `statement_timeout` as a `StatementTimeoutError`
-    saying what the limit is, where it was set and what to change; `outcome`: what became of the
-    statements' work. A cancel by hand (pg_cancel_backend) or with no limit set stays as it is."""
+    saying what the limit is, where it was set and what to change; a statement psycopg prepared,
+    gone or taken on the server connection (a pooler in transaction or statement pooling) as a
+    `ConfigError` saying to pool sessions; `outcome`: what became of the statements' work. A
+    cancel by hand (pg_cancel_backend) or with no limit set stays as it is."""
     try:
         yield
+    except _POOLED_AWAY as exc:
+        if '"_pg3_' not in (exc.diag.message_primary or ""):  # not one of psycopg's own prepared statements
+            raise
+        raise ConfigError(
+            f"kafka2pg's connection to {conn.info.host}:{conn.info.port}/{conn.info.dbname} runs through a "
+            f"connection pooler that pools transactions or statements ({_one_line(exc)}): each transaction may get "
+            f"another server connection; {outcome}. kafka2pg keeps session settings and prepared "
+            "statements on its connections and needs session pooling: set pool_mode = session for kafka2pg's "
+            "database or user in the pooler (PgBouncer: in its [databases] or [users] entry), or point the "
+            "postgres connection (postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL at "
+            "PostgreSQL itself."
+        ) from exc
     except psycopg.errors.QueryCanceled as exc:
         by_hand = "user request" in (exc.diag.message_primary or "")  # pg_cancel_backend
         setting = None if by_hand else _read_setting(conn, "statement_timeout")
