@@ -86,7 +86,9 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
                 psycopg.connect(database_url, client_encoding="UTF8", connect_timeout=10),
                 f"kafka2pg chunk writer (batch {batch_id})",
             ) as conn,
-            statement_refusals(conn, f"chunk {chunk} of batch {batch_id} was not staged; the batch stays planned"),
+            statement_refusals(
+                database_url, conn, f"chunk {chunk} of batch {batch_id} was not staged; the batch stays planned"
+            ),
         ):
             claim = conn.execute(
                 "SELECT state, epoch FROM kafka2pg.batches WHERE batch_id = %s FOR SHARE", (batch_id,)

@@ -345,7 +345,7 @@ def _statement_errors(url: str, conn: psycopg.Connection, outcome: str) -> Itera
     writes (a standby, default_transaction_read_only) as a retryable `DatabaseUnavailableError`
     saying why; `outcome`: what became of the statements' work."""
     try:
-        with statement_refusals(conn, outcome):
+        with statement_refusals(url, conn, outcome):
             yield
     except NOT_MIGRATED as exc:
         raise _not_migrated(url, exc, outcome) from exc
@@ -395,7 +395,7 @@ _POOLED_AWAY = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.Duplicate
 
 
 @contextmanager
-def statement_refusals(conn: psycopg.Connection, outcome: str) -> Iterator[None]:
+def statement_refusals(url: str, conn: psycopg.Connection, outcome: str) -> Iterator[None]:
     """A statement of `conn` cancelled by PostgreSQL's `statement_timeout` as a `StatementTimeoutError`
     saying what the limit is, where it was set and what to change; a statement psycopg prepared,
     gone or taken on the server connection (a pooler in transaction or statement pooling) as a
@@ -404,16 +404,17 @@ def statement_refusals(conn: psycopg.Connection, outcome: str) -> Iterator[None]
     try:
         yield
     except _POOLED_AWAY as exc:
-        if '"_pg3_' not in (exc.diag.message_primary or ""):  # not one of psycopg's own prepared statements
+        if "_pg3_" not in (exc.diag.message_primary or ""):  # not one of psycopg's own prepared statements
             raise
         raise ConfigError(
-            f"kafka2pg's connection to {conn.info.host}:{conn.info.port}/{conn.info.dbname} runs through a "
-            f"connection pooler that pools transactions or statements ({_one_line(exc)}): each transaction may get "
-            f"another server connection; {outcome}. kafka2pg keeps session settings and prepared "
-            "statements on its connections and needs session pooling: set pool_mode = session for kafka2pg's "
-            "database or user in the pooler (PgBouncer: in its [databases] or [users] entry), or point the "
-            "postgres connection (postgres_conn_id, default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL at "
-            "PostgreSQL itself."
+            f"the server connection under kafka2pg's connection to {describe(url)} changed between its transactions "
+            f"({_one_line(exc)}): most likely a connection pooler that pools transactions or statements; "
+            f"{outcome}. kafka2pg keeps session settings and prepared statements on its connections and needs "
+            "session pooling: set pool_mode = session for kafka2pg's database or user in the pooler (PgBouncer: in "
+            "its [databases] or [users] entry) with a reset between clients (PgBouncer: server_reset_query = "
+            "DISCARD ALL), or point the postgres connection (postgres_conn_id, default kafka2pg_postgres) or "
+            "KAFKA2PG_DATABASE_URL at PostgreSQL itself.",
+            database=describe(url),
         ) from exc
     except psycopg.errors.QueryCanceled as exc:
         by_hand = "user request" in (exc.diag.message_primary or "")  # pg_cancel_backend

@@ -101,7 +101,7 @@ def did_you_mean(unknown: Iterable[str], known: Iterable[str]) -> str:
 def without_secrets(text: str, secrets: Iterable[str]) -> str:
     """`text` (a client library's or server's words) with each of `secrets` replaced by ***, the
     longest first: a secret that holds another is never left partly shown."""
-    for secret in sorted(set(secrets), key=len, reverse=True):
+    for secret in sorted(dict.fromkeys(secrets), key=len, reverse=True):
         if secret:
             text = text.replace(secret, "***")
     return text

@@ -24,10 +24,6 @@ from kafka2pg.runner import run_batches
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 
 
-def _as_postgres() -> list[str]:
-    return ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []  # PgBouncer refuses root
-
-
 @pytest.fixture
 def pgbouncer(stack):
     """`pgbouncer(pool_mode, pool_size)`: a PgBouncer in front of the stack's PostgreSQL with
@@ -38,10 +34,13 @@ def pgbouncer(stack):
     started = []
 
     def start(pool_mode: str, pool_size: int) -> tuple[str, int]:
-        # Not under pytest's tmp dir, which only root may enter: the postgres user reads its
-        # configuration and writes its log here.
+        # Not under pytest's tmp dir, which only root may enter: PgBouncer, run as the postgres
+        # user when we are root (it refuses root), writes its log here.
         home = Path(tempfile.mkdtemp(prefix="kafka2pg-pgbouncer-"))
-        home.chmod(0o777)
+        started.append([None, home])
+        home.chmod(0o755)
+        if os.geteuid() == 0:
+            shutil.chown(home, "postgres", "postgres")
         port = free_port()
         (home / "users.txt").write_text('"postgres" ""\n')
         ini = home / "pgbouncer.ini"
@@ -55,10 +54,9 @@ def pgbouncer(stack):
             f"pool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 200\n"
             "server_reset_query = DISCARD ALL\n"
         )
-        for path in home.iterdir():
-            path.chmod(0o644)
-        process = subprocess.Popen([*_as_postgres(), PGBOUNCER, str(ini)], stdout=subprocess.DEVNULL)
-        started.append((process, home))
+        as_postgres = ["-u", "postgres"] if os.geteuid() == 0 else []
+        process = subprocess.Popen([PGBOUNCER, *as_postgres, str(ini)], stdout=subprocess.DEVNULL)
+        started[-1][0] = process
         url = f"postgresql://postgres@127.0.0.1:{port}/kafka2pg"
         deadline = time.monotonic() + 60
         while True:
@@ -73,16 +71,33 @@ def pgbouncer(stack):
 
     yield start
     for process, home in started:
-        stop_pid(process.pid)
-        process.wait(timeout=30)
-        shutil.rmtree(home, ignore_errors=True)
+        try:
+            if process is not None:
+                stop_pid(process.pid)
+                process.wait(timeout=30)
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
 
 
 def _transactions_pooled(port: int, database: str = "kafka2pg") -> int:
     """PgBouncer's own count of the transactions it passed on to `database` (its admin console
     speaks only the simple query protocol: psql)."""
     out = subprocess.run(
-        ["psql", "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "-d", "pgbouncer", "-AF,", "-c", "SHOW STATS"],
+        [
+            "psql",
+            "-X",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-U",
+            "postgres",
+            "-d",
+            "pgbouncer",
+            "-AF,",
+            "-c",
+            "SHOW STATS",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -128,7 +143,7 @@ def test_a_pooler_pooling_transactions_is_named_with_what_to_change(pgbouncer):
     """Under transaction pooling, a statement psycopg prepared on one server connection is missing
     on the next, or its name was taken there by another client: kafka2pg says which setting of the
     pooler to change (a configuration error, not retried), not psycopg's words alone. Both
-    clients here share the pooler's one server connection, so the second one's fifth run of a
+    clients here share the pooler's one server connection, so the second one's sixth run of a
     statement (psycopg prepares it then) meets the name the first one prepared."""
     url, _ = pgbouncer("transaction", 1)
     statement = "SELECT %s::int + 1"
@@ -139,6 +154,7 @@ def test_a_pooler_pooling_transactions_is_named_with_what_to_change(pgbouncer):
         for _ in range(10):
             second.execute(statement, (2,))
     message = str(refused.value)
-    assert "connection pooler that pools transactions or statements" in message
+    assert "most likely a connection pooler that pools transactions or statements" in message
     assert '(prepared statement "_pg3_0" already exists)' in message
-    assert "pool_mode = session" in message and "nothing was changed" in message
+    assert "pool_mode = session" in message and "server_reset_query = DISCARD ALL" in message
+    assert "nothing was changed" in message and refused.value.terminal
