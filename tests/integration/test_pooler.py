@@ -82,22 +82,9 @@ def pgbouncer(stack):
 def _transactions_pooled(port: int, database: str = "kafka2pg") -> int:
     """PgBouncer's own count of the transactions it passed on to `database` (its admin console
     speaks only the simple query protocol: psql)."""
+    command = f"psql -X -h 127.0.0.1 -p {port} -U postgres -d pgbouncer -AF, -c"
     out = subprocess.run(
-        [
-            "psql",
-            "-X",
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "-U",
-            "postgres",
-            "-d",
-            "pgbouncer",
-            "-AF,",
-            "-c",
-            "SHOW STATS",
-        ],
+        [*command.split(), "SHOW STATS"],
         capture_output=True,
         text=True,
         check=True,
