@@ -131,7 +131,7 @@ def connect(url: str, *, autocommit: bool = False, connect_timeout: int = 10) ->
                 f"({message.removeprefix('connection is bad: ')}); fix the postgres connection (postgres_conn_id, "
                 "default kafka2pg_postgres) or KAFKA2PG_DATABASE_URL"
             ) from None
-        if any(refusal in message for refusal in _REFUSALS):
+        if refuses(message):
             raise DatabaseRefusedError(
                 f"PostgreSQL at {describe(url)} refuses the connection: {_sentence(message)} Retrying cannot "
                 "help: fix the user, password or database of the postgres connection (postgres_conn_id, default "
@@ -234,6 +234,11 @@ _REFUSALS = (
     "server requested a password but no password was supplied",
     "fe_sendauth: no password supplied",
 )
+
+
+def refuses(message: str) -> bool:
+    """Whether libpq's message of a failed connection is PostgreSQL refusing it for good."""
+    return any(refusal in message for refusal in _REFUSALS)
 
 
 def _sentence(text: str) -> str:

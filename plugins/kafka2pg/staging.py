@@ -25,10 +25,11 @@ from kafka2pg.admission import strict_only_note
 from kafka2pg.batch_store import Batch, load_claimed, staging_lost, transition
 from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer
 from kafka2pg.config import KAFKA_READERS, Pipeline, Settings, keep_log_options, stage_jvm_conf
-from kafka2pg.database import describe, hide_password, transaction
+from kafka2pg.database import describe, hide_password, refuses, transaction
 from kafka2pg.exceptions import (
     BatchStateError,
     ConfigError,
+    DatabaseRefusedError,
     DatabaseUnavailableError,
     Kafka2PgError,
     KafkaAuthenticationError,
@@ -392,6 +393,9 @@ def _kafka_error(text: str, settings: Settings, pipeline: Pipeline, batch: Batch
             pipeline=pipeline.name,
             batch_id=batch.batch_id,
         )
+    connecting = _TASK_CONNECT.search(text)
+    if connecting is not None:  # a chunk writer's own connection, after the driver's had worked
+        return _task_connect_error(" ".join(connecting.group(1).split()), settings, pipeline, batch)
     lost_db = _LOST_DATABASE.search(text)
     if lost_db is not None:  # a chunk writer's connection ended under it (terminated, a restart)
         return DatabaseUnavailableError(
@@ -410,6 +414,42 @@ _LOST_DATABASE = re.compile(
     r"psycopg\.(?:errors\.)?(AdminShutdown|CrashShutdown|IdleInTransactionSessionTimeout|CannotConnectNow"
     r"|OperationalError): ([^\n]*)"
 )
+
+
+# psycopg's error for a connection it could not open, with libpq's continuation lines (a tab
+# first; the Java trace's lines after it start with a tab and "at ").
+_TASK_CONNECT = re.compile(
+    r"psycopg\.OperationalError: ((?:connection failed|failed to resolve host)[^\n]*(?:\n\t(?!at )[^\n]*)*)"
+)
+
+
+def _task_connect_error(
+    said: str, settings: Settings, pipeline: Pipeline, batch: Batch
+) -> DatabaseRefusedError | DatabaseUnavailableError:
+    """A Spark task that could not connect to PostgreSQL, where the stage job's driver had just
+    connected with the same settings: on a cluster, the executors' hosts are not the driver's."""
+    where = f"pipeline {pipeline.name!r} batch {batch.batch_id}"
+    database = describe(settings.database_url)
+    said = hide_password(said, settings.database_url)
+    if refuses(said):
+        return DatabaseRefusedError(
+            f"{where}: PostgreSQL at {database} refused a Spark task's connection ({said}) after accepting the "
+            "stage job's own with the same settings: most likely its pg_hba.conf does not admit the hosts of the "
+            "Spark executors, which write the staging rows themselves. Admit them (for kafka2pg's role and "
+            "database), or fix the postgres connection if it changed. Nothing was staged; the batch stays planned.",
+            pipeline=pipeline.name,
+            batch_id=batch.batch_id,
+            database=database,
+        )
+    return DatabaseUnavailableError(
+        f"{where}: a Spark task could not connect to PostgreSQL at {database} ({said}). The Spark executors "
+        "write the staging rows themselves, so each must reach the database at the postgres connection's host: "
+        "on a cluster, a host such as localhost or 127.0.0.1 names each executor's own machine. Nothing was "
+        "staged; the batch stays planned and the retry (or the next run) stages it again.",
+        pipeline=pipeline.name,
+        batch_id=batch.batch_id,
+        database=database,
+    )
 
 
 def _python_message(text: str, name: str) -> str | None:

@@ -9,6 +9,7 @@ import pytest
 from kafka2pg.config import Settings
 from kafka2pg.exceptions import (
     ConfigError,
+    DatabaseRefusedError,
     DatabaseUnavailableError,
     KafkaAuthenticationError,
     KafkaUnavailableError,
@@ -257,3 +258,39 @@ def test_a_task_stopped_by_a_lock_timeout_fails_retryably_saying_what_held_it():
         "lock_timeout (canceling statement due to lock timeout)"
     )
     assert "ALTER ROLE … RESET lock_timeout" in str(raised) and "SQLSTATE" not in str(raised)
+
+
+def test_a_task_refused_by_postgresql_after_the_driver_connected_is_terminal_and_names_pg_hba():
+    said = (
+        'connection failed: connection to server at "10.0.0.9", port 5432 failed: FATAL:  no pg_hba.conf entry '
+        'for host "10.0.0.5", user "etl", database "warehouse", no encryption'
+    )
+    raised = _kafka_error(
+        task_failure("X", "y").replace("kafka2pg.exceptions.X: y", f"psycopg.OperationalError: {said}"),
+        SETTINGS,
+        _Pipeline,
+        _Batch,
+    )
+    assert isinstance(raised, DatabaseRefusedError) and raised.terminal
+    assert str(raised) == (
+        "pipeline 'orders' batch 7: PostgreSQL at db:5432/kafka2pg refused a Spark task's connection ("
+        + said.replace("FATAL:  ", "FATAL: ")
+        + ") after accepting the stage job's own with the same settings: most likely its pg_hba.conf does not admit "
+        "the hosts of the Spark executors, which write the staging rows themselves. Admit them (for kafka2pg's role "
+        "and database), or fix the postgres connection if it changed. Nothing was staged; the batch stays planned."
+    )
+
+
+def test_a_task_that_could_not_connect_keeps_libpqs_hint_and_not_the_java_trace():
+    text = task_failure("X", "y").replace(
+        "kafka2pg.exceptions.X: y",
+        'psycopg.OperationalError: connection failed: connection to server at "127.0.0.1", port 5432 failed: '
+        "Connection refused\n\tIs the server running on that host and accepting TCP/IP connections?",
+    )
+    raised = _kafka_error(text, SETTINGS, _Pipeline, _Batch)
+    assert isinstance(raised, DatabaseUnavailableError) and not raised.terminal
+    assert "failed: Connection refused Is the server running on that host and accepting TCP/IP connections?)" in str(
+        raised
+    )
+    assert "org.apache" not in str(raised) and "SQLSTATE" not in str(raised)
+    assert "each executor's own machine" in str(raised)
