@@ -13,7 +13,7 @@ from kafka2pg.config import Pipeline
 from kafka2pg.database import connect, describe, transaction
 from kafka2pg.exceptions import ConfigError
 from kafka2pg.locations import COMMAND, SQL_DIR
-from kafka2pg.migrations import STAGING_PRIVILEGES, TARGET_PRIVILEGES
+from kafka2pg.migrations import AS_THE_OWNER, STAGING_PRIVILEGES, TARGET_PRIVILEGES
 
 GRANTS_FILE = SQL_DIR / "grants.sql"
 
@@ -51,10 +51,17 @@ def apply_grants(database_url: str, pipelines: list[Pipeline], role: str) -> Non
     with transaction(database_url) as conn:
         owner = conn.info.user
         if role == owner:
+            found = conn.execute("SELECT pg_get_userbyid(nspowner) FROM pg_namespace WHERE nspname = 'kafka2pg'")
+            schema_owner = (found.fetchone() or (None,))[0]
+            if schema_owner is None:
+                why = f"Run `{COMMAND} migrate` first, as the role that is to own kafka2pg's objects."
+            elif schema_owner == role:
+                why = "It owns kafka2pg's objects and needs no grant."
+            else:
+                why = f"kafka2pg's objects are owned by role {schema_owner!r}, which grants: {AS_THE_OWNER}."
             raise ConfigError(
-                f"`{COMMAND} grant --role {role}`: that is the role this command connects as, which owns the "
-                "objects already. Give the runtime role, a separate LOGIN role the Airflow tasks and the Spark "
-                "job connect as."
+                f"`{COMMAND} grant --role {role}`: that is the role this command connects as. {why} Give --role the "
+                "runtime role, a separate LOGIN role the Airflow tasks and the Spark job connect as."
             )
         if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone() is None:
             raise ConfigError(
@@ -71,8 +78,8 @@ def apply_grants(database_url: str, pipelines: list[Pipeline], role: str) -> Non
         if refused:
             raise ConfigError(
                 f"`{COMMAND} grant` as role {owner!r} at {describe(database_url)} could not grant everything: "
-                f"{'; '.join(refused)}. Nothing was granted. Run it with the URL (KAFKA2PG_DATABASE_URL) of the "
-                f"role that owns kafka2pg's objects (the one that ran `{COMMAND} migrate`)."
+                f"{'; '.join(refused)}. Nothing was granted. Run it as the role that owns kafka2pg's objects (the "
+                f"one that ran `{COMMAND} migrate`): {AS_THE_OWNER}."
             )
 
 

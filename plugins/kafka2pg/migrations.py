@@ -20,6 +20,12 @@ from kafka2pg.locations import COMMAND, SQL_DIR
 
 log = logging.getLogger(__name__)
 
+# How `migrate` and `grant` run as the owner: the postgres connection wins over the variable.
+AS_THE_OWNER = (
+    "give this command the owning role's postgres connection (postgres_conn_id, default kafka2pg_postgres: "
+    "e.g. AIRFLOW_CONN_KAFKA2PG_POSTGRES for this command alone), or KAFKA2PG_DATABASE_URL where no such "
+    "connection is defined (a defined connection wins over it)"
+)
 _LOCK_KEY = 0x6B3270  # "k2p": one advisory lock for all kafka2pg DDL
 MIGRATIONS_TABLE = ("public", "kafka2pg_migrations")
 
@@ -71,8 +77,8 @@ def migrate(database_url: str, pipelines: list[Pipeline]) -> list[str]:
         except psycopg.errors.InsufficientPrivilege as exc:
             raise ConfigError(
                 f"`{COMMAND} migrate` as role {conn.info.user!r} at {describe(database_url)}: {str(exc).strip()}; "
-                "nothing was changed. Migrations create schemas, tables and indexes: run them with the URL "
-                "(KAFKA2PG_DATABASE_URL) of the role that owns kafka2pg's objects, not the runtime role's."
+                "nothing was changed. Migrations create schemas, tables and indexes: run them as the role that "
+                f"owns kafka2pg's objects, not the runtime role: {AS_THE_OWNER}."
             ) from exc
     return applied
 

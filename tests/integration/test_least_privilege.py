@@ -260,8 +260,18 @@ def test_the_runtime_role_may_create_nothing_and_holds_only_what_each_table_need
     assert not db.execute("SELECT has_table_privilege(%s, %s, 'SELECT')", (role, target)).fetchone()[0]
     assert cli.main(["grant", "--role", role]) == 0
     owner = urlsplit(env.settings.database_url).username
-    with pytest.raises(ConfigError, match="could not grant everything"):  # only an owner can pass privileges on
+    with pytest.raises(ConfigError, match="could not grant everything") as refused:  # only an owner passes them on
         apply_grants(runtime.url, [env.pipeline], owner)
+    assert "AIRFLOW_CONN_KAFKA2PG_POSTGRES for this command alone" in str(refused.value)
+    # The runtime role granting itself: it is told who owns the objects (it used to be told it did).
+    with pytest.raises(ConfigError) as itself:
+        apply_grants(runtime.url, [env.pipeline], role)
+    assert f"that is the role this command connects as. kafka2pg's objects are owned by role {owner!r}" in str(
+        itself.value
+    )
+    with pytest.raises(ConfigError) as owning:
+        apply_grants(env.settings.database_url, [env.pipeline], owner)
+    assert "It owns kafka2pg's objects and needs no grant." in str(owning.value)
 
     def held(table: str) -> set[str]:
         return {
@@ -296,5 +306,8 @@ def test_the_runtime_role_may_create_nothing_and_holds_only_what_each_table_need
 
     with psycopg.connect(runtime.url) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
         conn.execute("CREATE TABLE kafka2pg.not_allowed (id int)")
-    with pytest.raises(ConfigError, match="the role that owns kafka2pg's objects"):
+    with pytest.raises(ConfigError, match="the role that owns kafka2pg's objects") as refused:
         migrate(runtime.url, [env.pipeline])
+    # A defined connection wins over KAFKA2PG_DATABASE_URL: the advice says which to change.
+    assert "owning role's postgres connection (postgres_conn_id, default kafka2pg_postgres" in str(refused.value)
+    assert "a defined connection wins over it" in str(refused.value)
