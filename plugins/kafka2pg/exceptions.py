@@ -8,7 +8,8 @@ Kafka2PgError
  │    └── ObjectNameTakenError a table or index name migrations need belongs to another relation
  ├── ServiceUnavailableError  transient: retrying may help
  │    ├── KafkaUnavailableError
- │    └── DatabaseUnavailableError
+ │    ├── DatabaseUnavailableError
+ │    └── SparkUnavailableError a standalone Spark master accepts no connection
  ├── StatementTimeoutError    PostgreSQL's statement_timeout cancelled a statement (retryable)
  ├── KafkaAuthenticationError the cluster refuses the client (credentials, TLS): not retried
  ├── KafkaRequestError        a request refused as invalid or unsupported: not retried
@@ -251,6 +252,10 @@ class DatabaseUnavailableError(ServiceUnavailableError):
     """PostgreSQL could not be reached."""
 
 
+class SparkUnavailableError(ServiceUnavailableError):
+    """No master of a standalone Spark cluster (`spark://`) accepts a connection."""
+
+
 class DatabaseRefusedError(Kafka2PgError):
     """PostgreSQL answered and refused the connection: a wrong password, an unknown role or
     database, no pg_hba.conf entry for it. Retrying the same settings cannot succeed."""
@@ -356,7 +361,8 @@ class OffsetRegressionError(Kafka2PgError):
             f"the topic with ID {ledgered}, but the topic now has ID {now}: it was deleted and recreated, and its "
             "offsets start again from 0, so the heads no longer say what was loaded. Nothing was read. Realign "
             f"each partition explicitly: `{COMMAND} reset --pipeline {pipeline} --partition <p> --to-offset <offset> "
-            "--confirm` (`--archive-old-rows` moves the old topic's rows away, whose offsets the new records reuse).",
+            "--confirm` (`--archive-old-rows` moves the old topic's rows away, whose offsets the new records reuse), "
+            "or `--drop` instead of `--to-offset <offset>` for a partition the new topic does not have.",
             pipeline=pipeline,
             topic=topic,
             partitions=partitions,
@@ -385,7 +391,8 @@ class OffsetRegressionError(Kafka2PgError):
         return cls(
             f"pipeline {pipeline!r}, topic {topic!r}: the ledger has heads for partition(s) {partitions} that "
             "the topic no longer has. It was probably deleted and recreated with fewer partitions. Nothing "
-            f"was read. Inspect the topic, then realign with `{COMMAND} reset` for each affected partition.",
+            f"was read. Inspect the topic, then drop each one's head: `{COMMAND} reset --pipeline {pipeline} "
+            "--partition <p> --drop --confirm`.",
             pipeline=pipeline,
             topic=topic,
             partitions=partitions,

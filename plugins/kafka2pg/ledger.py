@@ -235,7 +235,12 @@ def reset_head(
     if to_offset is not None:
         broker = offsets.get(partition)
         if broker is None or not broker.low <= to_offset <= broker.high:
-            where = "does not exist" if broker is None else f"holds offsets [{broker.low}, {broker.high})"
+            where = (
+                f"does not exist (the topic has {len(offsets)}: {_listed(sorted(offsets))}); `--drop` removes the head "
+                "of a partition the topic no longer has"
+                if broker is None
+                else f"holds offsets [{broker.low}, {broker.high})"
+            )
             raise BatchStateError(
                 f"pipeline {pipeline.name!r}: cannot reset partition {partition} to {to_offset}: the partition {where}",
                 pipeline=pipeline.name,
@@ -339,6 +344,18 @@ def reset_head(
                 f"; {old_rows} promoted/quarantined rows of partition {partition} came from the topic before the "
                 + ("reset: archived to kafka2pg.archived_rows" if archive_old_rows else "reset and keep their offsets")
             )
+            reused = (
+                0
+                if archive_old_rows or to_offset is None
+                else old_rows - _old_rows(conn, pipeline, partition, to_offset)
+            )
+            if reused:
+                message += (
+                    f". {reused} of them hold offsets from {to_offset} on, which the new topic's records reuse: the "
+                    "quality gate would reject every batch reading those offsets as already promoted "
+                    "(provenance_not_already_promoted) until they are archived: give --archive-old-rows (a reset "
+                    "to the same offset with it archives them)"
+                )
         if not confirm:
             return Reset(partition, current, to_offset, open_id, False, message)
         lock_partitions(conn, pipeline.name, [partition], f"ledger reset of partition {partition}")
@@ -366,3 +383,10 @@ def reset_head(
             )
     log.warning("ledger reset: %s (reason: %s)", message, reason)
     return Reset(partition, current, to_offset, open_id, True, message)
+
+
+def _listed(partitions: list[int]) -> str:
+    """Partition numbers as a reader counts them: "0-3", or "0, 2, 5" when not consecutive."""
+    if partitions and partitions == list(range(partitions[0], partitions[-1] + 1)) and len(partitions) > 2:
+        return f"{partitions[0]}-{partitions[-1]}"
+    return ", ".join(map(str, partitions)) or "none"

@@ -23,7 +23,7 @@ from kafka2pg.batch_store import (
 )
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction, waits_logged
-from kafka2pg.exceptions import BatchStateError, LedgerConflictError, OffsetRegressionError
+from kafka2pg.exceptions import BatchStateError, LedgerConflictError, OffsetRegressionError, RetentionLossError
 from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_id, topic_retention
 from kafka2pg.kafka_reader import first_timestamps
 from kafka2pg.ledger import check_topic_identity, lock_plan, read_head_batches, read_heads
@@ -276,6 +276,23 @@ def plan_lookahead(
         if plan.is_empty:
             return None
         return insert_batch(conn, pipeline, plan, run_id, after_batch_id=after_id)
+
+
+def ledger_refusal(
+    settings: Settings, pipeline: Pipeline, conn: Connection, offsets: list[PartitionOffsets]
+) -> OffsetRegressionError | RetentionLossError | None:
+    """Why the next run cannot plan from the ledger's heads, by the plan step's own checks: the
+    topic deleted and recreated, partitions gone, a head beyond the high watermark, offsets expired
+    unread under `on_retention_loss: fail`. None when the heads fit the topic. Asks Kafka for the
+    topic's ID; reads the heads over `conn` without a lock (status, not a plan)."""
+    identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    try:
+        check_topic_identity(conn, pipeline, identity)
+        heads = read_heads(conn, pipeline.name)
+        _plan_from(pipeline, offsets, identity, heads, read_head_batches(conn, pipeline.name), None)
+    except (OffsetRegressionError, RetentionLossError) as exc:
+        return exc
+    return None
 
 
 def _plan_from(

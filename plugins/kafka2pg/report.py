@@ -55,6 +55,7 @@ def status_report(settings: Settings, pipeline: Pipeline) -> tuple[str, Pipeline
             f"rows landed in target: {landed}; records in quarantine: {quarantined}",
             "batches: " + (", ".join(f"{n} {s}" for s, n in batches) or "none"),
             *status.not_ready_lines("this command's"),
+            *status.blocked_lines(),
             *status.open_batch_lines(),
             *(batch.describe() for batch in status.stuck),
             *ledger,

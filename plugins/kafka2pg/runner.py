@@ -388,14 +388,17 @@ def _run_in_session(
     max_records_per_batch: int | None,
 ) -> RunResult:
     with job_scratch(settings.state_dir / "spark") as scratch:
-        spark = spark_session(
-            None,
-            app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}",
-            conf=pipeline.spark_conf,
-            batches=batches,
-            kafka_reader=pipeline.kafka_reader,
-            scratch=scratch,
-        )
+        # A session that cannot start (a master that gives up, a spark_conf Spark refuses) fails
+        # the batch's stage like any other failure: recorded, STUCK when it happens run after run.
+        with recording_failures(settings, pipeline.name, batch_id, epoch, "stage"):
+            spark = spark_session(
+                None,
+                app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}",
+                conf=pipeline.spark_conf,
+                batches=batches,
+                kafka_reader=pipeline.kafka_reader,
+                scratch=scratch,
+            )
         # Where the JVM started without kafka2pg's log4j2 file (cluster deploy mode, spark_conf
         # naming a log4j2 file of its own) the level still applies from here on.
         spark.sparkContext.setLogLevel(pipeline.spark_log_level)

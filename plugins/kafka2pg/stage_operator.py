@@ -11,16 +11,18 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
 from kafka2pg.config import Pipeline, keep_log_options, stage_jvm_options
-from kafka2pg.exceptions import TERMINAL_EXIT, ConfigError, SparkSessionLost, is_task_timeout
+from kafka2pg.exceptions import TERMINAL_EXIT, ConfigError, SparkSessionLost, SparkUnavailableError, is_task_timeout
 from kafka2pg.jars import spark_kafka_source
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ class StageOperator(SparkSubmitOperator):
                     deploy_mode=deploy_mode,
                 )
             if not remote_env_master(master):
+                self._require_master(master)
                 self.env_vars = {**(self.env_vars or {}), **services, **self._spark_home(probe, self.env_vars)}
                 return self._submit(context)  # the provider builds its hook with these env_vars
             if deploy_mode == "cluster":
@@ -239,6 +242,36 @@ class StageOperator(SparkSubmitOperator):
                 conn_id=self._conn_id,
             ) from None
 
+    def _require_master(self, master: str) -> None:
+        """A standalone master (`spark://host:port`, several comma-separated for standby masters)
+        none of which accepts a TCP connection: `SparkUnavailableError` (retried), recorded as the
+        batch's stage failure, instead of a spark-submit whose driver retries registering for about
+        a minute on every try and ends with a Java trace and the provider's "Cannot execute"."""
+        addresses = standalone_masters(master)
+        if not addresses:
+            return
+        refused = []
+        for host, port in addresses:
+            try:
+                with socket.create_connection((host, port), timeout=MASTER_CONNECT_TIMEOUT_S):
+                    return
+            except OSError as exc:
+                refused.append(f"{host}:{port}: {exc.strerror or exc}")
+        error = SparkUnavailableError(
+            f"pipeline {self.pipeline_name!r}: no Spark master of {master!r} accepts a connection "
+            f"({'; '.join(refused)}). Check that the master runs and that connection {self._conn_id!r} (the "
+            "stage job's Spark master: its host and port) names it. Nothing was read; the batch stays planned "
+            "and the retry (or the next run) stages it.",
+            master=master,
+            conn_id=self._conn_id,
+        )
+        batch_id, epoch = self._int_arg("--batch-id"), self._int_arg("--epoch")
+        if batch_id is not None and self._settings is not None:
+            from kafka2pg.stuck import record_failure
+
+            record_failure(self._settings, self.pipeline_name, batch_id, epoch, "stage", error)
+        raise error
+
     def on_kill(self) -> None:
         """Airflow stopping the task (marked failed or success by hand, a timeout, a worker shutting
         down). The job's Python driver gets SIGTERM first (it cancels Spark's jobs and exits 143,
@@ -323,6 +356,26 @@ def _descendants(root: int) -> list[int]:
         for child in children.get(pending.pop(), []):
             found.append(child)
             pending.append(child)
+    return found
+
+
+# How long the stage task waits for a standalone master to accept a TCP connection.
+MASTER_CONNECT_TIMEOUT_S = 10
+
+
+def standalone_masters(master: str) -> list[tuple[str, int]]:
+    """(host, port) of each master a `spark://` URL names (port 7077 unless given); [] for others."""
+    if not master.startswith("spark://"):
+        return []
+    found = []
+    for part in master.removeprefix("spark://").split(","):
+        try:
+            parsed = urlsplit(f"spark://{part.strip()}")
+            port = parsed.port or 7077
+        except ValueError:  # a port that is no number: spark-submit says so itself
+            return []
+        if parsed.hostname:
+            found.append((parsed.hostname, port))
     return found
 
 

@@ -24,7 +24,7 @@ from kafka2pg.exceptions import (
 from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets
 from kafka2pg.ledger import head_status, read_heads
 from kafka2pg.migrations import readiness_error
-from kafka2pg.opening import loss_horizons
+from kafka2pg.opening import ledger_refusal, loss_horizons
 from kafka2pg.planner import LossHorizon
 from kafka2pg.stuck import OpenBatch, StuckBatch, open_batches
 
@@ -77,6 +77,9 @@ class PipelineStatus:
     not_ready_role: str | None
     # Kafka's error when it did not answer (then `partitions` is empty); None: it answered.
     kafka_error: str | None = None
+    # The error the next run stops at because the ledger's heads no longer fit the topic (deleted
+    # and recreated, shrunk, offsets expired unread); None: they fit, or Kafka did not answer.
+    blocked: str | None = None
 
     @property
     def stuck(self) -> tuple[StuckBatch, ...]:
@@ -88,6 +91,12 @@ class PipelineStatus:
         if self.not_ready is None:
             return []
         return [f"NOT READY for a run as role {self.not_ready_role!r} ({whose}): {self.not_ready}"]
+
+    def blocked_lines(self) -> list[str]:
+        """What stops every run until an operator acts, when the ledger no longer fits the topic."""
+        if self.blocked is None:
+            return []
+        return [f"BLOCKED: every run stops here until an operator acts: {self.blocked}"]
 
     def open_batch_lines(self) -> list[str]:
         """One line per open batch not STUCK (a STUCK one has its own line), each saying what the
@@ -129,8 +138,11 @@ def pipeline_status(settings: Settings, pipeline: Pipeline, conn: Connection) ->
 def _read_status(
     settings: Settings, pipeline: Pipeline, conn: Connection, not_ready: SchemaNotReadyError | None
 ) -> PipelineStatus:
+    blocked = None
     try:
         offsets, kafka_error = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s), None
+        refusal = ledger_refusal(settings, pipeline, conn, offsets)
+        blocked = None if refusal is None else f"{type(refusal).__name__}: {refusal}"
     except KAFKA_TROUBLE as exc:  # what PostgreSQL holds is shown all the same
         offsets, kafka_error = None, f"{type(exc).__name__}: {exc}"
     partitions = () if offsets is None else _partitions(settings, pipeline, conn, offsets)
@@ -149,6 +161,7 @@ def _read_status(
         None if not_ready is None else str(not_ready),
         None if not_ready is None else not_ready.role,
         kafka_error,
+        blocked,
     )
 
 

@@ -225,7 +225,7 @@ def _status_section(base: str, status: PipelineStatus) -> str:
             f"last batch {_link(f'{batches}?before={last.batch_id + 1}', last.batch_id)}: "
             f'<span class="state">{html.escape(last.state)}</span>, {_age(last.age_seconds)} ago ({report})'
         )
-    alarms = [*status.not_ready_lines("this page's"), *(b.describe() for b in status.stuck)]
+    alarms = [*status.not_ready_lines("this page's"), *status.blocked_lines(), *(b.describe() for b in status.stuck)]
     if status.kafka_error:
         alarms.insert(0, f"Kafka's offsets unknown, partitions not shown: {status.kafka_error}")
     notes = "".join(f'<p class="alarm">{html.escape(line)}</p>' for line in alarms) + "".join(

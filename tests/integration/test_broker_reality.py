@@ -8,6 +8,7 @@ import logging
 import time
 from decimal import Decimal
 
+import psycopg
 import pytest
 from confluent_kafka import KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import (
@@ -35,9 +36,10 @@ from kafka2pg.kafka_reader import count_range, first_timestamps, raw_records_at,
 from kafka2pg.ledger import reset_head
 from kafka2pg.opening import open_batch
 from kafka2pg.planner import OffsetRange
-from kafka2pg.report import ledger_report
+from kafka2pg.report import ledger_report, status_report
 from kafka2pg.rows import staged_counts
 from kafka2pg.staging import stage_batch
+from kafka2pg.status import pipeline_status
 
 # A compacted topic whose segments roll and are cleaned within seconds.
 COMPACTED_AT_ONCE = {
@@ -186,8 +188,10 @@ def test_retention_loss_fails_naming_the_offsets_then_skip_records_the_gap(make_
         open_batch(env.settings, env.pipeline)
     assert (lost.value.pipeline, lost.value.partition, lost.value.offsets) == (env.pipeline.name, 0, (100, 150))
     assert ledger(db, env) == before
+    assert blocked(env) == f"RetentionLossError: {lost.value}"
 
     skipping = reconfigured(env, on_retention_loss="skip")
+    assert blocked(skipping) is None  # the next run records the gap and goes on
     result = run_batch(skipping)
     assert result.promoted == 50
     assert ledger(db, env) == [
@@ -350,13 +354,13 @@ def test_records_deleted_before_a_first_batch_read_them_are_a_retention_loss_not
     assert_audit_clean(skipping)
 
 
-def recreate_topic(env) -> None:
+def recreate_topic(env, partitions: int = 1) -> None:
     client = admin(env)  # kept referenced until the deletion's future is resolved
     client.delete_topics([env.topic])[env.topic].result(timeout=10)
     deadline = time.monotonic() + 30
     while True:  # topic deletion completes asynchronously
         try:
-            create_topic(env)
+            create_topic(env, partitions)
             return
         except KafkaException:  # TOPIC_ALREADY_EXISTS while the deletion is in flight
             assert time.monotonic() < deadline
@@ -509,30 +513,48 @@ def test_the_audit_of_a_topic_recreated_shorter_reports_the_rows_kafka_no_longer
     assert not audit.clean
 
 
+def blocked(env) -> str | None:
+    """What `status` and the Airflow overview page say stops every run (their `blocked`)."""
+    with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
+        return pipeline_status(env.settings, env.pipeline, conn).blocked
+
+
 def test_recreated_topic_is_an_offset_regression_until_an_explicit_recorded_reset(make_pipeline, run_batch, db):
     env = make_pipeline(partitions=1)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(50, seed=38)))
     run_batch(env)
+    assert blocked(env) is None
     recreate_topic(env)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(10, seed=39)))
     with pytest.raises(OffsetRegressionError) as regressed:
         open_batch(env.settings, env.pipeline)
     assert regressed.value.partitions == [0] and "deleted and recreated" in str(regressed.value)
+    # status says so, with the words the run stops at: it used to show a normal ledger
+    assert blocked(env) == f"OffsetRegressionError: {regressed.value}"
+    text, _ = status_report(env.settings, env.pipeline)
+    assert f"BLOCKED: every run stops here until an operator acts: OffsetRegressionError: {regressed.value}" in text
     # A head written before kafka2pg recorded topic IDs: the offsets say it.
     db.execute("UPDATE kafka2pg.ledger_heads SET topic_id = NULL WHERE pipeline = %s", (env.pipeline.name,))
     with pytest.raises(OffsetRegressionError) as regressed:
         open_batch(env.settings, env.pipeline)
     assert (regressed.value.partition, regressed.value.head, regressed.value.high_watermark) == (0, 50, 10)
+    assert blocked(env) == f"OffsetRegressionError: {regressed.value}"
 
     preview = reset_head(env.settings, env.pipeline, 0, 0, reason="topic recreated", confirm=False)
     assert (
         not preview.applied and "head 50 -> 0" in preview.message and "50 promoted/quarantined rows" in preview.message
     )
     assert "will never be loaded" not in preview.message  # nothing Kafka holds is skipped
+    # Without --archive-old-rows the new records' offsets 0-9 are the old rows' provenance: said before it fails.
+    assert "50 of them hold offsets from 0 on, which the new topic's records reuse" in preview.message
+    assert "give --archive-old-rows" in preview.message
+    archiving = reset_head(env.settings, env.pipeline, 0, 0, reason="x", confirm=False, archive_old_rows=True)
+    assert "hold offsets from" not in archiving.message
     with pytest.raises(OffsetRegressionError):
         open_batch(env.settings, env.pipeline)
 
     reset_head(env.settings, env.pipeline, 0, 0, reason="topic recreated", confirm=True, archive_old_rows=True)
+    assert blocked(env) is None
     recorded = db.execute(
         "SELECT from_offset, to_offset, reason FROM kafka2pg.ledger_resets WHERE pipeline = %s", (env.pipeline.name,)
     ).fetchall()
@@ -669,4 +691,41 @@ def test_a_replay_over_a_compacted_record_keeps_its_row_and_flags_the_newer_dupl
     ).fetchone()[0]
     assert "already promoted by batch" in reason and "offset 3" in reason
     assert rows(db, env).count(events[3]["event_id"]) == 1
+    assert_audit_clean(env)
+
+
+def test_a_topic_recreated_with_fewer_partitions_says_to_drop_the_heads_of_those_gone(make_pipeline, run_batch, db):
+    env = make_pipeline(partitions=3, create_topic=False)
+    create_topic(env, partitions=3)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(60, seed=48)))
+    run_batch(env)
+    heads = dict(
+        db.execute(
+            "SELECT kafka_partition, next_offset FROM kafka2pg.ledger_heads WHERE pipeline = %s", (env.pipeline.name,)
+        ).fetchall()
+    )
+    assert sorted(heads) == [0, 1, 2], heads
+    recreate_topic(env, partitions=2)
+    with pytest.raises(OffsetRegressionError) as regressed:
+        open_batch(env.settings, env.pipeline)
+    assert "or `--drop` instead of `--to-offset <offset>` for a partition the new topic does not have" in str(
+        regressed.value
+    )
+    # The reset the message names, tried on the partition that is gone, points at --drop.
+    with pytest.raises(BatchStateError) as refused:
+        reset_head(env.settings, env.pipeline, 2, 0, reason="x", confirm=True)
+    assert "the partition does not exist (the topic has 2: 0, 1); `--drop` removes the head" in str(refused.value)
+    # Heads without a topic ID (written before kafka2pg recorded them): the partitions say it.
+    db.execute("UPDATE kafka2pg.ledger_heads SET topic_id = NULL WHERE pipeline = %s", (env.pipeline.name,))
+    with pytest.raises(OffsetRegressionError) as regressed:
+        open_batch(env.settings, env.pipeline)
+    assert f" reset --pipeline {env.pipeline.name} --partition <p> --drop --confirm`." in str(regressed.value)
+    assert blocked(env) == f"OffsetRegressionError: {regressed.value}"
+
+    reset_head(env.settings, env.pipeline, 2, None, reason="partition gone", confirm=True)
+    for partition in (0, 1):
+        reset_head(env.settings, env.pipeline, partition, 0, reason="recreated", confirm=True, archive_old_rows=True)
+    assert blocked(env) is None
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(20, seed=49)))
+    assert run_batch(env).promoted == 20
     assert_audit_clean(env)

@@ -20,6 +20,7 @@ from kafka2pg.exceptions import (
     RetentionLossError,
     ServiceUnavailableError,
     SparkSessionLost,
+    SparkUnavailableError,
     StageInterrupted,
     StatementTimeoutError,
     WitnessMismatchError,
@@ -97,7 +98,10 @@ BUILT = {
     "partitions_gone": (
         OffsetRegressionError.partitions_gone("orders", "orders-topic", [2, 3]),
         {"pipeline": "orders", "topic": "orders-topic", "partitions": [2, 3]},
-        ["heads for partition(s) [2, 3] that the topic no longer has", "`./kafka2pg reset`"],
+        [
+            "heads for partition(s) [2, 3] that the topic no longer has",
+            "`./kafka2pg reset --pipeline orders --partition <p> --drop --confirm`",
+        ],
     ),
     "held": (
         RangeLockedError.held("orders", 4, "replay batch 7", 300, "backend pid 42, application 'kafka2pg'"),
@@ -208,6 +212,7 @@ RETRYABLE = {
     ServiceUnavailableError,
     KafkaUnavailableError,
     DatabaseUnavailableError,
+    SparkUnavailableError,
     RangeLockedError,
     StageInterrupted,
     SparkSessionLost,  # a JVM killed or crashed: the next attempt starts its own

@@ -7,7 +7,9 @@ import json
 import logging
 import os
 import shlex
+import socket
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -15,9 +17,9 @@ from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk.exceptions import AirflowFailException
 
 from kafka2pg.config import get_pipeline
-from kafka2pg.exceptions import ConfigError
+from kafka2pg.exceptions import ConfigError, SparkUnavailableError
 from kafka2pg.scratch import folder_name
-from kafka2pg.stage_operator import StageOperator, pip_spark_home
+from kafka2pg.stage_operator import StageOperator, pip_spark_home, standalone_masters
 
 SECRET = "pw-8c1f0e-never-printed"
 SERVICES = {
@@ -60,6 +62,8 @@ def submitted(monkeypatch, tmp_path):
     monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), ORDERS))
     for name in SERVICES:
         monkeypatch.delenv(name, raising=False)
+    # A standalone master named here (spark://spark-master) answers: its check is tested below.
+    monkeypatch.setattr("kafka2pg.stage_operator.socket.create_connection", lambda address, timeout: nullcontext())
     return seen
 
 
@@ -405,3 +409,66 @@ def test_a_stage_task_timing_out_stops_the_job_then_records_the_timeout_as_the_b
     with pytest.raises(AirflowTaskTimeout):
         stage_operator(application_args=[*first[:-1], "run-8", "--batches", "5"]).execute({})
     assert events[0] == "stop" and not [e for e in events if isinstance(e, tuple)], events
+
+
+def test_the_masters_a_standalone_url_names():
+    assert standalone_masters("spark://m1:7077,m2:7078") == [("m1", 7077), ("m2", 7078)]
+    assert standalone_masters("spark://master") == [("master", 7077)]
+    assert standalone_masters("spark://[::1]:7079") == [("::1", 7079)]
+    assert standalone_masters("local[2]") == standalone_masters("yarn") == standalone_masters("k8s://https://a") == []
+
+
+def test_a_standalone_master_that_accepts_no_connection_fails_the_task_at_once_recording_the_batchs_failure(
+    monkeypatch, tmp_path
+):
+    """spark-submit would retry registering with a master nobody answers at for about a minute on
+    every try, then end in a Java trace: checked before it, retried, the failure on the batch."""
+    with socket.socket() as listening:  # a port just freed: nothing listens there
+        listening.bind(("127.0.0.1", 0))
+        free = listening.getsockname()[1]
+    with socket.socket() as answering:
+        answering.bind(("127.0.0.1", 0))
+        answering.listen()
+        standby = answering.getsockname()[1]
+        submits, recorded = [], []
+        monkeypatch.setattr(SparkSubmitHook, "submit", lambda hook, application="", **kwargs: submits.append(hook))
+        monkeypatch.setattr("kafka2pg.tasks.resolve", lambda name, path: (FakeSettings(tmp_path), ORDERS))
+        monkeypatch.setattr(
+            "kafka2pg.stuck.record_failure",
+            lambda settings, pipeline, batch_id, epoch, step, exc: recorded.append((pipeline, batch_id, epoch, step)),
+        )
+        args = {"application_args": ["--pipeline", "orders", "--batch-id", "7", "--epoch", "3"]}
+        with pytest.raises(SparkUnavailableError) as raised:
+            run_stage(monkeypatch, {"host": "spark://127.0.0.1", "port": free}, **args)
+        assert submits == [] and recorded == [("orders", 7, 3, "stage")]
+        assert not raised.value.terminal  # Airflow retries it
+        assert str(raised.value).startswith(
+            f"pipeline 'orders': no Spark master of 'spark://127.0.0.1:{free}' accepts a connection "
+            f"(127.0.0.1:{free}: Connection refused). Check that the master runs and that connection "
+            "'kafka2pg_spark' (the stage job's Spark master: its host and port) names it."
+        )
+        # One master of several answering (a standby set-up) is enough.
+        recorded.clear()
+        run_stage(monkeypatch, {"host": f"spark://127.0.0.1:{free},127.0.0.1", "port": standby}, **args)
+        assert len(submits) == 1 and recorded == []
+
+
+def test_a_spark_session_that_cannot_start_is_recorded_as_the_batchs_stage_failure(monkeypatch, tmp_path):
+    """The job's session start failing (a master giving up, a spark_conf Spark refuses) counts
+    towards STUCK like a failed read: it used to leave no failure on the batch."""
+    from kafka2pg import runner
+
+    recorded = []
+    refused = RuntimeError("Invalid initial heap size: -Xms1x")
+
+    def no_session(*args, **kwargs):
+        raise refused
+
+    monkeypatch.setattr(runner, "spark_session", no_session)
+    monkeypatch.setattr(
+        "kafka2pg.stuck.record_failure",
+        lambda settings, pipeline, batch_id, epoch, step, exc: recorded.append((pipeline, batch_id, epoch, step, exc)),
+    )
+    with pytest.raises(RuntimeError):
+        runner._run_in_session(FakeSettings(tmp_path), ORDERS, 7, 3, 1, "run-1", None)
+    assert recorded == [("orders", 7, 3, "stage", refused)]
