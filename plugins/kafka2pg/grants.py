@@ -51,14 +51,18 @@ def apply_grants(database_url: str, pipelines: list[Pipeline], role: str) -> Non
     with transaction(database_url) as conn:
         owner = conn.info.user
         if role == owner:
-            found = conn.execute("SELECT pg_get_userbyid(nspowner) FROM pg_namespace WHERE nspname = 'kafka2pg'")
-            schema_owner = (found.fetchone() or (None,))[0]
-            if schema_owner is None:
+            # The ledger's owner: the role that ran the migrations (the schema may be a DBA's).
+            found = conn.execute(
+                "SELECT pg_get_userbyid(c.relowner) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE n.nspname = 'kafka2pg' AND c.relname = 'batches'"
+            )
+            ledger_owner = (found.fetchone() or (None,))[0]
+            if ledger_owner is None:
                 why = f"Run `{COMMAND} migrate` first, as the role that is to own kafka2pg's objects."
-            elif schema_owner == role:
+            elif ledger_owner == role:
                 why = "It owns kafka2pg's objects and needs no grant."
             else:
-                why = f"kafka2pg's objects are owned by role {schema_owner!r}, which grants: {AS_THE_OWNER}."
+                why = f"kafka2pg's objects are owned by role {ledger_owner!r}, which grants: {AS_THE_OWNER}."
             raise ConfigError(
                 f"`{COMMAND} grant --role {role}`: that is the role this command connects as. {why} Give --role the "
                 "runtime role, a separate LOGIN role the Airflow tasks and the Spark job connect as."

@@ -192,20 +192,26 @@ class StageOperator(SparkSubmitOperator):
         records it on the oldest batch its run still holds open: the one it stopped at (a job
         that moves on before its next timeout is not stuck). Airflow's own on_kill follows and
         returns at once. Whatever goes wrong here is logged: the timeout stands."""
-        from kafka2pg import stuck
-
         try:
             self.on_kill()
-            batch_id, epoch, run_id = self._int_arg("--batch-id"), self._int_arg("--epoch"), self._arg("--run-id")
-            if self._settings is None:
-                return
-            if self._batches() > 1:
-                held = stuck.oldest_open_batch(self._settings, self.pipeline_name, run_id) if run_id else None
-                batch_id, epoch = held or (None, None)
-            if batch_id is not None:
-                stuck.record_failure(self._settings, self.pipeline_name, batch_id, epoch, "stage", exc)
+            self._record_failure(exc)
         except Exception:
             log.exception("pipeline=%s: could not stop or record the timed-out stage job", self.pipeline_name)
+
+    def _record_failure(self, exc: BaseException) -> None:
+        """`exc` as the stage failure of the batch the job works on: the planned one, or for a job of
+        several batches (`batches_per_run`) the oldest its run still holds open (an earlier attempt
+        may have promoted the planned one and moved on)."""
+        from kafka2pg import stuck
+
+        batch_id, epoch, run_id = self._int_arg("--batch-id"), self._int_arg("--epoch"), self._arg("--run-id")
+        if self._settings is None:
+            return
+        if self._batches() > 1:
+            held = stuck.oldest_open_batch(self._settings, self.pipeline_name, run_id) if run_id else None
+            batch_id, epoch = held or (None, None)
+        if batch_id is not None:
+            stuck.record_failure(self._settings, self.pipeline_name, batch_id, epoch, "stage", exc)
 
     def _temporary_files_in(self, scratch: Path) -> None:
         """spark-submit's JVM (the job's driver) keeps its temporary files (lz4's native library,
@@ -256,7 +262,8 @@ class StageOperator(SparkSubmitOperator):
                 with socket.create_connection((host, port), timeout=MASTER_CONNECT_TIMEOUT_S):
                     return
             except OSError as exc:
-                refused.append(f"{host}:{port}: {exc.strerror or exc}")
+                shown = f"[{host}]" if ":" in host else host  # an IPv6 address
+                refused.append(f"{shown}:{port}: {exc.strerror or exc}")
         error = SparkUnavailableError(
             f"pipeline {self.pipeline_name!r}: no Spark master of {master!r} accepts a connection "
             f"({'; '.join(refused)}). Check that the master runs and that connection {self._conn_id!r} (the "
@@ -265,11 +272,7 @@ class StageOperator(SparkSubmitOperator):
             master=master,
             conn_id=self._conn_id,
         )
-        batch_id, epoch = self._int_arg("--batch-id"), self._int_arg("--epoch")
-        if batch_id is not None and self._settings is not None:
-            from kafka2pg.stuck import record_failure
-
-            record_failure(self._settings, self.pipeline_name, batch_id, epoch, "stage", error)
+        self._record_failure(error)
         raise error
 
     def on_kill(self) -> None:

@@ -416,11 +416,15 @@ _LOST_DATABASE = re.compile(
 )
 
 
-# psycopg's error for a connection it could not open, with libpq's continuation lines (a tab
+# psycopg's error for a connection it could not open (refused, a name that does not resolve, no
+# answer within connect_timeout: packets a firewall drops), with libpq's continuation lines (a tab
 # first; the Java trace's lines after it start with a tab and "at ").
 _TASK_CONNECT = re.compile(
-    r"psycopg\.OperationalError: ((?:connection failed|failed to resolve host)[^\n]*(?:\n\t(?!at )[^\n]*)*)"
+    r"psycopg\.(?:errors\.ConnectionTimeout: |OperationalError: (?=connection failed|failed to resolve host))"
+    r"([^\n]*(?:\n\t(?!at )[^\n]*)*)"
 )
+# libpq's words when pg_hba.conf, not the credentials, refused the connection.
+_HBA_REFUSALS = ("no pg_hba.conf entry", "pg_hba.conf rejects connection")
 
 
 def _task_connect_error(
@@ -432,11 +436,18 @@ def _task_connect_error(
     database = describe(settings.database_url)
     said = hide_password(said, settings.database_url)
     if refuses(said):
+        why = (
+            "most likely its pg_hba.conf does not admit the hosts of the Spark executors, which write the staging "
+            "rows themselves. Admit them (for kafka2pg's role and database)"
+            if any(hba in said for hba in _HBA_REFUSALS)
+            else "the Spark executors, which write the staging rows themselves, most likely lack something the "
+            "driver's host has: a password file (~/.pgpass, PGPASSFILE) or a client certificate the connection "
+            "relies on. Give it to them, or put the credential in the postgres connection"
+        )
         return DatabaseRefusedError(
             f"{where}: PostgreSQL at {database} refused a Spark task's connection ({said}) after accepting the "
-            "stage job's own with the same settings: most likely its pg_hba.conf does not admit the hosts of the "
-            "Spark executors, which write the staging rows themselves. Admit them (for kafka2pg's role and "
-            "database), or fix the postgres connection if it changed. Nothing was staged; the batch stays planned.",
+            f"stage job's own with the same settings: {why}, or fix the postgres connection if it changed. Nothing "
+            "was staged; the batch stays planned.",
             pipeline=pipeline.name,
             batch_id=batch.batch_id,
             database=database,

@@ -1,12 +1,14 @@
 """What a pipeline's status is (`kafka2pg status` and the Airflow overview page show the same):
 per partition the head, watermarks, lag, margin and time to data loss; the last batch; the open
-batches (STUCK ones among them); whether the database is ready for a run (NOT READY: what to run).
+batches (STUCK ones among them); whether the database is ready for a run (NOT READY: what to run);
+whether the ledger still fits the topic (BLOCKED: the error planning stops at).
 
 Reads the ledger heads and the newest batch by index, whatever the ledger's length.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
@@ -27,6 +29,8 @@ from kafka2pg.migrations import readiness_error
 from kafka2pg.opening import ledger_refusal, loss_horizons
 from kafka2pg.planner import LossHorizon
 from kafka2pg.stuck import OpenBatch, StuckBatch, open_batches
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,9 @@ class PipelineStatus:
     not_ready_role: str | None
     # Kafka's error when it did not answer (then `partitions` is empty); None: it answered.
     kafka_error: str | None = None
-    # The error the next run stops at because the ledger's heads no longer fit the topic (deleted
-    # and recreated, shrunk, offsets expired unread); None: they fit, or Kafka did not answer.
+    # The error planning stops at because the ledger's heads no longer fit the topic (deleted and
+    # recreated, shrunk, offsets expired unread); None: they fit, or it is unknown (Kafka did not
+    # answer, the database is NOT READY).
     blocked: str | None = None
 
     @property
@@ -93,10 +98,11 @@ class PipelineStatus:
         return [f"NOT READY for a run as role {self.not_ready_role!r} ({whose}): {self.not_ready}"]
 
     def blocked_lines(self) -> list[str]:
-        """What stops every run until an operator acts, when the ledger no longer fits the topic."""
+        """What stops every plan (an open batch may still finish first) until an operator acts, when
+        the ledger no longer fits the topic."""
         if self.blocked is None:
             return []
-        return [f"BLOCKED: every run stops here until an operator acts: {self.blocked}"]
+        return [f"BLOCKED: no batch can be planned until an operator acts: {self.blocked}"]
 
     def open_batch_lines(self) -> list[str]:
         """One line per open batch not STUCK (a STUCK one has its own line), each saying what the
@@ -138,13 +144,18 @@ def pipeline_status(settings: Settings, pipeline: Pipeline, conn: Connection) ->
 def _read_status(
     settings: Settings, pipeline: Pipeline, conn: Connection, not_ready: SchemaNotReadyError | None
 ) -> PipelineStatus:
-    blocked = None
     try:
         offsets, kafka_error = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s), None
-        refusal = ledger_refusal(settings, pipeline, conn, offsets)
-        blocked = None if refusal is None else f"{type(refusal).__name__}: {refusal}"
     except KAFKA_TROUBLE as exc:  # what PostgreSQL holds is shown all the same
         offsets, kafka_error = None, f"{type(exc).__name__}: {exc}"
+    blocked = None
+    # Not on a database NOT READY: a run stops there first, and the ledger may lack what is read.
+    if offsets is not None and not_ready is None:
+        try:
+            refusal = ledger_refusal(settings, pipeline, conn, offsets)
+            blocked = None if refusal is None else f"{type(refusal).__name__}: {refusal}"
+        except KAFKA_TROUBLE as exc:  # the topic's ID unknown: the offsets are still worth showing
+            log.warning("pipeline=%s whether the ledger fits the topic is unknown: %s", pipeline.name, exc)
     partitions = () if offsets is None else _partitions(settings, pipeline, conn, offsets)
     row = conn.execute(
         "SELECT batch_id, state, updated_at, extract(epoch FROM now() - updated_at)::float8"

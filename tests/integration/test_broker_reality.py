@@ -532,7 +532,7 @@ def test_recreated_topic_is_an_offset_regression_until_an_explicit_recorded_rese
     # status says so, with the words the run stops at: it used to show a normal ledger
     assert blocked(env) == f"OffsetRegressionError: {regressed.value}"
     text, _ = status_report(env.settings, env.pipeline)
-    assert f"BLOCKED: every run stops here until an operator acts: OffsetRegressionError: {regressed.value}" in text
+    assert f"BLOCKED: no batch can be planned until an operator acts: OffsetRegressionError: {regressed.value}" in text
     # A head written before kafka2pg recorded topic IDs: the offsets say it.
     db.execute("UPDATE kafka2pg.ledger_heads SET topic_id = NULL WHERE pipeline = %s", (env.pipeline.name,))
     with pytest.raises(OffsetRegressionError) as regressed:

@@ -189,11 +189,15 @@ def test_a_plan_on_a_database_not_ready_fails_once_naming_what_is_missing_and_ch
     staging = f"kafka2pg.{env.pipeline.staging_table}"
 
     newest = migration_files()[-1].name
+    assert newest == "0012_topic_ids.sql"  # what it adds is taken away below: update both together
     applied_at = db.execute(
         "DELETE FROM public.kafka2pg_migrations WHERE name = %s RETURNING applied_at", (newest,)
     ).fetchone()[0]
+    hidden = "ALTER TABLE kafka2pg.ledger_heads RENAME COLUMN {} TO {}"
     try:
         error = plan_fails_once(env)
+        # As on a database that never had it: the column status reads to check the topic's identity.
+        db.execute(hidden.format("topic_id", "topic_id_not_yet"))
         shown = ledger_report(env.settings, env.pipeline)  # status says so too, beside what it shows
         said = f"NOT READY for a run as role {runtime.role!r} (this command's): PostgreSQL at "
         assert said in shown and f"pending migration(s) {newest}" in shown and "run stops here" not in shown, shown
@@ -201,11 +205,19 @@ def test_a_plan_on_a_database_not_ready_fails_once_naming_what_is_missing_and_ch
         with psycopg.connect(env.settings.database_url, autocommit=True) as conn:  # and `status --json`
             data = pipeline_status(env.settings, env.pipeline, conn).to_json()
         assert data["not_ready_role"] == runtime.role and f"pending migration(s) {newest}" in data["not_ready"]
+        assert data["blocked"] is None
+        db.execute(hidden.format("topic_id_not_yet", "topic_id"))
         capsys.readouterr()
         assert cli.main(["verify", "--pipeline", env.pipeline.name]) == 1  # the pipeline does not advance
         audited = capsys.readouterr().out
         assert f"pending migration(s) {newest}" in audited and "result: NOT READY" in audited, audited
     finally:
+        renamed = db.execute(
+            "SELECT 1 FROM information_schema.columns WHERE table_schema = 'kafka2pg'"
+            " AND table_name = 'ledger_heads' AND column_name = 'topic_id_not_yet'"
+        ).fetchone()
+        if renamed:
+            db.execute(hidden.format("topic_id_not_yet", "topic_id"))
         db.execute("INSERT INTO public.kafka2pg_migrations (name, applied_at) VALUES (%s, %s)", (newest, applied_at))
     assert error.missing == (f"migration {newest}",)
     assert f"pending migration(s) {newest}" in str(error) and "run `./kafka2pg migrate`" in str(error)

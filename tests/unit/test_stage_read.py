@@ -294,3 +294,20 @@ def test_a_task_that_could_not_connect_keeps_libpqs_hint_and_not_the_java_trace(
     )
     assert "org.apache" not in str(raised) and "SQLSTATE" not in str(raised)
     assert "each executor's own machine" in str(raised)
+
+
+def test_a_task_whose_connection_timed_out_gets_the_executors_advice():
+    text = task_failure("X", "y").replace(
+        "kafka2pg.exceptions.X: y", "psycopg.errors.ConnectionTimeout: connection timeout expired"
+    )
+    raised = _kafka_error(text, SETTINGS, _Pipeline, _Batch)
+    assert isinstance(raised, DatabaseUnavailableError) and not raised.terminal
+    assert "could not connect to PostgreSQL at db:5432/kafka2pg (connection timeout expired)." in str(raised)
+
+
+def test_a_task_refused_for_a_password_the_driver_had_is_told_about_password_files_not_pg_hba():
+    said = 'connection failed: connection to server at "10.0.0.9", port 5432 failed: fe_sendauth: no password supplied'
+    text = task_failure("X", "y").replace("kafka2pg.exceptions.X: y", f"psycopg.OperationalError: {said}")
+    raised = _kafka_error(text, SETTINGS, _Pipeline, _Batch)
+    assert isinstance(raised, DatabaseRefusedError)
+    assert "a password file (~/.pgpass, PGPASSFILE)" in str(raised) and "pg_hba" not in str(raised)
