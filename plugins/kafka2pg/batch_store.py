@@ -142,11 +142,18 @@ def open_batch_id(conn: Connection, pipeline: Pipeline) -> int | None:
     return ids[0] if ids else None
 
 
-def open_live_ids(conn: Connection, pipeline: Pipeline, after: int = 0) -> list[int]:
-    """The pipeline's open live batches (with ids above `after`), locked, in id order."""
+_OPEN_LIVE = (
+    "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live' AND state = ANY(%s)"
+    " AND batch_id > %s ORDER BY batch_id"
+)
+_OPEN_LIVE_LOCKED = _OPEN_LIVE + " FOR UPDATE"
+
+
+def open_live_ids(conn: Connection, pipeline: Pipeline, after: int = 0, *, locked: bool = True) -> list[int]:
+    """The pipeline's open live batches (with ids above `after`), locked unless not `locked`, in id
+    order."""
     rows = conn.execute(
-        "SELECT batch_id FROM kafka2pg.batches WHERE pipeline = %s AND kind = 'live' AND state = ANY(%s)"
-        " AND batch_id > %s ORDER BY batch_id FOR UPDATE",
+        _OPEN_LIVE_LOCKED if locked else _OPEN_LIVE,
         (pipeline.name, [str(s) for s in OPEN], after),
     ).fetchall()
     return [r[0] for r in rows]

@@ -193,8 +193,8 @@ class HeadStatus:
     lag: int
 
 
-def head_status(conn: Connection, pipeline: Pipeline, offsets: list[PartitionOffsets]) -> list[HeadStatus]:
-    heads = read_heads(conn, pipeline.name)
+def head_status(heads: dict[int, int], offsets: list[PartitionOffsets]) -> list[HeadStatus]:
+    """Each partition's ledger head (from `read_heads`) beside Kafka's offsets."""
     return [
         HeadStatus(o.partition, heads.get(o.partition), o.low, o.high, o.last_stable - heads.get(o.partition, o.low))
         for o in offsets

@@ -104,12 +104,10 @@ def _open(
             message += f"; it is STUCK: it failed at {stuck.step} in {stuck.runs} consecutive runs (`{COMMAND} status`)"
         return OpenedBatch(resumed, True, message)
     check_topic_identity(conn, pipeline, identity)
-    # A partition without a head that an abandoned batch (of this topic) meant to read from an offset.
-    planned_from = {}
-    if abandoned is not None and not abandoned.plan.in_another_topic(identity):
-        planned_from = {r.partition: r.start for r in abandoned.plan.ranges if r.partition not in heads}
     moved = read_head_batches(conn, pipeline.name)
-    plan = _plan_from(pipeline, offsets, identity, heads, moved, max_records_per_batch, planned_from)
+    plan = _plan_from(
+        pipeline, offsets, identity, heads, moved, max_records_per_batch, _planned_from(abandoned, identity, heads)
+    )
     if plan.is_empty:
         return OpenedBatch(None, False, _nothing_new(pipeline, offsets, heads))
     if dry_run:
@@ -279,17 +277,23 @@ def plan_lookahead(
 
 
 def ledger_refusal(
-    settings: Settings, pipeline: Pipeline, conn: Connection, offsets: list[PartitionOffsets]
+    settings: Settings, pipeline: Pipeline, conn: Connection, offsets: list[PartitionOffsets], heads: dict[int, int]
 ) -> OffsetRegressionError | RetentionLossError | None:
-    """Why the next run cannot plan from the ledger's heads, by the plan step's own checks: the
+    """Why the next run cannot plan from the ledger's `heads`, by the plan step's own checks: the
     topic deleted and recreated, partitions gone, a head beyond the high watermark, offsets expired
-    unread under `on_retention_loss: fail`. None when the heads fit the topic. Asks Kafka for the
-    topic's ID; reads the heads over `conn` without a lock (status, not a plan)."""
+    unread under `on_retention_loss: fail` (where the open batch the plan would abandon meant to
+    start a partition without a head included). None when the heads fit the topic. Asks Kafka for
+    the topic's ID; reads the ledger over `conn` without a lock (status, not a plan)."""
     identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    open_ids = open_live_ids(conn, pipeline, locked=False)
+    abandoned = None
+    if open_ids:
+        batch = load_batch(conn, open_ids[0])
+        abandoned = None if _abandon_reasons(pipeline, batch, heads, offsets, identity) is None else batch
     try:
         check_topic_identity(conn, pipeline, identity)
-        heads = read_heads(conn, pipeline.name)
-        _plan_from(pipeline, offsets, identity, heads, read_head_batches(conn, pipeline.name), None)
+        moved = read_head_batches(conn, pipeline.name)
+        _plan_from(pipeline, offsets, identity, heads, moved, None, _planned_from(abandoned, identity, heads))
     except (OffsetRegressionError, RetentionLossError) as exc:
         return exc
     return None
@@ -336,6 +340,23 @@ def _resume_or_abandon(
     if open_id is None:
         return None, None
     batch = load_batch(conn, open_id)
+    reasons = _abandon_reasons(pipeline, batch, heads, offsets, identity)
+    if reasons is None:
+        return (batch if dry_run else claim(conn, batch, run_id)), None
+    why, error = reasons
+    if dry_run:
+        log.info("pipeline=%s dry run: would abandon batch %s (%s)", pipeline.name, batch.batch_id, why)
+        return None, batch
+    log.warning("pipeline=%s batch_id=%s abandoned: %s", pipeline.name, batch.batch_id, why)
+    abandon_unpromoted(conn, pipeline, batch, error)
+    return None, batch
+
+
+def _abandon_reasons(
+    pipeline: Pipeline, batch: Batch, heads: dict[int, int], offsets: list[PartitionOffsets], identity: str | None
+) -> tuple[str, str] | None:
+    """Why the next plan abandons the open `batch` (what to log, what to record), or None when it
+    resumes it."""
     stale = [p.partition for p in batch.plan.partitions if heads.get(p.partition) != p.expected_head]
     # Not read yet, and Kafka no longer holds all of it (retention or delete-records since planning,
     # or a partition that shrank or is gone): re-reading it can only fail; planning afresh reports
@@ -352,25 +373,24 @@ def _resume_or_abandon(
     # topic's records); the plan then names the heads' topic, if they have one.
     recreated = batch.plan.in_another_topic(identity)
     if not recreated and resume_or_abandon(batch.state, stale, expired):
-        return (batch if dry_run else claim(conn, batch, run_id)), None
+        return None
     if recreated:
-        why = error = (
-            f"topic {pipeline.topic!r} was deleted and recreated since it was planned "
-            f"(ID {batch.plan.topic_id} -> {identity})"
-        )
-    elif stale:
-        why, error = (
+        gone = f"topic {pipeline.topic!r} was deleted and recreated since it was planned "
+        return (gone + f"(ID {batch.plan.topic_id} -> {identity})",) * 2
+    if stale:
+        return (
             f"ledger heads of partitions {stale} moved since it was planned",
             f"heads of partitions {stale} moved before promotion",
         )
-    else:
-        why = error = (
-            f"Kafka no longer holds planned offsets of partitions {expired} (deleted, or the partition shrank or is "
-            "gone) and they were not read"
-        )
-    if dry_run:
-        log.info("pipeline=%s dry run: would abandon batch %s (%s)", pipeline.name, batch.batch_id, why)
-        return None, batch
-    log.warning("pipeline=%s batch_id=%s abandoned: %s", pipeline.name, batch.batch_id, why)
-    abandon_unpromoted(conn, pipeline, batch, error)
-    return None, batch
+    expired_unread = (
+        f"Kafka no longer holds planned offsets of partitions {expired} (deleted, or the partition shrank or is "
+        "gone) and they were not read"
+    )
+    return expired_unread, expired_unread
+
+
+def _planned_from(abandoned: Batch | None, identity: str | None, heads: dict[int, int]) -> dict[int, int]:
+    """Where the `abandoned` batch (of this topic) meant to read partitions without a head from."""
+    if abandoned is None or abandoned.plan.in_another_topic(identity):
+        return {}
+    return {r.partition: r.start for r in abandoned.plan.ranges if r.partition not in heads}

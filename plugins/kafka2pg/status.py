@@ -148,15 +148,15 @@ def _read_status(
         offsets, kafka_error = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s), None
     except KAFKA_TROUBLE as exc:  # what PostgreSQL holds is shown all the same
         offsets, kafka_error = None, f"{type(exc).__name__}: {exc}"
-    blocked = None
+    blocked, heads = None, read_heads(conn, pipeline.name)
     # Not on a database NOT READY: a run stops there first, and the ledger may lack what is read.
     if offsets is not None and not_ready is None:
         try:
-            refusal = ledger_refusal(settings, pipeline, conn, offsets)
+            refusal = ledger_refusal(settings, pipeline, conn, offsets, heads)
             blocked = None if refusal is None else f"{type(refusal).__name__}: {refusal}"
         except KAFKA_TROUBLE as exc:  # the topic's ID unknown: the offsets are still worth showing
             log.warning("pipeline=%s whether the ledger fits the topic is unknown: %s", pipeline.name, exc)
-    partitions = () if offsets is None else _partitions(settings, pipeline, conn, offsets)
+    partitions = () if offsets is None else _partitions(settings, pipeline, offsets, heads)
     row = conn.execute(
         "SELECT batch_id, state, updated_at, extract(epoch FROM now() - updated_at)::float8"
         " FROM kafka2pg.batches WHERE pipeline = %s ORDER BY batch_id DESC LIMIT 1",
@@ -181,16 +181,15 @@ KAFKA_TROUBLE = (KafkaUnavailableError, KafkaRequestError, KafkaAuthenticationEr
 
 
 def _partitions(
-    settings: Settings, pipeline: Pipeline, conn: Connection, offsets: list[PartitionOffsets]
+    settings: Settings, pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]
 ) -> tuple[PartitionStatus, ...]:
-    heads = head_status(conn, pipeline, offsets)
-    horizons = {h.partition: h for h in loss_horizons(settings, pipeline, offsets, read_heads(conn, pipeline.name))}
+    horizons = {h.partition: h for h in loss_horizons(settings, pipeline, offsets, heads)}
     stable = {o.partition: o.last_stable for o in offsets}
     return tuple(
         _partition(
             h.partition, h.next_offset, h.low, stable[h.partition], h.high, h.lag, horizons[h.partition], pipeline
         )
-        for h in heads
+        for h in head_status(heads, offsets)
     )
 
 

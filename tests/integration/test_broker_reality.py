@@ -347,8 +347,10 @@ def test_records_deleted_before_a_first_batch_read_them_are_a_retention_loss_not
     assert (lost.value.partition, lost.value.offsets) == (0, (0, 50))
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (first.batch_id,)).fetchone()[0]
     assert state == "planned"  # the plan failed whole: nothing abandoned yet
+    assert blocked(env) == f"RetentionLossError: {lost.value}"  # the partition has no head to check
 
     skipping = reconfigured(env, on_retention_loss="skip")
+    assert blocked(skipping) is None
     assert run_batch(skipping).promoted == 50
     assert ledger(db, env) == [(0, 0, 50, "retention_gap", 0), (0, 50, 100, "batch", 50)]
     assert_audit_clean(skipping)
