@@ -224,10 +224,11 @@ def waits_logged(url: str, conn: psycopg.Connection, purpose: str) -> Iterator[N
 # What PostgreSQL says when it answers and refuses a connection for good (its English messages:
 # a connection error carries no SQLSTATE). Anything else (refused, timed out, starting up, too
 # many clients) may pass: a retry may succeed.
+# pg_hba.conf's refusals: the client's host (or method) is not admitted, whatever its credentials.
+_HBA_REFUSALS = ("no pg_hba.conf entry", "pg_hba.conf rejects connection")
 _REFUSALS = (
+    *_HBA_REFUSALS,
     "password authentication failed",
-    "no pg_hba.conf entry",
-    "pg_hba.conf rejects connection",
     "authentication failed for user",
     "does not exist",  # role "x" / database "x" does not exist
     "permission denied for database",
@@ -239,6 +240,11 @@ _REFUSALS = (
 def refuses(message: str) -> bool:
     """Whether libpq's message of a failed connection is PostgreSQL refusing it for good."""
     return any(refusal in message for refusal in _REFUSALS)
+
+
+def refused_by_hba(message: str) -> bool:
+    """Whether libpq's message of a refused connection is pg_hba.conf not admitting the client."""
+    return any(refusal in message for refusal in _HBA_REFUSALS)
 
 
 def _sentence(text: str) -> str:

@@ -25,7 +25,7 @@ from kafka2pg.admission import strict_only_note
 from kafka2pg.batch_store import Batch, load_claimed, staging_lost, transition
 from kafka2pg.chunk_writer import KAFKA_COLUMNS, STATS_SCHEMA, chunk_writer
 from kafka2pg.config import KAFKA_READERS, Pipeline, Settings, keep_log_options, stage_jvm_conf
-from kafka2pg.database import describe, hide_password, refuses, transaction
+from kafka2pg.database import describe, hide_password, refused_by_hba, refuses, transaction
 from kafka2pg.exceptions import (
     BatchStateError,
     ConfigError,
@@ -423,8 +423,6 @@ _TASK_CONNECT = re.compile(
     r"psycopg\.(?:errors\.ConnectionTimeout: |OperationalError: (?=connection failed|failed to resolve host))"
     r"([^\n]*(?:\n\t(?!at )[^\n]*)*)"
 )
-# libpq's words when pg_hba.conf, not the credentials, refused the connection.
-_HBA_REFUSALS = ("no pg_hba.conf entry", "pg_hba.conf rejects connection")
 
 
 def _task_connect_error(
@@ -439,7 +437,7 @@ def _task_connect_error(
         why = (
             "most likely its pg_hba.conf does not admit the hosts of the Spark executors, which write the staging "
             "rows themselves. Admit them (for kafka2pg's role and database)"
-            if any(hba in said for hba in _HBA_REFUSALS)
+            if refused_by_hba(said)
             else "the Spark executors, which write the staging rows themselves, most likely lack something the "
             "driver's host has: a password file (~/.pgpass, PGPASSFILE) or a client certificate the connection "
             "relies on. Give it to them, or put the credential in the postgres connection"
