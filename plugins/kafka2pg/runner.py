@@ -390,7 +390,7 @@ def _run_in_session(
     with job_scratch(settings.state_dir / "spark") as scratch:
         # A session that cannot start (a master that gives up, a spark_conf Spark refuses) fails
         # the batch's stage like any other failure: recorded, STUCK when it happens run after run.
-        with recording_failures(settings, pipeline.name, batch_id, epoch, "stage"):
+        with recording_failures(settings, pipeline.name, batch_id, epoch, "stage", run_id=run_id, batches=batches):
             spark = spark_session(
                 None,
                 app_name=f"kafka2pg-stage-{pipeline.name}-{batch_id}",

@@ -199,19 +199,15 @@ class StageOperator(SparkSubmitOperator):
             log.exception("pipeline=%s: could not stop or record the timed-out stage job", self.pipeline_name)
 
     def _record_failure(self, exc: BaseException) -> None:
-        """`exc` as the stage failure of the batch the job works on: the planned one, or for a job of
-        several batches (`batches_per_run`) the oldest its run still holds open (an earlier attempt
-        may have promoted the planned one and moved on)."""
+        """`exc` as the stage failure of the batch the job works on (`stuck.job_batch`)."""
         from kafka2pg import stuck
 
-        batch_id, epoch, run_id = self._int_arg("--batch-id"), self._int_arg("--epoch"), self._arg("--run-id")
         if self._settings is None:
             return
-        if self._batches() > 1:
-            held = stuck.oldest_open_batch(self._settings, self.pipeline_name, run_id) if run_id else None
-            batch_id, epoch = held or (None, None)
-        if batch_id is not None:
-            stuck.record_failure(self._settings, self.pipeline_name, batch_id, epoch, "stage", exc)
+        batch_id, epoch, run_id = self._int_arg("--batch-id"), self._int_arg("--epoch"), self._arg("--run-id")
+        held = stuck.job_batch(self._settings, self.pipeline_name, batch_id, epoch, run_id, self._batches())
+        if held is not None:
+            stuck.record_failure(self._settings, self.pipeline_name, *held, "stage", exc)
 
     def _temporary_files_in(self, scratch: Path) -> None:
         """spark-submit's JVM (the job's driver) keeps its temporary files (lz4's native library,

@@ -71,17 +71,45 @@ def is_stuck(failures: int) -> bool:
 
 @contextmanager
 def recording_failures(
-    settings: Settings, pipeline: str, batch_id: int, epoch: int | None, step: str
+    settings: Settings,
+    pipeline: str,
+    batch_id: int,
+    epoch: int | None,
+    step: str,
+    *,
+    run_id: str | None = None,
+    batches: int = 1,
 ) -> Iterator[None]:
     """Run one step of a batch; if it raises, record the failure with the batch (and log STUCK
-    when the same step failed in the previous run too), then re-raise."""
+    when the same step failed in the previous run too), then re-raise. A stage job of several
+    `batches` records it on the batch `job_batch` finds."""
     try:
         yield
     except (*_NOT_FAILURES, *PROCESS_STOPS):
         raise
     except BaseException as exc:  # Airflow's AirflowTaskTimeout (execution_timeout) is no Exception
-        record_failure(settings, pipeline, batch_id, epoch, step, exc)
+        held = job_batch(settings, pipeline, batch_id, epoch, run_id, batches)
+        if held is not None:
+            record_failure(settings, pipeline, *held, step, exc)
         raise
+
+
+def job_batch(
+    settings: Settings, pipeline: str, batch_id: int | None, epoch: int | None, run_id: str | None, batches: int
+) -> tuple[int, int | None] | None:
+    """(batch id, epoch) a stage job's failure belongs to: the planned batch, or for a job of
+    several `batches` (`batches_per_run`) the oldest `run_id` still holds open (an earlier attempt
+    may have promoted the planned one and moved on). None when there is none, or the database
+    cannot tell (logged: the job's own error is what its caller sees)."""
+    if batches <= 1:
+        return None if batch_id is None else (batch_id, epoch)
+    if not run_id:
+        return None
+    try:
+        return oldest_open_batch(settings, pipeline, run_id)
+    except (Kafka2PgError, psycopg.Error) as unknown:
+        log.warning("pipeline=%s could not tell which batch the stage failure belongs to: %s", pipeline, unknown)
+        return None
 
 
 # The longest the record of a failure waits for the batch's row.

@@ -17,7 +17,7 @@ from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk.exceptions import AirflowFailException
 
 from kafka2pg.config import get_pipeline
-from kafka2pg.exceptions import ConfigError, SparkUnavailableError
+from kafka2pg.exceptions import ConfigError, DatabaseUnavailableError, SparkUnavailableError
 from kafka2pg.scratch import folder_name
 from kafka2pg.stage_operator import StageOperator, pip_spark_home, standalone_masters
 
@@ -447,6 +447,17 @@ def test_a_standalone_master_that_accepts_no_connection_fails_the_task_at_once_r
             f"(127.0.0.1:{free}: Connection refused). Check that the master runs and that connection "
             "'kafka2pg_spark' (the stage job's Spark master: its host and port) names it."
         )
+
+        # A job of several batches, PostgreSQL down too: which batch the run holds is unknown, so
+        # nothing is recorded, and the task still fails with the master's error.
+        def database_down(settings, pipeline, run_id):
+            raise DatabaseUnavailableError("PostgreSQL is down")
+
+        monkeypatch.setattr("kafka2pg.stuck.oldest_open_batch", database_down)
+        several = {"application_args": [*args["application_args"], "--run-id", "run-1", "--batches", "5"]}
+        with pytest.raises(SparkUnavailableError):
+            run_stage(monkeypatch, {"host": "spark://127.0.0.1", "port": free}, **several)
+        assert submits == [] and recorded == [("orders", 7, 3, "stage")]
         # One master of several answering (a standby set-up) is enough.
         recorded.clear()
         run_stage(monkeypatch, {"host": f"spark://127.0.0.1:{free},127.0.0.1", "port": standby}, **args)
@@ -472,3 +483,10 @@ def test_a_spark_session_that_cannot_start_is_recorded_as_the_batchs_stage_failu
     with pytest.raises(RuntimeError):
         runner._run_in_session(FakeSettings(tmp_path), ORDERS, 7, 3, 1, "run-1", None)
     assert recorded == [("orders", 7, 3, "stage", refused)]
+    # A retry of a job of several batches whose planned batch an earlier attempt promoted: the
+    # failure belongs to the oldest batch the run still holds open.
+    recorded.clear()
+    monkeypatch.setattr("kafka2pg.stuck.oldest_open_batch", lambda settings, pipeline, run_id: (9, 2))
+    with pytest.raises(RuntimeError):
+        runner._run_in_session(FakeSettings(tmp_path), ORDERS, 7, 3, 5, "run-1", None)
+    assert recorded == [("orders", 9, 2, "stage", refused)]
