@@ -74,6 +74,9 @@ def _start_chromium(profile: Path, width: int, height: int) -> tuple[subprocess.
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        # Its shared-memory folders (org.chromium.Chromium.*, in TMPDIR with --disable-dev-shm-usage)
+        # outlive a SIGTERM: kept in the profile, which is removed after.
+        env={**os.environ, "TMPDIR": str(profile)},
     )
     port_file = profile / "DevToolsActivePort"
     deadline = time.monotonic() + 30

@@ -218,10 +218,16 @@ def spark_submit(env, batch_id: int, epoch: int, log: Path, *extra: str) -> subp
     """The real job file through spark-submit, in its own process group, as the DAG launches it."""
     from kafka2pg.jars import spark_jars
 
+    # The driver's temporary files (lz4-java's native library) beside the log, as the stage
+    # operator keeps them in the task's scratch folder: a JVM killed outright cannot delete them.
+    temporary = log.parent / "jvm-tmp"
+    temporary.mkdir(exist_ok=True)
     command = [
         str(Path(sys.executable).with_name("spark-submit")),
         "--master",
         "local[1]",
+        "--conf",
+        f"spark.driver.extraJavaOptions=-Djava.io.tmpdir={temporary}",
         "--jars",
         ",".join(str(j) for j in spark_jars()),
         str(ROOT / "jobs" / "stage_batch.py"),
