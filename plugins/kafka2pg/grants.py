@@ -13,7 +13,7 @@ from kafka2pg.config import Pipeline
 from kafka2pg.database import connect, describe, transaction
 from kafka2pg.exceptions import ConfigError
 from kafka2pg.locations import COMMAND, SQL_DIR
-from kafka2pg.migrations import AS_THE_OWNER, STAGING_PRIVILEGES, TARGET_PRIVILEGES
+from kafka2pg.migrations import STAGING_PRIVILEGES, TARGET_PRIVILEGES, as_the_owner
 
 GRANTS_FILE = SQL_DIR / "grants.sql"
 
@@ -62,7 +62,7 @@ def apply_grants(database_url: str, pipelines: list[Pipeline], role: str) -> Non
             elif ledger_owner == role:
                 why = "It owns kafka2pg's objects and needs no grant."
             else:
-                why = f"kafka2pg's objects are owned by role {ledger_owner!r}, which grants: {AS_THE_OWNER}."
+                why = f"kafka2pg's objects are owned by role {ledger_owner!r}, which grants: {as_the_owner(pipelines)}."
             raise ConfigError(
                 f"`{COMMAND} grant --role {role}`: that is the role this command connects as. {why} Give --role the "
                 "runtime role, a separate LOGIN role the Airflow tasks and the Spark job connect as."
@@ -83,7 +83,7 @@ def apply_grants(database_url: str, pipelines: list[Pipeline], role: str) -> Non
             raise ConfigError(
                 f"`{COMMAND} grant` as role {owner!r} at {describe(database_url)} could not grant everything: "
                 f"{'; '.join(refused)}. Nothing was granted. Run it as the role that owns kafka2pg's objects (the "
-                f"one that ran `{COMMAND} migrate`): {AS_THE_OWNER}."
+                f"one that ran `{COMMAND} migrate`): {as_the_owner(pipelines)}."
             )
 
 

@@ -7,12 +7,13 @@ Idempotent and serialised by an advisory lock, so concurrent runs cannot interle
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psycopg
 from psycopg import Connection, sql
 
-from kafka2pg.config import Pipeline, Settings
+from kafka2pg.config import DEFAULT_POSTGRES_CONN_ID, Pipeline, Settings
 from kafka2pg.database import connect, describe, migration_files, transaction
 from kafka2pg.exceptions import ConfigError, ObjectNameTakenError, SchemaNotReadyError
 from kafka2pg.lifecycle import OPEN
@@ -20,12 +21,19 @@ from kafka2pg.locations import COMMAND, SQL_DIR
 
 log = logging.getLogger(__name__)
 
-# How `migrate` and `grant` run as the owner: the postgres connection wins over the variable.
-AS_THE_OWNER = (
-    "give this command the owning role's postgres connection (postgres_conn_id, default kafka2pg_postgres: "
-    "e.g. AIRFLOW_CONN_KAFKA2PG_POSTGRES for this command alone), or KAFKA2PG_DATABASE_URL where no such "
-    "connection is defined (a defined connection wins over it)"
-)
+
+def as_the_owner(pipelines: Sequence[Pipeline]) -> str:
+    """How `migrate` and `grant` for `pipelines` run as the owner: their postgres connection wins
+    over the variable."""
+    ids = sorted({p.postgres_conn_id for p in pipelines}) or [DEFAULT_POSTGRES_CONN_ID]
+    named = " or ".join(f"{conn_id!r} (e.g. AIRFLOW_CONN_{conn_id.upper()})" for conn_id in ids)
+    return (
+        f"give this command the owning role's postgres connection as {named} for this command alone, or "
+        "KAFKA2PG_DATABASE_URL where no such connection is defined (a defined connection wins over it, and a "
+        "secrets backend's over the environment's)"
+    )
+
+
 _LOCK_KEY = 0x6B3270  # "k2p": one advisory lock for all kafka2pg DDL
 MIGRATIONS_TABLE = ("public", "kafka2pg_migrations")
 
@@ -78,7 +86,7 @@ def migrate(database_url: str, pipelines: list[Pipeline]) -> list[str]:
             raise ConfigError(
                 f"`{COMMAND} migrate` as role {conn.info.user!r} at {describe(database_url)}: {str(exc).strip()}; "
                 "nothing was changed. Migrations create schemas, tables and indexes: run them as the role that "
-                f"owns kafka2pg's objects, not the runtime role: {AS_THE_OWNER}."
+                f"owns kafka2pg's objects, not the runtime role: {as_the_owner(pipelines)}."
             ) from exc
     return applied
 

@@ -279,7 +279,7 @@ def test_the_runtime_role_may_create_nothing_and_holds_only_what_each_table_need
     owner = urlsplit(env.settings.database_url).username
     with pytest.raises(ConfigError, match="could not grant everything") as refused:  # only an owner passes them on
         apply_grants(runtime.url, [env.pipeline], owner)
-    assert "AIRFLOW_CONN_KAFKA2PG_POSTGRES for this command alone" in str(refused.value)
+    assert "'kafka2pg_postgres' (e.g. AIRFLOW_CONN_KAFKA2PG_POSTGRES) for this command alone" in str(refused.value)
     # The runtime role granting itself: it is told who owns the objects (it used to be told it did).
     with pytest.raises(ConfigError) as itself:
         apply_grants(runtime.url, [env.pipeline], role)
@@ -326,5 +326,10 @@ def test_the_runtime_role_may_create_nothing_and_holds_only_what_each_table_need
     with pytest.raises(ConfigError, match="the role that owns kafka2pg's objects") as refused:
         migrate(runtime.url, [env.pipeline])
     # A defined connection wins over KAFKA2PG_DATABASE_URL: the advice says which to change.
-    assert "owning role's postgres connection (postgres_conn_id, default kafka2pg_postgres" in str(refused.value)
+    assert "owning role's postgres connection as 'kafka2pg_postgres' (e.g." in str(refused.value)
     assert "a defined connection wins over it" in str(refused.value)
+    # The connection the advice names is the pipeline's own.
+    elsewhere = dataclasses.replace(env.pipeline, postgres_conn_id="warehouse_owner")
+    with pytest.raises(ConfigError, match="the role that owns kafka2pg's objects") as refused:
+        migrate(runtime.url, [elsewhere])
+    assert "connection as 'warehouse_owner' (e.g. AIRFLOW_CONN_WAREHOUSE_OWNER) for" in str(refused.value)
