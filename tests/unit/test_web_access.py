@@ -172,3 +172,42 @@ def test_the_overview_section_shows_not_ready_and_stuck_as_alarms_and_other_open
     opened = re.findall(r'<p class="open">(.*?)</p>', page)
     assert opened[0].startswith("open: batch 8 (live, staged, planned after batch 7) p0[9,12)") and len(opened) == 1
     assert "open: batch 7" not in page
+
+
+def test_a_quarantined_records_bytes_show_escaped_on_a_page_with_no_script_allowed(client, monkeypatch):
+    """A record's bytes and its reason may hold markup, NUL (an HTML parse error) and a terminal's
+    escape sequences (which a page's source read with curl would run): escaped, as the CLI shows
+    them; and every answer forbids scripts and frames from elsewhere, error pages included."""
+    from kafka2pg.browse import QuarantineRow
+
+    http, _ = client
+    hostile = b'<script>alert(1)</script>"><img src=x onerror=alert(1)>\x00\x1b[31m\x1b]0;title\x07\xff\xe2\x80\xa8'
+    row = QuarantineRow(0, 7, None, "value is not valid JSON: \x1b[2J<b>\u2028", b"\x1b[31mkey", hostile)
+    monkeypatch.setattr("kafka2pg.browse.batch_state", lambda conn, pipeline, batch_id: "promoted")
+    monkeypatch.setattr("kafka2pg.browse.quarantine_page", lambda *args: [row])
+    page = http.get("/pipelines/alpha/batches/1/quarantine")
+    assert page.status_code == 200, page.text
+    shown = re.search(r'<tr data-offset="0:7">(.*?)</tr>', page.text, re.S).group(1)
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&quot;&gt;&lt;img src=x onerror=alert(1)&gt;" in shown
+    assert "\\x00\\x1b[31m\\x1b]0;title\\x07\\xff\\u2028" in shown, shown
+    assert "value is not valid JSON: \\x1b[2J&lt;b&gt;\\u2028" in shown and "\\x1b[31mkey" in shown, shown
+    assert not any(c in page.text for c in "\x00\x1b\x07\u2028"), page.text
+    for answer in (page, http.get("/pipelines/gamma/batches"), http.get("/pipelines/nope/batches")):
+        policy = answer.headers["content-security-policy"]
+        assert "default-src 'none'" in policy and "frame-ancestors 'self'" in policy, answer.headers
+        assert answer.headers["x-content-type-options"] == "nosniff"
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "/pipelines/alpha/batches?before=9223372036854775808",
+        "/pipelines/alpha/history?before_at=2026-01-01T00:00:00Z&before_source=replays&before_id=-9223372036854775809",
+        "/pipelines/alpha/batches/1/quarantine?after_partition=0&after_offset=99999999999999999999",
+    ],
+)
+def test_an_id_or_offset_beyond_postgresqls_bigint_is_the_requests_mistake_not_a_failed_service(client, query):
+    """It used to reach PostgreSQL, whose refusal answered 503 "a service failed"."""
+    http, _ = client
+    answer = http.get(query)
+    assert answer.status_code == 422, answer.text
