@@ -15,6 +15,7 @@ from kafka2pg.exceptions import KeyCollisionError
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import target_columns
 from kafka2pg.planner import OffsetRange
+from kafka2pg.task_log import printable
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,10 @@ def _insert(
     except psycopg.errors.UniqueViolation as exc:
         if exc.diag.constraint_name not in collisions:
             raise  # a unique index of the user's own: the row's data, isolated like any other
-        raise KeyCollisionError(pipeline.name, batch_id, exc.diag.constraint_name, exc.diag.message_detail) from exc
+        detail = exc.diag.message_detail  # quotes the key, a record's bytes: escaped for logs and pages
+        raise KeyCollisionError(
+            pipeline.name, batch_id, exc.diag.constraint_name, None if detail is None else printable(detail)
+        ) from exc
 
 
 def _collision_indexes(conn: Connection, pipeline: Pipeline) -> set[str]:

@@ -537,10 +537,12 @@ def test_a_batch_sent_back_by_a_collision_keeps_its_findings_when_the_next_run_v
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
 
 
-def validated_copy_of_a_promoted_key(env, spark, run_batch, seed: int) -> tuple[int, list[dict]]:
-    """Two events promoted, then a validated batch of a copy of the first one's key and a new
-    event (the key probe deferred to the target's index): its id and the four events."""
+def validated_copy_of_a_promoted_key(env, spark, run_batch, seed: int, key_suffix: str = "") -> tuple[int, list[dict]]:
+    """Two events promoted, then a validated batch of a copy of the first one's key (its id
+    ending in `key_suffix`) and a new event (the key probe deferred to the target's index): its
+    id and the four events."""
     events = list(sample_events(4, seed=seed))
+    events[0]["event_id"] += key_suffix
     produce(env.settings.bootstrap_servers, env.topic, events[:2], key_field=None)
     assert run_batch(env).promoted == 2
     produce(env.settings.bootstrap_servers, env.topic, [{**events[2], "event_id": events[0]["event_id"]}, events[3]])
@@ -614,6 +616,22 @@ def test_two_promote_attempts_that_both_collide_on_a_key_promote_the_batch_once(
     monkeypatch.setattr(kafka2pg.steps, "_send_back", twin_sends_back_first)
     promoted = promote_batch(env.settings, env.pipeline, batch_id)
     assert len(calls) == 1
+    assert_promoted_once(db, env, events, promoted)
+
+
+def test_a_key_collision_at_promotion_quotes_the_key_escaped_in_the_task_log(
+    make_pipeline, spark, run_batch, db, caplog
+):
+    """PostgreSQL's words about the collision quote the key, a record's bytes: a terminal's escape
+    sequences in it reach the log as escapes, not as bytes that retitle or recolour a terminal."""
+    env = make_pipeline(partitions=1)
+    hostile = "\x1b[31mred\x1b[0m\x1b]0;retitled\x07"
+    batch_id, events = validated_copy_of_a_promoted_key(env, spark, run_batch, seed=84, key_suffix=hostile)
+    with caplog.at_level(logging.WARNING, logger="kafka2pg"):
+        promoted = promote_batch(env.settings, env.pipeline, batch_id)
+    said = [r.getMessage() for r in caplog.records if "a business key is already in the target" in r.getMessage()]
+    assert said and "\\x1b[31mred\\x1b[0m\\x1b]0;retitled\\x07" in said[0], said
+    assert not any(c in said[0] for c in "\x1b\x07"), said
     assert_promoted_once(db, env, events, promoted)
 
 
