@@ -7,6 +7,7 @@ Idempotent and serialised by an advisory lock, so concurrent runs cannot interle
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,12 +27,20 @@ def as_the_owner(pipelines: Sequence[Pipeline]) -> str:
     """How `migrate` and `grant` for `pipelines` run as the owner: their postgres connection wins
     over the variable."""
     ids = sorted({p.postgres_conn_id for p in pipelines}) or [DEFAULT_POSTGRES_CONN_ID]
-    named = " or ".join(f"{conn_id!r} (e.g. AIRFLOW_CONN_{conn_id.upper()})" for conn_id in ids)
+    named = " or ".join(f"{conn_id!r} (e.g. {_env_assignment(conn_id)})" for conn_id in ids)
     return (
         f"give this command the owning role's postgres connection as {named} for this command alone, or "
-        "KAFKA2PG_DATABASE_URL where no such connection is defined (a defined connection wins over it, and a "
-        "secrets backend's over the environment's)"
+        "KAFKA2PG_DATABASE_URL where no such connection is defined (a defined connection wins over it; a "
+        "connection a custom secrets backend defines wins over the environment's: run the command where that "
+        "backend is not configured)"
     )
+
+
+def _env_assignment(conn_id: str) -> str:
+    """How a shell gives a command Airflow's variable for `conn_id` (its id upper-cased, as
+    Airflow looks it up; through `env` when the name is no shell variable's)."""
+    name = f"AIRFLOW_CONN_{conn_id.upper()}"
+    return name if re.fullmatch(r"[A-Z_][A-Z0-9_]*", name) else f"env '{name}=…'"
 
 
 _LOCK_KEY = 0x6B3270  # "k2p": one advisory lock for all kafka2pg DDL

@@ -277,22 +277,28 @@ def plan_lookahead(
 
 
 def ledger_refusal(
-    settings: Settings, pipeline: Pipeline, conn: Connection, offsets: list[PartitionOffsets], heads: dict[int, int]
+    settings: Settings, pipeline: Pipeline, conn: Connection, offsets: list[PartitionOffsets]
 ) -> OffsetRegressionError | RetentionLossError | None:
-    """Why the next run cannot plan from the ledger's `heads`, by the plan step's own checks: the
+    """Why the next run cannot plan from the ledger's heads, by the plan step's own checks: the
     topic deleted and recreated, partitions gone, a head beyond the high watermark, offsets expired
     unread under `on_retention_loss: fail` (where the open batch the plan would abandon meant to
-    start a partition without a head included). None when the heads fit the topic. Asks Kafka for
-    the topic's ID; reads the ledger over `conn` without a lock (status, not a plan)."""
+    start a partition without a head included). An open batch the run resumes counts as promoted:
+    the plan after it is judged. None when the heads fit the topic. Asks Kafka for the topic's ID;
+    reads the ledger over `conn` without a lock (status, not a plan): the open batch first, then
+    the heads, as a plan reads them."""
     identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     open_ids = open_live_ids(conn, pipeline, locked=False)
+    batch = load_batch(conn, open_ids[0]) if open_ids else None
+    heads, moved = read_heads(conn, pipeline.name), read_head_batches(conn, pipeline.name)
     abandoned = None
-    if open_ids:
-        batch = load_batch(conn, open_ids[0])
-        abandoned = None if _abandon_reasons(pipeline, batch, heads, offsets, identity) is None else batch
+    if batch is not None and batch.state in OPEN:  # not finished between the two reads
+        if _abandon_reasons(pipeline, batch, heads, offsets, identity) is None:  # resumed, then planned after
+            heads.update({p.partition: p.new_head for p in batch.plan.partitions})
+            moved.update({p.partition: batch.batch_id for p in batch.plan.partitions})
+        else:
+            abandoned = batch
     try:
         check_topic_identity(conn, pipeline, identity)
-        moved = read_head_batches(conn, pipeline.name)
         _plan_from(pipeline, offsets, identity, heads, moved, None, _planned_from(abandoned, identity, heads))
     except (OffsetRegressionError, RetentionLossError) as exc:
         return exc

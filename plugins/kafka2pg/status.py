@@ -148,15 +148,15 @@ def _read_status(
         offsets, kafka_error = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s), None
     except KAFKA_TROUBLE as exc:  # what PostgreSQL holds is shown all the same
         offsets, kafka_error = None, f"{type(exc).__name__}: {exc}"
-    blocked, heads = None, read_heads(conn, pipeline.name)
+    blocked = None
     # Not on a database NOT READY: a run stops there first, and the ledger may lack what is read.
     if offsets is not None and not_ready is None:
         try:
-            refusal = ledger_refusal(settings, pipeline, conn, offsets, heads)
+            refusal = ledger_refusal(settings, pipeline, conn, offsets)
             blocked = None if refusal is None else f"{type(refusal).__name__}: {refusal}"
         except KAFKA_TROUBLE as exc:  # the topic's ID unknown: the offsets are still worth showing
             log.warning("pipeline=%s whether the ledger fits the topic is unknown: %s", pipeline.name, exc)
-    partitions = () if offsets is None else _partitions(settings, pipeline, offsets, heads)
+    partitions = () if offsets is None else _partitions(settings, pipeline, offsets, read_heads(conn, pipeline.name))
     row = conn.execute(
         "SELECT batch_id, state, updated_at, extract(epoch FROM now() - updated_at)::float8"
         " FROM kafka2pg.batches WHERE pipeline = %s ORDER BY batch_id DESC LIMIT 1",

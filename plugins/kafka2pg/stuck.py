@@ -99,12 +99,11 @@ def job_batch(
 ) -> tuple[int, int | None] | None:
     """(batch id, epoch) a stage job's failure belongs to: the planned batch, or for a job of
     several `batches` (`batches_per_run`) the oldest `run_id` still holds open (an earlier attempt
-    may have promoted the planned one and moved on). None when there is none, or the database
-    cannot tell (logged: the job's own error is what its caller sees)."""
-    if batches <= 1:
+    may have promoted the planned one and moved on; without `run_id`, the planned batch, which
+    `record_failure` leaves alone once it is no longer open at `epoch`). None when there is none,
+    or the database cannot tell (logged: the job's own error is what its caller sees)."""
+    if batches <= 1 or not run_id:
         return None if batch_id is None else (batch_id, epoch)
-    if not run_id:
-        return None
     try:
         return oldest_open_batch(settings, pipeline, run_id)
     except (Kafka2PgError, psycopg.Error) as unknown:

@@ -329,6 +329,26 @@ def test_new_partitions_start_at_low_watermark_or_are_skipped_as_a_recorded_gap(
     assert_audit_clean(latest)
 
 
+def test_a_staged_batch_whose_records_expired_since_is_resumed_so_status_says_nothing_is_blocked(
+    make_pipeline, spark, run_batch, db
+):
+    """Records deleted after their batch read them: the next run resumes and promotes it, so
+    `status` judges the plan after that batch, not one from the head before it."""
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(10, seed=49)))
+    assert run_batch(env).promoted == 10
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(10, seed=50)))
+    staged = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, staged.batch_id)
+    client = admin(env)  # kept referenced until the deletion's future is resolved
+    deleted = client.delete_records([TopicPartition(env.topic, 0, 15)])
+    assert next(iter(deleted.values())).result(timeout=10).low_watermark == 15
+    assert blocked(env) is None
+    assert run_batch(env).promoted == 10  # the staged batch, resumed
+    assert ledger(db, env) == [(0, 0, 10, "batch", 10), (0, 10, 20, "batch", 10)]
+    assert blocked(env) is None
+
+
 def test_records_deleted_before_a_first_batch_read_them_are_a_retention_loss_not_a_silent_start(
     make_pipeline, reconfigured, run_batch, db
 ):

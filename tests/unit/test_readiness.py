@@ -123,3 +123,17 @@ def test_quarantine_columns_a_pending_migration_adds_are_left_to_it(tmp_path):
         "column kafka2pg.quarantine.raw_key",
         "column kafka2pg.quarantine.raw_headers",
     )
+
+
+def test_the_owner_advice_names_each_pipelines_connection_and_a_variable_a_shell_can_set():
+    from kafka2pg.config import Column, Pipeline
+    from kafka2pg.migrations import as_the_owner
+
+    def pipeline(conn_id: str) -> Pipeline:
+        return Pipeline("orders", "orders", "public", "orders", (Column("n", "n", "text"),), postgres_conn_id=conn_id)
+
+    plain = as_the_owner([pipeline("warehouse_owner")])
+    assert "as 'warehouse_owner' (e.g. AIRFLOW_CONN_WAREHOUSE_OWNER) for this command alone" in plain
+    dashed = as_the_owner([pipeline("wh-owner.pg"), pipeline("kafka2pg_postgres")])
+    assert "as 'kafka2pg_postgres' (e.g. AIRFLOW_CONN_KAFKA2PG_POSTGRES) or 'wh-owner.pg' (e.g. " in dashed
+    assert "env 'AIRFLOW_CONN_WH-OWNER.PG=…')" in dashed

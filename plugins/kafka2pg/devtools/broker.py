@@ -141,8 +141,8 @@ def start_kafka(
     listener = prepare_secured(work_dir, ports["sasl_ssl_port"], ports["ssl_port"]) if "ssl_port" in ports else None
     write_private(props_file, _kafka_properties(ports["port"], ports["controller_port"], work_dir, listener))
     (work_dir / "log4j2.properties").write_text(_LOG4J2)
-    # Its temporary files (its perf data, a compression codec's native library) in the broker's
-    # folder: a broker killed outright cannot delete them, and /tmp would keep them.
+    # Its temporary files (a compression codec's native library) in the broker's folder: a broker
+    # killed outright cannot delete them, and /tmp would keep them.
     (work_dir / "tmp").mkdir(exist_ok=True)
     java = [
         shutil.which("java") or "java",
