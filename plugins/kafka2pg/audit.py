@@ -180,7 +180,7 @@ def _not_in_kafka(
 
 def format_audit(
     pipeline: Pipeline,
-    audits: list[PartitionAudit] | None,
+    audits: list[PartitionAudit],
     stuck: Sequence[StuckBatch] = (),
     not_ready: str | None = None,
     open_replays: Sequence[OpenBatch] = (),
@@ -188,13 +188,8 @@ def format_audit(
     """The audit's table and result; `stuck` and `not_ready` (what stops the next run's plan: a
     migration or a grant missing) are results too: the pipeline does not advance. `open_replays`
     (replay batches not finished, each saying who carries it on or how to discard it) are shown,
-    not a result: a replay moves no head, and its staged rows are in no table the audit counts.
-    `audits` None: the ledger could not be read as this kafka2pg reads it (`not_ready` says why)."""
+    not a result: a replay moves no head, and its staged rows are in no table the audit counts."""
     lines = [f"audit of pipeline {pipeline.name} (topic {pipeline.topic})"]
-    if audits is None:
-        lines.append(f"NOT READY: {not_ready}")
-        lines.append("result: NOT READY (the ledger cannot be audited until then, and no run plans)")
-        return "\n".join(lines)
     header = f"{'partition':>9} {'head':>10} {'kafka':>10} {'matched':>10} {'missing':>8} {'duplicated':>10} "
     lines.append(header + f"{'unexplained':>11} {'expired':>8} {'compacted':>9}")
     for a in audits:

@@ -30,7 +30,7 @@ from kafka2pg.config import (
     read_pipelines,
     topic_name,
 )
-from kafka2pg.exceptions import BatchStateError, ConfigError, Kafka2PgError, SchemaNotReadyError
+from kafka2pg.exceptions import BatchStateError, ConfigError, Kafka2PgError
 from kafka2pg.locations import COMMAND, state_dir
 from kafka2pg.task_log import printable
 
@@ -362,19 +362,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from kafka2pg.stuck import open_batches
 
     def audit(settings: Settings, pipeline: Pipeline) -> bool:
+        audits = audit_pipeline(settings, pipeline)
         with session(settings.database_url) as conn:
+            batches = open_batches(conn, pipeline.name)
             not_ready = readiness_error(settings, pipeline, conn)
-        try:
-            audits = audit_pipeline(settings, pipeline)
-            with session(settings.database_url) as conn:
-                batches = open_batches(conn, pipeline.name)
-        except SchemaNotReadyError:
-            if not_ready is None:
-                raise
-            # A ledger older than this kafka2pg (a migration not applied) cannot be read as it
-            # expects: NOT READY is the result, as for a run, not an error of the audit.
-            print(format_audit(pipeline, None, not_ready=str(not_ready)))
-            return False
         stuck = [b.stuck for b in batches if b.stuck is not None]
         replays = [b for b in batches if b.kind != "live" and b.stuck is None]
         print(format_audit(pipeline, audits, stuck, None if not_ready is None else str(not_ready), replays))

@@ -96,32 +96,6 @@ def test_verify_exits_1_for_a_discrepancy_2_for_a_pipeline_not_audited_and_names
         assert "also not audited" not in shown.err
 
 
-@pytest.mark.parametrize(("ready", "code"), [(False, 1), (True, 2)])
-def test_a_ledger_the_audit_cannot_read_is_not_ready_when_a_migration_is_missing_else_not_audited(
-    three_pipelines, monkeypatch, capsys, ready, code
-):
-    """A ledger older than kafka2pg (migration 0012 not applied) fails the audit's reads: with the
-    migration missing that is NOT READY (exit 1), as a run's check says, not an error; a database
-    that looks ready and still fails the reads is one (exit 2)."""
-
-    def audit_pipeline(settings, pipeline):
-        raise SchemaNotReadyError("pending migration(s) 0012_topic_ids.sql")
-
-    monkeypatch.setattr(audit, "audit_pipeline", audit_pipeline)
-    missing = None if ready else SchemaNotReadyError("pending migration(s) 0012_topic_ids.sql: run migrate")
-    monkeypatch.setattr(migrations, "readiness_error", lambda settings, pipeline, conn: missing)
-    assert cli.main(["verify", "--pipeline", "clean"]) == code
-    shown = capsys.readouterr()
-    if ready:
-        assert shown.out == "" and "pipeline clean: not audited: SchemaNotReadyError" in shown.err, shown
-    else:
-        assert shown.out.endswith(
-            "NOT READY: pending migration(s) 0012_topic_ids.sql: run migrate\n"
-            "result: NOT READY (the ledger cannot be audited until then, and no run plans)\n"
-        ), shown.out
-        assert shown.err == ""
-
-
 def test_a_reset_before_any_batch_is_said_so_and_one_after_a_batch_names_it():
     pipeline = Pipeline("orders", "orders", "public", "orders", (Column("n", "n", "text"),))
     early = format_audit(pipeline, [PartitionAudit(0, 5, reset=(0, 5))], [])
