@@ -8,12 +8,12 @@ from disk (file://) on an air-gapped machine. `write_report` exports both as fil
 
 from __future__ import annotations
 
-import html
 import json
 from datetime import UTC, datetime
 from pathlib import Path
 
 from kafka2pg.config import Pipeline
+from kafka2pg.task_log import html_text
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #1d2733; }
@@ -70,7 +70,7 @@ def write_report(state_dir: Path, pipeline: Pipeline, payload: dict) -> Path:
 
 def _cell(value: object, css: str = "") -> str:
     attribute = f' class="{css}"' if css else ""
-    return f"<td{attribute}>{html.escape('-' if value is None else str(value))}</td>"
+    return f"<td{attribute}>{html_text('-' if value is None else value)}</td>"
 
 
 def render_html(p: dict) -> str:
@@ -91,12 +91,12 @@ def render_html(p: dict) -> str:
     )
     title = f"kafka2pg quality report: pipeline {p['pipeline']}, batch {p['batch_id']}"
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{CSS}</style></head>
+<html lang="en"><head><meta charset="utf-8"><title>{html_text(title)}</title><style>{CSS}</style></head>
 <body>
-<h1>{html.escape(title)}</h1>
-<p class="meta">topic {html.escape(p["topic"])} &rarr; {html.escape(p["target"])} &middot; generated
-{html.escape(p["generated_at"])} &middot; Great Expectations {html.escape(p["great_expectations"])}</p>
-<p><span id="verdict" class="verdict {"pass" if passed else "fail"}">{html.escape(p["verdict"].upper())}</span></p>
+<h1>{html_text(title)}</h1>
+<p class="meta">topic {html_text(p["topic"])} &rarr; {html_text(p["target"])} &middot; generated
+{html_text(p["generated_at"])} &middot; Great Expectations {html_text(p["great_expectations"])}</p>
+<p><span id="verdict" class="verdict {"pass" if passed else "fail"}">{html_text(p["verdict"].upper())}</span></p>
 <h2>Counts</h2>
 <table id="counts"><tr><th>what</th><th>rows</th></tr>{counts}</table>
 <h2>Great Expectations results (accepted rows of the batch)</h2>

@@ -126,10 +126,12 @@ def _insert(
     except psycopg.errors.UniqueViolation as exc:
         if exc.diag.constraint_name not in collisions:
             raise  # a unique index of the user's own: the row's data, isolated like any other
-        detail = exc.diag.message_detail  # quotes the key, a record's bytes: escaped for logs and pages
+        # PostgreSQL's detail quotes the key, a record's bytes: escaped for logs and pages, and the
+        # error not chained (a traceback would print psycopg's words as they are).
+        detail = exc.diag.message_detail
         raise KeyCollisionError(
             pipeline.name, batch_id, exc.diag.constraint_name, None if detail is None else printable(detail)
-        ) from exc
+        ) from None
 
 
 def _collision_indexes(conn: Connection, pipeline: Pipeline) -> set[str]:

@@ -22,7 +22,6 @@ from kafka2pg.promote import PromoteResult, promote_live
 from kafka2pg.quality import validate_batch
 from kafka2pg.raw_bytes import QUARANTINE, keep_raw_bytes
 from kafka2pg.replay import ReplayResult, finish_replay
-from kafka2pg.task_log import printable
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +78,7 @@ def _promote(settings: Settings, pipeline: Pipeline, batch_id: int, epoch: int |
         after = _send_back(settings, pipeline, batch_id, epoch)
         if after is None:
             raise
-        # PostgreSQL's words quote the key, a record's bytes: escaped for the task log.
-        why = f"a business key is already in the target ({printable(str(exc.__cause__ or exc))})"
+        why = f"a business key is already in the target ({exc.detail or exc.constraint})"  # escaped by rows.py
     except BatchStateError as exc:
         after = _sent_back(settings, pipeline, batch_id, epoch, exc)
         if after is None:

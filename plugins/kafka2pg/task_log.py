@@ -3,6 +3,7 @@ lines kept within what a log viewer shows without clipping. Pure text, no client
 
 from __future__ import annotations
 
+import html
 import textwrap
 from collections.abc import Sequence
 
@@ -118,6 +119,13 @@ def promotion_summary(pipeline: str, result, seconds: float) -> str:
         quarantined=result.quarantined,
         already_promoted=result.already_promoted or None,
     )
+
+
+def html_text(value: object) -> str:
+    """`value` as HTML text: escaped, its control characters as escapes (`\\x1b`, `\\x00`), as
+    the CLI shows them: a record's bytes or an operator's words cannot carry a NUL (an HTML parse
+    error) or a terminal's escape sequences into a page's source."""
+    return html.escape(printable(str(value), keep_newlines=True))
 
 
 def printable(text: str, *, keep_newlines: bool = False) -> str:

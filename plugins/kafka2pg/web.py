@@ -23,7 +23,7 @@ from fastapi.responses import HTMLResponse
 
 from kafka2pg.exceptions import ConfigError, Kafka2PgError
 from kafka2pg.locations import COMMAND
-from kafka2pg.task_log import printable
+from kafka2pg.task_log import html_text
 
 if TYPE_CHECKING:
     from kafka2pg.config import Pipeline, Settings
@@ -105,7 +105,7 @@ async def _service_errors(request: Request, call_next):
         # a service that may come back: 500, named as such (its first line, to signed-in users only).
         configuration = isinstance(exc, ConfigError)
         title = "kafka2pg: a configuration error" if configuration else "kafka2pg: a service failed"
-        page = _page(request, title, f'<p class="error">{_text(cause)}</p>')
+        page = _page(request, title, f'<p class="error">{html_text(cause)}</p>')
         page.status_code = 500 if configuration else 503
         return page
 
@@ -134,9 +134,9 @@ tr.risk td, .alarm { background: #fdecea; color: #b71c1c; font-weight: bold; }
 def _page(request: Request, title: str, body: str) -> HTMLResponse:
     home = _base(request)
     return HTMLResponse(
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_text(title)}</title>'
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html_text(title)}</title>'
         f'<style>{CSS}</style></head><body><nav><a href="{home}/">kafka2pg overview</a></nav>'
-        f"<h1>{_text(title)}</h1>{body}</body></html>"
+        f"<h1>{html_text(title)}</h1>{body}</body></html>"
     )
 
 
@@ -145,24 +145,17 @@ def _base(request: Request) -> str:
     return html.escape(request.scope.get("root_path", "").rstrip("/"))
 
 
-def _text(value: object) -> str:
-    """`value` as HTML text: escaped, and its control characters shown as escapes (`\\x1b`), as
-    the CLI shows them: a record's bytes or an operator's reason cannot carry a NUL (an HTML parse
-    error) or a terminal's escape sequences into the page's source."""
-    return html.escape(printable(str(value), keep_newlines=True))
-
-
 def _cell(value: object, css: str = "") -> str:
     attribute = f' class="{css}"' if css else ""
-    return f"<td{attribute}>{_text('-' if value is None else value)}</td>"
+    return f"<td{attribute}>{html_text('-' if value is None else value)}</td>"
 
 
 def _link(href: str, text: object) -> str:
-    return f'<a href="{html.escape(href)}">{_text(text)}</a>'
+    return f'<a href="{html.escape(href)}">{html_text(text)}</a>'
 
 
 def _table(headers: list[str], rows: list[str], table_id: str) -> str:
-    head = "".join(f"<th>{_text(h)}</th>" for h in headers)
+    head = "".join(f"<th>{html_text(h)}</th>" for h in headers)
     return f'<table id="{table_id}"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
@@ -208,8 +201,8 @@ def overview(request: Request, may_read: MayRead) -> HTMLResponse:
     with ThreadPoolExecutor(max_workers=OVERVIEW_WORKERS, thread_name_prefix="kafka2pg-overview") as pool:
         sections = list(pool.map(lambda p: _overview_section(base, p), pipelines))
     sections += [
-        f'<h2 id="pipeline-{_text(name)}">pipeline {_text(name)}</h2>'
-        f'<p class="error">{_text(f"{type(error).__name__}: {error}")}</p>'
+        f'<h2 id="pipeline-{html_text(name)}">pipeline {html_text(name)}</h2>'
+        f'<p class="error">{html_text(f"{type(error).__name__}: {error}")}</p>'
         for name, error in errors.items()
     ]
     return _page(
@@ -228,14 +221,14 @@ def _overview_section(base: str, pipeline: Pipeline) -> str:
     from kafka2pg.exceptions import Kafka2PgError
     from kafka2pg.status import pipeline_status
 
-    heading = f'<h2 id="pipeline-{_text(pipeline.name)}">pipeline {_text(pipeline.name)}</h2>'
+    heading = f'<h2 id="pipeline-{html_text(pipeline.name)}">pipeline {html_text(pipeline.name)}</h2>'
     try:
         settings = settings_for(pipeline)
         with connect(settings.database_url, autocommit=True) as conn:
             status = pipeline_status(settings, pipeline, conn)
     except (Kafka2PgError, psycopg.Error) as exc:  # e.g. Kafka down, a migration not applied yet
         log.warning("pipeline=%s overview: %s", pipeline.name, exc)
-        return f'{heading}<p class="error">{_text(f"{type(exc).__name__}: {exc}")}</p>'
+        return f'{heading}<p class="error">{html_text(f"{type(exc).__name__}: {exc}")}</p>'
     return heading + _status_section(base, status)
 
 
@@ -255,17 +248,17 @@ def _status_section(base: str, status: PipelineStatus) -> str:
         report = _link(f"{batches}/{last.batch_id}/report", "quality report")
         last_line = (
             f"last batch {_link(f'{batches}?before={last.batch_id + 1}', last.batch_id)}: "
-            f'<span class="state">{_text(last.state)}</span>, {_age(last.age_seconds)} ago ({report})'
+            f'<span class="state">{html_text(last.state)}</span>, {_age(last.age_seconds)} ago ({report})'
         )
     alarms = [*status.not_ready_lines("this page's"), *status.blocked_lines(), *(b.describe() for b in status.stuck)]
     if status.kafka_error:
         alarms.insert(0, f"Kafka's offsets unknown, partitions not shown: {status.kafka_error}")
-    notes = "".join(f'<p class="alarm">{_text(line)}</p>' for line in alarms) + "".join(
-        f'<p class="open">{_text(line.strip())}</p>' for line in status.open_batch_lines()
+    notes = "".join(f'<p class="alarm">{html_text(line)}</p>' for line in alarms) + "".join(
+        f'<p class="open">{html_text(line.strip())}</p>' for line in status.open_batch_lines()
     )
     history = f"{base}/pipelines/{name}/history"
     return (
-        f'<p class="meta">topic {_text(status.topic)} &rarr; {_text(status.target)} &middot; '
+        f'<p class="meta">topic {html_text(status.topic)} &rarr; {html_text(status.target)} &middot; '
         f"{_link(batches, 'batches')} &middot; {_link(history, 'history')}</p><p>{last_line}</p>{notes}"
         + _table(
             [
@@ -279,7 +272,7 @@ def _status_section(base: str, status: PipelineStatus) -> str:
                 "time to data loss",
             ],
             rows,
-            f"partitions-{_text(name)}",
+            f"partitions-{html_text(name)}",
         )
     )
 
@@ -300,7 +293,7 @@ def batches(
     ui = _airflow_ui(request)
     rows = [
         f'<tr data-batch="{b.batch_id}">{_cell(b.batch_id, "num")}{_cell(b.kind)}'
-        f'<td class="state">{_text(b.state)}</td>{_cell(b.ranges)}'
+        f'<td class="state">{html_text(b.state)}</td>{_cell(b.ranges)}'
         f"{_cell(b.records_planned, 'num')}{_cell(b.records_read, 'num')}{_cell(b.rows_promoted, 'num')}"
         f"{_cell(b.rows_quarantined, 'num')}{_cell(_gaps(b.gaps))}{_cell(_seconds(b.stage_s), 'num')}"
         f"{_cell(_seconds(b.validate_s), 'num')}{_cell(_seconds(b.promote_s), 'num')}{_cell(b.epoch, 'num')}"
@@ -358,9 +351,9 @@ def _run_link(ui: str, dag_id: str, run_id: str | None) -> str:
     from kafka2pg.lifecycle import CLI_RUN_ID
 
     if run_id is None or run_id == CLI_RUN_ID:
-        return _text(run_id or "-")
+        return html_text(run_id or "-")
     href = f"{ui}/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}"
-    return f'<a class="run" target="_top" href="{html.escape(href)}">{_text(run_id)}</a>'
+    return f'<a class="run" target="_top" href="{html.escape(href)}">{html_text(run_id)}</a>'
 
 
 def _gaps(gaps: dict[str, int]) -> str:
@@ -396,8 +389,8 @@ def history(
     base, ui = _base(request), _airflow_ui(request)
     batches_url = f"{base}/pipelines/{name}/batches"
     rows = [
-        f'<tr data-entry="{_text(e.source)}:{e.entry_id}">{_cell(f"{e.at:%Y-%m-%d %H:%M:%S %Z}")}'
-        f'<td class="operation">{_text(e.operation)}</td>'
+        f'<tr data-entry="{html_text(e.source)}:{e.entry_id}">{_cell(f"{e.at:%Y-%m-%d %H:%M:%S %Z}")}'
+        f'<td class="operation">{html_text(e.operation)}</td>'
         f"<td>{'-' if e.batch_id is None else _link(f'{batches_url}?before={e.batch_id + 1}', e.batch_id)}</td>"
         f"{_cell(e.ranges)}{_cell(e.requested_by)}{_cell(e.reason or None)}"
         f"<td>{_run_link(ui, pipeline.replay_dag_id, e.run_id)}</td>{_cell(e.outcome)}</tr>"

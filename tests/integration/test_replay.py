@@ -446,6 +446,8 @@ def test_a_collision_no_check_explains_fails_the_promotion_and_the_next_gate_jud
         promote_batch(env.settings, env.pipeline, batch.batch_id)
     assert (collision.value.pipeline, collision.value.batch_id) == (env.pipeline.name, batch.batch_id)
     assert collision.value.constraint  # the target's primary key, named by PostgreSQL
+    # Not chained: a traceback would print psycopg's words, which quote the row, unescaped.
+    assert collision.value.__cause__ is None and collision.value.__suppress_context__
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch.batch_id,)).fetchone()[0]
     assert state == "staged"
     with pytest.raises(QualityGateFailed) as rejected:

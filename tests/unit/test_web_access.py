@@ -211,3 +211,35 @@ def test_an_id_or_offset_beyond_postgresqls_bigint_is_the_requests_mistake_not_a
     http, _ = client
     answer = http.get(query)
     assert answer.status_code == 422, answer.text
+
+
+def test_the_quality_report_shows_an_errors_quoted_bytes_escaped():
+    """A GX error or a check's details may quote a record's value: its markup and control
+    characters show as text, as on the other pages and in the CLI."""
+    from kafka2pg.config import Column, Pipeline
+    from kafka2pg.data_docs import render_html, report_payload
+
+    quoted = "could not convert '\x1b]0;retitled\x07<script>x</script>\x00' to float"
+    payload = report_payload(
+        Pipeline("orders", "orders", "public", "orders", (Column("n", "n", "text"),)),
+        7,
+        verdict="rejected",
+        expectations=[
+            {
+                "expectation": "expect_column_values_to_be_between",
+                "column": "n",
+                "meaning": "in range",
+                "success": False,
+                "unexpected": 1,
+                "sample_offsets": [],
+                "error": quoted,
+            }
+        ],
+        checks=[{"check": "c", "success": True, "unexpected": 0, "flagged": 0, "details": "key \u2028\x1b[2J"}],
+        counts={"records read": 1},
+        gx_version="1.0",
+    )
+    page = render_html(payload)
+    assert "could not convert &#x27;\\x1b]0;retitled\\x07&lt;script&gt;x&lt;/script&gt;\\x00&#x27; to float" in page
+    assert "key \\u2028\\x1b[2J" in page
+    assert not any(c in page for c in "\x00\x1b\x07\u2028"), page
