@@ -10,6 +10,8 @@ request reads the pipelines file and the pipelines' Airflow Connections then.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import logging
 from collections.abc import Callable
@@ -73,12 +75,29 @@ app = FastAPI(
 # as FastAPI answers any malformed parameter), not a failed service.
 OptionalBigint = Annotated[int | None, Query(ge=-(2**63), le=2**63 - 1)]
 
-# The pages show records' bytes and operators' words: escaped, and with no script, frame or
-# outside resource allowed should anything slip through; only their inline style. Airflow's UI
-# may frame them (its origin's own).
+# Airflow's UI shows the pages in a sandboxed frame that may not navigate the window: a link with
+# target="_top" does nothing there. A run link clicked in a frame of the same origin (the UI's)
+# therefore moves the UI itself to the run, as the UI's own router moves (a history entry and a
+# popstate event, no reload); opened directly, or framed by another origin, the link is a link.
+RUN_LINK_SCRIPT = """document.addEventListener("click", function (event) {
+  var link = event.target.closest ? event.target.closest("a.run") : null;
+  if (!link || window.top === window || event.button !== 0 ||
+      event.ctrlKey || event.metaKey || event.shiftKey || event.altKey) return;
+  try {
+    var ui = window.top, state = ui.history.state, idx = state && typeof state.idx === "number" ? state.idx : 0;
+    ui.history.pushState({usr: null, key: Math.random().toString(36).slice(2, 10), idx: idx + 1}, "", link.href);
+    ui.dispatchEvent(new PopStateEvent("popstate", {state: ui.history.state}));
+    event.preventDefault();
+  } catch (e) {}
+});"""
+_RUN_LINK_HASH = base64.b64encode(hashlib.sha256(RUN_LINK_SCRIPT.encode()).digest()).decode()
+
+# The pages show records' bytes and operators' words: escaped, and with no script but the run
+# links' own (allowed by its hash), no frame and no outside resource allowed should anything
+# slip through; only their inline style. Airflow's UI may frame them (its origin's own).
 SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'self'; "
-    "base-uri 'none'; form-action 'none'",
+    "Content-Security-Policy": f"default-src 'none'; script-src 'sha256-{_RUN_LINK_HASH}'; "
+    "style-src 'unsafe-inline'; frame-ancestors 'self'; base-uri 'none'; form-action 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "same-origin",
 }
@@ -136,7 +155,7 @@ def _page(request: Request, title: str, body: str) -> HTMLResponse:
     return HTMLResponse(
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html_text(title)}</title>'
         f'<style>{CSS}</style></head><body><nav><a href="{home}/">kafka2pg overview</a></nav>'
-        f"<h1>{html_text(title)}</h1>{body}</body></html>"
+        f"<h1>{html_text(title)}</h1>{body}<script>{RUN_LINK_SCRIPT}</script></body></html>"
     )
 
 
@@ -347,7 +366,8 @@ def _dag_of(pipeline: Pipeline, kind: str) -> str:
 
 
 def _run_link(ui: str, dag_id: str, run_id: str | None) -> str:
-    """A run id linked to its run of the DAG in the Airflow UI (the whole window, not the plugin's frame)."""
+    """A run id linked to its run of the DAG in the Airflow UI (the whole window, not the plugin's
+    frame: target="_top" opened directly, RUN_LINK_SCRIPT in the UI's sandboxed frame)."""
     from kafka2pg.lifecycle import CLI_RUN_ID
 
     if run_id is None or run_id == CLI_RUN_ID:

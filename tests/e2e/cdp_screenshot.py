@@ -168,3 +168,51 @@ def screenshot_page(
     value of the JavaScript expression `read` on the page (default: its text)."""
     with _chromium(width, height) as port:
         return asyncio.run(_capture_page(port, url, cookie, out, width, height, read))
+
+
+FRAMED_LINK = """(() => {
+    const frame = document.querySelector('iframe');
+    const link = frame && frame.contentDocument && frame.contentDocument.querySelector(SELECTOR);
+    if (!link) return null;
+    link.scrollIntoView({block: 'center', inline: 'center'});
+    const outer = frame.getBoundingClientRect(), inner = link.getBoundingClientRect();
+    return {x: outer.left + inner.left + inner.width / 2, y: outer.top + inner.top + inner.height / 2,
+            frame: frame.contentWindow.location.pathname, top: location.pathname};
+})()"""
+
+
+async def _click_in_frame(port, url, cookie, selector, arrived, out, width, height) -> dict:
+    async with _open_page(port, width, height, network=True) as page:
+        await page.send("Network.setCookie", url=url, **cookie)
+        await page.send("Page.navigate", url=url)
+        find = FRAMED_LINK.replace("SELECTOR", json.dumps(selector))
+        await page.wait(f"!!{find}", timeout_s=120)
+        await asyncio.sleep(0.5)  # the frame's layout settles
+        before = await page.js(find)
+        for kind in ("mousePressed", "mouseReleased"):  # a user's click, not a script's
+            await page.send(
+                "Input.dispatchMouseEvent", type=kind, x=before["x"], y=before["y"], button="left", clickCount=1
+            )
+        await page.wait(arrived, timeout_s=120)
+        await asyncio.sleep(1.0)  # the page's data settles
+        after = await page.js(
+            "({top: location.pathname, frames: document.querySelectorAll('iframe').length,"
+            " text: document.body.innerText})"
+        )
+        await _save_screenshot(page, out)
+        await page.js("history.back()")  # the browser's Back button
+        back = "(() => { const f = document.querySelector('iframe'); return f && f.contentDocument"
+        back += f" && f.contentWindow.location.pathname === {json.dumps(before['frame'])}"
+        back += f" && !!f.contentDocument.querySelector({json.dumps(selector)}) && location.pathname; }})()"
+        await page.wait(f"!!{back}", timeout_s=120)
+        return {"before": before, "after": after, "back": await page.js(back)}
+
+
+def click_in_frame(url: str, cookie: dict, selector: str, arrived: str, out: Path, width=1400, height=900) -> dict:
+    """Open the Airflow UI at `url` (signed in with `cookie`), click the first `selector` inside the
+    page's frame (the plugin's view) with the mouse, wait until the JavaScript expression `arrived`
+    holds in the UI's window, screenshot it at `out`, then go Back and wait for the frame to show
+    its page again; returns where the frame and the UI were before the click, the UI's path, frame
+    count and text after, and the UI's path once back."""
+    with _chromium(width, height) as port:
+        return asyncio.run(_click_in_frame(port, url, cookie, selector, arrived, out, width, height))

@@ -13,7 +13,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from airflow_server import api, running_airflow, wait_for
-from cdp_screenshot import screenshot_page
+from cdp_screenshot import click_in_frame, screenshot_page
 
 from kafka2pg import cli
 from kafka2pg.devtools.producer import produce, sample_events
@@ -160,6 +160,19 @@ def test_plugin_pages_behind_airflow_login_agree_with_the_cli(make_pipeline, db,
         assert row["cells"][8] == "none", "every offset of the batch holds a record"
         run = f"/dags/{dag_id}/runs/{quote(run_id, safe='')}"
         assert {"text": run_id, "href": run, "target": "_top"} in row["links"]
+        # In the UI, the page is in a sandboxed frame that may not navigate the window (target=_top
+        # does nothing there): clicking the run id moves the UI itself to the run.
+        clicked = click_in_frame(
+            f"{server.url}/plugin/kafka2pg/kafka2pg/pipelines/{name}/batches",
+            cookie,
+            "a.run",
+            f"location.pathname === {json.dumps(run)} && document.querySelectorAll('iframe').length === 0"
+            f" && document.body.innerText.includes({json.dumps(run_id)})",
+            ARTIFACTS / "plugin-run-link-followed.png",
+        )
+        assert clicked["before"]["frame"] == f"/kafka2pg/pipelines/{name}/batches", clicked
+        assert clicked["after"]["top"] == run and clicked["after"]["frames"] == 0, clicked
+        assert clicked["back"] == clicked["before"]["top"] == f"/plugin/kafka2pg/kafka2pg/pipelines/{name}/batches"
 
         capsys.readouterr()
         assert cli.main(["undo", "--pipeline", name, "--batch-id", str(batch_id), "--reason", "e2e", "--confirm"]) == 0

@@ -7,6 +7,8 @@ real api-server behind a real login."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import re
 import threading
 from contextlib import contextmanager
@@ -177,7 +179,8 @@ def test_the_overview_section_shows_not_ready_and_stuck_as_alarms_and_other_open
 def test_a_quarantined_records_bytes_show_escaped_on_a_page_with_no_script_allowed(client, monkeypatch):
     """A record's bytes and its reason may hold markup, NUL (an HTML parse error) and a terminal's
     escape sequences (which a page's source read with curl would run): escaped, as the CLI shows
-    them; and every answer forbids scripts and frames from elsewhere, error pages included."""
+    them; and every answer forbids scripts and frames from elsewhere, error pages included: the
+    one script allowed is the pages' own, by its hash."""
     from kafka2pg.browse import QuarantineRow
 
     http, _ = client
@@ -195,6 +198,10 @@ def test_a_quarantined_records_bytes_show_escaped_on_a_page_with_no_script_allow
     for answer in (page, http.get("/pipelines/gamma/batches"), http.get("/pipelines/nope/batches")):
         policy = answer.headers["content-security-policy"]
         assert "default-src 'none'" in policy and "frame-ancestors 'self'" in policy, answer.headers
+        scripts = re.findall(r"<script>(.*?)</script>", page.text, re.S)
+        assert len(scripts) == 1, page.text
+        digest = base64.b64encode(hashlib.sha256(scripts[0].encode()).digest()).decode()
+        assert re.findall(r"script-src ([^;]*);", policy) == [f"'sha256-{digest}'"], policy
         assert answer.headers["x-content-type-options"] == "nosniff"
 
 
