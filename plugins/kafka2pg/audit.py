@@ -14,7 +14,7 @@ from psycopg import Connection, sql
 
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import snapshot
-from kafka2pg.kafka_offsets import partition_offsets, topic_id, topic_retention
+from kafka2pg.kafka_offsets import TopicAdmin
 from kafka2pg.kafka_reader import read_offsets
 from kafka2pg.ledger import last_resets, ranges_since_reset, read_heads, recreated_partitions
 from kafka2pg.locations import COMMAND
@@ -86,10 +86,9 @@ def audit_pipeline(settings: Settings, pipeline: Pipeline) -> list[PartitionAudi
         resets = last_resets(conn, pipeline.name)  # the first query takes the transaction's snapshot
         stored, ledger = ranges_since_reset(conn, pipeline.name, resets)
         heads = read_heads(conn, pipeline.name)
-        offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
-        watermarks = {o.partition: o for o in offsets}
-        compacted = topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s).compacted
-        identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+        cluster = TopicAdmin(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+        watermarks = {o.partition: o for o in cluster.offsets()}
+        compacted, identity = cluster.retention().compacted, cluster.topic_id()
         recreated = recreated_partitions(conn, pipeline.name, identity)
         audits = []
         for partition in sorted(set(watermarks) | set(stored) | set(heads)):

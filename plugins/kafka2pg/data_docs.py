@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from kafka2pg.config import Pipeline
+from kafka2pg.task_log import html_cell as _cell
 from kafka2pg.task_log import html_text
 
 CSS = """
@@ -66,11 +67,6 @@ def write_report(state_dir: Path, pipeline: Pipeline, payload: dict) -> Path:
     path = directory / f"batch-{batch_id}.html"
     path.write_text(render_html(payload))
     return path
-
-
-def _cell(value: object, css: str = "") -> str:
-    attribute = f' class="{css}"' if css else ""
-    return f"<td{attribute}>{html_text('-' if value is None else value)}</td>"
 
 
 def render_html(p: dict) -> str:

@@ -134,14 +134,73 @@ def topic_partitions(admin: AdminClient, topic: str, kafka: KafkaLike, timeout_s
     return sorted(topic_meta.partitions)
 
 
+@dataclass(frozen=True)
+class TopicRetention:
+    """The topic settings that decide when unread records disappear."""
+
+    compacted: bool
+    deletes: bool
+    retention_ms: int | None
+    retention_bytes: int | None
+
+
+# What a broker without topic IDs (before Kafka 2.8) or a client that did not read one reports.
+_NO_TOPIC_ID = "AAAAAAAAAAAAAAAAAAAAAA"
+
+
+class TopicAdmin:
+    """Questions about one topic through one client: a step that asks several (the offsets, the
+    topic's ID, its retention) sets up one connection to the cluster, not one per question (with
+    SASL and TLS, each set-up is a handshake). Each question reads the topic's metadata afresh."""
+
+    def __init__(self, kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> None:
+        self.kafka, self.topic, self.timeout_s = kafka, topic, timeout_s
+        self.admin = admin_client(kafka, timeout_s)
+
+    def offsets(self) -> list[PartitionOffsets]:
+        """Low watermark, last stable offset (read_committed) and high watermark per partition."""
+        admin, topic, kafka, timeout_s = self.admin, self.topic, self.kafka, self.timeout_s
+        partitions = topic_partitions(admin, topic, kafka, timeout_s)
+        low = _list(admin, topic, partitions, OffsetSpec.earliest(), IsolationLevel.READ_UNCOMMITTED, kafka, timeout_s)
+        stable = _list(admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED, kafka, timeout_s)
+        high = _list(admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_UNCOMMITTED, kafka, timeout_s)
+        return [PartitionOffsets(p, low[p], stable[p], high[p]) for p in partitions]
+
+    def topic_id(self) -> str | None:
+        """The topic's ID (KIP-516), as Kafka's tools print it: a topic deleted and recreated under
+        the same name gets a new one. None when the cluster has none to give."""
+        admin, topic, kafka, timeout_s = self.admin, self.topic, self.kafka, self.timeout_s
+        topic_partitions(admin, topic, kafka, timeout_s)  # a missing topic: TopicNotFoundError, as everywhere
+        try:
+            future = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout_s)[topic]
+            described = _answer(future, f"describing topic {topic!r}", kafka, timeout_s, admin, topic)
+        except KafkaException as exc:
+            raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
+        # librdkafka prints base64, Kafka's tools (`kafka-topics.sh --describe`) its URL-safe form.
+        found = str(described.topic_id or "").replace("+", "-").replace("/", "_")
+        return None if found in ("", _NO_TOPIC_ID) else found
+
+    def retention(self) -> TopicRetention:
+        """cleanup.policy, retention.ms and retention.bytes of the topic (-1 means unlimited -> None)."""
+        admin, topic, kafka, timeout_s = self.admin, self.topic, self.kafka, self.timeout_s
+        resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+        try:
+            future = admin.describe_configs([resource], request_timeout=timeout_s)[resource]
+            entries = _answer(future, f"reading the configs of topic {topic!r}", kafka, timeout_s, admin, topic)
+        except KafkaException as exc:
+            raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
+        policy = entries["cleanup.policy"].value or "delete"
+
+        def limit(name: str) -> int | None:
+            value = int(entries[name].value)
+            return None if value < 0 else value
+
+        return TopicRetention("compact" in policy, "delete" in policy, limit("retention.ms"), limit("retention.bytes"))
+
+
 def partition_offsets(kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> list[PartitionOffsets]:
     """Low watermark, last stable offset (read_committed) and high watermark per partition."""
-    admin = admin_client(kafka, timeout_s)
-    partitions = topic_partitions(admin, topic, kafka, timeout_s)
-    low = _list(admin, topic, partitions, OffsetSpec.earliest(), IsolationLevel.READ_UNCOMMITTED, kafka, timeout_s)
-    stable = _list(admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED, kafka, timeout_s)
-    high = _list(admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_UNCOMMITTED, kafka, timeout_s)
-    return [PartitionOffsets(p, low[p], stable[p], high[p]) for p in partitions]
+    return TopicAdmin(kafka, topic, timeout_s).offsets()
 
 
 def partition_bounds(
@@ -173,51 +232,14 @@ def ensure_topic(kafka: KafkaLike, topic: str, partitions: int, timeout_s: float
     return True
 
 
-@dataclass(frozen=True)
-class TopicRetention:
-    """The topic settings that decide when unread records disappear."""
-
-    compacted: bool
-    deletes: bool
-    retention_ms: int | None
-    retention_bytes: int | None
-
-
-# What a broker without topic IDs (before Kafka 2.8) or a client that did not read one reports.
-_NO_TOPIC_ID = "AAAAAAAAAAAAAAAAAAAAAA"
-
-
 def topic_id(kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> str | None:
-    """The topic's ID (KIP-516), as Kafka's tools print it: a topic deleted and recreated under
-    the same name gets a new one. None when the cluster has none to give."""
-    admin = admin_client(kafka, timeout_s)
-    topic_partitions(admin, topic, kafka, timeout_s)  # a missing topic: TopicNotFoundError, as everywhere
-    try:
-        future = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout_s)[topic]
-        described = _answer(future, f"describing topic {topic!r}", kafka, timeout_s, admin, topic)
-    except KafkaException as exc:
-        raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
-    # librdkafka prints base64, Kafka's tools (`kafka-topics.sh --describe`) its URL-safe form.
-    found = str(described.topic_id or "").replace("+", "-").replace("/", "_")
-    return None if found in ("", _NO_TOPIC_ID) else found
+    """The topic's ID (`TopicAdmin.topic_id`)."""
+    return TopicAdmin(kafka, topic, timeout_s).topic_id()
 
 
 def topic_retention(kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> TopicRetention:
-    """cleanup.policy, retention.ms and retention.bytes of `topic` (-1 means unlimited -> None)."""
-    admin = admin_client(kafka, timeout_s)
-    resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
-    try:
-        future = admin.describe_configs([resource], request_timeout=timeout_s)[resource]
-        entries = _answer(future, f"reading the configs of topic {topic!r}", kafka, timeout_s, admin, topic)
-    except KafkaException as exc:
-        raise _unavailable(kafka, timeout_s, exc, _why(admin), topic=topic) from exc
-    policy = entries["cleanup.policy"].value or "delete"
-
-    def limit(name: str) -> int | None:
-        value = int(entries[name].value)
-        return None if value < 0 else value
-
-    return TopicRetention("compact" in policy, "delete" in policy, limit("retention.ms"), limit("retention.bytes"))
+    """The topic's retention settings (`TopicAdmin.retention`)."""
+    return TopicAdmin(kafka, topic, timeout_s).retention()
 
 
 def offsets_for_times(kafka: KafkaLike, topic: str, timestamp_ms: int, timeout_s: float = 10.0) -> dict[int, int]:

@@ -17,7 +17,7 @@ from kafka2pg.batch_store import abandon_lookaheads, abandon_unpromoted, load_ba
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, OffsetRegressionError, RangeLockedError
-from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_id
+from kafka2pg.kafka_offsets import PartitionOffsets, TopicAdmin
 from kafka2pg.locations import COMMAND
 
 log = logging.getLogger(__name__)
@@ -230,8 +230,8 @@ def reset_head(
     from the old topic keep their provenance; a recreated topic reuses offsets, so
     `archive_old_rows` moves them (target and quarantine) into kafka2pg.archived_rows.
     """
-    offsets = {o.partition: o for o in partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)}
-    identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    kafka = TopicAdmin(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    offsets, identity = {o.partition: o for o in kafka.offsets()}, kafka.topic_id()
     if to_offset is not None:
         broker = offsets.get(partition)
         if broker is None or not broker.low <= to_offset <= broker.high:

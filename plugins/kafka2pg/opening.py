@@ -24,7 +24,7 @@ from kafka2pg.batch_store import (
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction, waits_logged
 from kafka2pg.exceptions import BatchStateError, LedgerConflictError, OffsetRegressionError, RetentionLossError
-from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets, topic_id, topic_retention
+from kafka2pg.kafka_offsets import PartitionOffsets, TopicAdmin
 from kafka2pg.kafka_reader import first_timestamps
 from kafka2pg.ledger import check_topic_identity, lock_plan, read_head_batches, read_heads
 from kafka2pg.lifecycle import OPEN, BatchState, resume_or_abandon
@@ -68,8 +68,8 @@ def open_batch(
     ranges while every head it expects is still in place; otherwise it is marked `abandoned`
     (it never promoted anything, so nothing is undone) and a fresh batch is planned.
     """
-    offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
-    identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    kafka = topic_admin(settings, pipeline)
+    offsets, identity = kafka.offsets(), kafka.topic_id()
     with transaction(settings.database_url) as conn:
         with waits_logged(settings.database_url, conn, f"pipeline={pipeline.name} the plan"):
             # One planner per pipeline at a time; promotion is still fenced by compare-and-set.
@@ -81,7 +81,7 @@ def open_batch(
             abandon_lookaheads(conn, pipeline, f"run {run_id} took the pipeline over before it was promoted")
         heads = read_heads(conn, pipeline.name)
         opened = _open(conn, pipeline, offsets, identity, heads, open_id, max_records_per_batch, run_id, dry_run)
-    _warn_loss_horizons(settings, pipeline, offsets, heads)  # asks Kafka: after the plan lock is released
+    _warn_loss_horizons(settings, pipeline, offsets, heads, kafka)  # asks Kafka: after the plan lock is released
     return opened
 
 
@@ -121,11 +121,21 @@ def _open(
     return OpenedBatch(batch, False, f"planned batch {batch.batch_id}: {plan.record_budget} offsets")
 
 
+def topic_admin(settings: Settings, pipeline: Pipeline) -> TopicAdmin:
+    """The pipeline's topic, asked through one Kafka client for all of a step's questions."""
+    return TopicAdmin(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+
+
 def loss_horizons(
-    settings: Settings, pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]
+    settings: Settings,
+    pipeline: Pipeline,
+    offsets: list[PartitionOffsets],
+    heads: dict[int, int],
+    kafka: TopicAdmin | None = None,
 ) -> list[LossHorizon]:
-    """Per partition: unread records, margin to the low watermark, estimated time to data loss."""
-    retention = topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    """Per partition: unread records, margin to the low watermark, estimated time to data loss
+    (`kafka`: the client the step asks its topic with, else a new one)."""
+    retention = (kafka or topic_admin(settings, pipeline)).retention()
     now_ms = int(time.time() * 1000)
     states = _states(offsets, heads)
     retention_ms = retention.retention_ms if retention.deletes else None
@@ -141,12 +151,12 @@ def loss_horizons(
 
 
 def _warn_loss_horizons(
-    settings: Settings, pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]
+    settings: Settings, pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int], kafka: TopicAdmin
 ) -> None:
     """Log each partition's time to data loss. Advice on a plan already committed: a failure to
     work it out (Kafka gone since, a record unreadable) is logged and never fails the plan."""
     try:
-        horizons = loss_horizons(settings, pipeline, offsets, heads)
+        horizons = loss_horizons(settings, pipeline, offsets, heads, kafka)
     except Exception as exc:  # noqa: BLE001 - advice only: the plan it would fail is committed
         log.warning(
             "pipeline=%s time to data loss not known: %s: %s; the plan stands", pipeline.name, type(exc).__name__, exc
@@ -219,8 +229,8 @@ def plan_lookahead(
     heads, as any batch. If `after_id` is rejected or fenced, the run (or the next one's plan
     step) abandons the lookahead. None: nothing new.
     """
-    offsets = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
-    identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    kafka = topic_admin(settings, pipeline)
+    offsets, identity = kafka.offsets(), kafka.topic_id()
     with transaction(settings.database_url) as conn:
         lock_plan(conn, pipeline.name)
         check_topic_identity(conn, pipeline, identity)
@@ -277,7 +287,11 @@ def plan_lookahead(
 
 
 def ledger_refusal(
-    settings: Settings, pipeline: Pipeline, conn: Connection, offsets: list[PartitionOffsets]
+    settings: Settings,
+    pipeline: Pipeline,
+    conn: Connection,
+    offsets: list[PartitionOffsets],
+    kafka: TopicAdmin | None = None,
 ) -> OffsetRegressionError | RetentionLossError | None:
     """Why the next run cannot plan from the ledger's heads, by the plan step's own checks: the
     topic deleted and recreated, partitions gone, a head beyond the high watermark, offsets expired
@@ -285,8 +299,8 @@ def ledger_refusal(
     start a partition without a head included). An open batch the run resumes counts as promoted:
     the plan after it is judged. None when the heads fit the topic. Asks Kafka for the topic's ID;
     reads the ledger over `conn` without a lock (status, not a plan): the open batch first, then
-    the heads, as a plan reads them."""
-    identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    the heads, as a plan reads them. `kafka`: the client the caller asks the topic with, else a new one."""
+    identity = (kafka or topic_admin(settings, pipeline)).topic_id()
     open_ids = open_live_ids(conn, pipeline, locked=False)
     batch = load_batch(conn, open_ids[0]) if open_ids else None
     heads, moved = read_heads(conn, pipeline.name), read_head_batches(conn, pipeline.name)

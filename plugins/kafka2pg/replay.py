@@ -31,7 +31,7 @@ from kafka2pg.checks import KEY_PROMOTED_REASON
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ReplayRefusedError
-from kafka2pg.kafka_offsets import offsets_for_times, partition_offsets, topic_id
+from kafka2pg.kafka_offsets import TopicAdmin, offsets_for_times
 from kafka2pg.ledger import (
     last_resets,
     lock_partitions,
@@ -97,8 +97,8 @@ def open_replay(
         window = f" (time window [{request.window[0].isoformat()}, {request.window[1].isoformat()}))"
     if not ranges:
         return OpenedBatch(None, False, f"replay: no records to replay{window}; nothing recorded, Spark not launched")
-    broker = {o.partition: o for o in partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s)}
-    identity = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    kafka = TopicAdmin(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    broker, identity = {o.partition: o for o in kafka.offsets()}, kafka.topic_id()
     with transaction(settings.database_url, waits=f"pipeline={pipeline.name} the replay's plan") as conn:
         # Serialised with planning, undo and reset: the heads read here stay valid until commit.
         lock_plan(conn, pipeline.name)

@@ -23,10 +23,10 @@ from kafka2pg.exceptions import (
     SchemaNotReadyError,
     TopicNotFoundError,
 )
-from kafka2pg.kafka_offsets import PartitionOffsets, partition_offsets
+from kafka2pg.kafka_offsets import PartitionOffsets, TopicAdmin
 from kafka2pg.ledger import head_status, read_heads
 from kafka2pg.migrations import readiness_error
-from kafka2pg.opening import ledger_refusal, loss_horizons
+from kafka2pg.opening import ledger_refusal, loss_horizons, topic_admin
 from kafka2pg.planner import LossHorizon
 from kafka2pg.stuck import OpenBatch, StuckBatch, open_batches
 
@@ -144,19 +144,21 @@ def pipeline_status(settings: Settings, pipeline: Pipeline, conn: Connection) ->
 def _read_status(
     settings: Settings, pipeline: Pipeline, conn: Connection, not_ready: SchemaNotReadyError | None
 ) -> PipelineStatus:
+    kafka = topic_admin(settings, pipeline)  # one client for the offsets, the topic's ID and its retention
     try:
-        offsets, kafka_error = partition_offsets(settings.kafka, pipeline.topic, settings.kafka_timeout_s), None
+        offsets, kafka_error = kafka.offsets(), None
     except KAFKA_TROUBLE as exc:  # what PostgreSQL holds is shown all the same
         offsets, kafka_error = None, f"{type(exc).__name__}: {exc}"
     blocked = None
     # Not on a database NOT READY: a run stops there first, and the ledger may lack what is read.
     if offsets is not None and not_ready is None:
         try:
-            refusal = ledger_refusal(settings, pipeline, conn, offsets)
+            refusal = ledger_refusal(settings, pipeline, conn, offsets, kafka)
             blocked = None if refusal is None else f"{type(refusal).__name__}: {refusal}"
         except KAFKA_TROUBLE as exc:  # the topic's ID unknown: the offsets are still worth showing
             log.warning("pipeline=%s whether the ledger fits the topic is unknown: %s", pipeline.name, exc)
-    partitions = () if offsets is None else _partitions(settings, pipeline, offsets, read_heads(conn, pipeline.name))
+    heads = None if offsets is None else read_heads(conn, pipeline.name)
+    partitions = () if offsets is None else _partitions(settings, pipeline, offsets, heads, kafka)
     row = conn.execute(
         "SELECT batch_id, state, updated_at, extract(epoch FROM now() - updated_at)::float8"
         " FROM kafka2pg.batches WHERE pipeline = %s ORDER BY batch_id DESC LIMIT 1",
@@ -181,9 +183,9 @@ KAFKA_TROUBLE = (KafkaUnavailableError, KafkaRequestError, KafkaAuthenticationEr
 
 
 def _partitions(
-    settings: Settings, pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int]
+    settings: Settings, pipeline: Pipeline, offsets: list[PartitionOffsets], heads: dict[int, int], kafka: TopicAdmin
 ) -> tuple[PartitionStatus, ...]:
-    horizons = {h.partition: h for h in loss_horizons(settings, pipeline, offsets, heads)}
+    horizons = {h.partition: h for h in loss_horizons(settings, pipeline, offsets, heads, kafka)}
     stable = {o.partition: o.last_stable for o in offsets}
     return tuple(
         _partition(

@@ -128,6 +128,12 @@ def html_text(value: object) -> str:
     return html.escape(printable(str(value), keep_newlines=True))
 
 
+def html_cell(value: object, css: str = "") -> str:
+    """A table cell holding `value` as `html_text`, `-` for None; `css` its class."""
+    attribute = f' class="{css}"' if css else ""
+    return f"<td{attribute}>{html_text('-' if value is None else value)}</td>"
+
+
 def printable(text: str, *, keep_newlines: bool = False) -> str:
     """`text` with each control or other unprintable character escaped (`\\n`, `\\x1b`): what
     quotes a record's bytes (a reason, PostgreSQL's words about a row, a key) cannot move the

@@ -25,6 +25,7 @@ from fastapi.responses import HTMLResponse
 
 from kafka2pg.exceptions import ConfigError, Kafka2PgError
 from kafka2pg.locations import COMMAND
+from kafka2pg.task_log import html_cell as _cell
 from kafka2pg.task_log import html_text
 
 if TYPE_CHECKING:
@@ -162,11 +163,6 @@ def _page(request: Request, title: str, body: str) -> HTMLResponse:
 def _base(request: Request) -> str:
     """Where the app is mounted (/kafka2pg), for links between its pages."""
     return html.escape(request.scope.get("root_path", "").rstrip("/"))
-
-
-def _cell(value: object, css: str = "") -> str:
-    attribute = f' class="{css}"' if css else ""
-    return f"<td{attribute}>{html_text('-' if value is None else value)}</td>"
 
 
 def _link(href: str, text: object) -> str:

@@ -109,14 +109,14 @@ def _environment() -> dict[str, str]:
     }
 
 
-def _spark_class(main_class: str, args: list[str], log_file: Path) -> int:
+def _spark_class(main_class: str, args: list[str], log_file: Path, env: dict[str, str] | None = None) -> int:
     with open(log_file, "ab") as out:
         process = subprocess.Popen(
             [str(spark_home() / "bin" / "spark-class"), main_class, *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=_environment(),
+            env={**_environment(), **(env or {})},
             start_new_session=True,
         )
     return process.pid  # spark-class execs the JVM: this is its PID
@@ -129,7 +129,11 @@ def _start_worker(cluster: SparkCluster, index: int) -> SparkWorker:
     log_file = Path(cluster.work_dir) / f"worker-{index}.log"
     args = [cluster.master_url, "--host", "127.0.0.1", "--cores", str(cluster.cores), "--memory", cluster.memory]
     args += ["--work-dir", str(work_dir), "--webui-port", str(webui_port)]
-    pid = _spark_class("org.apache.spark.deploy.worker.Worker", args, log_file)
+    # The executors' scratch folders (spark-<uuid>/executor-<uuid>) under the cluster's folder, not
+    # /tmp: the worker makes them in its SPARK_LOCAL_DIRS and a killed executor leaves them behind.
+    local_dirs = work_dir / "local"
+    local_dirs.mkdir(exist_ok=True)
+    pid = _spark_class("org.apache.spark.deploy.worker.Worker", args, log_file, {"SPARK_LOCAL_DIRS": str(local_dirs)})
     return SparkWorker(pid, webui_port, str(work_dir), str(log_file))
 
 
