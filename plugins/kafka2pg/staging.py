@@ -6,11 +6,14 @@ task retry or a whole-job retry replaces rows instead of duplicating them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import signal
 import threading
+import time
 import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -608,7 +611,50 @@ def spark_session(
         builder = builder.config(key, value)
     if jars:
         builder = builder.config("spark.jars", ",".join(str(j) for j in jars))
-    return builder.getOrCreate()
+    if not starts_jvm:
+        return builder.getOrCreate()
+    before = set(_spark_jvms())
+    try:
+        return builder.getOrCreate()
+    except KeyboardInterrupt:
+        # Ctrl-C while the JVM starts: PySpark starts it ignoring SIGINT, and one that has not yet
+        # connected back would never hear from this process again (it outlived the CLI by minutes).
+        for pid in set(_spark_jvms()) - before:
+            _stop_process(pid)
+        raise
+
+
+def _spark_jvms() -> Iterator[int]:
+    """The Spark JVMs this process started (its children running spark-submit's main class)."""
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            if parent == me and b"org.apache.spark.deploy.SparkSubmit" in (entry / "cmdline").read_bytes():
+                yield int(entry.name)
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+
+
+def _stop_process(pid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM to child `pid` (the JVM's shutdown hooks delete its temporary files), SIGKILL if it
+    has not ended within `grace_s`; reaped."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        if not Path(f"/proc/{pid}").exists():
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 # kafka2pg.worker_daemon: PySpark's worker daemon importing PySpark from the installed package.

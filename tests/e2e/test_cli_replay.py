@@ -181,3 +181,61 @@ def test_a_replay_postgresql_refuses_says_so_in_one_line_and_names_its_batch_lef
         f"replay batch {batch_id} is left open (validated), and this process will not carry it on: "
         f"`./kafka2pg abandon --pipeline {env.pipeline.name} --batch-id {batch_id} --confirm` discards it"
     ) in out.stderr
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ctrl_c_while_spark_starts_leaves_no_jvm_behind(make_pipeline, run_batch, db, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) while the replay's Spark JVM starts: the
+    JVM ignores SIGINT (PySpark starts it so), and once the CLI has given up waiting for it, it
+    no longer hears from the CLI: it must not outlive the CLI, which exits 130."""
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(10, seed=31))
+    run_batch(env)
+    with open(tmp_path / "replay.out", "w") as out:
+        replay = subprocess.Popen(
+            [sys.executable, "-m", "kafka2pg", "replay", "--pipeline", env.pipeline.name, "--offsets", "0:0-10"],
+            env={**os.environ, **cli_environment(env)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    jvms: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not jvms:
+            assert replay.poll() is None, (tmp_path / "replay.out").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the replay never started its Spark JVM"
+            jvms = [p for p in children(replay.pid) if "java" in Path(f"/proc/{p}/cmdline").read_bytes().decode()]
+            time.sleep(0.05)
+        os.killpg(replay.pid, signal.SIGINT)
+        assert replay.wait(timeout=120) == 130, (tmp_path / "replay.out").read_text()[-3000:]
+        assert "interrupted" in (tmp_path / "replay.out").read_text()
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in jvms):
+            assert time.monotonic() < deadline, f"the Spark JVM {jvms} outlived the interrupted CLI"
+            time.sleep(0.2)
+    finally:
+        for pid in [replay.pid, *jvms]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        replay.wait(timeout=60)
