@@ -30,7 +30,7 @@ from kafka2pg.config import (
     read_pipelines,
     topic_name,
 )
-from kafka2pg.exceptions import BatchStateError, ConfigError, Kafka2PgError
+from kafka2pg.exceptions import BatchStateError, ConfigError, Kafka2PgError, SchemaNotReadyError
 from kafka2pg.locations import COMMAND, state_dir
 from kafka2pg.task_log import printable
 
@@ -362,7 +362,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from kafka2pg.stuck import open_batches
 
     def audit(settings: Settings, pipeline: Pipeline) -> bool:
-        audits = audit_pipeline(settings, pipeline)
+        try:
+            audits = audit_pipeline(settings, pipeline)
+        except SchemaNotReadyError as exc:  # not audited: said as `status` says it, all that is missing
+            with contextlib.suppress(Kafka2PgError), session(settings.database_url) as conn:
+                exc = readiness_error(settings, pipeline, conn) or exc
+            raise exc from None
         with session(settings.database_url) as conn:
             batches = open_batches(conn, pipeline.name)
             not_ready = readiness_error(settings, pipeline, conn)
@@ -499,7 +504,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     if not args.offsets and not (args.start or args.end):
         raise ConfigError("replay: nothing to replay: give --offsets 0:0-500,1:0-480 or --from T0 --to T1")
-    settings, pipeline = _pipeline(args)
     params = {
         "mode": args.mode,
         "offset_ranges": args.offsets,
@@ -507,8 +511,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "to_time": args.end,
         "reason": args.reason,
     }
+    # The arguments first: a mistake in them is said at once, not after the connections' look-up.
     request = request_from_params(params, run_type="manual", requested_by=args.requested_by, names=CLI_NAMES)
     assert request is not None  # a manual request without ranges or window raises instead
+    settings, pipeline = _pipeline(args)
     require_ready(settings, pipeline)
     with ReplayProcess(settings.database_url) as process:  # status and abandon see this process run
         opened = open_replay(settings, pipeline, request, run_id=CLI_RUN_ID, on_planned=process.hold)

@@ -268,6 +268,15 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
+def pg_words(exc: psycopg.Error) -> str:
+    """PostgreSQL's words for a refused statement on one line: its message and SQLSTATE, without
+    the statement's text psycopg adds (`LINE 1: ...` and a caret line under it)."""
+    primary = exc.diag.message_primary
+    if not primary:
+        return _one_line(exc)
+    return " ".join(primary.split()) + (f" (SQLSTATE {exc.sqlstate})" if exc.sqlstate else "")
+
+
 @contextmanager
 def transaction(url: str, *, waits: str | None = None) -> Iterator[psycopg.Connection]:
     """One connection, one transaction: commit on success, roll back on any exception.
@@ -363,7 +372,7 @@ def _statement_errors(url: str, conn: psycopg.Connection, outcome: str) -> Itera
     except NOT_GRANTED as exc:
         role = conn.info.user
         raise SchemaNotReadyError(
-            f"PostgreSQL at {describe(url)} refused role {role!r} ({str(exc).strip()}); {outcome}. As the role "
+            f"PostgreSQL at {describe(url)} refused role {role!r} ({pg_words(exc)}); {outcome}. As the role "
             f"owning kafka2pg's tables, run `{COMMAND} grant --role {role}` with the pipelines file (again after "
             "adding a pipeline or applying a migration), then retry.",
             missing=(f"privilege: {exc.diag.message_primary}",),
@@ -472,10 +481,13 @@ def _not_migrated(url: str, exc: psycopg.Error, outcome: str) -> SchemaNotReadyE
     """A table or column kafka2pg's code uses is missing: most likely a migration this version
     ships that the database lacks (code upgraded, `migrate` not run). Names those migrations."""
     pending = _pending_migrations(url)
-    found = f"pending migration(s) {', '.join(pending)}" if pending else "missing kafka2pg tables or columns"
+    if pending:
+        found = f"is not ready for this version of kafka2pg: pending migration(s) {', '.join(pending)}"
+    else:  # every migration recorded: a pipeline's own tables, most likely (added since `migrate` ran)
+        found = "lacks a table or column kafka2pg uses (a pipeline added since `migrate` ran, or one dropped)"
     return SchemaNotReadyError(
-        f"PostgreSQL at {describe(url)} is not ready for this version of kafka2pg: {found} "
-        f"({_one_line(exc)}); {outcome}. Run `{COMMAND} migrate` with the URL of the role "
+        f"PostgreSQL at {describe(url)} {found} "
+        f"({pg_words(exc)}); {outcome}. Run `{COMMAND} migrate` with the URL of the role "
         f"that owns kafka2pg's objects (then `{COMMAND} grant --role <runtime role>` unless it is that role), and "
         "retry.",
         missing=tuple(f"migration {m}" for m in pending),

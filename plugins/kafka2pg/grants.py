@@ -10,7 +10,7 @@ import psycopg
 from psycopg import Connection, sql
 
 from kafka2pg.config import Pipeline
-from kafka2pg.database import connect, describe, transaction
+from kafka2pg.database import connect, describe, pg_words, transaction
 from kafka2pg.exceptions import ConfigError
 from kafka2pg.locations import COMMAND, SQL_DIR
 from kafka2pg.migrations import STAGING_PRIVILEGES, TARGET_PRIVILEGES, as_the_owner
@@ -78,7 +78,7 @@ def apply_grants(database_url: str, pipelines: list[Pipeline], role: str) -> Non
         try:
             conn.execute(grant_script(conn, pipelines, role))
         except psycopg.errors.InsufficientPrivilege as exc:
-            refused.append(str(exc).strip())
+            refused.append(pg_words(exc))
         if refused:
             raise ConfigError(
                 f"`{COMMAND} grant` as role {owner!r} at {describe(database_url)} could not grant everything: "

@@ -15,7 +15,7 @@ import psycopg
 from psycopg import Connection, sql
 
 from kafka2pg.config import DEFAULT_POSTGRES_CONN_ID, Pipeline, Settings
-from kafka2pg.database import connect, describe, migration_files, transaction
+from kafka2pg.database import connect, describe, migration_files, pg_words, transaction
 from kafka2pg.exceptions import ConfigError, ObjectNameTakenError, SchemaNotReadyError
 from kafka2pg.lifecycle import OPEN
 from kafka2pg.locations import COMMAND, SQL_DIR
@@ -93,7 +93,7 @@ def migrate(database_url: str, pipelines: list[Pipeline]) -> list[str]:
                 _create_pipeline_tables(conn, pipeline)
         except psycopg.errors.InsufficientPrivilege as exc:
             raise ConfigError(
-                f"`{COMMAND} migrate` as role {conn.info.user!r} at {describe(database_url)}: {str(exc).strip()}; "
+                f"`{COMMAND} migrate` as role {conn.info.user!r} at {describe(database_url)}: {pg_words(exc)}; "
                 "nothing was changed. Migrations create schemas, tables and indexes: run them as the role that "
                 f"owns kafka2pg's objects, not the runtime role: {as_the_owner(pipelines)}."
             ) from exc

@@ -180,7 +180,8 @@ def quarantine_listing(settings: Settings, pipeline: Pipeline, batch_id: int | N
     scope = f"batch {batch_id}" if batch_id is not None else "all batches"
     if not rows:
         return f"pipeline {pipeline.name} ({scope}): no quarantined records{_none_quarantined(pipeline, state)}"
-    shown = "" if total <= len(rows) else f", {len(rows)} shown (--limit): the newest batches first"
+    order = "by partition and offset" if batch_id is not None else "the newest batches first"
+    shown = "" if total <= len(rows) else f", {len(rows)} shown (--limit): {order}"
     head = f"pipeline {pipeline.name} ({scope}): {total} quarantined record(s){shown}"
     body = table(
         ["batch", "partition", "offset", "raw bytes", "reason"],

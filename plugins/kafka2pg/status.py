@@ -49,7 +49,10 @@ class PartitionStatus:
 
     @property
     def time_to_loss(self) -> str:
-        """As `kafka2pg status` prints it: caught up, no time limit, or hours (AT RISK)."""
+        """As `kafka2pg status` prints it: caught up, no time limit, or hours (AT RISK); a head past
+        the topic's end (the topic recreated: BLOCKED says so) is not caught up."""
+        if self.next_offset is not None and self.next_offset > self.high_watermark:
+            return "head past the topic's end"
         if self.lag <= 0:
             return "caught up"
         if self.seconds_to_loss is None:

@@ -555,6 +555,7 @@ def test_recreated_topic_is_an_offset_regression_until_an_explicit_recorded_rese
     assert blocked(env) == f"OffsetRegressionError: {regressed.value}"
     text, _ = status_report(env.settings, env.pipeline)
     assert f"BLOCKED: no batch can be planned until an operator acts: OffsetRegressionError: {regressed.value}" in text
+    assert "caught up" not in text and "head past the topic's end" in text, text  # head 50, high watermark 10
     # A head written before kafka2pg recorded topic IDs: the offsets say it.
     db.execute("UPDATE kafka2pg.ledger_heads SET topic_id = NULL WHERE pipeline = %s", (env.pipeline.name,))
     with pytest.raises(OffsetRegressionError) as regressed:

@@ -157,13 +157,40 @@ def test_status_as_a_role_without_privileges_says_to_grant_them_instead_of_a_tra
         assert f"pipeline {env.pipeline.name}: error: SchemaNotReadyError" in capsys.readouterr().err
         # verify's exit 1 means a discrepancy: a pipeline it could not audit is 2, saying why.
         assert cli.main(["verify"]) == 2
-        assert f"pipeline {env.pipeline.name}: not audited: SchemaNotReadyError" in capsys.readouterr().err
+        said = capsys.readouterr().err
+        assert f"pipeline {env.pipeline.name}: not audited: SchemaNotReadyError" in said
+        # All the role lacks, as status says it, on one line (not PostgreSQL's statement and caret).
+        assert "USAGE on schema kafka2pg" in said and "INSERT on kafka2pg.quarantine" in said, said
+        assert "LINE 1" not in said and len(said.strip().splitlines()) == 1, said
         for command in (["report", "--html"], ["quarantine"]):
             assert cli.main([*command, "--pipeline", env.pipeline.name]) == 2
             shown = capsys.readouterr().err
             assert "SchemaNotReadyError" in shown and f"grant --role {role}" in shown, (command, shown)
     finally:
         db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_verify_of_a_pipeline_added_since_migrate_names_its_missing_tables(
+    make_pipeline, tmp_path, monkeypatch, capsys
+):
+    """A pipeline added to the file and not migrated yet: `verify` cannot audit it (exit 2) and says
+    which of its tables are missing and what to run, on one line; not a version's migration."""
+    env = make_pipeline(partitions=1)
+    spec = yaml.safe_load(env.settings.pipelines_file.read_text())["pipelines"][0]
+    added = {**spec, "name": f"{spec['name']}_added", "target_table": f"{spec['target_table']}_added"}
+    both = tmp_path / "both.yaml"
+    both.write_text(yaml.safe_dump({"pipelines": [spec, added]}))
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(both))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    capsys.readouterr()
+    assert cli.main(["verify", "--pipeline", added["name"]]) == 2
+    said = capsys.readouterr().err
+    assert f"pipeline {added['name']}: not audited: SchemaNotReadyError" in said, said
+    assert f"missing table(s) {added['target_table']}" in said and "kafka2pg migrate" in said, said
+    assert "LINE 1" not in said and "this version of kafka2pg" not in said, said
+    assert len(said.strip().splitlines()) == 1, said
+    assert cli.main(["verify", "--pipeline", spec["name"]]) == 0  # the migrated one is audited
 
 
 def test_migrate_and_grant_need_only_the_database_not_kafka(make_pipeline, monkeypatch, capsys):

@@ -323,6 +323,9 @@ def test_the_runtime_role_may_create_nothing_and_holds_only_what_each_table_need
     # A defined connection wins over KAFKA2PG_DATABASE_URL: the advice says which to change.
     assert "owning role's postgres connection as 'kafka2pg_postgres' (e.g." in str(refused.value)
     assert "a defined connection wins over it" in str(refused.value)
+    # PostgreSQL's words on one line, with their SQLSTATE, not the statement and a caret under it.
+    assert "permission denied for schema" in str(refused.value) and "(SQLSTATE 42501)" in str(refused.value)
+    assert "LINE 1" not in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
     # The connection the advice names is the pipeline's own.
     elsewhere = dataclasses.replace(env.pipeline, postgres_conn_id="warehouse_owner")
     with pytest.raises(ConfigError, match="the role that owns kafka2pg's objects") as refused:

@@ -119,8 +119,13 @@ def test_the_report_is_stored_with_the_batch_and_rendered_from_the_database(
     assert "value is not valid JSON" in listed[2] and "duplicate business key within batch" in listed[3]
     assert cli.main(["quarantine", "--pipeline", name, "--batch-id", str(result.batch_id), "--limit", "1"]) == 0
     head = capsys.readouterr().out.splitlines()[0]
-    shown = "2 quarantined record(s), 1 shown (--limit): the newest batches first"
+    shown = "2 quarantined record(s), 1 shown (--limit): by partition and offset"  # one batch's
     assert head == f"pipeline {name} (batch {result.batch_id}): {shown}"
+    assert cli.main(["quarantine", "--pipeline", name, "--limit", "1"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert (
+        head == f"pipeline {name} (all batches): 2 quarantined record(s), 1 shown (--limit): the newest batches first"
+    )
     assert cli.main(["quarantine", "--pipeline", name, "--batch-id", str(result.batch_id + 1000)]) == 2
     latest = tmp_path / "latest.html"
     assert cli.main(["report", "--pipeline", name, "--html", "--out", str(latest)]) == 0

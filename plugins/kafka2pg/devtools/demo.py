@@ -36,16 +36,16 @@ def _plan_message(output: str) -> str:
 
 def run(*, events: int, keep: bool) -> int:
     cache = state_dir()
-    print("[1/6] Kafka and Spark jars (resolved from Maven Central once, then cached)")
-    resolve_jars(cache)
-    print("[2/6] starting a real Kafka broker (KRaft) and a throwaway PostgreSQL on 127.0.0.1")
-    if local_stack.reset_targets(cache):
+    if local_stack.reset_targets(cache):  # said before any step starts
         # The demo counts what it lands from an empty stack, and never deletes data it did not make.
         raise StackError(
             f"a local stack already exists in {local_stack.stack_dir(cache)}, with its data: the demo starts "
             f"its own, empty one. `{COMMAND} stack reset` shows what that stack holds, `{COMMAND} stack reset "
             "--confirm` deletes it; then run the demo again."
         )
+    print("[1/6] Kafka and Spark jars (resolved from Maven Central once, then cached)")
+    resolve_jars(cache)
+    print("[2/6] starting a real Kafka broker (KRaft) and a throwaway PostgreSQL on 127.0.0.1")
     stack = local_stack.start_stack(local_stack.stack_dir(cache), cache)
     env_file = local_stack.save_stack(stack, cache)
     try:
