@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from kafka2pg.devtools import local_stack
-from kafka2pg.exceptions import KafkaUnavailableError
+from kafka2pg.exceptions import KafkaUnavailableError, TopicNotFoundError
 from kafka2pg.kafka_config import KafkaConfig
 from kafka2pg.kafka_offsets import TopicAdmin, ensure_topic
 
@@ -46,7 +46,7 @@ def main() -> int:
             try:
                 one_client(stack.kafka.bootstrap_servers)
                 break
-            except KafkaUnavailableError:
+            except (KafkaUnavailableError, TopicNotFoundError):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)

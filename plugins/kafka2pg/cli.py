@@ -365,7 +365,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         try:
             audits = audit_pipeline(settings, pipeline)
         except SchemaNotReadyError as exc:  # not audited: said as `status` says it, all that is missing
-            with contextlib.suppress(Kafka2PgError), session(settings.database_url) as conn:
+            with contextlib.suppress(Kafka2PgError, *_postgresql_errors()), session(settings.database_url) as conn:
                 exc = readiness_error(settings, pipeline, conn) or exc
             raise exc from None
         with session(settings.database_url) as conn:
@@ -589,14 +589,14 @@ def cmd_abandon(args: argparse.Namespace) -> int:
 
 
 def cmd_offsets(args: argparse.Namespace) -> int:
-    from kafka2pg.kafka_offsets import offsets_for_times
+    from kafka2pg.kafka_offsets import TopicAdmin
 
     low, high = _epoch_ms(args.start), _epoch_ms(args.end)
     if low >= high:
         raise ConfigError(f"time window: --from {args.start} must be before --to {args.end}")
     settings, pipeline = _pipeline(args)
-    start = offsets_for_times(settings.kafka, pipeline.topic, low, settings.kafka_timeout_s)
-    end = offsets_for_times(settings.kafka, pipeline.topic, high, settings.kafka_timeout_s)
+    kafka = TopicAdmin(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    start, end = kafka.offsets_for_times(low), kafka.offsets_for_times(high)
     print(f"topic {pipeline.topic}: records with timestamps in [{args.start}, {args.end})")
     for partition in sorted(start):
         print(f"  partition {partition}: offsets [{start[partition]}, {end[partition]})")

@@ -156,20 +156,48 @@ class TopicAdmin:
     def __init__(self, kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> None:
         self.kafka, self.topic, self.timeout_s = kafka, topic, timeout_s
         self.admin = admin_client(kafka, timeout_s)
+        self._asked = False
+
+    def _ask(self) -> tuple[AdminClient, str, KafkaLike, float]:
+        """Before each question but the first: the connection errors reported while an earlier one
+        was answered are not this one's (a failure names what it met, or the client's start did)."""
+        if self._asked and isinstance(self.admin, _Admin):
+            self.admin.poll(0)
+            self.admin.connection_errors.clear()
+        self._asked = True
+        return self.admin, self.topic, self.kafka, self.timeout_s
 
     def offsets(self) -> list[PartitionOffsets]:
         """Low watermark, last stable offset (read_committed) and high watermark per partition."""
-        admin, topic, kafka, timeout_s = self.admin, self.topic, self.kafka, self.timeout_s
+        admin, topic, kafka, timeout_s = self._ask()
         partitions = topic_partitions(admin, topic, kafka, timeout_s)
         low = _list(admin, topic, partitions, OffsetSpec.earliest(), IsolationLevel.READ_UNCOMMITTED, kafka, timeout_s)
         stable = _list(admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED, kafka, timeout_s)
         high = _list(admin, topic, partitions, OffsetSpec.latest(), IsolationLevel.READ_UNCOMMITTED, kafka, timeout_s)
         return [PartitionOffsets(p, low[p], stable[p], high[p]) for p in partitions]
 
+    def offsets_for_times(self, timestamp_ms: int) -> dict[int, int]:
+        """Per partition, the first offset whose record timestamp is >= `timestamp_ms`.
+
+        A partition with no such record maps to its high watermark (the offset the next record
+        will get), so `[offsets_for_times(t0), offsets_for_times(t1))` is the window [t0, t1).
+        A time before 1970 is searched as 1970's first instant: Kafka's record timestamps are not
+        negative, and it refuses a negative search time or reads -1 and -2 as latest and earliest.
+        """
+        admin, topic, kafka, timeout_s = self._ask()
+        spec = OffsetSpec.for_timestamp(max(timestamp_ms, 0))
+        partitions = topic_partitions(admin, topic, kafka, timeout_s)
+        found = _list(admin, topic, partitions, spec, IsolationLevel.READ_COMMITTED, kafka, timeout_s)
+        missing = [p for p, offset in found.items() if offset < 0]
+        if missing:
+            high = _list(admin, topic, missing, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED, kafka, timeout_s)
+            found.update(high)
+        return found
+
     def topic_id(self) -> str | None:
         """The topic's ID (KIP-516), as Kafka's tools print it: a topic deleted and recreated under
         the same name gets a new one. None when the cluster has none to give."""
-        admin, topic, kafka, timeout_s = self.admin, self.topic, self.kafka, self.timeout_s
+        admin, topic, kafka, timeout_s = self._ask()
         topic_partitions(admin, topic, kafka, timeout_s)  # a missing topic: TopicNotFoundError, as everywhere
         try:
             future = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout_s)[topic]
@@ -182,7 +210,7 @@ class TopicAdmin:
 
     def retention(self) -> TopicRetention:
         """cleanup.policy, retention.ms and retention.bytes of the topic (-1 means unlimited -> None)."""
-        admin, topic, kafka, timeout_s = self.admin, self.topic, self.kafka, self.timeout_s
+        admin, topic, kafka, timeout_s = self._ask()
         resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
         try:
             future = admin.describe_configs([resource], request_timeout=timeout_s)[resource]
@@ -243,30 +271,8 @@ def topic_retention(kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> To
 
 
 def offsets_for_times(kafka: KafkaLike, topic: str, timestamp_ms: int, timeout_s: float = 10.0) -> dict[int, int]:
-    """Per partition, the first offset whose record timestamp is >= `timestamp_ms`.
-
-    A partition with no such record maps to its high watermark (the offset the next record
-    will get), so `[offsets_for_times(t0), offsets_for_times(t1))` is the window [t0, t1).
-    A time before 1970 is searched as 1970's first instant: Kafka's record timestamps are not
-    negative, and it refuses a negative search time or reads -1 and -2 as latest and earliest.
-    """
-    timestamp_ms = max(timestamp_ms, 0)
-    admin = admin_client(kafka, timeout_s)
-    partitions = topic_partitions(admin, topic, kafka, timeout_s)
-    found = _list(
-        admin,
-        topic,
-        partitions,
-        OffsetSpec.for_timestamp(timestamp_ms),
-        IsolationLevel.READ_COMMITTED,
-        kafka,
-        timeout_s,
-    )
-    missing = [p for p, offset in found.items() if offset < 0]
-    if missing:
-        high = _list(admin, topic, missing, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED, kafka, timeout_s)
-        found.update(high)
-    return found
+    """Per partition, the first offset at or after a time (`TopicAdmin.offsets_for_times`)."""
+    return TopicAdmin(kafka, topic, timeout_s).offsets_for_times(timestamp_ms)
 
 
 def commit_group_offsets(

@@ -31,7 +31,7 @@ from kafka2pg.checks import KEY_PROMOTED_REASON
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ReplayRefusedError
-from kafka2pg.kafka_offsets import TopicAdmin, offsets_for_times
+from kafka2pg.kafka_offsets import TopicAdmin
 from kafka2pg.ledger import (
     last_resets,
     lock_partitions,
@@ -70,9 +70,9 @@ def resolve_ranges(settings: Settings, pipeline: Pipeline, request: ReplayReques
     """The request's offset ranges; a time window maps through offsets_for_times (empty ones dropped)."""
     if request.window is None:
         return request.ranges
-    kafka, timeout = settings.kafka, settings.kafka_timeout_s
-    start = offsets_for_times(kafka, pipeline.topic, int(request.window[0].timestamp() * 1000), timeout)
-    end = offsets_for_times(kafka, pipeline.topic, int(request.window[1].timestamp() * 1000), timeout)
+    kafka = TopicAdmin(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    start = kafka.offsets_for_times(int(request.window[0].timestamp() * 1000))
+    end = kafka.offsets_for_times(int(request.window[1].timestamp() * 1000))
     return tuple(OffsetRange(p, start[p], end[p]) for p in sorted(start) if end.get(p, start[p]) > start[p])
 
 

@@ -625,14 +625,16 @@ def spark_session(
 
 
 def _spark_jvms() -> Iterator[int]:
-    """The Spark JVMs this process started (its children running spark-submit's main class)."""
+    """The Spark JVMs this process started: its children running spark-submit (the script, before
+    it execs the JVM, or the JVM running spark-submit's main class)."""
     me = os.getpid()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-            if parent == me and b"org.apache.spark.deploy.SparkSubmit" in (entry / "cmdline").read_bytes():
+            command = (entry / "cmdline").read_bytes()
+            if parent == me and (b"org.apache.spark.deploy.SparkSubmit" in command or b"/bin/spark-submit" in command):
                 yield int(entry.name)
         except (OSError, ValueError, IndexError):  # gone meanwhile
             continue

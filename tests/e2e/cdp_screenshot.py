@@ -187,8 +187,13 @@ async def _click_in_frame(port, url, cookie, selector, arrived, out, width, heig
         await page.send("Page.navigate", url=url)
         find = FRAMED_LINK.replace("SELECTOR", json.dumps(selector))
         await page.wait(f"!!{find}", timeout_s=120)
-        await asyncio.sleep(0.5)  # the frame's layout settles
-        before = await page.js(find)
+        before, deadline = await page.js(find), time.monotonic() + 60
+        while True:  # the UI's and the frame's layout settled: the link stays where it is
+            await asyncio.sleep(0.5)
+            again = await page.js(find)
+            if again == before or time.monotonic() > deadline:
+                break
+            before = again
         for kind in ("mousePressed", "mouseReleased"):  # a user's click, not a script's
             await page.send(
                 "Input.dispatchMouseEvent", type=kind, x=before["x"], y=before["y"], button="left", clickCount=1

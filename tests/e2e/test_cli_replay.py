@@ -197,6 +197,15 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def is_spark_jvm(pid: int) -> bool:
+    """Whether `pid` is a JVM running spark-submit (not the script that execs it)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return Path(argv[0].decode()).name == "java" and b"org.apache.spark.deploy.SparkSubmit" in argv
+
+
 def alive(pid: int) -> bool:
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[0] != "Z"
@@ -225,7 +234,7 @@ def test_ctrl_c_while_spark_starts_leaves_no_jvm_behind(make_pipeline, run_batch
         while not jvms:
             assert replay.poll() is None, (tmp_path / "replay.out").read_text()[-3000:]
             assert time.monotonic() < deadline, "the replay never started its Spark JVM"
-            jvms = [p for p in children(replay.pid) if "java" in Path(f"/proc/{p}/cmdline").read_bytes().decode()]
+            jvms = [p for p in children(replay.pid) if is_spark_jvm(p)]
             time.sleep(0.05)
         os.killpg(replay.pid, signal.SIGINT)
         assert replay.wait(timeout=120) == 130, (tmp_path / "replay.out").read_text()[-3000:]

@@ -21,7 +21,7 @@ from confluent_kafka.admin import (
 )
 from psycopg import sql
 
-from kafka2pg import kafka_reader
+from kafka2pg import cli, kafka_reader
 from kafka2pg.audit import audit_pipeline, format_audit
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import (
@@ -636,7 +636,7 @@ def test_a_reset_forward_says_which_offsets_kafka_holds_that_will_never_be_loade
     assert f"head 30 -> 30; unfinished batch {planned.batch_id} is abandoned" in same.message, same.message
 
 
-def test_a_time_window_maps_to_per_partition_offsets(make_pipeline):
+def test_a_time_window_maps_to_per_partition_offsets(make_pipeline, monkeypatch, capsys):
     env = make_pipeline(partitions=2)
     producer = Producer(client_config(env.settings.bootstrap_servers, 10))
     base = 1_790_000_000_000
@@ -652,6 +652,15 @@ def test_a_time_window_maps_to_per_partition_offsets(make_pipeline):
     year_1969 = -365 * 86_400_000
     assert offsets_for_times(env.settings.bootstrap_servers, env.topic, year_1969) == {0: 0, 1: 0}
     assert offsets_for_times(env.settings.bootstrap_servers, env.topic, -1) == {0: 0, 1: 0}
+    # The same window from the command line (one client for both ends).
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    capsys.readouterr()
+    window = ["--from", "2026-09-21T14:13:23+00:00", "--to", "2026-09-21T14:13:27.500+00:00"]  # base + 3 s, + 7.5 s
+    assert cli.main(["offsets", "--pipeline", env.pipeline.name, *window]) == 0
+    shown = capsys.readouterr().out
+    assert "partition 0: offsets [3, 8)" in shown and "partition 1: offsets [3, 8)" in shown, shown
 
 
 def test_gap_that_does_not_add_up_holds_the_batch(make_pipeline, spark, db):
