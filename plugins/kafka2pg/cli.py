@@ -896,7 +896,7 @@ def _run(args: argparse.Namespace) -> int:
         # PostgreSQL refused a statement kafka2pg has no words of its own for (a trigger's RAISE, a
         # constraint or permission of the DBA's): its words, not a trace.
         state = f" (SQLSTATE {exc.sqlstate})" if exc.sqlstate else ""
-        print(f"error: {type(exc).__name__}{state}: {printable(str(exc).strip(), keep_newlines=True)}", file=sys.stderr)
+        print(f"error: {type(exc).__name__}{state}: {_postgresql_line(exc)}", file=sys.stderr)
         _trace_if_verbose(args)
         return 2
 
@@ -906,6 +906,24 @@ def _postgresql_errors() -> tuple[type[BaseException], ...]:
     itself stays light to import. Evaluated only when an exception reaches that clause."""
     psycopg = sys.modules.get("psycopg")
     return (psycopg.Error,) if psycopg is not None else ()
+
+
+def _postgresql_line(exc) -> str:
+    """PostgreSQL's error on one line: its message, then its DETAIL, HINT and CONTEXT (where it was
+    raised: a trigger's function, a line of it) when it gives them; a line break in any of them
+    escaped (a message may quote a row's value), the statement's text psycopg adds left out."""
+    diag = exc.diag
+    if not diag.message_primary:  # not the server's error (the client's own): its text
+        return printable(str(exc).strip())
+    parts = [diag.message_primary.strip()]
+    parts += [
+        f"{label}: {text.strip()}"
+        for label, text in (("detail", diag.message_detail), ("hint", diag.message_hint))
+        if text
+    ]
+    if diag.context:  # one line per level of PL/pgSQL's stack, innermost first
+        parts.append("where: " + " <- ".join(line.strip() for line in diag.context.strip().splitlines()))
+    return printable("; ".join(parts))
 
 
 def _trace_if_verbose(args: argparse.Namespace) -> None:

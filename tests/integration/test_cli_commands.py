@@ -501,3 +501,42 @@ def test_status_with_kafka_down_still_shows_what_postgresql_holds_and_exits_2(ma
     (data,) = json.loads(capsys.readouterr().out)
     assert data["kafka_error"].startswith("KafkaUnavailableError: ") and data["partitions"] == []
     assert [b["batch_id"] for b in data["open_batches"]] == [batch.batch_id]
+
+
+def test_an_error_postgresql_raises_in_words_kafka2pg_has_none_for_is_one_line_with_its_detail_and_where(
+    base_settings, db, monkeypatch, capsys
+):
+    """A DBA's function raising with a DETAIL and a HINT, its message quoting a value with a line
+    break, called from another function: exit 2 and ONE line on stderr with PostgreSQL's message,
+    detail, hint, SQLSTATE and the functions it was raised in, not psycopg's multi-line text."""
+    name = f"kafka2pg_test_raise_{uuid.uuid4().hex[:8]}"
+    db.execute(
+        f"CREATE FUNCTION public.{name}() RETURNS void LANGUAGE plpgsql AS $$ BEGIN"
+        " RAISE EXCEPTION 'refused value %', E'a\\nb' USING DETAIL = 'the DBA''s rule 7', HINT = 'ask the DBA',"
+        " ERRCODE = 'P0099'; END $$"
+    )
+    db.execute(
+        f"CREATE FUNCTION public.{name}_outer() RETURNS void LANGUAGE plpgsql AS"
+        f" $$ BEGIN PERFORM public.{name}(); END $$"
+    )
+
+    def refused(_args):
+        with psycopg.connect(base_settings.database_url) as conn:
+            conn.execute(f"SELECT public.{name}_outer()")
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_migrate", refused)
+    try:
+        code = cli.main(["migrate"])
+    finally:
+        db.execute(f"DROP FUNCTION public.{name}_outer(); DROP FUNCTION public.{name}()")
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(
+        "error: ProgrammingError (SQLSTATE P0099): refused value a\\nb; detail: the DBA's rule 7; hint: ask the DBA;"
+        " where: "
+        f'PL/pgSQL function {name}() line 1 at RAISE <- SQL statement "SELECT public.{name}()"'
+    ), err
+    assert "LINE 1" not in err and "CONTEXT" not in err, err
