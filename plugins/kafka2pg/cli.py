@@ -90,7 +90,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
         for name, path in resolve_jars(cache, SET_UP + (("connect",) if args.bench else ())).items():
             print(f"{name} jars: {path}")
         if not class_archive.class_archive_path(cache).is_file():
-            print("making the Spark class-data archive (once; about 30 s)", file=sys.stderr)
+            print("making the Spark class-data archive (once; about a minute)", file=sys.stderr)
         print(f"Spark class-data archive: {class_archive.ensure(cache) or 'none (stage jobs start without it)'}")
         return 0
     if args.action == "reset":

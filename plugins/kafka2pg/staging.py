@@ -642,17 +642,32 @@ def _spark_jvms() -> Iterator[int]:
 
 def _stop_process(pid: int, grace_s: float = 10.0) -> None:
     """SIGTERM to child `pid` (the JVM's shutdown hooks delete its temporary files), SIGKILL if it
-    has not ended within `grace_s`; reaped."""
+    has not ended within `grace_s` or a second Ctrl-C comes meanwhile (then re-raised); reaped."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
+    try:
+        if _ended(pid, grace_s):
+            return
+    except KeyboardInterrupt:  # no more waiting: the child does not outlive this process either
+        _kill(pid)
+        raise
+    _kill(pid)
+
+
+def _ended(pid: int, within_s: float) -> bool:
+    """Whether child `pid` ended (reaped) within `within_s` seconds."""
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         with contextlib.suppress(ChildProcessError):
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
+                return True
         if not Path(f"/proc/{pid}").exists():
-            return
+            return True
         time.sleep(0.1)
+    return False
+
+
+def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
