@@ -780,7 +780,7 @@ def topic_name(value: Any, where: str) -> str:
 
 
 def _business_key(value: Any, columns: tuple[Column, ...], where: str) -> tuple[str, ...]:
-    keys = [value] if isinstance(value, str) else value or []
+    keys = [value] if isinstance(value, str) else [] if value is None else value
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise ConfigError(f"{where}.business_key: expected a column name or a list of column names, got {value!r}")
     by_name = {c.name: c for c in columns}
@@ -857,7 +857,16 @@ def _task_timeout(raw: dict, where: str) -> float | None:
     minutes = _positive_number(raw, "task_timeout_minutes", where, None)
     if minutes is not None and minutes < 1:
         raise ConfigError(f"{where}.task_timeout_minutes: expected at least 1 (minute), got {minutes:g}")
+    if minutes is not None and minutes > MAX_TASK_TIMEOUT_MINUTES:
+        raise ConfigError(
+            f"{where}.task_timeout_minutes: expected at most {MAX_TASK_TIMEOUT_MINUTES} (a year), got {minutes:g}"
+            " (leave it out for no limit)"
+        )
     return minutes
+
+
+# A year: Airflow keeps the timeout as a timedelta, which a larger number of minutes overflows.
+MAX_TASK_TIMEOUT_MINUTES = 366 * 24 * 60
 
 
 def _null_note(value: Any, default: Any) -> str:
@@ -882,7 +891,7 @@ def _schedule(raw: dict, where: str) -> str | None:
         )
     if value.strip() not in SCHEDULE_PRESETS and not _croniter_reads(value):
         raise ConfigError(f"{expected}, got {value!r} (not a cron expression croniter reads)")
-    return value
+    return value.strip()  # as checked: Airflow refuses a preset with a space around it
 
 
 def _croniter_reads(value: str) -> bool:

@@ -81,6 +81,13 @@ def test_good_file_parses_with_defaults(tmp_path):
         ({"task_timeout_minutes": 0.5}, r"\(orders\)\.task_timeout_minutes: expected at least 1 \(minute\), got 0.5$"),
         ({"task_timeout_minutes": float("inf")}, r"task_timeout_minutes: expected a positive number, got inf"),
         ({"task_timeout_minutes": "1h"}, r"task_timeout_minutes: expected a positive number, got '1h'"),
+        ({"task_timeout_minutes": 1e13}, r"task_timeout_minutes: expected at most 527040 \(a year\), got 1e\+13"),
+        (
+            {"business_key": False},
+            r"\(orders\)\.business_key: expected a column name or a list of column names, got False",
+        ),
+        ({"business_key": {}}, r"\(orders\)\.business_key: expected a column name or a list of column names, got \{\}"),
+        ({"business_key": 0}, r"\(orders\)\.business_key: expected a column name or a list of column names, got 0"),
         ({"on_retention_loss": "ignore"}, r"on_retention_loss: expected one of fail, skip"),
         ({"kafka_reader": "java"}, r"\(orders\)\.kafka_reader: expected one of librdkafka, spark, got 'java'"),
         ({"value_format": "avro"}, r"\(orders\)\.value_format: expected one of json, schema_registry_json, got 'avro'"),
@@ -578,6 +585,8 @@ def test_a_schedule_airflow_could_not_read_is_refused(tmp_path, schedule, refusa
         get_pipeline("orders", write(tmp_path, schedule=schedule))
     for fine in ("@hourly", "@once", "*/5 * * * *", "0 3 * * 1-5", None):
         assert get_pipeline("orders", write(tmp_path, schedule=fine)).schedule == fine
+    # as checked, without the spaces around it (Airflow refuses " @daily ")
+    assert get_pipeline("orders", write(tmp_path, schedule=" @daily ")).schedule == "@daily"
 
 
 @pytest.mark.parametrize("topic", ["bad topic!", "", ".."])
