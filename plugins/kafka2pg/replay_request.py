@@ -122,10 +122,12 @@ def request_from_params(
     """The replay DAG's Params (+ the run's data interval for backfills) -> a request.
 
     Explicit `offset_ranges`, else `from_time`/`to_time`, else (backfill runs only) the run's
-    data interval. A manual run without ranges or window is an error: a manual run's data
-    interval is not something the user chose. A scheduled run (the DAG was unpaused so that
-    backfills run) replays nothing: None. Errors name the fields as `names` says (the Params
-    by default; `CLI_NAMES` for the command line).
+    data interval. Any other run without ranges or window is an error (a manual run, one a
+    TriggerDagRunOperator or an asset started): its data interval is not something the user
+    chose. A backfill's conf naming ranges or a window is an error too: every date's run would
+    replay the same records. A scheduled run (the DAG was unpaused so that backfills run)
+    replays nothing: None. Errors name the fields as `names` says (the Params by default;
+    `CLI_NAMES` for the command line).
     """
     offsets, begin, until = names["offset_ranges"], names["from_time"], names["to_time"]
     mode = params.get("mode") or "replace"
@@ -134,6 +136,12 @@ def request_from_params(
     start, end = params.get("from_time"), params.get("to_time")
     if ranges and (start or end):
         raise ConfigError(f"replay: give {offsets} OR {begin}/{until}, not both")
+    if run_type == "backfill" and (ranges or start or end):
+        raise ConfigError(
+            f"replay: a backfill's runs each replay their own data interval; its run conf names "
+            f"{offsets if ranges else f'{begin}/{until}'}, which every date's run would replay again. "
+            "Trigger one run with them instead, or leave them out of the backfill's conf."
+        )
     if ranges:
         return ReplayRequest(mode, ranges, None, requested_by, reason)
     if start or end:
@@ -143,9 +151,9 @@ def request_from_params(
         return ReplayRequest(mode, (), window, requested_by, reason)
     if run_type == "scheduled":
         return None
-    if run_type != "manual" and interval[0] is not None and interval[1] is not None and interval[0] < interval[1]:
+    if run_type == "backfill" and interval[0] is not None and interval[1] is not None and interval[0] < interval[1]:
         window = (parse_time(interval[0], "data_interval_start"), parse_time(interval[1], "data_interval_end"))
-        return ReplayRequest(mode, (), window, requested_by, reason or f"{run_type} run over its data interval")
+        return ReplayRequest(mode, (), window, requested_by, reason or "backfill run over its data interval")
     raise ConfigError(
         'replay: nothing to replay. Give offset_ranges (e.g. [{"partition": 0, "start": 0, "end": 100}]) or '
         "from_time and to_time in the trigger form, or create a backfill over dates (each run replays its "

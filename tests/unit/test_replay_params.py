@@ -92,6 +92,18 @@ def test_a_backfill_run_replays_its_data_interval_a_bare_manual_run_is_an_error_
     assert request_from_params({}, run_type="scheduled", interval=DAY) is None, "a timer never replays"
     with pytest.raises(ConfigError, match="not both"):
         request_from_params({"offset_ranges": "0:0-1", "from_time": "2026-11-01"}, run_type="backfill")
+    # Only a backfill's interval is one the user chose: a run a TriggerDagRunOperator, an asset
+    # or an unknown source started with a logical date replays nothing it was not asked to.
+    for run_type in ("operator_triggered", "asset_triggered", "asset_materialization", None):
+        with pytest.raises(ConfigError, match="nothing to replay"):
+            request_from_params({}, run_type=run_type, interval=DAY)
+    # A backfill's conf applies to each of its runs: ranges or a window there would replay the
+    # same records once per date.
+    for conf, named in (({"offset_ranges": "0:0-1"}, "offset_ranges"), ({"from_time": "2026-11-01"}, "from_time")):
+        with pytest.raises(ConfigError, match=f"a backfill's runs each replay their own data interval; .*{named}"):
+            request_from_params(
+                {**conf, "to_time": "2026-11-02"} if "from_time" in conf else conf, run_type="backfill", interval=DAY
+            )
     with pytest.raises(ConfigError, match="mode"):
         request_from_params({"mode": "delete", "offset_ranges": "0:0-1"})
 
