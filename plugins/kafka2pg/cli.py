@@ -16,7 +16,6 @@ import secrets
 import sys
 import traceback
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -590,10 +589,12 @@ def cmd_abandon(args: argparse.Namespace) -> int:
 
 def cmd_offsets(args: argparse.Namespace) -> int:
     from kafka2pg.kafka_offsets import TopicAdmin
+    from kafka2pg.replay_request import kafka_ms, parse_time
 
-    low, high = _epoch_ms(args.start), _epoch_ms(args.end)
-    if low >= high:
+    begin, until = parse_time(args.start, "--from"), parse_time(args.end, "--to")
+    if begin >= until:
         raise ConfigError(f"time window: --from {args.start} must be before --to {args.end}")
+    low, high = kafka_ms(begin), kafka_ms(until)
     settings, pipeline = _pipeline(args)
     kafka = TopicAdmin(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     start, end = kafka.offsets_for_times(low), kafka.offsets_for_times(high)
@@ -646,16 +647,6 @@ def _topic(text: str) -> str:
         return topic_name(text, "")  # argparse names the flag
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _epoch_ms(text: str) -> int:
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError as exc:
-        raise ConfigError(f"not an ISO-8601 time: {text!r} (e.g. 2026-11-22T10:00:00+00:00)") from exc
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return int(moment.timestamp() * 1000)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

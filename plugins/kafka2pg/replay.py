@@ -45,7 +45,7 @@ from kafka2pg.lifecycle import Action, BatchState, promote_action, replay_outcom
 from kafka2pg.locations import COMMAND
 from kafka2pg.opening import OpenedBatch
 from kafka2pg.planner import BatchPlan, OffsetRange, PartitionPlan, describe_ranges
-from kafka2pg.replay_request import ReplayRequest
+from kafka2pg.replay_request import ReplayRequest, kafka_ms
 from kafka2pg.rows import (
     STAND_IN_LANDED,
     STAND_IN_REFUSED,
@@ -71,8 +71,8 @@ def resolve_ranges(settings: Settings, pipeline: Pipeline, request: ReplayReques
     if request.window is None:
         return request.ranges
     kafka = TopicAdmin(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
-    start = kafka.offsets_for_times(int(request.window[0].timestamp() * 1000))
-    end = kafka.offsets_for_times(int(request.window[1].timestamp() * 1000))
+    start = kafka.offsets_for_times(kafka_ms(request.window[0]))
+    end = kafka.offsets_for_times(kafka_ms(request.window[1]))
     return tuple(OffsetRange(p, start[p], end[p]) for p in sorted(start) if end.get(p, start[p]) > start[p])
 
 

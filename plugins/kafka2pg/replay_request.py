@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kafka2pg.exceptions import ConfigError
@@ -53,7 +53,23 @@ def parse_time(value: Any, name: str) -> datetime:
             moment = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
         except ValueError as exc:
             raise ConfigError(f"replay {name}: not an ISO-8601 time: {value!r} (e.g. 2026-11-22T00:00:00Z)") from exc
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    moment = moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    try:
+        moment.astimezone(UTC)
+    except OverflowError:  # 0001-01-01T00:00+05:00: before year 1 in UTC, which PostgreSQL stores BC
+        raise ConfigError(f"replay {name}: {value!r} is before the year 1 in UTC") from None
+    return moment
+
+
+def kafka_ms(moment: datetime) -> int:
+    """The first Kafka timestamp (whole milliseconds since 1970) at or after `moment`: the bound to
+    look offsets up by for a window [from, to) (rounded up: a record a microsecond before `from`
+    is not in it)."""
+    micros = (moment - _EPOCH) // timedelta(microseconds=1)
+    return -(-micros // 1000)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 # One "partition:start-end" of the command line's form: ASCII digits only (Python's int() would

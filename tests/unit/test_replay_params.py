@@ -6,7 +6,7 @@ import pytest
 
 from kafka2pg.exceptions import ConfigError
 from kafka2pg.planner import OffsetRange
-from kafka2pg.replay_request import ReplayRequest, parse_ranges, request_from_params
+from kafka2pg.replay_request import ReplayRequest, kafka_ms, parse_ranges, parse_time, request_from_params
 
 DAY = (datetime(2026, 11, 1, tzinfo=UTC), datetime(2026, 11, 2, tzinfo=UTC))
 
@@ -123,3 +123,21 @@ def test_reset_takes_a_new_offset_or_drop_never_both_nor_neither(capsys, argumen
     assert exited.value.code == 2 and refusal in capsys.readouterr().err
     args = build_parser().parse_args(["reset", "--pipeline", "orders", "--partition", "0", "--drop"])
     assert args.drop and args.to_offset is None
+
+
+def test_a_windows_bounds_round_up_to_kafkas_milliseconds():
+    """[from, to) in Kafka's whole milliseconds: a record stamped 10:00:00.000 is before a window
+    from 10:00:00.0005, and one to 10:00:00.0005 holds it."""
+    at = parse_time("2026-11-22T10:00:00Z", "from_time")
+    whole = kafka_ms(at)
+    assert whole == 1_795_341_600_000
+    assert kafka_ms(parse_time("2026-11-22T10:00:00.0005Z", "from_time")) == whole + 1
+    assert kafka_ms(parse_time("2026-11-22T10:00:00.001Z", "from_time")) == whole + 1
+    assert kafka_ms(parse_time("2026-11-22T11:00:00.000999+01:00", "from_time")) == whole + 1
+    assert kafka_ms(parse_time("1969-12-31T23:59:59.9995Z", "from_time")) == 0
+
+
+def test_a_time_before_the_year_1_in_utc_is_refused():
+    with pytest.raises(ConfigError, match=r"replay --from: '0001-01-01T00:00\+05:00' is before the year 1 in UTC"):
+        parse_time("0001-01-01T00:00+05:00", "--from")
+    assert parse_time("0001-01-01T00:00Z", "--from").year == 1
