@@ -44,6 +44,13 @@ class Undo:
     message: str
 
 
+# Where the next plan starts a partition left without a head, as the undo preview says it.
+_NEW_START = {
+    "earliest": "at its low watermark, reading its records again (new_partition_start: earliest)",
+    "latest": "at its end then, SKIPPING its records (new_partition_start: latest)",
+}
+
+
 def undo_batch(
     settings: Settings,
     pipeline: Pipeline,
@@ -122,12 +129,13 @@ def undo_batch(
         in_range = range_predicate(ranges, floors)
         rows = count_rows(conn, pipeline, in_range)
         described = describe_ranges(ranges)
+        new_start = _NEW_START[pipeline.new_partition_start]
         message = (
             f"{where}: delete {rows[0]} target and {rows[1]} quarantine rows of {described}, rewind heads to "
             + ", ".join(
                 f"p{p.partition}@{p.expected_head}"
                 if p.expected_head is not None
-                else f"p{p.partition}: no head (the next plan starts it as a new partition, per new_partition_start)"
+                else f"p{p.partition}: no head (the next plan starts it as a new partition: {new_start})"
                 for p in parts
             )
         )

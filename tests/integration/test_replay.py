@@ -8,6 +8,7 @@ import random
 import re
 import threading
 import time
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import psycopg
@@ -621,8 +622,13 @@ def test_undoing_a_partitions_first_batch_says_the_partition_is_left_without_a_h
 
     assert not preview.applied
     assert preview.message.endswith(
-        "rewind heads to p0: no head (the next plan starts it as a new partition, per new_partition_start)"
+        "rewind heads to p0: no head (the next plan starts it as a new partition: at its low watermark, reading its"
+        " records again (new_partition_start: earliest))"
     ), preview.message
+    latest = replace(env.pipeline, new_partition_start="latest")
+    assert "as a new partition: at its end then, SKIPPING its records (new_partition_start: latest)" in (
+        undo_batch(env.settings, latest, first.batch_id, confirm=False).message
+    )
     assert undo_batch(env.settings, env.pipeline, first.batch_id, confirm=True).applied
     assert heads(env) == {}
 
