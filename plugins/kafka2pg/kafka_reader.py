@@ -208,7 +208,7 @@ def read_ranges(
             for message in messages:
                 partitions.append(message.partition())
                 offsets.append(message.offset())
-                timestamps.append(min(message.timestamp()[1], _TIMESTAMP_CEILING_MS) * 1000)
+                timestamps.append(min(max(message.timestamp()[1], _TIMESTAMP_FLOOR_MS), _TIMESTAMP_CEILING_MS) * 1000)
                 key, value = message.key(), message.value()
                 keys.append(key)
                 values.append(value)
@@ -237,10 +237,12 @@ READER_FETCH = {
 
 
 # 10000-01-01T00:00:00Z in ms. A Kafka timestamp is a 64-bit count of ms (brokers before Kafka
-# 4.0 accept any by default), too large for Arrow's microseconds past about year 294,000: later
-# ones are read as this instant, which, like any after year 9999, the chunk writer refuses
+# 4.0 accept any by default, and a negative one still), too large for Arrow's microseconds past
+# about year ±294,000: later ones are read as this instant, earlier ones as the floor's
+# (0000-12-31T23:59:59.999Z), which, like any outside years 1-9999, the chunk writer refuses
 # (kafka2pg.chunk_writer.refuse_unreadable_timestamps).
 _TIMESTAMP_CEILING_MS = 253_402_300_800_000
+_TIMESTAMP_FLOOR_MS = -62_135_596_800_001
 
 
 def _record_batch(columns: tuple[list, ...]) -> pa.RecordBatch:

@@ -1,6 +1,7 @@
 """A record whose Kafka timestamp PostgreSQL would store but no client can read back (after year
 9999, up to the largest 64-bit count of milliseconds: brokers before Kafka 4.0 accept any by
-default) goes to quarantine naming the timestamp, with its bytes; the rest of the batch lands."""
+default; before year 1, down to the smallest) goes to quarantine naming the timestamp, with its
+bytes; the rest of the batch lands."""
 
 import json
 import time
@@ -45,6 +46,8 @@ def test_kafka_timestamps_after_year_9999_are_quarantined_naming_them_and_the_re
         (_event(4), now_ms * 1000, None),  # microseconds where Kafka expects milliseconds
         (b"not json", LONG_MAX, None),  # refused by admission as well
         (_event(6), now_ms, None),
+        (_event(7), -(2**63), None),  # the smallest: too small for microseconds too
+        (_event(8), -(10**16), [("h", b"x")]),  # about year -314,000
     ]
     producer = Producer(client_config(env.settings.bootstrap_servers, 10))
     for value, timestamp, headers in records:
@@ -53,7 +56,7 @@ def test_kafka_timestamps_after_year_9999_are_quarantined_naming_them_and_the_re
 
     result = run_batch(env)
 
-    assert (result.promoted, result.quarantined) == (3, 4)
+    assert (result.promoted, result.quarantined) == (3, 6)
     target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
     landed = db.execute(sql.SQL("SELECT kafka_offset, kafka_timestamp FROM {} ORDER BY 1").format(target)).fetchall()
     assert [offset for offset, _ in landed] == [0, 3, 6]
@@ -63,14 +66,15 @@ def test_kafka_timestamps_after_year_9999_are_quarantined_naming_them_and_the_re
         " WHERE pipeline = %s ORDER BY 1",
         (env.pipeline.name,),
     ).fetchall()
-    assert [row[0] for row in quarantined] == [1, 2, 4, 5]
+    assert [row[0] for row in quarantined] == [1, 2, 4, 5, 7, 8]
     assert all(stamp is None for _, stamp, *_ in quarantined)
-    assert [reason for _, _, reason, *_ in quarantined[:3]] == [UNREADABLE_TIMESTAMP] * 3
+    assert [reason for _, _, reason, *_ in quarantined[:3] + quarantined[4:]] == [UNREADABLE_TIMESTAMP] * 5
     assert quarantined[3][2].endswith(f"; and {UNREADABLE_TIMESTAMP}")
     assert quarantined[3][2] != f"; and {UNREADABLE_TIMESTAMP}" and "value" in quarantined[3][2].split(";")[0]
-    assert [bytes(value) for *_, value, _ in quarantined] == [records[i][0] for i in (1, 2, 4, 5)]
+    assert [bytes(value) for *_, value, _ in quarantined] == [records[i][0] for i in (1, 2, 4, 5, 7, 8)]
     assert [[bytes(part) for part in pair] for pair in quarantined[0][4]] == [[b"h", b"\xfe"]]
-    assert heads(env) == {0: 7}
+    assert [[bytes(part) for part in pair] for pair in quarantined[5][4]] == [[b"h", b"x"]]
+    assert heads(env) == {0: 9}
     assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
 
 
