@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from psycopg import Connection
 
 from kafka2pg.batch_store import (
+    Batch,
     abandon_lookaheads,
     abandon_unpromoted,
     load_batch,
@@ -22,7 +23,7 @@ from kafka2pg.batch_store import (
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import ReplayRefusedError
-from kafka2pg.kafka_offsets import topic_retention
+from kafka2pg.kafka_offsets import TopicAdmin
 from kafka2pg.ledger import lock_partitions, lock_plan, reset_floors
 from kafka2pg.lifecycle import CLI_RUN_ID, BatchState, is_open
 from kafka2pg.locations import COMMAND
@@ -51,6 +52,43 @@ _NEW_START = {
 }
 
 
+def _refuse_records_gone(where: str, pipeline: Pipeline, batch: Batch, kafka: TopicAdmin) -> None:
+    """An undo deletes rows the next live run is to load again: refused when Kafka no longer holds
+    their records (retention deleted them since, or the topic was deleted and recreated), which
+    would lose those rows for good, not even as a recorded gap where the batch started a partition."""
+    if batch.plan.in_another_topic(kafka.topic_id()):
+        raise ReplayRefusedError(
+            f"{where} was read from topic {pipeline.topic!r} before it was deleted and recreated: its records are "
+            "gone, and undoing it would delete its rows with nothing to load in their place.",
+            pipeline=pipeline.name,
+            batch_id=batch.batch_id,
+            topic=pipeline.topic,
+        )
+    lows = {o.partition: o.low for o in kafka.offsets()}
+    gone = [
+        (p.range, lows.get(p.partition, p.range.end))
+        for p in batch.plan.partitions
+        if p.range is not None and p.range.start < lows.get(p.partition, p.range.end)
+    ]
+    if not gone:
+        return
+    still = ",".join(f"{r.partition}:{low}-{r.end}" for r, low in gone if low < r.end)
+    raise ReplayRefusedError(
+        f"{where}: records {', '.join(f'p{r.partition}[{r.start}, {min(low, r.end)})' for r, low in gone)} are gone "
+        "from Kafka (retention deleted them since); undoing the batch would delete their rows and the next run "
+        "could not load them again."
+        + (
+            f" To correct the rows of the records Kafka still holds, replay them: "
+            f"`{COMMAND} replay --pipeline {pipeline.name} --offsets {still}`."
+            if still
+            else ""
+        ),
+        pipeline=pipeline.name,
+        batch_id=batch.batch_id,
+        offsets=[(r.partition, r.start, min(low, r.end)) for r, low in gone],
+    )
+
+
 def undo_batch(
     settings: Settings,
     pipeline: Pipeline,
@@ -67,7 +105,8 @@ def undo_batch(
     `confirm` nothing changes and the message says what would happen. An unfinished live batch
     is abandoned (it was planned from the heads being rewound).
     """
-    if topic_retention(settings.kafka, pipeline.topic, settings.kafka_timeout_s).compacted:
+    kafka = TopicAdmin(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    if kafka.retention().compacted:
         raise ReplayRefusedError(
             f"pipeline {pipeline.name!r} batch {batch_id}: topic {pipeline.topic!r} is compacted; an undo deletes rows "
             "whose records may since have been compacted away, and the reload could not bring them back. "
@@ -125,6 +164,7 @@ def undo_batch(
                 offsets=batch.plan.ranges,
                 moved_by=moved_by,
             )
+        _refuse_records_gone(where, pipeline, batch, kafka)
         ranges = tuple(OffsetRange(p.partition, p.gap.start if p.gap else p.range.start, p.new_head) for p in parts)
         in_range = range_predicate(ranges, floors)
         rows = count_rows(conn, pipeline, in_range)

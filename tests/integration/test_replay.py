@@ -13,6 +13,8 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
 from kafka2pg import tasks
@@ -21,6 +23,7 @@ from kafka2pg.browse import history_page
 from kafka2pg.checks import KEY_PROMOTED_CHECK
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import BatchStateError, KeyCollisionError, QualityGateFailed, ReplayRefusedError
+from kafka2pg.kafka_offsets import client_config
 from kafka2pg.lifecycle import CLI_RUN_ID
 from kafka2pg.opening import open_batch
 from kafka2pg.planner import OffsetRange
@@ -611,6 +614,33 @@ def test_abandon_refuses_the_batch_of_a_running_replay_process_at_once_whatever_
         with psycopg.connect(env.settings.database_url) as db:
             assert running_pid(process_locks(db), replaying.batch_id) == process._conn.info.backend_pid
     assert abandon_replay(env.settings, env.pipeline, replaying.batch_id, confirm=True).applied
+
+
+def test_an_undo_is_refused_when_kafka_no_longer_holds_the_records_it_would_have_reloaded(
+    make_pipeline, run_batch, db, heads
+):
+    """Retention deleted part of the newest batch's records since it loaded them: undoing it would
+    delete their rows and the next run could not load them again. Refused, preview included,
+    nothing changed, naming the records gone and the replay of what Kafka still holds."""
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(20, seed=93))
+    run_batch(env)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(20, seed=94))
+    newest = run_batch(env)
+    client = AdminClient(client_config(env.settings.bootstrap_servers, 10))
+    deleted = client.delete_records([TopicPartition(env.topic, 0, 30)])
+    assert next(iter(deleted.values())).result(timeout=30).low_watermark == 30
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+
+    for confirm in (False, True):
+        with pytest.raises(ReplayRefusedError) as refused:
+            undo_batch(env.settings, env.pipeline, newest.batch_id, confirm=confirm)
+        message = str(refused.value)
+        assert "records p0[20, 30) are gone from Kafka" in message, message
+        assert f"replay --pipeline {env.pipeline.name} --offsets 0:30-40`" in message, message
+
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 40
+    assert heads(env) == {0: 40}
 
 
 def test_undoing_a_partitions_first_batch_says_the_partition_is_left_without_a_head(make_pipeline, run_batch, heads):
