@@ -1115,6 +1115,7 @@ def parse_timestamp(text: str) -> datetime:
     fraction = match["fraction"] or ""
     if fraction[6:].strip("0"):
         raise Refused(f"{_show(text)} has sub-microsecond digits; timestamptz keeps microseconds")
+    zone = _zone(match["zone"], text)
     try:
         local = datetime(
             year,
@@ -1124,14 +1125,16 @@ def parse_timestamp(text: str) -> datetime:
             int(match["minute"] or 0),
             int(match["second"] or 0),
             int(fraction[:6].ljust(6, "0")),
-            tzinfo=_zone(match["zone"], text),
+            tzinfo=zone,
         )
-        value = local.astimezone(UTC)
-    except (ValueError, OverflowError) as exc:
+    except ValueError as exc:  # a day the month has not, an hour 24, ...
         raise Refused(f"{_show(text)} is not a valid timestamp ({exc})") from None
-    if not MIN_YEAR <= value.year <= MAX_YEAR:
-        raise Refused(f"{_show(text)} is out of range for timestamptz (year {value.year} in UTC)")
-    return value
+    try:
+        return local.astimezone(UTC)
+    except OverflowError:  # 0001-01-01T00:00:00+00:01: a valid local time before year 1 in UTC
+        raise Refused(
+            f"timestamp out of range for timestamptz (outside years {MIN_YEAR}-{MAX_YEAR} in UTC): {_show(text)}"
+        ) from None
 
 
 def _year(digits: str, text: str, what: str = "timestamp out of range for timestamptz") -> int:
@@ -1245,14 +1248,19 @@ def _json_document(raw: bytes, number=Decimal) -> Any:
     """A JSON value parsed with exact numbers (`number` per token: no int-digit or float limits)."""
     try:
         return json.loads(raw, parse_float=number, parse_int=number)
-    except (InvalidOperation, ValueError) as exc:
+    except InvalidOperation:  # an exponent beyond what Python's decimals hold: far beyond numeric's
+        raise Refused("a number in it is out of range for PostgreSQL numeric") from None
+    except ValueError as exc:
         raise Refused(str(exc)) from None
     except RecursionError:
         raise Refused("nested too deeply to check") from None
 
 
 def _checked_decimal(token: str) -> Decimal:
-    number = Decimal(token)
+    try:
+        number = Decimal(token)
+    except InvalidOperation:  # an exponent beyond what Python's decimals hold
+        raise ValueError(f"number {_show(token)} is out of range for jsonb (PostgreSQL numeric)") from None
     _sign, digits, exponent = number.as_tuple()
     if len(digits) + exponent > _NUMERIC_INTEGER_DIGITS or -exponent > _NUMERIC_FRACTION_DIGITS:
         raise ValueError(f"number {_show(token)} is out of range for jsonb (PostgreSQL numeric)")

@@ -83,7 +83,20 @@ def _ts(text: str) -> bytes:
         (BASE + b',"ts":2069880429600}', "field 'ts': a number ('2069880429600') for a timestamp"),
         (BASE + b',"ts":"2025-11-25T10:00:00.1234567Z"}', "field 'ts': '2025-11-25T10:00:00.1234567Z' has sub-micro"),
         (BASE + b',"ts":"2025-11-25T23:59:60Z"}', "field 'ts': '2025-11-25T23:59:60Z' is not a valid timestamp"),
-        (BASE + b',"ts":"0001-01-01T00:00:00+01:00"}', "field 'ts': '0001-01-01T00:00:00+01:00' is not a valid"),
+        (
+            BASE + b',"ts":"0001-01-01T00:00:00+01:00"}',
+            "field 'ts': timestamp out of range for timestamptz (outside years 1-9999 in UTC):"
+            " '0001-01-01T00:00:00+01:00'",
+        ),
+        (
+            BASE + b',"ts":"9999-12-31T23:59:59-00:01"}',
+            "field 'ts': timestamp out of range for timestamptz (outside years 1-9999 in UTC):"
+            " '9999-12-31T23:59:59-00:01'",
+        ),
+        (
+            BASE + b',"ts":"2025-01-01T10:00:00+24:00"}',
+            "field 'ts': '2025-01-01T10:00:00+24:00' has an impossible UTC offset +24:00",
+        ),
         (BASE + b',"ts":"25/11/2025"}', "field 'ts': '25/11/2025' is not an ISO-8601 timestamp"),
         (BASE + b',"epoch_ms":-3e16}', "field 'epoch_ms': '-3e16' milliseconds since 1970 is out of range"),
         (BASE + b',"epoch_ms":1.0005}', "field 'epoch_ms': '1.0005' milliseconds has sub-microsecond digits"),
@@ -106,6 +119,10 @@ def _ts(text: str) -> bytes:
         (BASE + b',"day":"2025-02-30"}', "field 'day': '2025-02-30' is not a valid date"),
         (BASE + b',"day":"2025-11-25T10:00Z"}', "field 'day': '2025-11-25T10:00Z' is not an ISO-8601 date"),
         (BASE + b',"payload":{"n":1e999999}}', "field 'payload': number '1e999999' is out of range for jsonb"),
+        (
+            BASE + b',"payload":{"n":1e99999999999999999999}}',
+            "field 'payload': number '1e99999999999999999999' is out of range for jsonb",
+        ),
         (BASE + b',"payload":' + b"[" * 5000 + b"]" * 5000 + b"}", "field 'payload': JSON nested deeper than 900"),
         (b"[" * 5000 + b"]" * 5000, "value: JSON nested deeper than 900 levels (the record counts as one)"),
         (b'{"customer_id":1}', "field 'event_id': required but missing"),
