@@ -13,8 +13,8 @@ from psycopg import Connection, sql
 from kafka2pg.batch_store import Batch, key_probe_deferred, load_batch
 from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import INDEX_PROBES, NO_NESTED_LOOPS, planner, transaction
-from kafka2pg.exceptions import WitnessMismatchError
-from kafka2pg.kafka_offsets import topic_retention
+from kafka2pg.exceptions import RetentionLossError, WitnessMismatchError
+from kafka2pg.kafka_offsets import TopicAdmin
 from kafka2pg.kafka_reader import count_range
 from kafka2pg.ledger import reset_floors
 from kafka2pg.lifecycle import BatchState
@@ -248,7 +248,15 @@ def gap_witnesses(settings: Settings, pipeline: Pipeline, batch_id: int) -> GapW
     if batch.state is not BatchState.STAGED or not gappy:
         return witnesses
     kafka, timeout = settings.kafka, settings.kafka_timeout_s
-    compacted = topic_retention(kafka, pipeline.topic, timeout).compacted
+    topic = TopicAdmin(kafka, pipeline.topic, timeout)
+    compacted = topic.retention().compacted
+    lows = {o.partition: o.low for o in topic.offsets()}
+    for r in gappy:
+        if r.start < lows.get(r.partition, r.start):
+            gap = r.size - reads.get(r.partition, 0)
+            raise RetentionLossError.unwitnessed(
+                pipeline.name, batch_id, pipeline.topic, r.partition, r.start, lows[r.partition], gap
+            )
     found = {r: count_range(kafka, pipeline.topic, r.partition, r.start, r.end, timeout) for r in gappy}
     return replace(witnesses, compacted=compacted, found=found)
 

@@ -332,6 +332,28 @@ class RetentionLossError(Kafka2PgError):
             offsets=(head, low_watermark),
         )
 
+    @classmethod
+    def unwitnessed(
+        cls, pipeline: str, batch_id: int, topic: str, partition: int, start: int, low_watermark: int, gap: int
+    ) -> Self:
+        """A staged batch's range begins below the low watermark now: the gate cannot ask Kafka
+        what its offsets without a staged record were."""
+        return cls(
+            f"pipeline {pipeline!r} batch {batch_id}: Kafka no longer holds offsets [{start}, {low_watermark}) of "
+            f"topic {topic!r} partition {partition} (retention deleted them after the batch was staged), so the "
+            f"quality gate cannot witness the batch's {gap} offsets there without a staged record (transaction "
+            "markers, aborted records, or records a read missed) and does not promote it. Its staged rows stay in "
+            f"staging. `{COMMAND} reset --pipeline {pipeline} --partition {partition} --to-offset {low_watermark} "
+            "--reason ... --confirm` abandons the batch and goes on from what Kafka still holds, the offsets before "
+            "it lost (the batch's staged rows are deleted then: copy them from its staging table first if they "
+            "are needed). A retention longer than a batch may wait for its gate prevents this.",
+            pipeline=pipeline,
+            batch_id=batch_id,
+            topic=topic,
+            partition=partition,
+            offsets=(start, low_watermark),
+        )
+
 
 class OffsetRegressionError(Kafka2PgError):
     """The ledger is ahead of the topic: it was recreated, shrunk or restored."""

@@ -349,6 +349,46 @@ def test_a_staged_batch_whose_records_expired_since_is_resumed_so_status_says_no
     assert blocked(env) is None
 
 
+def test_a_staged_batch_whose_gap_kafka_can_no_longer_witness_is_held_saying_how_to_go_on(
+    make_pipeline, run_batch, spark, db, monkeypatch
+):
+    """A staged batch of a transactional topic (a marker: an offset without a record) whose
+    records retention deleted before its gate ran: the gate cannot witness the gap and does not
+    promote it, saying so (not "run again", which only met the same refusal); the reset it names
+    goes on from what Kafka still holds."""
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(10, seed=51)))
+    assert run_batch(env).promoted == 10
+    producer = Producer({**client_config(env.settings.bootstrap_servers, 10), "transactional.id": f"tx-{env.topic}"})
+    producer.init_transactions(10)
+    producer.begin_transaction()
+    for event in sample_events(10, seed=52):
+        producer.produce(env.topic, value=json.dumps(event).encode(), partition=0)
+    producer.commit_transaction(10)
+    assert offsets_become(env, last_stable=21, high=21)  # 10-19 the records, 20 the commit marker
+    staged = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, staged.batch_id)
+    client = admin(env)  # kept referenced until the deletion's future is resolved
+    deleted = client.delete_records([TopicPartition(env.topic, 0, 15)])
+    assert next(iter(deleted.values())).result(timeout=10).low_watermark == 15
+
+    for _ in range(2):  # the next run resumes the batch and meets the same refusal
+        with pytest.raises(RetentionLossError) as held:
+            run_batch(env)
+        message = str(held.value)
+        assert f"batch {staged.batch_id}: Kafka no longer holds offsets [10, 15)" in message, message
+        assert "cannot witness the batch's 1 offsets there without a staged record" in message, message
+    assert ledger(db, env) == [(0, 0, 10, "batch", 10)]
+
+    reset = f"reset --pipeline {env.pipeline.name} --partition 0 --to-offset 15 --reason ... --confirm"
+    assert reset in message, message
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    assert cli.main(reset.replace("...", "expired").split()) == 0
+    assert run_batch(env).promoted == 5
+
+
 def test_records_deleted_before_a_first_batch_read_them_are_a_retention_loss_not_a_silent_start(
     make_pipeline, reconfigured, run_batch, db
 ):
