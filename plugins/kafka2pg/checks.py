@@ -255,7 +255,13 @@ def gap_witnesses(settings: Settings, pipeline: Pipeline, batch_id: int) -> GapW
         if r.start < lows.get(r.partition, r.start):
             gap = r.size - reads.get(r.partition, 0)
             raise RetentionLossError.unwitnessed(
-                pipeline.name, batch_id, pipeline.topic, r.partition, r.start, lows[r.partition], gap
+                pipeline.name,
+                batch_id,
+                batch.kind,
+                pipeline.topic,
+                (r.partition, r.start, r.end),
+                lows[r.partition],
+                gap,
             )
     found = {r: count_range(kafka, pipeline.topic, r.partition, r.start, r.end, timeout) for r in gappy}
     return replace(witnesses, compacted=compacted, found=found)

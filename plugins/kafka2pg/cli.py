@@ -591,7 +591,7 @@ def cmd_offsets(args: argparse.Namespace) -> int:
     from kafka2pg.kafka_offsets import TopicAdmin
     from kafka2pg.replay_request import kafka_ms, parse_time
 
-    begin, until = parse_time(args.start, "--from"), parse_time(args.end, "--to")
+    begin, until = parse_time(args.start, "--from", "offsets"), parse_time(args.end, "--to", "offsets")
     if begin >= until:
         raise ConfigError(f"time window: --from {args.start} must be before --to {args.end}")
     low, high = kafka_ms(begin), kafka_ms(until)

@@ -334,19 +334,37 @@ class RetentionLossError(Kafka2PgError):
 
     @classmethod
     def unwitnessed(
-        cls, pipeline: str, batch_id: int, topic: str, partition: int, start: int, low_watermark: int, gap: int
+        cls,
+        pipeline: str,
+        batch_id: int,
+        kind: str,
+        topic: str,
+        rng: tuple[int, int, int],
+        low_watermark: int,
+        gap: int,
     ) -> Self:
-        """A staged batch's range begins below the low watermark now: the gate cannot ask Kafka
-        what its offsets without a staged record were."""
+        """A staged batch's range (`rng`: partition, start, end) begins below the low watermark
+        now: the gate cannot have Kafka count what its offsets without a staged record were."""
+        partition, start, end = rng
+        if kind == "replay":
+            way_on = (
+                f"`{COMMAND} abandon --pipeline {pipeline} --batch-id {batch_id} --confirm` discards this replay "
+                "(the target stays as it was); a replay from the low watermark on can then run."
+            )
+        else:
+            way_on = (
+                f"`{COMMAND} reset --pipeline {pipeline} --partition {partition} --to-offset {low_watermark} "
+                "--reason ... --confirm` abandons the batch and goes on from what Kafka still holds, the offsets "
+                "before it lost (the batch's staged rows are deleted then: copy them from its staging table first "
+                "if they are needed). A retention longer than a batch may wait for its gate prevents this."
+            )
         return cls(
             f"pipeline {pipeline!r} batch {batch_id}: Kafka no longer holds offsets [{start}, {low_watermark}) of "
-            f"topic {topic!r} partition {partition} (retention deleted them after the batch was staged), so the "
-            f"quality gate cannot witness the batch's {gap} offsets there without a staged record (transaction "
-            "markers, aborted records, or records a read missed) and does not promote it. Its staged rows stay in "
-            f"staging. `{COMMAND} reset --pipeline {pipeline} --partition {partition} --to-offset {low_watermark} "
-            "--reason ... --confirm` abandons the batch and goes on from what Kafka still holds, the offsets before "
-            "it lost (the batch's staged rows are deleted then: copy them from its staging table first if they "
-            "are needed). A retention longer than a batch may wait for its gate prevents this.",
+            f"topic {topic!r} partition {partition} (retention deleted them after the batch was staged). The "
+            f"batch's range [{start}, {end}) there has {gap} offset(s) without a staged record (transaction "
+            "markers, aborted records, or records a read missed), which the quality gate has Kafka count before "
+            f"it promotes a batch, and Kafka can no longer count them from {start}: the batch is not promoted. "
+            f"Its staged rows stay in staging. {way_on}",
             pipeline=pipeline,
             batch_id=batch_id,
             topic=topic,

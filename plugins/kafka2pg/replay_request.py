@@ -44,20 +44,21 @@ class ReplayRequest:
             seen.add(r.partition)
 
 
-def parse_time(value: Any, name: str) -> datetime:
-    """ISO-8601 text (or a datetime) -> aware datetime; no zone means UTC."""
+def parse_time(value: Any, name: str, command: str = "replay") -> datetime:
+    """ISO-8601 text (or a datetime) -> aware datetime; no zone means UTC. Errors name `command`
+    and the field `name` the user gave it as."""
     if isinstance(value, datetime):
         moment = value
     else:
         try:
             moment = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
         except ValueError as exc:
-            raise ConfigError(f"replay {name}: not an ISO-8601 time: {value!r} (e.g. 2026-11-22T00:00:00Z)") from exc
+            raise ConfigError(f"{command} {name}: not an ISO-8601 time: {value!r} (e.g. 2026-11-22T00:00:00Z)") from exc
     moment = moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
     try:
         moment.astimezone(UTC)
     except OverflowError:  # 0001-01-01T00:00+05:00: before year 1 in UTC, which PostgreSQL stores BC
-        raise ConfigError(f"replay {name}: {value!r} is before the year 1 in UTC") from None
+        raise ConfigError(f"{command} {name}: {value!r} is outside years 1-9999 in UTC") from None
     return moment
 
 

@@ -619,8 +619,14 @@ def spark_session(
     except KeyboardInterrupt:
         # Ctrl-C while the JVM starts: PySpark starts it ignoring SIGINT, and one that has not yet
         # connected back would never hear from this process again (it outlived the CLI by minutes).
-        for pid in set(_spark_jvms()) - before:
-            _stop_process(pid)
+        left = sorted(set(_spark_jvms()) - before)
+        try:
+            while left:
+                _stop_process(left[0])
+                left.pop(0)
+        except KeyboardInterrupt:  # a second Ctrl-C: the ones not yet stopped are killed at once
+            for pid in left[1:]:
+                _kill(pid)
         raise
 
 

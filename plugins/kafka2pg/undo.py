@@ -52,11 +52,14 @@ _NEW_START = {
 }
 
 
-def _refuse_records_gone(where: str, pipeline: Pipeline, batch: Batch, kafka: TopicAdmin) -> None:
-    """An undo deletes rows the next live run is to load again: refused when Kafka no longer holds
-    their records (retention deleted them since, or the topic was deleted and recreated), which
-    would lose those rows for good, not even as a recorded gap where the batch started a partition."""
-    if batch.plan.in_another_topic(kafka.topic_id()):
+def _refuse_records_gone(
+    where: str, pipeline: Pipeline, batch: Batch, topic_id: str | None, lows: dict[int, int]
+) -> None:
+    """An undo deletes rows the next live run is to load again: refused when Kafka (asked before
+    the locks: its topic ID and low watermarks) no longer holds their records (retention deleted
+    them since, or the topic was deleted and recreated), which would lose those rows for good,
+    not even as a recorded gap where the batch started a partition."""
+    if batch.plan.in_another_topic(topic_id):
         raise ReplayRefusedError(
             f"{where} was read from topic {pipeline.topic!r} before it was deleted and recreated: its records are "
             "gone, and undoing it would delete its rows with nothing to load in their place.",
@@ -64,28 +67,25 @@ def _refuse_records_gone(where: str, pipeline: Pipeline, batch: Batch, kafka: To
             batch_id=batch.batch_id,
             topic=pipeline.topic,
         )
-    lows = {o.partition: o.low for o in kafka.offsets()}
-    gone = [
-        (p.range, lows.get(p.partition, p.range.end))
-        for p in batch.plan.partitions
-        if p.range is not None and p.range.start < lows.get(p.partition, p.range.end)
-    ]
+    ranges = [p.range for p in batch.plan.partitions if p.range is not None]
+    held = {r.partition: max(r.start, lows.get(r.partition, r.end)) for r in ranges}
+    gone = [r for r in ranges if held[r.partition] > r.start]
     if not gone:
         return
-    still = ",".join(f"{r.partition}:{low}-{r.end}" for r, low in gone if low < r.end)
+    still = ",".join(f"{r.partition}:{held[r.partition]}-{r.end}" for r in ranges if held[r.partition] < r.end)
     raise ReplayRefusedError(
-        f"{where}: records {', '.join(f'p{r.partition}[{r.start}, {min(low, r.end)})' for r, low in gone)} are gone "
-        "from Kafka (retention deleted them since); undoing the batch would delete their rows and the next run "
-        "could not load them again."
+        f"{where}: records {', '.join(f'p{r.partition}[{r.start}, {min(held[r.partition], r.end)})' for r in gone)} "
+        "are gone from Kafka (retention deleted them since); undoing the batch would delete their rows and the "
+        "next run could not load them again."
         + (
-            f" To correct the rows of the records Kafka still holds, replay them: "
+            f" To correct the rows of the batch's records Kafka still holds, replay them: "
             f"`{COMMAND} replay --pipeline {pipeline.name} --offsets {still}`."
             if still
             else ""
         ),
         pipeline=pipeline.name,
         batch_id=batch.batch_id,
-        offsets=[(r.partition, r.start, min(low, r.end)) for r, low in gone],
+        offsets=[(r.partition, r.start, min(held[r.partition], r.end)) for r in gone],
     )
 
 
@@ -115,6 +115,7 @@ def undo_batch(
             batch_id=batch_id,
             topic=pipeline.topic,
         )
+    topic_id, lows = kafka.topic_id(), {o.partition: o.low for o in kafka.offsets()}  # before any lock
     with transaction(settings.database_url, waits=f"pipeline={pipeline.name} undo of batch {batch_id}") as conn:
         # Plan lock, then the open live batch: no live promotion moves a head while this runs.
         lock_plan(conn, pipeline.name)
@@ -164,7 +165,7 @@ def undo_batch(
                 offsets=batch.plan.ranges,
                 moved_by=moved_by,
             )
-        _refuse_records_gone(where, pipeline, batch, kafka)
+        _refuse_records_gone(where, pipeline, batch, topic_id, lows)
         ranges = tuple(OffsetRange(p.partition, p.gap.start if p.gap else p.range.start, p.new_head) for p in parts)
         in_range = range_predicate(ranges, floors)
         rows = count_rows(conn, pipeline, in_range)

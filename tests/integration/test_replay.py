@@ -619,28 +619,34 @@ def test_abandon_refuses_the_batch_of_a_running_replay_process_at_once_whatever_
 def test_an_undo_is_refused_when_kafka_no_longer_holds_the_records_it_would_have_reloaded(
     make_pipeline, run_batch, db, heads
 ):
-    """Retention deleted part of the newest batch's records since it loaded them: undoing it would
-    delete their rows and the next run could not load them again. Refused, preview included,
-    nothing changed, naming the records gone and the replay of what Kafka still holds."""
-    env = make_pipeline(partitions=1)
-    produce(env.settings.bootstrap_servers, env.topic, sample_events(20, seed=93))
+    """Retention deleted part of the newest batch's records on one partition since it loaded them:
+    undoing it would delete their rows and the next run could not load them again. Refused,
+    preview included, nothing changed, naming the records gone and the replay of every record of
+    the batch Kafka still holds (the other partition's whole range too)."""
+    env = make_pipeline(partitions=2)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(40, seed=93))
     run_batch(env)
-    produce(env.settings.bootstrap_servers, env.topic, sample_events(20, seed=94))
+    first = heads(env)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(40, seed=94))
     newest = run_batch(env)
+    ends = heads(env)
+    assert all(ends[p] - first[p] >= 2 for p in (0, 1)), (first, ends)
+    low = first[0] + 1
     client = AdminClient(client_config(env.settings.bootstrap_servers, 10))
-    deleted = client.delete_records([TopicPartition(env.topic, 0, 30)])
-    assert next(iter(deleted.values())).result(timeout=30).low_watermark == 30
+    deleted = client.delete_records([TopicPartition(env.topic, 0, low)])
+    assert next(iter(deleted.values())).result(timeout=30).low_watermark == low
     target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
 
     for confirm in (False, True):
         with pytest.raises(ReplayRefusedError) as refused:
             undo_batch(env.settings, env.pipeline, newest.batch_id, confirm=confirm)
         message = str(refused.value)
-        assert "records p0[20, 30) are gone from Kafka" in message, message
-        assert f"replay --pipeline {env.pipeline.name} --offsets 0:30-40`" in message, message
+        assert f"records p0[{first[0]}, {low}) are gone from Kafka" in message, message
+        still = f"0:{low}-{ends[0]},1:{first[1]}-{ends[1]}"
+        assert f"replay --pipeline {env.pipeline.name} --offsets {still}`" in message, message
 
-    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 40
-    assert heads(env) == {0: 40}
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0] == 80
+    assert heads(env) == ends
 
 
 def test_undoing_a_partitions_first_batch_says_the_partition_is_left_without_a_head(make_pipeline, run_batch, heads):

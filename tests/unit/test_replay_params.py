@@ -137,7 +137,12 @@ def test_a_windows_bounds_round_up_to_kafkas_milliseconds():
     assert kafka_ms(parse_time("1969-12-31T23:59:59.9995Z", "from_time")) == 0
 
 
-def test_a_time_before_the_year_1_in_utc_is_refused():
-    with pytest.raises(ConfigError, match=r"replay --from: '0001-01-01T00:00\+05:00' is before the year 1 in UTC"):
+def test_a_time_outside_years_1_to_9999_in_utc_is_refused_naming_the_command():
+    with pytest.raises(ConfigError, match=r"replay --from: '0001-01-01T00:00\+05:00' is outside years 1-9999 in UTC"):
         parse_time("0001-01-01T00:00+05:00", "--from")
+    with pytest.raises(ConfigError, match=r"offsets --to: '9999-12-31T23:00-05:00' is outside years 1-9999 in UTC"):
+        parse_time("9999-12-31T23:00-05:00", "--to", "offsets")
+    with pytest.raises(ConfigError, match=r"offsets --to: not an ISO-8601 time: 'soon'"):
+        parse_time("soon", "--to", "offsets")
     assert parse_time("0001-01-01T00:00Z", "--from").year == 1
+    assert parse_time("9999-12-31T23:59:59.999999Z", "--to").year == 9999
