@@ -33,7 +33,12 @@ def ensure(state_dir: Path | None = None) -> Path | None:
     target = class_archive_path(state_dir)
     if target.is_file():
         return target
+    failed = target.with_name(f"{target.name}.failed")
+    if failed.is_file():  # tried and failed for this pyspark and java: not again on every command
+        log.debug("no Spark class-data archive: its training failed before (delete %s to try again)", failed)
+        return None
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_orphaned_partials(target.parent)
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     started = time.monotonic()
     try:
@@ -45,15 +50,23 @@ def ensure(state_dir: Path | None = None) -> Path | None:
             check=False,
         )
         if done.returncode != 0 or not partial.is_file() or partial.stat().st_size == 0:
+            failed.write_text(f"exit {done.returncode}\n{(done.stdout + done.stderr)[-3000:]}")
             log.warning(
-                "could not make the Spark class-data archive (stage jobs start without it): exit %s\n%s",
+                "could not make the Spark class-data archive (stage jobs start without it; delete %s to try "
+                "again): exit %s\n%s",
+                failed,
                 done.returncode,
                 (done.stdout + done.stderr)[-3000:],
             )
             return None
         partial.replace(target)
     except subprocess.TimeoutExpired:
-        log.warning("the Spark class-data training run took over %s s; stage jobs start without it", TIMEOUT_S)
+        failed.write_text(f"the training run took over {TIMEOUT_S} s\n")
+        log.warning(
+            "the Spark class-data training run took over %s s; stage jobs start without it (delete %s to try again)",
+            TIMEOUT_S,
+            failed,
+        )
         return None
     finally:
         partial.unlink(missing_ok=True)
@@ -62,6 +75,15 @@ def ensure(state_dir: Path | None = None) -> Path | None:
             stale.unlink(missing_ok=True)
     log.info("Spark class-data archive %s made in %.1f s", target, time.monotonic() - started)
     return target
+
+
+def _remove_orphaned_partials(folder: Path) -> None:
+    """Archives a training JVM wrote after its run was interrupted (it ignores Ctrl-C and writes
+    on its way out, once the name was already cleaned up): about 150 MB each, their process gone."""
+    for partial in folder.glob("spark-*.jsa.*.partial"):
+        pid = partial.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            partial.unlink(missing_ok=True)
 
 
 def train(archive: Path) -> None:

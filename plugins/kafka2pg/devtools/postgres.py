@@ -58,7 +58,9 @@ class PostgresProcess:
 
 
 def _as_postgres() -> list[str]:
-    return ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    # By its path: root's PATH from a plain `su` has no /usr/sbin.
+    runuser = shutil.which("runuser") or "/usr/sbin/runuser"
+    return [runuser, "-u", "postgres", "--"] if os.geteuid() == 0 else []
 
 
 def _give_to_postgres(path: Path) -> None:
