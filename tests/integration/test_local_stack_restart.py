@@ -17,6 +17,7 @@ import pytest
 
 from kafka2pg import cli
 from kafka2pg.devtools import local_stack
+from kafka2pg.devtools.processes import alive
 from kafka2pg.devtools.producer import produce_sample
 from kafka2pg.exceptions import KafkaUnavailableError
 from kafka2pg.jars import resolve_jars
@@ -179,3 +180,25 @@ def test_stop_keeps_the_data_a_taken_port_is_refused_and_only_reset_confirm_dele
     assert not after.kafka.running() and not after.postgres.running()
     assert not any(path.exists() for path in data)
     assert local_stack.load_stack(state_dir) is None
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, FileNotFoundError])
+def test_a_stack_start_interrupted_after_its_broker_started_leaves_no_broker_running(state_dir, monkeypatch, failure):
+    """Ctrl-C (or a failure that is no StackError, a tool missing) while PostgreSQL starts: the
+    broker, which runs in a session of its own and is not recorded yet, is stopped."""
+    started = []
+    real = local_stack.start_kafka
+
+    def kafka(*args, **kwargs):
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    def postgres(work_dir):
+        raise failure()
+
+    monkeypatch.setattr(local_stack, "start_kafka", kafka)
+    monkeypatch.setattr(local_stack, "start_postgres", postgres)
+    with pytest.raises(failure):
+        local_stack.start_or_resume(state_dir)
+    assert len(started) == 1
+    assert not alive(started[0].pid), "the broker outlived the interrupted start"

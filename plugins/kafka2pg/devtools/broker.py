@@ -188,7 +188,11 @@ def start_kafka(
         ports.get("sasl_ssl_port"),
         ports.get("ssl_port"),
     )
-    _wait_for_kafka(kafka, timeout_s)
+    try:
+        _wait_for_kafka(kafka, timeout_s)
+    except BaseException:  # a broker that never came up, or Ctrl-C meanwhile: its own session, so stop it
+        stop_pid(kafka.pid)
+        raise
     return kafka
 
 

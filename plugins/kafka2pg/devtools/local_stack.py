@@ -19,7 +19,6 @@ from kafka2pg.devtools.broker import KafkaProcess, start_kafka, start_recorded_k
 from kafka2pg.devtools.postgres import PostgresProcess, start_postgres, start_recorded_postgres, stop_postgres
 from kafka2pg.devtools.processes import stop_pid
 from kafka2pg.devtools.secured_listeners import CREDENTIALS, unsecured_error
-from kafka2pg.exceptions import StackError
 from kafka2pg.locations import default_state_dir
 
 DEFAULT_CACHE = default_state_dir()
@@ -53,7 +52,7 @@ def start_stack(work_dir: Path, cache: Path = DEFAULT_CACHE, *, secured: bool = 
     kafka = start_kafka(work_dir / "kafka", cache, secured=secured)
     try:
         postgres = start_postgres(work_dir)
-    except StackError:
+    except BaseException:  # a failure or Ctrl-C: the broker runs in a session of its own
         stop_pid(kafka.pid)
         raise
     return Stack(kafka, postgres)

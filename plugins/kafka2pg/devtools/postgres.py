@@ -146,6 +146,16 @@ def start_postgres(work_dir: Path, timeout_s: float = 60) -> PostgresProcess:
         raise StackError(f"initdb failed:\n{done.stdout}\n{done.stderr}")
     port = free_port()
     pid = _pg_ctl_start(bin_dir, data_dir, log_file, port, timeout_s)
+    started = PostgresProcess(pid, port, str(data_dir), str(log_file), str(bin_dir))
+    try:
+        _create_database(bin_dir, port)
+    except BaseException:  # pg_ctl detached it: nothing else would stop it
+        stop_postgres(started)
+        raise
+    return started
+
+
+def _create_database(bin_dir: Path, port: int) -> None:
     subprocess.run(
         [
             str(bin_dir / "psql") if (bin_dir / "psql").exists() else "psql",
@@ -167,7 +177,6 @@ def start_postgres(work_dir: Path, timeout_s: float = 60) -> PostgresProcess:
         text=True,
         check=True,
     )
-    return PostgresProcess(pid, port, str(data_dir), str(log_file), str(bin_dir))
 
 
 def _pg_ctl_start(bin_dir: Path, data_dir: Path, log_file: Path, port: int, timeout_s: float) -> int:
