@@ -40,8 +40,9 @@ def run(*, events: int, keep: bool) -> int:
         # The demo counts what it lands from an empty stack, and never deletes data it did not make.
         raise StackError(
             f"a local stack already exists in {local_stack.stack_dir(cache)}, with its data: the demo starts "
-            f"its own, empty one. `{COMMAND} stack reset` shows what that stack holds, `{COMMAND} stack reset "
-            "--confirm` deletes it; then run the demo again."
+            f"its own, empty one (a demo running in another terminal, or one kept with --keep?). `{COMMAND} stack "
+            f"reset` shows what that stack holds and `{COMMAND} stack reset --confirm`, once nothing uses it, "
+            "stops and deletes it; then run the demo again."
         )
     print("[1/6] Kafka and Spark jars (resolved from Maven Central once, then cached)")
     resolve_jars(cache)
