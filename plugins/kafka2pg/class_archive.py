@@ -33,12 +33,12 @@ def ensure(state_dir: Path | None = None) -> Path | None:
     target = class_archive_path(state_dir)
     if target.is_file():
         return target
-    failed = target.with_name(f"{target.name}.failed")
-    if failed.is_file():  # tried and failed for this pyspark and java: not again on every command
-        log.debug("no Spark class-data archive: its training failed before (delete %s to try again)", failed)
-        return None
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphaned_partials(target.parent)
+    failed = target.with_name(f"{target.name}.failed")
+    if failed.is_file():  # its training exited with an error for this pyspark and java: not on every command
+        log.debug("no Spark class-data archive: its training failed before (delete %s to try again)", failed)
+        return None
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     started = time.monotonic()
     try:
@@ -50,7 +50,8 @@ def ensure(state_dir: Path | None = None) -> Path | None:
             check=False,
         )
         if done.returncode != 0 or not partial.is_file() or partial.stat().st_size == 0:
-            failed.write_text(f"exit {done.returncode}\n{(done.stdout + done.stderr)[-3000:]}")
+            if done.returncode > 0:  # an error of its own, not a signal (the OOM killer): the next try would fail too
+                failed.write_text(f"exit {done.returncode}\n{(done.stdout + done.stderr)[-3000:]}")
             log.warning(
                 "could not make the Spark class-data archive (stage jobs start without it; delete %s to try "
                 "again): exit %s\n%s",
@@ -60,13 +61,8 @@ def ensure(state_dir: Path | None = None) -> Path | None:
             )
             return None
         partial.replace(target)
-    except subprocess.TimeoutExpired:
-        failed.write_text(f"the training run took over {TIMEOUT_S} s\n")
-        log.warning(
-            "the Spark class-data training run took over %s s; stage jobs start without it (delete %s to try again)",
-            TIMEOUT_S,
-            failed,
-        )
+    except subprocess.TimeoutExpired:  # a busy machine: tried again by the next command
+        log.warning("the Spark class-data training run took over %s s; stage jobs start without it", TIMEOUT_S)
         return None
     finally:
         partial.unlink(missing_ok=True)

@@ -58,7 +58,8 @@ def test_a_stage_jvm_maps_sparks_classes_from_the_archive_setup_made(tmp_path):
 
 
 def test_a_failed_training_run_leaves_no_archive(tmp_path, monkeypatch):
-    """A JVM given a truncated archive crashes: a failed run must leave neither archive nor partial file."""
+    """A JVM given a truncated archive crashes: a failed run must leave neither archive nor partial
+    file, only the marker that keeps later commands from training again."""
     java_home = tmp_path / "broken-jdk"
     (java_home / "bin").mkdir(parents=True)
     java = java_home / "bin" / "java"
@@ -69,6 +70,6 @@ def test_a_failed_training_run_leaves_no_archive(tmp_path, monkeypatch):
 
     assert class_archive.ensure(state) is None
     assert not class_archive_path(state).exists()
-    assert list((state / "jvm").iterdir()) == []
+    assert [p.name for p in (state / "jvm").iterdir()] == [f"{class_archive_path(state).name}.failed"]
     assert "SharedArchiveFile" not in stage_jvm_options(1, state)
     assert os.environ["JAVA_HOME"] == str(java_home)

@@ -1,12 +1,10 @@
-"""The Spark class-data archive's training: tried once per pyspark and java (a failure is not
-retried by every later command, each of which would wait for it again), and the archives an
-interrupted training JVM wrote on its way out removed."""
+"""The Spark class-data archive's training: one that exits with an error is not retried by every
+later command (each would wait for it again), one that timed out or was killed is; the archives
+an interrupted training JVM wrote on its way out are removed."""
 
 import os
 import subprocess
 import sys
-
-import pytest
 
 from kafka2pg import class_archive
 from kafka2pg.config import class_archive_path
@@ -30,14 +28,22 @@ def test_a_failed_training_is_recorded_and_not_run_again_until_its_marker_is_del
     assert len(runs) == 2
 
 
-def test_a_training_over_its_time_is_recorded_too(tmp_path, monkeypatch):
+def test_a_training_over_its_time_or_killed_by_a_signal_is_tried_again(tmp_path, monkeypatch):
+    """A busy machine or the OOM killer: the next command may succeed."""
+    runs = []
+
     def slow(argv, **_):
+        runs.append(argv)
         raise subprocess.TimeoutExpired(argv, class_archive.TIMEOUT_S)
 
-    monkeypatch.setattr(class_archive.subprocess, "run", slow)
-    assert class_archive.ensure(tmp_path) is None
-    monkeypatch.setattr(class_archive.subprocess, "run", lambda *a, **k: pytest.fail("trained again"))
-    assert class_archive.ensure(tmp_path) is None
+    def killed(argv, **_):
+        runs.append(argv)
+        return subprocess.CompletedProcess(argv, -9, "", "")
+
+    for outcome in (slow, killed, killed):
+        monkeypatch.setattr(class_archive.subprocess, "run", outcome)
+        assert class_archive.ensure(tmp_path) is None
+    assert len(runs) == 3
 
 
 def test_archives_left_by_an_interrupted_training_are_removed_when_their_process_is_gone(tmp_path, monkeypatch):
