@@ -3,10 +3,11 @@ interval: pure, no client library (opening and finishing replays: `kafka2pg.repl
 
 from __future__ import annotations
 
+import calendar
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from kafka2pg.exceptions import ConfigError
@@ -66,11 +67,9 @@ def kafka_ms(moment: datetime) -> int:
     """The first Kafka timestamp (whole milliseconds since 1970) at or after `moment`: the bound to
     look offsets up by for a window [from, to) (rounded up: a record a microsecond before `from`
     is not in it)."""
-    micros = (moment - _EPOCH) // timedelta(microseconds=1)
+    utc = moment.astimezone(UTC)  # plain arithmetic: Airflow's data interval is pendulum's own DateTime
+    micros = calendar.timegm(utc.timetuple()) * 1_000_000 + utc.microsecond
     return -(-micros // 1000)
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 # One "partition:start-end" of the command line's form: ASCII digits only (Python's int() would

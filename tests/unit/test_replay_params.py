@@ -135,6 +135,10 @@ def test_a_windows_bounds_round_up_to_kafkas_milliseconds():
     assert kafka_ms(parse_time("2026-11-22T10:00:00.001Z", "from_time")) == whole + 1
     assert kafka_ms(parse_time("2026-11-22T11:00:00.000999+01:00", "from_time")) == whole + 1
     assert kafka_ms(parse_time("1969-12-31T23:59:59.9995Z", "from_time")) == 0
+    # A backfill's data interval, as Airflow hands it to the task: pendulum's DateTime.
+    pendulum = pytest.importorskip("pendulum")
+    assert kafka_ms(parse_time(pendulum.datetime(2026, 11, 22, 10), "data_interval_start")) == whole
+    assert kafka_ms(pendulum.datetime(2026, 11, 22, 11, 0, 0, 500, tz="Europe/Paris")) == whole + 1
 
 
 def test_a_time_outside_years_1_to_9999_in_utc_is_refused_naming_the_command():
