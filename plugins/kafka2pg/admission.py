@@ -1166,8 +1166,14 @@ def _from_epoch(number: Decimal, unit: str, raw: bytes) -> datetime:
     28 digits and flushes tiny values to 0)."""
     _sign, digits, exponent = number.as_tuple()
     places = len(str(EPOCH_UNITS[unit])) - 1  # fractional digits a microsecond allows in this unit
-    while exponent < 0 and len(digits) > 1 and digits[-1] == 0:
-        digits, exponent = digits[:-1], exponent + 1
+    # Trailing zeros after the point drop out, counted in one pass (a record's "1.000…0" may be
+    # a megabyte long: taking them off one at a time would copy the digits once per zero).
+    zeros = 0
+    limit = min(-exponent, len(digits) - 1) if exponent < 0 else 0
+    while zeros < limit and digits[-1 - zeros] == 0:
+        zeros += 1
+    if zeros:
+        digits, exponent = digits[: len(digits) - zeros], exponent + zeros
     if any(digits) and exponent < -places:
         raise Refused(f"{_show(raw.decode())} {unit} has sub-microsecond digits; timestamptz keeps microseconds")
     if any(digits) and len(digits) + exponent + places > 19:  # beyond any year 1-9999 in microseconds
@@ -1236,7 +1242,9 @@ _NUMERIC_INTEGER_DIGITS = 131_072
 _NUMERIC_FRACTION_DIGITS = 16_383
 _BIG_EXPONENT = re.compile(rb"[eE][-+]?[0-9]{5}")
 _LONG_DIGITS_RUN = 6000
-_LONG_DIGITS = re.compile(rb"[0-9]{%d}" % _LONG_DIGITS_RUN)
+# Tried only where a run of digits starts: a value of many runs just short of that length
+# would otherwise be scanned again from each of their digits.
+_LONG_DIGITS = re.compile(rb"(?<![0-9])[0-9]{%d}" % _LONG_DIGITS_RUN)
 
 
 def _check_json_numbers(raw: bytes) -> None:

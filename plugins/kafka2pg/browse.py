@@ -62,8 +62,15 @@ class QuarantineRow:
     offset: int
     timestamp: datetime | None
     reason: str
-    raw_key: bytes | None
-    raw_value: bytes | None
+    raw_key: bytes | None  # its first PREVIEW_BYTES bytes
+    raw_value: bytes | None  # its first PREVIEW_BYTES bytes
+    key_bytes: int | None = None  # the whole key's length; None: as long as raw_key
+    value_bytes: int | None = None
+
+
+# What a quarantine page reads of a record's key and value: a record may be as large as the
+# broker allows (about 1 MB by default, far more where raised), and a page holds many.
+PREVIEW_BYTES = 200
 
 
 # A page of batches: (pipeline, before, before, limit); each batch's partitions read by its key.
@@ -159,9 +166,10 @@ def quarantine_page(
     """The batch's quarantined records after (partition, offset) `after` (None: from the first), in order."""
     partition, offset = after if after is not None else (-1, -1)
     rows = conn.execute(
-        "SELECT kafka_partition, kafka_offset, kafka_timestamp, reason, raw_key, raw_value"
-        " FROM kafka2pg.quarantine WHERE batch_id = %s AND pipeline = %s AND (kafka_partition, kafka_offset) > (%s, %s)"
-        " ORDER BY kafka_partition, kafka_offset LIMIT %s",
-        (batch_id, pipeline, partition, offset, limit),
+        "SELECT kafka_partition, kafka_offset, kafka_timestamp, reason, substring(raw_key FOR %(n)s),"
+        " substring(raw_value FOR %(n)s), octet_length(raw_key), octet_length(raw_value) FROM kafka2pg.quarantine"
+        " WHERE batch_id = %(batch)s AND pipeline = %(pipeline)s AND (kafka_partition, kafka_offset) > (%(p)s, %(o)s)"
+        " ORDER BY kafka_partition, kafka_offset LIMIT %(limit)s",
+        {"n": PREVIEW_BYTES, "batch": batch_id, "pipeline": pipeline, "p": partition, "o": offset, "limit": limit},
     ).fetchall()
     return [QuarantineRow(*row) for row in rows]

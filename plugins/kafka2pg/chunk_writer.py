@@ -113,7 +113,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
                 admitted = decoder.admit(record_batch.column("value").to_pylist())
                 if pipeline.kafka_reader == "spark":
                     record_batch = undo_julian_rebase(record_batch)
-                record_batch, admitted = refuse_unreadable_timestamps(record_batch, admitted)
+                record_batch, admitted = refuse_unreadable_timestamps(no_timestamp_as_null(record_batch), admitted)
                 framed = frame(record_batch, admitted, decoder, batch_id, chunk, topic)
                 refused = copy_isolating(conn, copy, framed, into=f"kafka2pg.{pipeline.staging_table}")
                 if refused:
@@ -155,6 +155,22 @@ UNREADABLE_TIMESTAMP = (
     "store it, but client libraries cannot read it back (a producer that sets microseconds or nanoseconds "
     "where Kafka expects milliseconds writes such timestamps)"
 )
+
+
+# Kafka's "no timestamp" (RecordBatch.NO_TIMESTAMP): a record of the v0 message format, or one a
+# client wrote without a time. Both readers hand it over as the instant 1969-12-31T23:59:59.999Z.
+NO_TIMESTAMP_US = -1_000
+
+
+def no_timestamp_as_null(record_batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A record Kafka holds without a timestamp gets a NULL kafka_timestamp, not a date in 1969."""
+    stamps = record_batch.column("timestamp")
+    missing = pc.equal(stamps.cast(pa.int64()), pa.scalar(NO_TIMESTAMP_US, pa.int64()))
+    if not pc.any(missing).as_py():
+        return record_batch
+    nulled = pc.if_else(missing, pa.scalar(None, stamps.type), stamps)
+    position = record_batch.schema.get_field_index("timestamp")
+    return record_batch.set_column(position, record_batch.schema.field(position), nulled)
 
 
 # 1582-10-15T00:00:00Z in microseconds: the first day of the Gregorian calendar.

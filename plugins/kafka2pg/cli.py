@@ -352,12 +352,15 @@ def _status_json(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Exit 1 when an audit found a discrepancy (or a STUCK batch, or the database NOT READY for
-    a run), else 2 when a pipeline could not be audited (its error on stderr; the others are
-    audited all the same), else 0. When both, a last line on stderr names those not audited."""
+    """Exit 1 when an audit found a discrepancy (or a STUCK batch, the database NOT READY for a
+    run, or the ledger BLOCKED: no longer fitting the topic), else 2 when a pipeline could not be
+    audited (its error on stderr; the others are audited all the same), else 0. When both, a last
+    line on stderr names those not audited."""
     from kafka2pg.audit import audit_pipeline, format_audit
     from kafka2pg.database import session
     from kafka2pg.migrations import readiness_error
+    from kafka2pg.opening import blocked_words
+    from kafka2pg.status import BLOCKED_LINE, KAFKA_TROUBLE
     from kafka2pg.stuck import open_batches
 
     def audit(settings: Settings, pipeline: Pipeline) -> bool:
@@ -367,20 +370,32 @@ def cmd_verify(args: argparse.Namespace) -> int:
             with contextlib.suppress(Kafka2PgError, *_postgresql_errors()), session(settings.database_url) as conn:
                 exc = readiness_error(settings, pipeline, conn) or exc
             raise exc from None
+        blocked = None
         with session(settings.database_url) as conn:
             batches = open_batches(conn, pipeline.name)
             not_ready = readiness_error(settings, pipeline, conn)
+            if not_ready is None:  # a run stops at NOT READY first
+                try:
+                    blocked = blocked_words(settings, pipeline, conn)
+                except KAFKA_TROUBLE as exc:  # the audit stands; only this one check is unknown
+                    print(
+                        f"pipeline {pipeline.name}: whether the ledger still fits the topic is unknown: "
+                        f"{type(exc).__name__}: {exc}",
+                        file=sys.stderr,
+                    )
         stuck = [b.stuck for b in batches if b.stuck is not None]
         replays = [b for b in batches if b.kind != "live" and b.stuck is None]
         print(format_audit(pipeline, audits, stuck, None if not_ready is None else str(not_ready), replays))
-        return all(a.clean for a in audits) and not stuck and not_ready is None
+        if blocked is not None:
+            print(BLOCKED_LINE + blocked)
+        return all(a.clean for a in audits) and not stuck and not_ready is None and blocked is None
 
     results = _each_pipeline(args, "not audited", audit)
     failed = _failed(results)
     if _answered_no(results):
         if failed:
             print(
-                "verify: exit 1 for the discrepancy, STUCK batch or NOT READY above; also not audited: "
+                "verify: exit 1 for the discrepancy, STUCK batch, NOT READY or BLOCKED above; also not audited: "
                 + ", ".join(failed),
                 file=sys.stderr,
             )
@@ -453,7 +468,10 @@ def _export_report(args: argparse.Namespace) -> int:
         return 1
     page = render_html(result)
     if args.out is None:
-        sys.stdout.write(page)
+        # the page declares UTF-8; a C locale's stdout would refuse a non-ASCII key or value
+        sys.stdout.flush()
+        sys.stdout.buffer.write(page.encode("utf-8"))
+        sys.stdout.buffer.flush()
         return 0
     _write_report(args, page)
     print(f"pipeline {pipeline.name} batch {args.batch_id}: quality report written to {args.out}")
@@ -462,7 +480,7 @@ def _export_report(args: argparse.Namespace) -> int:
 
 def _write_report(args: argparse.Namespace, page: str) -> None:
     try:
-        args.out.write_text(page)
+        args.out.write_text(page, encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"report --out {args.out}: cannot write it: {exc.strerror or exc}") from None
 

@@ -43,6 +43,7 @@ def build_dag(pipeline: Pipeline, pipelines_file: Path):
     name = pipeline.name
     with DAG(
         dag_id=pipeline.dag_id,
+        auto_register=False,  # handed over by build_dags alone: a half-built pair is never collected
         description=f"Kafka topic {pipeline.topic} -> {pipeline.target_schema}.{pipeline.target_table}, exactly once",
         schedule=pipeline.schedule,
         start_date=datetime(2026, 1, 1),
@@ -258,6 +259,7 @@ def build_replay_dag(pipeline: Pipeline, pipelines_file: Path):
     name = pipeline.name
     with DAG(
         dag_id=pipeline.replay_dag_id,
+        auto_register=False,  # handed over by build_dags alone: a half-built pair is never collected
         description=f"Replay / backfill of {pipeline.topic} -> {pipeline.target_schema}.{pipeline.target_table}",
         # Data intervals for backfills; the DAG starts paused so nothing replays on a timer.
         schedule=CronDataIntervalTimetable(pipeline.replay_interval, timezone="UTC"),
@@ -392,16 +394,19 @@ def build_broken_dag(dag_id: str, errors: list[str]):
     say why, it is not scheduled, and a run fails at once with the errors (no retry)."""
     from airflow.sdk import DAG, task
 
-    with DAG(
-        dag_id=dag_id,
-        description="CONFIGURATION ERROR: " + errors[0].splitlines()[0][:200],
-        doc_md="**The pipelines file has an error here: this DAG runs nothing until it is fixed.**\n\n"
-        + "\n\n".join(_fenced(e) for e in errors),
-        schedule=None,
-        start_date=datetime(2026, 1, 1),
-        catchup=False,
-        tags=["kafka2pg", "configuration-error"],
-    ) as dag:
+    with (
+        DAG(
+            dag_id=dag_id,
+            auto_register=False,  # handed over by build_dags alone: a half-built pair is never collected
+            description="CONFIGURATION ERROR: " + errors[0].splitlines()[0][:200],
+            doc_md="**The pipelines file has an error here: this DAG runs nothing until it is fixed.**\n\n"
+            + "\n\n".join(_fenced(e) for e in errors),
+            schedule=None,
+            start_date=datetime(2026, 1, 1),
+            catchup=False,
+            tags=["kafka2pg", "configuration-error"],
+        ) as dag
+    ):
 
         @task(task_id="configuration_error", retries=0)
         def configuration_error() -> None:

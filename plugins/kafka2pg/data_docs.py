@@ -63,9 +63,9 @@ def write_report(state_dir: Path, pipeline: Pipeline, payload: dict) -> Path:
     directory = report_dir(state_dir, pipeline)
     directory.mkdir(parents=True, exist_ok=True)
     batch_id = payload["batch_id"]
-    (directory / f"batch-{batch_id}.json").write_text(json.dumps(payload, indent=2, default=str))
+    (directory / f"batch-{batch_id}.json").write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
     path = directory / f"batch-{batch_id}.html"
-    path.write_text(render_html(payload))
+    path.write_text(render_html(payload), encoding="utf-8")
     return path
 
 

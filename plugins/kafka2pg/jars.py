@@ -48,7 +48,9 @@ def resolve_jars(cache: Path | None = None, names: tuple[str, ...] = SET_UP) -> 
         target = jar_dir(cache, name)
         marker = target / ".complete"
         pom_path = MAVEN_DIR / pom
-        if marker.exists() and marker.read_text() == pom_path.read_text():
+        versions = _versions(name)
+        made_from = pom_path.read_text() + "".join(f"\n<!-- -D{k}={v} -->" for k, v in versions.items())
+        if marker.exists() and marker.read_text() == made_from:
             result[name] = target
             continue
         if shutil.which("mvn") is None:
@@ -64,18 +66,32 @@ def resolve_jars(cache: Path | None = None, names: tuple[str, ...] = SET_UP) -> 
             settings,
             "-f",
             str(pom_path),
-            "dependency:copy-dependencies",
+            # pinned: an unqualified goal asks Maven Central which version is the latest each time
+            f"{DEPENDENCY_PLUGIN}:copy-dependencies",
             f"-DoutputDirectory={target}",
             "-DincludeScope=runtime",
+            *(f"-D{k}={v}" for k, v in versions.items()),
         ]
         log.info("resolving %s jars from Maven Central into %s", name, target)
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise StackError(f"Maven could not resolve {pom}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
         _unpack_plugins(target)
-        marker.write_text(pom_path.read_text())
+        marker.write_text(made_from)
         result[name] = target
     return result
+
+
+DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1"
+
+
+def _versions(name: str) -> dict[str, str]:
+    """The POM properties set from what is installed: Spark's Kafka source must be the build of the
+    pyspark this environment runs (a pip-installed kafka2pg may sit beside another pyspark than the
+    pinned one), and jars resolved for another pyspark are resolved again."""
+    if name == "spark":
+        return {"spark.version": metadata.version("pyspark")}
+    return {}
 
 
 def connect_plugin_path(jars: Path) -> Path:

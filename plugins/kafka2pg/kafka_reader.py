@@ -8,6 +8,7 @@ of quarantined records (`raw_records_at`) and the time-to-data-loss probe (`firs
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from kafka2pg.exceptions import KafkaAuthenticationError, KafkaUnavailableError,
 from kafka2pg.kafka_config import KafkaLike, scrubbed
 from kafka2pg.kafka_offsets import _unavailable, client_config, configuration_checked, partition_bounds, refusal
 from kafka2pg.planner import OffsetRange, describe_ranges
+
+log = logging.getLogger(__name__)
 
 Isolation = Literal["read_committed", "read_uncommitted"]
 
@@ -328,11 +331,30 @@ def raw_records(
         for chunk in reader.messages([OffsetRange(partition, min(wanted), max(wanted) + 1)], short="stop"):
             for message in chunk:
                 if message.offset() in wanted:
-                    headers = [
-                        (key.encode("utf-8", "surrogateescape"), value) for key, value in message.headers() or ()
-                    ]
-                    found[message.offset()] = RawRecord(message.key(), message.value(), headers)
+                    found[message.offset()] = RawRecord(message.key(), message.value(), _headers(message))
     return found
+
+
+def _headers(message: Message) -> Headers:
+    """A record's headers, keys as bytes; none when a header's key is not UTF-8.
+
+    confluent-kafka decodes each header key as UTF-8 without checking the result: for a key that
+    is not UTF-8 it returns a list holding a (NULL, value) pair with the decoding error pending,
+    and any use of that pair crashes the process. A call from C through the vectorcall protocol
+    checks a result returned with an error pending and raises SystemError; the interpreter's
+    specialised call of a method, once the call site is warm, does not check it. So the method is
+    called from C (`map`), once per message (the broken list stays cached in the message)."""
+    try:
+        (pairs,) = map(Message.headers, (message,))
+    except SystemError:  # the record is still quarantined, with its key and value
+        log.warning(
+            "record at partition %s offset %s has a header key that is not UTF-8: its headers are not kept in "
+            "quarantine (its key and value are)",
+            message.partition(),
+            message.offset(),
+        )
+        return []
+    return [(key.encode("utf-8", "surrogateescape"), value) for key, value in pairs or ()]
 
 
 def raw_records_at(

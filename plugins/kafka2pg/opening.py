@@ -319,6 +319,20 @@ def ledger_refusal(
     return None
 
 
+def blocked_words(
+    settings: Settings,
+    pipeline: Pipeline,
+    conn: Connection,
+    offsets: list[PartitionOffsets] | None = None,
+    kafka: TopicAdmin | None = None,
+) -> str | None:
+    """`ledger_refusal` as `status` and `verify` say it (the error's name and words); None when the
+    heads fit the topic. Asks Kafka for the offsets unless given: Kafka's errors are the caller's."""
+    kafka = kafka or topic_admin(settings, pipeline)
+    refusal = ledger_refusal(settings, pipeline, conn, kafka.offsets() if offsets is None else offsets, kafka)
+    return None if refusal is None else f"{type(refusal).__name__}: {refusal}"
+
+
 def _plan_from(
     pipeline: Pipeline,
     offsets: list[PartitionOffsets],

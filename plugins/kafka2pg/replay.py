@@ -376,9 +376,10 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
     `quarantined_only_before_record_gone`: what Kafka no longer holds, not a difference of the
     logic (a `replace` keeps such a row). Each: count and up to SAMPLE "partition:offset" samples.
     """
-    values = sql.SQL(", ").join(
-        [sql.Identifier(c.name) for c in pipeline.columns] + [sql.Identifier("kafka_timestamp")]
-    )
+    # A row loaded before a record without a Kafka timestamp was stored as NULL holds the instant
+    # Kafka's -1 ms reads as: the same record, not a change.
+    no_timestamp = sql.SQL("nullif(kafka_timestamp, timestamptz '1969-12-31 23:59:59.999+00')")
+    values = sql.SQL(", ").join([sql.Identifier(c.name) for c in pipeline.columns] + [no_timestamp])
     staging = sql.Identifier("kafka2pg", pipeline.staging_table)
     params = {"batch": batch_id, "topic": pipeline.topic, "pipeline": pipeline.name}
     new_rows = sql.SQL(

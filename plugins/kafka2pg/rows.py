@@ -306,7 +306,7 @@ def _stand_ins(conn: Connection, pipeline: Pipeline, batch_id: int) -> list[tupl
                 " AND NOT EXISTS (SELECT FROM {staging} k WHERE k.batch_id = d.batch_id AND {same_key}"
                 " AND starts_with(k.quarantine_reason, {refused_reason})"
                 " AND ({kept}) IS NOT DISTINCT FROM ({candidate}))"
-                " ORDER BY {keys}, d.kafka_timestamp, d.kafka_partition, d.kafka_offset) c"
+                " ORDER BY {keys}, d.kafka_timestamp NULLS FIRST, d.kafka_partition, d.kafka_offset) c"
                 " WHERE s.batch_id = %(batch)s AND s.kafka_partition = c.kafka_partition"
                 " AND s.kafka_offset = c.kafka_offset RETURNING s.kafka_partition, s.kafka_offset"
             ).format(

@@ -26,7 +26,7 @@ from kafka2pg.exceptions import (
 from kafka2pg.kafka_offsets import PartitionOffsets, TopicAdmin
 from kafka2pg.ledger import head_status, read_heads
 from kafka2pg.migrations import readiness_error
-from kafka2pg.opening import ledger_refusal, loss_horizons, topic_admin
+from kafka2pg.opening import blocked_words, loss_horizons, topic_admin
 from kafka2pg.planner import LossHorizon
 from kafka2pg.stuck import OpenBatch, StuckBatch, open_batches
 
@@ -105,7 +105,7 @@ class PipelineStatus:
         the ledger no longer fits the topic."""
         if self.blocked is None:
             return []
-        return [f"BLOCKED: no batch can be planned until an operator acts: {self.blocked}"]
+        return [BLOCKED_LINE + self.blocked]
 
     def open_batch_lines(self) -> list[str]:
         """One line per open batch not STUCK (a STUCK one has its own line), each saying what the
@@ -156,8 +156,7 @@ def _read_status(
     # Not on a database NOT READY: a run stops there first, and the ledger may lack what is read.
     if offsets is not None and not_ready is None:
         try:
-            refusal = ledger_refusal(settings, pipeline, conn, offsets, kafka)
-            blocked = None if refusal is None else f"{type(refusal).__name__}: {refusal}"
+            blocked = blocked_words(settings, pipeline, conn, offsets, kafka)
         except KAFKA_TROUBLE as exc:  # the topic's ID unknown: the offsets are still worth showing
             log.warning("pipeline=%s whether the ledger fits the topic is unknown: %s", pipeline.name, exc)
     heads = None if offsets is None else read_heads(conn, pipeline.name)
@@ -180,6 +179,8 @@ def _read_status(
         blocked,
     )
 
+
+BLOCKED_LINE = "BLOCKED: no batch can be planned until an operator acts: "
 
 # Kafka not answering, or refusing: the partitions' offsets are unknown.
 KAFKA_TROUBLE = (KafkaUnavailableError, KafkaRequestError, KafkaAuthenticationError, TopicNotFoundError)

@@ -466,7 +466,8 @@ def quarantine(
         page = quarantine_page(conn, pipeline.name, batch_id, after, limit)
     rows = [
         f'<tr data-offset="{q.partition}:{q.offset}">{_cell(q.partition, "num")}{_cell(q.offset, "num")}'
-        f"{_cell(q.timestamp)}{_cell(q.reason)}{_cell(_preview(q.raw_key))}{_cell(_preview(q.raw_value))}</tr>"
+        f"{_cell(q.timestamp)}{_cell(q.reason)}{_cell(_preview(q.raw_key, q.key_bytes))}"
+        f"{_cell(_preview(q.raw_value, q.value_bytes))}</tr>"
         for q in page
     ]
     more = ""
@@ -479,9 +480,13 @@ def quarantine(
     return _page(request, f"pipeline {pipeline.name}: quarantine of batch {batch_id}", table + more)
 
 
-def _preview(raw: bytes | None, limit: int = 200) -> str | None:
-    """The first bytes of a raw key or value, undecodable bytes shown as \\x escapes."""
+def _preview(raw: bytes | None, whole: int | None = None) -> str | None:
+    """The first bytes of a raw key or value (of `whole` bytes in all), undecodable bytes shown as
+    \\x escapes; a cut one ends with its length."""
+    from kafka2pg.browse import PREVIEW_BYTES
+
     if raw is None:
         return None
-    text = bytes(raw[:limit]).decode("utf-8", errors="backslashreplace")
-    return text + ("…" if len(raw) > limit else "")
+    whole = len(raw) if whole is None else whole
+    text = bytes(raw[:PREVIEW_BYTES]).decode("utf-8", errors="backslashreplace")
+    return text + (f"… ({whole:,} bytes)" if whole > PREVIEW_BYTES else "")

@@ -175,7 +175,9 @@ def test_compacted_topic_gaps_are_compaction_and_the_audit_does_not_call_them_lo
     assert_audit_clean(env)
 
 
-def test_retention_loss_fails_naming_the_offsets_then_skip_records_the_gap(make_pipeline, reconfigured, run_batch, db):
+def test_retention_loss_fails_naming_the_offsets_then_skip_records_the_gap(
+    make_pipeline, reconfigured, run_batch, db, monkeypatch, capsys
+):
     env = make_pipeline(partitions=1)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(100, seed=33)))
     run_batch(env)
@@ -189,9 +191,15 @@ def test_retention_loss_fails_naming_the_offsets_then_skip_records_the_gap(make_
     assert (lost.value.pipeline, lost.value.partition, lost.value.offsets) == (env.pipeline.name, 0, (100, 150))
     assert ledger(db, env) == before
     assert blocked(env) == f"RetentionLossError: {lost.value}"
+    # verify says it as status does, and exits 1 for it; the same audit under `skip` is clean
+    assert verified(env, monkeypatch, capsys) == (
+        1,
+        f"BLOCKED: no batch can be planned until an operator acts: RetentionLossError: {lost.value}",
+    )
 
     skipping = reconfigured(env, on_retention_loss="skip")
     assert blocked(skipping) is None  # the next run records the gap and goes on
+    assert verified(skipping, monkeypatch, capsys) == (0, None)
     result = run_batch(skipping)
     assert result.promoted == 50
     assert ledger(db, env) == [
@@ -573,6 +581,17 @@ def test_the_audit_of_a_topic_recreated_shorter_reports_the_rows_kafka_no_longer
     assert (audit.kafka_records, audit.matched, audit.unexplained) == (30, 30, 70)
     assert audit.unexplained_offsets[0] == 30
     assert not audit.clean
+
+
+def verified(env, monkeypatch, capsys) -> tuple[int, str | None]:
+    """`kafka2pg verify --pipeline`'s exit code and BLOCKED line (None: none)."""
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    capsys.readouterr()
+    code = cli.main(["verify", "--pipeline", env.pipeline.name])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("BLOCKED")]
+    return code, lines[0] if lines else None
 
 
 def blocked(env) -> str | None:

@@ -94,3 +94,23 @@ def test_history_lists_undos_and_resets_newest_first_page_by_page(make_pipeline,
     assert undo.outcome == "target rows 20 -> 0, quarantine rows 0 -> 0"
     assert (reset.operation, reset.ranges, reset.reason) == ("reset", "p0 head unread -> 20", "skip the bad load")
     assert state == "undone"
+
+
+def test_the_quarantine_page_reads_the_first_bytes_of_a_large_record_and_its_length(make_pipeline, run_batch):
+    from kafka2pg.browse import PREVIEW_BYTES, quarantine_page
+
+    env = make_pipeline(partitions=1)
+    large = b"\xff" + b"x" * 900_000  # not JSON, not UTF-8: quarantined whole
+    producer = Producer({**client_config(env.settings.bootstrap_servers, 10), "message.max.bytes": 2_000_000})
+    producer.produce(env.topic, key=b"k" * 300, value=large, partition=0)
+    producer.produce(env.topic, key=None, value=b"short", partition=0)
+    assert producer.flush(30) == 0
+    loaded = run_batch(env)
+    assert loaded.quarantined == 2
+
+    with connect(env.settings.database_url, autocommit=True) as conn:
+        first, second = quarantine_page(conn, env.pipeline.name, loaded.batch_id, None, 50)
+        assert quarantine_page(conn, env.pipeline.name, loaded.batch_id, (0, 0), 50) == [second]
+    assert (first.raw_value, first.value_bytes) == (large[:PREVIEW_BYTES], len(large))
+    assert (first.raw_key, first.key_bytes) == (b"k" * PREVIEW_BYTES, 300)
+    assert (second.raw_key, second.key_bytes, second.raw_value, second.value_bytes) == (None, None, b"short", 5)

@@ -140,3 +140,39 @@ def test_kafka_timestamps_before_the_gregorian_calendar_land_exactly_with_either
         "SELECT kafka_offset, reason FROM kafka2pg.quarantine WHERE pipeline = %s", (env.pipeline.name,)
     )
     assert reasons.fetchall() == [(6, UNREADABLE_TIMESTAMP)]
+
+
+@pytest.mark.parametrize("reader", ["librdkafka", "spark"])
+def test_a_record_kafka_holds_without_a_timestamp_lands_with_a_null_one_not_a_date_in_1969(
+    reader, make_pipeline, run_batch, replay, db
+):
+    from kafka2pg.planner import OffsetRange
+    from kafka2pg.replay_request import ReplayRequest
+
+    env = make_pipeline(partitions=1, kafka_reader=reader)
+    now_ms = int(time.time() * 1000)
+    producer = Producer(client_config(env.settings.bootstrap_servers, 10))
+    for n, stamp in enumerate((-1, now_ms, -1)):  # -1: Kafka's NO_TIMESTAMP
+        producer.produce(env.topic, value=_event(n), partition=0, timestamp=stamp)
+    assert producer.flush(30) == 0
+
+    result = run_batch(env)
+
+    assert (result.promoted, result.quarantined) == (3, 0)
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    landed = db.execute(sql.SQL("SELECT kafka_timestamp FROM {} ORDER BY kafka_offset").format(target)).fetchall()
+    assert landed[0][0] is None and landed[2][0] is None
+    assert abs(landed[1][0].timestamp() * 1000 - now_ms) < 1
+    assert all(a.clean for a in audit_pipeline(env.settings, env.pipeline))
+
+    # Rows loaded while such a record's time was stored as 1969-12-31T23:59:59.999Z: a replay
+    # compares them as the same records.
+    db.execute(
+        sql.SQL("UPDATE {} SET kafka_timestamp = 'epoch'::timestamptz - interval '1 ms'").format(target)
+        + sql.SQL(" WHERE kafka_timestamp IS NULL")
+    )
+    replay(env, ReplayRequest("verify-only", (OffsetRange(0, 0, 3),), requested_by="test"))
+    (differences,) = db.execute(
+        "SELECT differences FROM kafka2pg.replays WHERE pipeline = %s AND finished_at IS NOT NULL", (env.pipeline.name,)
+    ).fetchone()
+    assert differences == {}, differences

@@ -922,3 +922,24 @@ def test_any_bytes_behind_a_header_or_not_get_values_or_a_reason_alone_or_in_a_l
     assert admitted.outcome(0) == REGISTRY.decode(value) == REGISTRY.decode_strictly(value)
     assert admitted.outcome(1).reason is None
     assert (admitted.outcome(0).values is None) != (admitted.outcome(0).reason is None)
+
+
+def test_an_epoch_with_a_megabyte_of_trailing_zeros_is_read_exactly():
+    """Its zeros are dropped in one pass (one at a time, the digits were copied once per zero:
+    hours for this record)."""
+    zeros = b"0" * 1_000_000
+    (values, reason) = outcome(BASE + b',"epoch_s":-1.5' + zeros + b"}")
+    assert reason is None and values[[r.name for r in RULES].index("epoch_s")] == datetime(
+        1969, 12, 31, 23, 59, 58, 500000, tzinfo=UTC
+    )
+    (_, reason) = outcome(BASE + b',"epoch_ms":1.0005' + zeros + b"}")
+    assert reason.startswith("field 'epoch_ms': '1.0005") and "has sub-microsecond digits" in reason, reason[-200:]
+
+
+def test_a_jsonb_value_of_many_digit_runs_just_short_of_the_search_is_admitted():
+    """Runs of 5,999 digits (each within numeric) are each tried once by the search for a number
+    too long for numeric, not once per digit."""
+    decoder = RecordDecoder([FieldRule("event_id", "event_id", "text", True), FieldRule("doc", "doc", "jsonb")])
+    runs = b",".join([b"1" * 5_999] * 200)
+    (values, reason) = decoder.decode(b'{"event_id":"e","doc":[' + runs + b"]}")
+    assert reason is None and len(values[1]) == len(runs) + 2

@@ -425,7 +425,8 @@ def test_a_pipeline_in_error_gets_stand_in_dags_that_say_why_and_the_others_are_
             stand_in.get_task("configuration_error").python_callable()
 
 
-def test_a_pipeline_whose_dag_airflow_refuses_to_build_stands_in_alone(tmp_path, monkeypatch):
+def _built_with_other_refused(tmp_path, monkeypatch, builder: str, error: str) -> dict:
+    """build_dags of pipelines "good" and "other", whose DAG `builder` raises ValueError(`error`)."""
     from kafka2pg import dag_factory
 
     good = {"name": "good", "topic": "good", "target_table": "good", "columns": [{"name": "a", "type": "text"}]}
@@ -433,15 +434,19 @@ def test_a_pipeline_whose_dag_airflow_refuses_to_build_stands_in_alone(tmp_path,
     path = tmp_path / "pipelines.yaml"
     path.write_text(json.dumps({"pipelines": [good, other]}))
     monkeypatch.setenv("KAFKA2PG_PIPELINES", str(path))
-    real = dag_factory.build_dag
+    real = getattr(dag_factory, builder)
 
     def refused(pipeline, pipelines_file):
         if pipeline.name == "other":
-            raise ValueError("a schedule Airflow cannot read")
+            raise ValueError(error)
         return real(pipeline, pipelines_file)
 
-    monkeypatch.setattr(dag_factory, "build_dag", refused)
-    dags = dag_factory.build_dags()
+    monkeypatch.setattr(dag_factory, builder, refused)
+    return dag_factory.build_dags()
+
+
+def test_a_pipeline_whose_dag_airflow_refuses_to_build_stands_in_alone(tmp_path, monkeypatch):
+    dags = _built_with_other_refused(tmp_path, monkeypatch, "build_dag", "a schedule Airflow cannot read")
     assert "read_and_stage" in dags["kafka2pg_good"].task_ids
     assert dags["kafka2pg_other"].task_ids == ["configuration_error"]
     assert "Airflow refused its DAG (ValueError: a schedule Airflow cannot read)" in dags["kafka2pg_other"].doc_md
@@ -462,3 +467,16 @@ def test_an_errors_text_cannot_close_its_code_block_in_the_stand_in_dags_doc(tmp
     block = doc.split("\n\n", 1)[1]
     assert block.startswith(fence + "\n") and block.endswith("\n" + fence) and block.count(fence) == 2, doc
     assert repr(key) in block and "\n# Pipeline OK" not in block
+
+
+def test_a_live_dag_whose_replay_dag_airflow_refuses_is_not_registered_beside_its_stand_in(tmp_path, monkeypatch):
+    """Airflow collects every DAG a `with DAG(...)` block closed in the DAG file, not only those it
+    hands over: a half-built pair's live DAG would run beside the stand-in that says why not."""
+    from airflow.sdk.definitions._internal.contextmanager import DagContext
+
+    monkeypatch.setattr(DagContext, "current_autoregister_module_name", "json")  # any module loaded
+    monkeypatch.setattr(DagContext, "autoregistered_dags", set())
+    dags = _built_with_other_refused(tmp_path, monkeypatch, "build_replay_dag", "a timetable Airflow cannot read")
+    assert dags["kafka2pg_other"].task_ids == ["configuration_error"]
+    assert "read_and_stage" in dags["kafka2pg_good"].task_ids
+    assert [dag.dag_id for dag, _ in DagContext.autoregistered_dags] == []

@@ -106,3 +106,36 @@ def test_the_cli_stages_with_the_kafka_source_the_dag_would_use(reader, environ,
     if "spark.jars.packages" in expected:
         assert seen.pop("spark.jars.packages").startswith(expected.pop("spark.jars.packages"))
     assert seen == expected
+
+
+def test_sparks_kafka_source_is_resolved_for_the_installed_pyspark_and_again_when_it_changes(tmp_path, monkeypatch):
+    """A pip-installed kafka2pg may run beside another pyspark than the pinned one: the Kafka
+    source must be that pyspark's build, and jars resolved for another pyspark are not reused."""
+    import subprocess
+    from pathlib import Path
+
+    from kafka2pg import jars
+
+    runs = []
+
+    def mvn(command, **kwargs):
+        runs.append(command)
+        out = next(arg.removeprefix("-DoutputDirectory=") for arg in command if arg.startswith("-DoutputDirectory="))
+        Path(out).mkdir(parents=True, exist_ok=True)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(jars.shutil, "which", lambda name: "/usr/bin/mvn")
+    monkeypatch.setattr(jars.subprocess, "run", mvn)
+    installed = {"pyspark": "4.0.1"}
+    monkeypatch.setattr(jars.metadata, "version", lambda dist: installed[dist])
+
+    jars.resolve_jars(tmp_path, ("spark",))
+    assert "-Dspark.version=4.0.1" in runs[0]
+    assert any(arg.startswith("org.apache.maven.plugins:maven-dependency-plugin:") for arg in runs[0])
+    jars.resolve_jars(tmp_path, ("spark",))
+    assert len(runs) == 1  # resolved once for that pyspark
+    installed["pyspark"] = "4.2.0"
+    jars.resolve_jars(tmp_path, ("spark",))
+    assert len(runs) == 2 and "-Dspark.version=4.2.0" in runs[1]
+    jars.resolve_jars(tmp_path, ("kafka",))
+    assert not any(arg.startswith("-Dspark.version") for arg in runs[2])

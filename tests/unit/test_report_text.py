@@ -134,3 +134,32 @@ def test_a_failure_quoting_a_records_bytes_cannot_move_the_terminal(capsys, monk
     err = capsys.readouterr().err
     assert err.startswith("error: ConfigError: first line\nsecond KeyCollisionError: Key (event_id)=(a-1\\x1b]0;")
     assert "\x1b" not in err and "\r" not in err and "\u202e" not in err
+
+
+def test_a_report_with_non_ascii_bytes_is_written_as_utf8_under_a_c_locale(tmp_path):
+    """The page declares UTF-8; under LANG=C Python's default encoding is ASCII and a quarantined
+    record's 'é' in a check's details would fail the export (and `report` to stdout)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    plugins = Path(__file__).resolve().parents[2] / "plugins"
+
+    script = """
+import sys
+from pathlib import Path
+from kafka2pg.config import Column, Pipeline
+from kafka2pg.data_docs import render_html, report_payload, write_report
+p = Pipeline("orders", "orders", "public", "orders", (Column("n", "n", "text"),))
+payload = report_payload(p, 3, verdict="promotable", expectations=[], counts={"rows": 1}, gx_version="1",
+    checks=[{"check": "dup", "success": True, "unexpected": 0, "flagged": 1, "details": "caf\\u00e9 \\U0001f600"}])
+html = write_report(Path(sys.argv[1]), p, payload)
+print(html)
+"""
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONPATH": str(plugins)}
+    env.pop("PYTHONIOENCODING", None)
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    page = Path(done.stdout.strip()).read_bytes().decode("utf-8")
+    assert "<td>café 😀</td>" in page, page[-800:]

@@ -129,3 +129,28 @@ def test_a_run_conf_airflow_did_not_apply_to_the_params_fails_without_retry_nami
     assert "[core] dag_run_conf_overrides_params is False" in message
     assert "AIRFLOW__CORE__DAG_RUN_CONF_OVERRIDES_PARAMS=True" in message and "Nothing was planned" in message
     check_run_conf("kafka2pg_orders", {"dry_run": False, "batches_per_run": None}, LIVE_PARAMS, DEFAULTS)
+
+
+def test_a_whole_number_from_a_json_run_conf_reaches_the_plan_as_an_int(monkeypatch):
+    """JSON has one number type: Airflow's "integer" Param accepts 5.0, which the stage job's
+    --batches and --max-records-per-batch would refuse as "5.0"."""
+    from airflow.sdk import Param
+
+    import kafka2pg.migrations
+    import kafka2pg.opening
+    from kafka2pg import tasks
+
+    assert Param(None, type=["null", "integer"], minimum=1).resolve(5.0) == 5.0  # what the task is handed
+    seen = {}
+
+    def open_batch(settings, pipeline, *, max_records_per_batch, run_id, dry_run):
+        seen["cap"] = max_records_per_batch
+        return type("Opened", (), {"batch": None, "message": "nothing to do"})()
+
+    monkeypatch.setattr(tasks, "resolve", lambda name, file=None: (None, None))
+    monkeypatch.setattr(kafka2pg.migrations, "require_ready", lambda settings, pipeline: None)
+    monkeypatch.setattr(kafka2pg.opening, "open_batch", open_batch)
+    assert tasks.plan("orders", max_records_per_batch=5.0, batches_per_run=2.0) is None
+    assert seen["cap"] == 5 and type(seen["cap"]) is int
+    assert tasks._whole(2.0) == 2 and type(tasks._whole(2.0)) is int
+    assert tasks._whole(None) is None and tasks._whole(7) == 7 and tasks._whole(2.5) == 2.5

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from kafka2pg import audit, cli, connections, database, migrations, stuck
+from kafka2pg import audit, cli, connections, database, migrations, opening, stuck
 from kafka2pg.audit import PartitionAudit, format_audit
 from kafka2pg.config import Column, Pipeline
-from kafka2pg.exceptions import SchemaNotReadyError, TopicNotFoundError
+from kafka2pg.exceptions import KafkaUnavailableError, SchemaNotReadyError, TopicNotFoundError
 from kafka2pg.stuck import OpenBatch
 
 
@@ -33,6 +33,7 @@ def three_pipelines(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(database, "session", lambda url: nullcontext(None))
     monkeypatch.setattr(stuck, "open_batches", lambda conn, name: [])
+    monkeypatch.setattr(opening, "blocked_words", lambda settings, pipeline, conn: None)
     return spec
 
 
@@ -62,6 +63,9 @@ def audits_of(outcomes: dict[str, str]):
         ({"clean": "ok", "broken": "ok", "unreadable": "ok"}, 0, None),
         ({"clean": "ok", "broken": "stuck", "unreadable": "error"}, 1, "also not audited: unreadable"),
         ({"clean": "ok", "broken": "not ready", "unreadable": "ok"}, 1, None),
+        ({"clean": "ok", "broken": "blocked", "unreadable": "ok"}, 1, None),
+        ({"clean": "ok", "broken": "blocked", "unreadable": "error"}, 1, "also not audited: unreadable"),
+        ({"clean": "ok", "broken": "kafka down", "unreadable": "ok"}, 0, None),  # that check unknown, said
     ],
 )
 def test_verify_exits_1_for_a_discrepancy_2_for_a_pipeline_not_audited_and_names_both(
@@ -75,6 +79,13 @@ def test_verify_exits_1_for_a_discrepancy_2_for_a_pipeline_not_audited_and_names
         if outcomes[pipeline.name] == "not ready"
         else None,
     )
+
+    def blocked_words(settings, pipeline, conn):
+        if outcomes[pipeline.name] == "kafka down":
+            raise KafkaUnavailableError("Kafka at nowhere:9092 did not answer")
+        return "OffsetRegressionError: recreated" if outcomes[pipeline.name] == "blocked" else None
+
+    monkeypatch.setattr(opening, "blocked_words", blocked_words)
     since = datetime(2026, 1, 2, tzinfo=UTC)
     failing = OpenBatch("", 7, "live", "validated", None, "r", since, "promote", 2, since, "E: no", "p0[0,9)")
     monkeypatch.setattr(
@@ -88,6 +99,10 @@ def test_verify_exits_1_for_a_discrepancy_2_for_a_pipeline_not_audited_and_names
     assert ("result: DISCREPANCIES FOUND" in shown.out) is ("missing" in outcomes.values())
     assert ("result: STUCK" in shown.out) is ("stuck" in outcomes.values())
     assert ("NOT READY: grant it\nresult: NOT READY" in shown.out) is ("not ready" in outcomes.values())
+    blocked = "BLOCKED: no batch can be planned until an operator acts: OffsetRegressionError: recreated"
+    assert (blocked in shown.out) is ("blocked" in outcomes.values())
+    unknown = "pipeline broken: whether the ledger still fits the topic is unknown: KafkaUnavailableError: Kafka at"
+    assert (unknown in shown.err) is (outcomes["broken"] == "kafka down")
     errors = shown.err.strip().splitlines()
     assert ("pipeline unreadable: not audited: TopicNotFoundError" in shown.err) is (outcomes["unreadable"] == "error")
     if last_words:
