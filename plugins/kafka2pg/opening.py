@@ -165,7 +165,10 @@ def _warn_loss_horizons(
     for h in horizons:
         if not h.unread:
             continue
-        left = "no time-based retention" if h.seconds_left is None else time_left(h.seconds_left)
+        if h.unstamped:
+            left = "unknown (the oldest unread record has no Kafka timestamp)"
+        else:
+            left = "no time-based retention" if h.seconds_left is None else time_left(h.seconds_left)
         message = (
             f"pipeline={pipeline.name} partition={h.partition} unread={h.unread} margin to low watermark="
             f"{h.records_margin} records, time to data loss {left}"

@@ -321,6 +321,7 @@ class LossHorizon:
     unread: int
     records_margin: int
     seconds_left: float | None
+    unstamped: bool = False  # the oldest unread record has no Kafka timestamp: the time is unknown
 
     def at_risk(self, warning_hours: float) -> bool:
         return self.seconds_left is not None and self.seconds_left < warning_hours * 3600
@@ -338,9 +339,14 @@ def loss_horizon(
     head = state.low if state.head is None else state.head
     unread = max(0, state.last_stable - head)
     seconds_left = None
-    if unread and retention_ms is not None and head_timestamp_ms is not None:
+    unstamped = bool(unread) and retention_ms is not None and head_timestamp_ms == NO_TIMESTAMP_MS
+    if unread and retention_ms is not None and head_timestamp_ms is not None and not unstamped:
         seconds_left = (head_timestamp_ms + retention_ms - now_ms) / 1000
-    return LossHorizon(state.partition, unread, head - state.low, seconds_left)
+    return LossHorizon(state.partition, unread, head - state.low, seconds_left, unstamped)
+
+
+# Kafka's timestamp of a record without one (RecordBatch.NO_TIMESTAMP).
+NO_TIMESTAMP_MS = -1
 
 
 def ledger_breaks(ranges: list[tuple[int, int]], head: int | None, start: int | None = None) -> list[str]:

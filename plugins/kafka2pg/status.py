@@ -44,8 +44,9 @@ class PartitionStatus:
     high_watermark: int
     lag: int  # records committed in Kafka and not yet ledgered: last stable offset - head
     margin: int  # records between the low watermark and the head, which retention deletes first
-    seconds_to_loss: float | None  # None: nothing unread, or no time-based retention
+    seconds_to_loss: float | None  # None: nothing unread, no time-based retention, or not known
     at_risk: bool
+    loss_time_unknown: bool = False  # the oldest unread record has no Kafka timestamp
 
     @property
     def time_to_loss(self) -> str:
@@ -55,6 +56,8 @@ class PartitionStatus:
             return "head past the topic's end"
         if self.lag <= 0:
             return "caught up"
+        if self.loss_time_unknown:
+            return "unknown (no Kafka timestamp)"
         if self.seconds_to_loss is None:
             return "no time limit"
         if self.seconds_to_loss <= 0:
@@ -220,4 +223,5 @@ def _partition(
         horizon.records_margin,
         seconds,
         horizon.at_risk(pipeline.data_loss_warning_hours),
+        horizon.unstamped and bool(horizon.unread),
     )

@@ -7,6 +7,7 @@ import json
 import time
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -16,6 +17,7 @@ from kafka2pg.audit import audit_pipeline
 from kafka2pg.chunk_writer import UNREADABLE_TIMESTAMP
 from kafka2pg.exceptions import Kafka2PgError
 from kafka2pg.kafka_offsets import client_config
+from kafka2pg.status import pipeline_status
 
 LONG_MAX = 2**63 - 1
 LAST_READABLE_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z
@@ -155,6 +157,9 @@ def test_a_record_kafka_holds_without_a_timestamp_lands_with_a_null_one_not_a_da
     for n, stamp in enumerate((-1, now_ms, -1)):  # -1: Kafka's NO_TIMESTAMP
         producer.produce(env.topic, value=_event(n), partition=0, timestamp=stamp)
     assert producer.flush(30) == 0
+    with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
+        (partition,) = pipeline_status(env.settings, env.pipeline, conn).partitions
+    assert partition.time_to_loss == "unknown (no Kafka timestamp)"  # not "overdue": 1969 is no record's time
 
     result = run_batch(env)
 

@@ -173,6 +173,10 @@ def test_loss_horizon_estimates_time_left_from_the_oldest_unread_record():
     assert (caught_up.unread, caught_up.seconds_left, caught_up.at_risk(24)) == (0, None, False)
     no_limit = loss_horizon(state(0, None, low=5, stable=100), head_timestamp_ms=0, now_ms=hour, retention_ms=None)
     assert (no_limit.unread, no_limit.records_margin, no_limit.seconds_left) == (95, 0, None)
+    # Kafka's -1, "no timestamp", is not an instant of 1969: the time is unknown, not overdue
+    unstamped = loss_horizon(state(0, 40, low=10, stable=100), head_timestamp_ms=-1, now_ms=hour, retention_ms=hour)
+    assert (unstamped.seconds_left, unstamped.unstamped, unstamped.at_risk(24)) == (None, True, False)
+    assert not loss_horizon(state(0, 40, stable=100), head_timestamp_ms=-1, now_ms=hour, retention_ms=None).unstamped
 
 
 def simulate(backlogs, budget):
@@ -237,3 +241,5 @@ def test_a_time_to_data_loss_already_past_reads_as_overdue_never_as_negative_hou
     overdue = PartitionStatus(0, 10, 0, 20, 20, 10, 10, -3600 * 1e6, True)
     assert overdue.time_to_loss == "overdue (AT RISK)"
     assert PartitionStatus(0, 10, 0, 20, 20, 10, 10, 7200, False).time_to_loss == "2.0h"
+    unknown = PartitionStatus(0, 10, 0, 20, 20, 10, 10, None, False, loss_time_unknown=True)
+    assert unknown.time_to_loss == "unknown (no Kafka timestamp)"
