@@ -96,6 +96,8 @@ def run_checks(
             raise ProbeAwaitsPrevious(batch.batch_id)
         else:
             checks.append(_business_key_not_promoted(conn, pipeline, batch))
+    # After every row flagged to quarantine: the rows left are those promoted.
+    checks += [_range_kept(conn, pipeline, batch, c) for c in pipeline.columns if c.ranged and not _quarantines(c)]
     return checks
 
 
@@ -195,6 +197,24 @@ def _quarantine_rule_violations(conn: Connection, pipeline: Pipeline, batch: Bat
     return Check(
         f"rule_{column.name}", True, flagged, f"{flagged} row(s) violating {described} flagged to quarantine", flagged
     )
+
+
+def _range_kept(conn: Connection, pipeline: Pipeline, batch: Batch, column) -> Check:
+    """`on_violation: fail`: no accepted row outside the column's declared range, compared exactly
+    by PostgreSQL (GX compares floats, to which distinct values beyond 15-17 digits round alike)."""
+    ((violated, rule),) = [(v, r) for v, r in rule_violations(column) if r == column.range_words]
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT count(*) OVER (), kafka_partition, kafka_offset FROM {staging}"
+            " WHERE batch_id = %s AND quarantine_reason IS NULL AND ({violated})"
+            " ORDER BY kafka_partition, kafka_offset LIMIT 5"
+        ).format(staging=_staging(pipeline), violated=violated),
+        (batch.batch_id,),
+    ).fetchall()
+    count = rows[0][0] if rows else 0
+    samples = ", ".join(f"p{p}@{o}" for _, p, o in rows)
+    details = f"{count} row(s) violating the declared {rule}" + (f" (e.g. {samples})" if rows else "")
+    return Check(f"rule_{column.name}", not count, count, details)
 
 
 def _completeness(conn: Connection, batch: Batch, staged: dict[int, int]) -> Check:

@@ -233,8 +233,8 @@ class Column:
     type: str
     field: str
     required: bool = False
-    minimum: float | None = None
-    maximum: float | None = None
+    minimum: int | float | None = None  # an int as written, exact
+    maximum: int | float | None = None
     allowed: tuple[str | int | bool, ...] | None = None
     on_violation: Literal["fail", "quarantine"] = "fail"
     #: timestamptz columns: how a JSON number in the field is read (seconds, milliseconds or
@@ -279,9 +279,11 @@ class Column:
         return f"allowed values {shown}"
 
 
-def _bound_words(bound: float | None) -> str:
+def _bound_words(bound: int | float | None) -> str:
     """A range's bound without a whole number's ".0": 100000 for 100000.0 (below 1e16, where
-    Python's str turns to an exponent)."""
+    Python's str turns to an exponent); a whole number written without a point as written."""
+    if isinstance(bound, int):
+        return str(bound)
     if bound is not None and bound.is_integer() and abs(bound) < 1e16:
         return f"{bound:.0f}"  # -0.0 as -0, as its older words "-0.0" compare
     return str(bound)
@@ -1098,7 +1100,8 @@ def _rules(raw: dict, here: str, pg_type: str) -> tuple:
         bound = _finite(value)
         if bound is None:
             raise ConfigError(f"{here}.{key}: expected a finite number, got {value!r}")
-        bounds.append(bound)
+        # A whole number stays exact: as a float, 9007199254740993 would be 9007199254740992.
+        bounds.append(value if isinstance(value, int) else bound)
     if None not in bounds and bounds[0] > bounds[1]:
         raise ConfigError(f"{here}: min {bounds[0]} is above max {bounds[1]}")
     allowed = raw.get("allowed")

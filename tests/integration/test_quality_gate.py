@@ -147,6 +147,7 @@ def test_fail_policy_promotes_nothing_and_fails_with_the_report_path(make_pipeli
         "business_key_unique_in_batch": 1,
         "gx:ExpectColumnValuesToBeUnique:event_id": 2,
         "gx:ExpectColumnValuesToBeBetween:amount": 1,
+        "rule_amount": 1,  # the exact SQL check beside GX's float comparison
         "gx:ExpectColumnValuesToBeInSet:currency": 1,
     }
     assert set(info.value.failed) == set(failed)
@@ -1057,3 +1058,41 @@ def test_allowed_values_holding_a_percent_sign_are_checked_like_any_other(
     assert (result.promoted, result.quarantined) == (5, 1)
     assert quarantine(db, env) == [(5, "currency = '%s' violates the declared allowed values ['EUR', '50%', '100%%']")]
     assert target_ids(db, env) == sorted(e["event_id"] for e in events[:5])
+
+
+def test_a_value_outside_its_range_by_less_than_a_float_sees_fails_the_gate_and_a_ranged_key_stays_exact(
+    make_pipeline, spark, db
+):
+    """Great Expectations compares floats: 1.00000000000000000001 is 1.0 there, and 2**53 + 1 is
+    2**53. The gate's exact SQL check fails such a batch; a ranged numeric business key is not
+    rounded for the uniqueness expectations (two keys a float cannot tell apart are two keys)."""
+    columns = [
+        {"name": "id", "type": "numeric(30,0)", "required": True, "min": 0, "max": 10**29},
+        {"name": "ratio", "type": "numeric(30,20)", "min": 0, "max": 1},
+        {"name": "big", "type": "bigint", "max": 2**53},
+    ]
+    env = make_pipeline(partitions=1, columns=columns, business_key=["id"])
+    good = [
+        b'{"id": 12345678901234567890, "ratio": 1, "big": 9007199254740992}',
+        b'{"id": 12345678901234567891, "ratio": 0.5, "big": 1}',  # the same float as the key before
+    ]
+    produce(env.settings.bootstrap_servers, env.topic, good, key_field=None)
+    batch = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    assert validate_batch(env.settings, env.pipeline, batch.batch_id).checks  # nothing violated, no false duplicate
+    promote_batch(env.settings, env.pipeline, batch.batch_id)
+
+    produce(
+        env.settings.bootstrap_servers,
+        env.topic,
+        [b'{"id": 1, "ratio": 1.00000000000000000001, "big": 9007199254740993}', b'{"id": 2, "ratio": 0}'],
+        key_field=None,
+    )
+    batch = open_batch(env.settings, env.pipeline).batch
+    stage_batch(spark, env.settings, env.pipeline, batch.batch_id)
+    with pytest.raises(QualityGateFailed) as rejected:
+        validate_batch(env.settings, env.pipeline, batch.batch_id)
+    failed = rejected.value.failed
+    assert set(failed) == {"rule_ratio", "rule_big"}, failed  # GX's own expectations passed: floats
+    assert failed["rule_ratio"] == "1 row(s) violating the declared range [0, 1] (e.g. p0@2)"
+    assert failed["rule_big"] == "1 row(s) violating the declared maximum 9007199254740992 (e.g. p0@2)"

@@ -211,7 +211,9 @@ def test_column_rules_parse_typed_and_bad_rules_name_the_field(tmp_path):
     ranged = {"name": "n", "type": "numeric(10,2)", "min": 0, "max": 10, "on_violation": "quarantine"}
     listed = {"name": "k", "type": "integer", "allowed": [1, 2]}
     columns = get_pipeline("orders", write(tmp_path, columns=[GOOD["columns"][0], ranged, listed])).columns
-    assert (columns[1].minimum, columns[1].maximum, columns[1].on_violation) == (0.0, 10.0, "quarantine")
+    assert (columns[1].minimum, columns[1].maximum, columns[1].on_violation) == (0, 10, "quarantine")
+    exact = {**ranged, "type": "numeric(30,0)", "max": 2**53 + 1}  # as a float it would be 2**53
+    assert get_pipeline("orders", write(tmp_path, columns=[GOOD["columns"][0], exact])).columns[1].maximum == 2**53 + 1
     assert (columns[2].allowed, columns[2].on_violation) == ((1, 2), "fail")
     assert columns[1].range_words == "range [0, 10]"  # as written, not as the floats they are read into
     assert replace(columns[1], maximum=None).range_words == "minimum 0"
@@ -219,12 +221,13 @@ def test_column_rules_parse_typed_and_bad_rules_name_the_field(tmp_path):
     assert replace(columns[1], minimum=-0.0).range_words == "range [-0, 10]"  # as "-0.0" is compared
     assert replace(columns[1], minimum=-1e300, maximum=1e16).range_words == "range [-1e+300, 1e+16]"
     assert replace(columns[1], maximum=2.0**53).range_words == "range [0, 9007199254740992]"
+    assert replace(columns[1], maximum=10**20).range_words == "range [0, 100000000000000000000]"  # an int: exact
     assert columns[2].allowed_words == "allowed values [1, 2]"
     many = replace(columns[2], allowed=tuple(range(1000, 1183)))
     assert many.allowed_words == f"allowed values {list(many.allowed)!r:.120}… (183 values)"
     assert len(replace(columns[2], allowed=tuple(range(20))).allowed_words) == len("allowed values ") + 70
     for bad, message in (
-        ({"type": "bigint", "min": 5, "max": 1}, r"columns\[1\]: min 5.0 is above max 1.0"),
+        ({"type": "bigint", "min": 5, "max": 1}, r"columns\[1\]: min 5 is above max 1"),
         ({"type": "bigint", "max": "ten"}, r"columns\[1\].max: expected a finite number, got .ten."),
         ({"type": "text", "min": 1}, r"columns\[1\].min: only numeric columns can have a range, not text"),
         ({"type": "bigint", "allowed": [1, "2"]}, r"columns\[1\].allowed: values \['2'\] are not of the column's type"),
