@@ -54,7 +54,7 @@ class StuckBatch:
 
     def describe(self) -> str:
         guide = "docs/operations.md (STUCK batches)"
-        if RESUMES_ON_TRIGGER in self.error:  # the error says what to do already
+        if RESUMES_ON_TRIGGER in self.error or _names_a_way_on(self.error):  # the error says what to do
             advice = f"See {guide}."
         else:
             advice = f"Fix the cause and trigger a run (it resumes the batch), or see {guide}."
@@ -63,6 +63,12 @@ class StuckBatch:
             f"at {self.step} in {self.runs} consecutive runs since {self.since:%Y-%m-%d %H:%M:%S %Z}: "
             f"{printable(self.error).rstrip('. ')}. {advice}"
         )
+
+
+def _names_a_way_on(error: str) -> bool:
+    """Whether the error names the command that ends the batch's wait (a reset past offsets Kafka
+    lost, an abandon): another run alone would fail the same way."""
+    return any(f"{COMMAND} {command} --pipeline" in error for command in ("reset", "abandon"))
 
 
 def is_stuck(failures: int) -> bool:

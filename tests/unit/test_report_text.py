@@ -163,3 +163,20 @@ print(html)
     assert done.returncode == 0, done.stderr
     page = Path(done.stdout.strip()).read_bytes().decode("utf-8")
     assert "<td>café 😀</td>" in page, page[-800:]
+
+
+def test_a_stuck_batch_whose_error_names_the_command_that_ends_it_is_not_told_to_trigger_a_run():
+    """A batch Kafka lost offsets of since it was staged waits for a reset: "trigger a run
+    (it resumes the batch)" would fail the same way again."""
+    from datetime import UTC, datetime
+
+    from kafka2pg.exceptions import RetentionLossError
+    from kafka2pg.stuck import StuckBatch
+
+    lost = RetentionLossError.unwitnessed("orders", 7, "live", "orders", (0, 10, 50), 40, 5)
+    since = datetime(2026, 1, 2, tzinfo=UTC)
+    said = StuckBatch(
+        "orders", 7, "staged", "validate", 2, since, f"RetentionLossError: {lost}", "p0[10,50)"
+    ).describe()
+    assert "./kafka2pg reset --pipeline orders --partition 0 --to-offset 40" in said
+    assert "trigger a run" not in said and said.endswith("See docs/operations.md (STUCK batches).")
