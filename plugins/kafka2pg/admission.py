@@ -1236,11 +1236,15 @@ def _to_jsonb(raw: bytes) -> str:
 
 # PostgreSQL's numeric (jsonb's numbers) holds up to 131072 digits before the point and 16383
 # after it. A number beyond that has an exponent of 5 digits or more, or a run of 6000 digits
-# (with a 4-digit exponent and fewer digits it is within both): the searches find every such
-# number (and a few strings that look like one), the parse decides.
+# (with a 4-digit exponent and fewer digits it is within both). PostgreSQL prints a number in
+# full (1e99999 as 100,000 characters), and cannot print a value whose text passes 1 GB: a
+# number with an exponent of 2 digits or more may print far longer than it is written, and the
+# value's numbers may print at most PRINTED_EXPANSION characters more than written. The
+# searches find every such number (and a few strings that look like one), the parse decides.
 _NUMERIC_INTEGER_DIGITS = 131_072
 _NUMERIC_FRACTION_DIGITS = 16_383
-_BIG_EXPONENT = re.compile(rb"[eE][-+]?[0-9]{5}")
+PRINTED_EXPANSION = 64 << 20
+_BIG_EXPONENT = re.compile(rb"[eE][-+]?[0-9]{2}")
 _LONG_DIGITS_RUN = 6000
 # Tried only where a run of digits starts: a value of many runs just short of that length
 # would otherwise be scanned again from each of their digits.
@@ -1248,8 +1252,30 @@ _LONG_DIGITS = re.compile(rb"(?<![0-9])[0-9]{%d}" % _LONG_DIGITS_RUN)
 
 
 def _check_json_numbers(raw: bytes) -> None:
-    """Every number inside a jsonb value, checked against numeric's range."""
-    _json_document(raw, _checked_decimal)
+    """Every number inside a jsonb value, checked against numeric's range, and what they print
+    beyond what is written against PRINTED_EXPANSION."""
+    left = PRINTED_EXPANSION
+
+    def number(token: str) -> Decimal:
+        nonlocal left
+        checked = _checked_decimal(token)
+        left -= _printed_length(checked) - len(token)
+        if left < 0:
+            raise ValueError(
+                f"its numbers print more than {PRINTED_EXPANSION:,} characters longer than they are written "
+                f"(e.g. {_show(token)}): PostgreSQL would store it and could not print it back as text"
+            )
+        return checked
+
+    _json_document(raw, number)
+
+
+def _printed_length(number: Decimal) -> int:
+    """The characters PostgreSQL's numeric prints for `number`: every digit, no exponent, the
+    fraction to its scale (0e5 prints 0, 1e-3 prints 0.001, 1.50 prints 1.50)."""
+    sign, digits, exponent = number.as_tuple()
+    whole = len(digits) + exponent if any(digits) else 1
+    return sign + max(1, whole) + (1 - exponent if exponent < 0 else 0)
 
 
 def _json_document(raw: bytes, number=Decimal) -> Any:

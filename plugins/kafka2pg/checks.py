@@ -203,17 +203,16 @@ def _range_kept(conn: Connection, pipeline: Pipeline, batch: Batch, column) -> C
     """`on_violation: fail`: no accepted row outside the column's declared range, compared exactly
     by PostgreSQL (GX compares floats, to which distinct values beyond 15-17 digits round alike)."""
     ((violated, rule),) = [(v, r) for v, r in rule_violations(column) if r == column.range_words]
-    rows = conn.execute(
-        sql.SQL(
-            "SELECT count(*) OVER (), kafka_partition, kafka_offset FROM {staging}"
-            " WHERE batch_id = %s AND quarantine_reason IS NULL AND ({violated})"
-            " ORDER BY kafka_partition, kafka_offset LIMIT 5"
-        ).format(staging=_staging(pipeline), violated=violated),
-        (batch.batch_id,),
-    ).fetchall()
-    count = rows[0][0] if rows else 0
-    samples = ", ".join(f"p{p}@{o}" for _, p, o in rows)
-    details = f"{count} row(s) violating the declared {rule}" + (f" (e.g. {samples})" if rows else "")
+    where = sql.SQL("FROM {} WHERE batch_id = %s AND quarantine_reason IS NULL AND ({})").format(
+        _staging(pipeline), violated
+    )
+    (count,) = conn.execute(sql.SQL("SELECT count(*) {}").format(where), (batch.batch_id,)).fetchone()
+    details = f"{count} row(s) violating the declared {rule}"
+    if count:
+        first = conn.execute(
+            sql.SQL("SELECT kafka_partition, kafka_offset {} ORDER BY 1, 2 LIMIT 5").format(where), (batch.batch_id,)
+        ).fetchall()
+        details += " (e.g. " + ", ".join(f"p{p}@{o}" for p, o in first) + ")"
     return Check(f"rule_{column.name}", not count, count, details)
 
 

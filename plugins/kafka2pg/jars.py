@@ -48,15 +48,18 @@ def resolve_jars(cache: Path | None = None, names: tuple[str, ...] = SET_UP) -> 
         target = jar_dir(cache, name)
         marker = target / ".complete"
         pom_path = MAVEN_DIR / pom
-        versions = _versions(name)
-        made_from = pom_path.read_text() + "".join(f"\n<!-- -D{k}={v} -->" for k, v in versions.items())
+        pom_text = pom_path.read_text()
+        versions = _versions(name, pom_text)
+        made_from = pom_text + "".join(f"\n<!-- -D{k}={v} -->" for k, v in versions.items())
         if marker.exists() and marker.read_text() == made_from:
             result[name] = target
             continue
         if shutil.which("mvn") is None:
             setup = ", or run `./kafka2pg setup`" if CHECKOUT else ""
             raise StackError(f"Maven (mvn) is not installed: `apt-get install maven`{setup}")
-        shutil.rmtree(target, ignore_errors=True)
+        # Resolved beside the jars in use, which are replaced only once Maven has succeeded.
+        fresh = target.with_name(f".{target.name}.resolving")
+        shutil.rmtree(fresh, ignore_errors=True)
         settings = os.environ.get("KAFKA2PG_MAVEN_SETTINGS", str(MAVEN_DIR / "settings.xml"))
         command = [
             "mvn",
@@ -68,7 +71,7 @@ def resolve_jars(cache: Path | None = None, names: tuple[str, ...] = SET_UP) -> 
             str(pom_path),
             # pinned: an unqualified goal asks Maven Central which version is the latest each time
             f"{DEPENDENCY_PLUGIN}:copy-dependencies",
-            f"-DoutputDirectory={target}",
+            f"-DoutputDirectory={fresh}",
             "-DincludeScope=runtime",
             *(f"-D{k}={v}" for k, v in versions.items()),
         ]
@@ -76,8 +79,10 @@ def resolve_jars(cache: Path | None = None, names: tuple[str, ...] = SET_UP) -> 
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise StackError(f"Maven could not resolve {pom}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
-        _unpack_plugins(target)
-        marker.write_text(made_from)
+        _unpack_plugins(fresh)
+        (fresh / ".complete").write_text(made_from)
+        shutil.rmtree(target, ignore_errors=True)
+        fresh.rename(target)
         result[name] = target
     return result
 
@@ -85,13 +90,17 @@ def resolve_jars(cache: Path | None = None, names: tuple[str, ...] = SET_UP) -> 
 DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1"
 
 
-def _versions(name: str) -> dict[str, str]:
-    """The POM properties set from what is installed: Spark's Kafka source must be the build of the
-    pyspark this environment runs (a pip-installed kafka2pg may sit beside another pyspark than the
-    pinned one), and jars resolved for another pyspark are resolved again."""
-    if name == "spark":
-        return {"spark.version": metadata.version("pyspark")}
-    return {}
+def _versions(name: str, pom_text: str) -> dict[str, str]:
+    """The POM properties to set from what is installed: Spark's Kafka source must be the build of
+    the pyspark this environment runs (a pip-installed kafka2pg may sit beside another pyspark
+    than the pinned one), and jars resolved for another pyspark are resolved again. None when the
+    POM names the installed version already (jars resolved before are then still in use)."""
+    if name != "spark":
+        return {}
+    installed = metadata.version("pyspark")
+    if f"<spark.version>{installed}</spark.version>" in pom_text:
+        return {}
+    return {"spark.version": installed}
 
 
 def connect_plugin_path(jars: Path) -> Path:

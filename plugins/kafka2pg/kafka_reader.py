@@ -346,7 +346,7 @@ def _headers(message: Message) -> Headers:
     called from C (`map`), once per message (the broken list stays cached in the message)."""
     try:
         (pairs,) = map(Message.headers, (message,))
-    except SystemError:  # the record is still quarantined, with its key and value
+    except (SystemError, UnicodeDecodeError):  # the latter from a client that checks: still kept
         log.warning(
             "record at partition %s offset %s has a header key that is not UTF-8: its headers are not kept in "
             "quarantine (its key and value are)",

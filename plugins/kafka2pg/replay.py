@@ -13,6 +13,7 @@ live batch, then finished in ONE transaction under the partitions' range locks:
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import logging
 from collections.abc import Callable
@@ -433,12 +434,17 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
     return found
 
 
+def _as_float(bound: int | float | None) -> float | None:
+    return None if bound is None else float(bound)
+
+
 def _comparable_reason(reason: sql.Composable, pipeline: Pipeline) -> sql.Composable:
     """SQL: a quarantine reason as a replay compares it. Batch ids vary between runs; a declared
     rule's reason compares by its column and rule, not the value it quotes (stored unquoted and
     whole before values were quoted and shortened); a one-bound range stored as "range [0.0,
     None]" reads "minimum 0" now (and "[None, 9.5]" "maximum 9.5"), and a whole-number bound
-    stored as "100.0" reads "100"; a value shortened to 40 characters is compared without its
+    stored as "100.0" reads "100" (and one of 1e16 or more, stored as "1e+16" when bounds were
+    read as floats, as written); a value shortened to 40 characters is compared without its
     mark ("…"), which reasons of keys once lacked; a column's list of allowed values stored
     whole, before long lists were cut, reads as the list is cut now (a list the current config
     does not declare stays as it was stored: a changed rule is a difference). A business key's
@@ -464,6 +470,11 @@ def _comparable_reason(reason: sql.Composable, pipeline: Pipeline) -> sql.Compos
         " '(declared (?:range \\[|minimum |maximum )-?\\d+)\\.0(?=\\]|, |$)', '\\1'),"
         " '(declared range \\[[^],]+, -?\\d+)\\.0\\]$', '\\1]')"
     ).format(reason)
+    for column in pipeline.columns:  # bounds once read as floats: 1e16 read "1e+16", 2**53 + 1 read 2**53
+        floats = dataclasses.replace(column, minimum=_as_float(column.minimum), maximum=_as_float(column.maximum))
+        if column.ranged and floats.range_words != column.range_words:
+            was, now = literal(f"declared {floats.range_words}"), literal(f"declared {column.range_words}")
+            reason = sql.SQL("replace({}, {}, {})").format(reason, was, now)
     return sql.SQL(
         "regexp_replace(regexp_replace(regexp_replace({},"
         " {within_refused}, {of_landed}), {within}, {of}), {promoted}, {of})"

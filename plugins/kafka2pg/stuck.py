@@ -68,7 +68,7 @@ class StuckBatch:
 def _names_a_way_on(error: str) -> bool:
     """Whether the error names the command that ends the batch's wait (a reset past offsets Kafka
     lost, an abandon): another run alone would fail the same way."""
-    return any(f"{COMMAND} {command} --pipeline" in error for command in ("reset", "abandon"))
+    return any(f"kafka2pg {command} --pipeline" in error for command in ("reset", "abandon"))  # ./ or not
 
 
 def is_stuck(failures: int) -> bool:

@@ -943,3 +943,18 @@ def test_a_jsonb_value_of_many_digit_runs_just_short_of_the_search_is_admitted()
     runs = b",".join([b"1" * 5_999] * 200)
     (values, reason) = decoder.decode(b'{"event_id":"e","doc":[' + runs + b"]}")
     assert reason is None and len(values[1]) == len(runs) + 2
+
+
+def test_a_jsonb_value_whose_numbers_print_past_postgresqls_text_limit_is_refused():
+    """PostgreSQL prints a jsonb number in full: 1e99999 is 100,000 characters of text. A small
+    record of many such numbers would be stored and never printed again (its text past 1 GB:
+    the gate reading a required jsonb column, a SELECT, a pg_dump would fail on it every time)."""
+    bomb = BASE + b',"payload":[' + b",".join([b"1e99999"] * 700) + b"]}"  # 70 MB of digits
+    (_, reason) = outcome(bomb)
+    assert reason is not None and reason.startswith("field 'payload': its numbers print more than 67,108,864"), reason
+    assert "could not print it back as text" in reason
+    admitted = admit_checked(DECODER, [bomb, BASE + b',"payload":[1e300,2.5e-10,0e99999,"1e99999"]}'])
+    assert admitted.reasons[0] is not None and admitted.reasons[1] is None, admitted.reasons
+    # written in full, the same digits print as written: no expansion
+    (_, reason) = outcome(BASE + b',"payload":[' + b",".join([b"1" + b"0" * 9999] * 50) + b"]}")
+    assert reason is None

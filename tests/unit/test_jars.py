@@ -5,6 +5,7 @@ import tarfile
 
 import pytest
 
+from kafka2pg.exceptions import StackError
 from kafka2pg.jars import _unpack_plugins, connect_plugin_path
 
 
@@ -110,32 +111,49 @@ def test_the_cli_stages_with_the_kafka_source_the_dag_would_use(reader, environ,
 
 def test_sparks_kafka_source_is_resolved_for_the_installed_pyspark_and_again_when_it_changes(tmp_path, monkeypatch):
     """A pip-installed kafka2pg may run beside another pyspark than the pinned one: the Kafka
-    source must be that pyspark's build, and jars resolved for another pyspark are not reused."""
+    source must be that pyspark's build, and jars resolved for another pyspark are not reused;
+    jars resolved for the POM's own version (and marked so before versions were set) are, offline;
+    and the jars in use stay until Maven has resolved their replacement."""
+    import re
     import subprocess
     from pathlib import Path
 
     from kafka2pg import jars
 
     runs = []
+    fails = []
 
     def mvn(command, **kwargs):
         runs.append(command)
+        if fails:
+            return subprocess.CompletedProcess(command, 1, "", "could not reach Maven Central")
         out = next(arg.removeprefix("-DoutputDirectory=") for arg in command if arg.startswith("-DoutputDirectory="))
         Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"spark-sql-kafka-{len(runs)}.jar").write_bytes(b"jar")
         return subprocess.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(jars.shutil, "which", lambda name: "/usr/bin/mvn")
     monkeypatch.setattr(jars.subprocess, "run", mvn)
+    pom = (jars.MAVEN_DIR / jars.POMS["spark"]).read_text()
+    pinned = re.search(r"<spark.version>(.+)</spark.version>", pom).group(1)
     installed = {"pyspark": "4.0.1"}
     monkeypatch.setattr(jars.metadata, "version", lambda dist: installed[dist])
+    spark = tmp_path / "jars" / "spark"
 
     jars.resolve_jars(tmp_path, ("spark",))
     assert "-Dspark.version=4.0.1" in runs[0]
     assert any(arg.startswith("org.apache.maven.plugins:maven-dependency-plugin:") for arg in runs[0])
     jars.resolve_jars(tmp_path, ("spark",))
     assert len(runs) == 1  # resolved once for that pyspark
-    installed["pyspark"] = "4.2.0"
+    installed["pyspark"] = pinned
+    fails.append(True)
+    with pytest.raises(StackError, match="could not reach Maven Central"):
+        jars.resolve_jars(tmp_path, ("spark",))
+    assert [p.name for p in spark.glob("*.jar")] == ["spark-sql-kafka-1.jar"]  # still there
+    fails.clear()
     jars.resolve_jars(tmp_path, ("spark",))
-    assert len(runs) == 2 and "-Dspark.version=4.2.0" in runs[1]
-    jars.resolve_jars(tmp_path, ("kafka",))
-    assert not any(arg.startswith("-Dspark.version") for arg in runs[2])
+    assert not any(arg.startswith("-Dspark.version") for arg in runs[2])  # the POM's own
+    assert [p.name for p in spark.glob("*.jar")] == ["spark-sql-kafka-3.jar"]
+    assert (spark / ".complete").read_text() == pom  # as set-up marked it before versions were set
+    jars.resolve_jars(tmp_path, ("spark",))
+    assert len(runs) == 3
