@@ -649,7 +649,7 @@ def _fast_jsonb(tokens: list[bytes | None], doubts: set[int]) -> pa.Array:
     )
     for index in _indices(suspects):
         token = tokens[index]
-        if _BIG_EXPONENT.search(token) or _LONG_DIGITS.search(token):
+        if _BIG_EXPONENT.search(token) or _LONG_DIGITS.search(token) or _may_print_long(token):
             try:
                 _check_json_numbers(token)
             except _FAST_DOUBTS:
@@ -1229,7 +1229,8 @@ def _to_jsonb(raw: bytes) -> str:
         problem = _deep_text_problem(_json_document(raw))
         if problem:
             raise Refused(problem.replace("text or jsonb", "jsonb"))
-    if _BIG_EXPONENT.search(raw) or (len(raw) >= _LONG_DIGITS_RUN and _LONG_DIGITS.search(raw)):
+    long = len(raw) >= _LONG_DIGITS_RUN
+    if _BIG_EXPONENT.search(raw) or (long and (_LONG_DIGITS.search(raw) or _may_print_long(raw))):
         _check_json_numbers(raw)
     return raw.decode("utf-8")
 
@@ -1237,18 +1238,32 @@ def _to_jsonb(raw: bytes) -> str:
 # PostgreSQL's numeric (jsonb's numbers) holds up to 131072 digits before the point and 16383
 # after it. A number beyond that has an exponent of 5 digits or more, or a run of 6000 digits
 # (with a 4-digit exponent and fewer digits it is within both). PostgreSQL prints a number in
-# full (1e99999 as 100,000 characters), and cannot print a value whose text passes 1 GB: a
-# number with an exponent of 2 digits or more may print far longer than it is written, and the
-# value's numbers may print at most PRINTED_EXPANSION characters more than written. The
-# searches find every such number (and a few strings that look like one), the parse decides.
+# full (1e99999 as 100,000 characters) and cannot print a value whose text passes 1 GB: a
+# value's numbers may print at most PRINTED_EXPANSION characters more than they are written. A
+# number prints at most |exponent| + 2 more than written, so a value under 6000 bytes with no
+# exponent of 5 digits cannot pass that (6000 bytes of "1e9999," print 10 MB), and a longer one
+# is parsed only when the sum over its exponents can (`_may_print_long`). The searches find
+# every such number (and a few strings that look like one), the parse decides.
 _NUMERIC_INTEGER_DIGITS = 131_072
 _NUMERIC_FRACTION_DIGITS = 16_383
 PRINTED_EXPANSION = 64 << 20
-_BIG_EXPONENT = re.compile(rb"[eE][-+]?[0-9]{2}")
+_BIG_EXPONENT = re.compile(rb"[eE][-+]?[0-9]{5}")
+_EXPONENT = re.compile(rb"[0-9][eE][-+]?([0-9]{1,4})(?![0-9])")
 _LONG_DIGITS_RUN = 6000
 # Tried only where a run of digits starts: a value of many runs just short of that length
 # would otherwise be scanned again from each of their digits.
 _LONG_DIGITS = re.compile(rb"(?<![0-9])[0-9]{%d}" % _LONG_DIGITS_RUN)
+
+
+def _may_print_long(raw: bytes) -> bool:
+    """Whether the numbers of a jsonb value (or strings that look like them) with exponents of up
+    to 4 digits may print PRINTED_EXPANSION characters more than written: |exponent| + 2 each."""
+    bound = 0
+    for match in _EXPONENT.finditer(raw):
+        bound += int(match.group(1)) + 2
+        if bound > PRINTED_EXPANSION:
+            return True
+    return False
 
 
 def _check_json_numbers(raw: bytes) -> None:

@@ -54,11 +54,15 @@ def resolve_jars(cache: Path | None = None, names: tuple[str, ...] = SET_UP) -> 
         if marker.exists() and marker.read_text() == made_from:
             result[name] = target
             continue
+        # Resolved beside the jars in use, which are replaced only once Maven has succeeded.
+        fresh = target.with_name(f".{target.name}.resolving")
+        if _made_from(fresh) == made_from:  # resolved, then stopped before it replaced them
+            _replace(target, fresh)
+            result[name] = target
+            continue
         if shutil.which("mvn") is None:
             setup = ", or run `./kafka2pg setup`" if CHECKOUT else ""
             raise StackError(f"Maven (mvn) is not installed: `apt-get install maven`{setup}")
-        # Resolved beside the jars in use, which are replaced only once Maven has succeeded.
-        fresh = target.with_name(f".{target.name}.resolving")
         shutil.rmtree(fresh, ignore_errors=True)
         settings = os.environ.get("KAFKA2PG_MAVEN_SETTINGS", str(MAVEN_DIR / "settings.xml"))
         command = [
@@ -79,12 +83,22 @@ def resolve_jars(cache: Path | None = None, names: tuple[str, ...] = SET_UP) -> 
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise StackError(f"Maven could not resolve {pom}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
+        fresh.mkdir(parents=True, exist_ok=True)  # a POM without dependencies makes no folder
         _unpack_plugins(fresh)
         (fresh / ".complete").write_text(made_from)
-        shutil.rmtree(target, ignore_errors=True)
-        fresh.rename(target)
+        _replace(target, fresh)
         result[name] = target
     return result
+
+
+def _made_from(folder: Path) -> str | None:
+    marker = folder / ".complete"
+    return marker.read_text() if marker.is_file() else None
+
+
+def _replace(target: Path, fresh: Path) -> None:
+    shutil.rmtree(target, ignore_errors=True)
+    fresh.rename(target)
 
 
 DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1"

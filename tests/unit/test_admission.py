@@ -953,8 +953,13 @@ def test_a_jsonb_value_whose_numbers_print_past_postgresqls_text_limit_is_refuse
     (_, reason) = outcome(bomb)
     assert reason is not None and reason.startswith("field 'payload': its numbers print more than 67,108,864"), reason
     assert "could not print it back as text" in reason
-    admitted = admit_checked(DECODER, [bomb, BASE + b',"payload":[1e300,2.5e-10,0e99999,"1e99999"]}'])
+    four_digits = BASE + b',"payload":[' + b",".join([b"1e9999"] * 7000) + b"]}"  # 49 KB, 70 MB of digits
+    (_, reason) = outcome(four_digits)
+    assert reason is not None and "could not print it back as text" in reason, reason
+    fine = BASE + b',"payload":[1e300,2.5e-10,0e99999,"1e99999",' + b",".join([b"1e9999"] * 6000) + b"]}"
+    admitted = admit_checked(DECODER, [bomb, fine, four_digits])
     assert admitted.reasons[0] is not None and admitted.reasons[1] is None, admitted.reasons
+    assert admitted.reasons[2] is not None
     # written in full, the same digits print as written: no expansion
     (_, reason) = outcome(BASE + b',"payload":[' + b",".join([b"1" + b"0" * 9999] * 50) + b"]}")
     assert reason is None

@@ -157,3 +157,12 @@ def test_sparks_kafka_source_is_resolved_for_the_installed_pyspark_and_again_whe
     assert (spark / ".complete").read_text() == pom  # as set-up marked it before versions were set
     jars.resolve_jars(tmp_path, ("spark",))
     assert len(runs) == 3
+    # Resolved, then stopped before the jars in use were replaced: taken as they are, offline.
+    (spark / ".complete").write_text("another POM")
+    resolving = spark.with_name(".spark.resolving")
+    resolving.mkdir()
+    (resolving / "spark-sql-kafka-9.jar").write_bytes(b"jar")
+    (resolving / ".complete").write_text(pom)
+    jars.resolve_jars(tmp_path, ("spark",))
+    assert len(runs) == 3 and [p.name for p in spark.glob("*.jar")] == ["spark-sql-kafka-9.jar"]
+    assert not resolving.exists()
