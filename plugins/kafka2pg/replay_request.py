@@ -113,13 +113,21 @@ def parse_ranges(value: Any, name: str = "offset_ranges") -> tuple[OffsetRange, 
     for shown, item in items:
         if not isinstance(item, Mapping) or set(item) != {"partition", "start", "end"}:
             raise ConfigError(f"replay {name} {shown}: expected exactly the keys partition, start, end")
-        values = [item["partition"], item["start"], item["end"]]
+        values = [_whole(item[key]) for key in ("partition", "start", "end")]
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
             raise ConfigError(f"replay {name} {shown}: partition, start and end must be integers >= 0")
         if values[2] <= values[1]:
             raise ConfigError(f"replay {name} {shown}: end (exclusive) must be greater than start")
         ranges.append(OffsetRange(*values))
     return tuple(sorted(ranges, key=lambda r: (r.partition, r.start)))
+
+
+def _whole(value: Any) -> Any:
+    """A JSON number written 500.0 (a run conf, an API client) as the int it is, where a float
+    holds it exactly; anything else as given (refused below if not an int)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+        return int(value)
+    return value
 
 
 # How the DAG's trigger form names the request's fields; the CLI passes its flags instead.
