@@ -11,7 +11,7 @@ from psycopg.types.json import Jsonb
 
 from kafka2pg.config import Pipeline
 from kafka2pg.exceptions import BatchStateError, LedgerConflictError, StagingLostError
-from kafka2pg.lifecycle import OPEN, BatchState, is_progress, require
+from kafka2pg.lifecycle import CLI_RUN_ID, OPEN, BatchState, is_progress, require
 from kafka2pg.planner import BatchPlan, describe_ranges
 from kafka2pg.rows import clear_staging, staged_counts
 
@@ -175,11 +175,18 @@ def abandon_unpromoted(conn: Connection, pipeline: Pipeline, batch: Batch, reaso
 
 
 def claim(conn: Connection, batch: Batch, run_id: str | None) -> Batch:
-    """Take an unfinished batch over: bump its epoch so the previous run's later steps are fenced."""
+    """Take an unfinished batch over: bump its epoch so the previous run's later steps are fenced.
+
+    A failure recorded at the current epoch by the same run (an Airflow retry of a stage job of
+    several batches claims its open batch again) moves to the new epoch: STUCK counts runs, and
+    that run's next failure is not another one."""
     epoch = conn.execute(
-        "UPDATE kafka2pg.batches SET epoch = epoch + 1, run_id = %s, claimed_at = now(), updated_at = now()"
-        " WHERE batch_id = %s RETURNING epoch",
-        (run_id, batch.batch_id),
+        "UPDATE kafka2pg.batches SET epoch = epoch + 1, claimed_at = now(), updated_at = now(),"
+        " failed_epoch = CASE WHEN %(airflow)s AND run_id = %(run)s AND failed_epoch = epoch"
+        "   THEN epoch + 1 ELSE failed_epoch END, run_id = %(run)s"
+        " WHERE batch_id = %(batch)s RETURNING epoch",
+        # an Airflow run's id; the CLI's processes share one, each a run of its own
+        {"run": run_id, "batch": batch.batch_id, "airflow": run_id not in (None, CLI_RUN_ID)},
     ).fetchone()[0]
     log.warning(
         "pipeline=%s batch_id=%s resumed in state %s: claim epoch %s -> %s (previous run %s is fenced off)",

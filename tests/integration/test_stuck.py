@@ -227,3 +227,29 @@ def test_the_oldest_batch_a_run_holds_open_is_where_its_stage_job_of_several_bat
     second = open_batch(env.settings, env.pipeline, max_records_per_batch=3, run_id="run-a").batch
     assert second.batch_id > first.batch_id
     assert oldest_open_batch(env.settings, env.pipeline.name, "run-a") == (second.batch_id, second.epoch)
+
+
+def test_a_batch_failing_twice_in_one_run_is_not_stuck_and_in_a_second_run_it_is(make_pipeline, db):
+    """A stage job of several batches retried by Airflow claims its open batch again (a new epoch)
+    within the same run: STUCK counts runs, so that retry's failure is the same run's."""
+    from kafka2pg.batch_store import claim, load_batch
+    from kafka2pg.database import transaction
+    from kafka2pg.stuck import record_failure
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, sample_events(4, seed=75))
+    batch = open_batch(env.settings, env.pipeline, run_id="run-a").batch
+
+    def fail_in(run_id: str | None) -> int:
+        with transaction(env.settings.database_url) as conn:
+            claimed = claim(conn, load_batch(conn, batch.batch_id), run_id)
+        record_failure(env.settings, env.pipeline.name, batch.batch_id, claimed.epoch, "stage", OSError("disk full"))
+        return db.execute("SELECT failures FROM kafka2pg.batches WHERE batch_id = %s", (batch.batch_id,)).fetchone()[0]
+
+    record_failure(env.settings, env.pipeline.name, batch.batch_id, batch.epoch, "stage", OSError("disk full"))
+    assert fail_in("run-a") == 1  # Airflow's retry within run-a
+    assert fail_in("run-a") == 1
+    assert fail_in("run-b") == 2  # the next run: STUCK
+    assert fail_in(None) == 3  # a claim without a run, or by the CLI, is a run of its own
+    assert fail_in("cli") == 4
+    assert fail_in("cli") == 5
