@@ -174,19 +174,20 @@ def abandon_unpromoted(conn: Connection, pipeline: Pipeline, batch: Batch, reaso
     clear_staging(conn, pipeline, batch.batch_id)
 
 
-def claim(conn: Connection, batch: Batch, run_id: str | None) -> Batch:
+def claim(conn: Connection, batch: Batch, run_id: str | None, *, job_retry: bool = False) -> Batch:
     """Take an unfinished batch over: bump its epoch so the previous run's later steps are fenced.
 
-    A failure recorded at the current epoch by the same run (an Airflow retry of a stage job of
-    several batches claims its open batch again) moves to the new epoch: STUCK counts runs, and
-    that run's next failure is not another one."""
+    `job_retry`: the claim of an Airflow retry of a stage job of several batches, taking over the
+    batch its earlier try held (same run): a failure that try recorded at the current epoch moves
+    to the new one, so STUCK, which counts runs, does not count the retry's failure as another
+    run's. A plan task's claim (a new run, or a run cleared in Airflow's UI) counts as a run."""
     epoch = conn.execute(
         "UPDATE kafka2pg.batches SET epoch = epoch + 1, claimed_at = now(), updated_at = now(),"
         " failed_epoch = CASE WHEN %(airflow)s AND run_id = %(run)s AND failed_epoch = epoch"
         "   THEN epoch + 1 ELSE failed_epoch END, run_id = %(run)s"
         " WHERE batch_id = %(batch)s RETURNING epoch",
         # an Airflow run's id; the CLI's processes share one, each a run of its own
-        {"run": run_id, "batch": batch.batch_id, "airflow": run_id not in (None, CLI_RUN_ID)},
+        {"run": run_id, "batch": batch.batch_id, "airflow": job_retry and run_id not in (None, CLI_RUN_ID)},
     ).fetchone()[0]
     log.warning(
         "pipeline=%s batch_id=%s resumed in state %s: claim epoch %s -> %s (previous run %s is fenced off)",

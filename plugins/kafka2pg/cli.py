@@ -370,7 +370,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             with contextlib.suppress(Kafka2PgError, *_postgresql_errors()), session(settings.database_url) as conn:
                 exc = readiness_error(settings, pipeline, conn) or exc
             raise exc from None
-        blocked = None
+        blocked = unchecked = None
         with session(settings.database_url) as conn:
             batches = open_batches(conn, pipeline.name)
             not_ready = readiness_error(settings, pipeline, conn)
@@ -383,12 +383,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
                         f"{type(exc).__name__}: {exc}",
                         file=sys.stderr,
                     )
+                except (Kafka2PgError, *_postgresql_errors()) as exc:  # said after the audit, below
+                    unchecked = exc
         stuck = [b.stuck for b in batches if b.stuck is not None]
         replays = [b for b in batches if b.kind != "live" and b.stuck is None]
         print(format_audit(pipeline, audits, stuck, None if not_ready is None else str(not_ready), replays))
         if blocked is not None:
             print(BLOCKED_LINE + blocked)
-        return all(a.clean for a in audits) and not stuck and not_ready is None and blocked is None
+        found = all(a.clean for a in audits) and not stuck and not_ready is None and blocked is None
+        if unchecked is not None:
+            why = (
+                f"whether the ledger still fits the topic could not be checked: {type(unchecked).__name__}: {unchecked}"
+            )
+            if not found:  # exit 1 for what the audit found; the check's error said beside it
+                print(f"pipeline {pipeline.name}: {why}", file=sys.stderr)
+                return False
+            raise Kafka2PgError(f"the audit above found nothing, but {why}") from unchecked
+        return found
 
     results = _each_pipeline(args, "not audited", audit)
     failed = _failed(results)

@@ -61,8 +61,12 @@ def open_batch(
     max_records_per_batch: int | None = None,
     run_id: str | None = None,
     dry_run: bool = False,
+    job_retry: bool = False,
 ) -> OpenedBatch:
     """Resume the pipeline's unfinished batch, or plan and record the next one.
+
+    `job_retry`: called by a retried stage job of several batches of the same run
+    (`batch_store.claim`).
 
     Rule: an unfinished live batch (planned/staged/validated) is resumed with its exact
     ranges while every head it expects is still in place; otherwise it is marked `abandoned`
@@ -80,7 +84,9 @@ def open_batch(
         if not dry_run:  # this run takes the pipeline over: an earlier run's lookahead is void
             abandon_lookaheads(conn, pipeline, f"run {run_id} took the pipeline over before it was promoted")
         heads = read_heads(conn, pipeline.name)
-        opened = _open(conn, pipeline, offsets, identity, heads, open_id, max_records_per_batch, run_id, dry_run)
+        opened = _open(
+            conn, pipeline, offsets, identity, heads, open_id, max_records_per_batch, run_id, dry_run, job_retry
+        )
     _warn_loss_horizons(settings, pipeline, offsets, heads, kafka)  # asks Kafka: after the plan lock is released
     return opened
 
@@ -95,8 +101,11 @@ def _open(
     max_records_per_batch: int | None,
     run_id: str | None,
     dry_run: bool,
+    job_retry: bool = False,
 ) -> OpenedBatch:
-    resumed, abandoned = _resume_or_abandon(conn, pipeline, open_id, heads, offsets, identity, run_id, dry_run=dry_run)
+    resumed, abandoned = _resume_or_abandon(
+        conn, pipeline, open_id, heads, offsets, identity, run_id, dry_run=dry_run, job_retry=job_retry
+    )
     if resumed is not None:
         verb = "dry run: would resume" if dry_run else "resuming"
         message = f"{verb} unfinished batch {resumed.batch_id} ({resumed.state}, epoch {resumed.epoch})"
@@ -257,7 +266,7 @@ def plan_lookahead(
         if mine is not None and later == [mine[0]]:
             # A retry of this run's job (same claim on `after_id`) finds the lookahead its killed
             # attempt planned: take it over (a newer claim fences the dead attempt) and go on.
-            return claim(conn, load_batch(conn, mine[0]), run_id)
+            return claim(conn, load_batch(conn, mine[0]), run_id, job_retry=True)
         if later:
             raise BatchStateError(
                 f"pipeline {pipeline.name!r}: batch {later[0]} is already planned after {after_id}",
@@ -371,6 +380,7 @@ def _resume_or_abandon(
     run_id: str | None,
     *,
     dry_run: bool,
+    job_retry: bool = False,
 ) -> tuple[Batch | None, Batch | None]:
     """(the open batch, resumed under a new claim; or the batch abandoned (or that a dry run
     would abandon)); (None, None) when there is no open batch."""
@@ -379,7 +389,7 @@ def _resume_or_abandon(
     batch = load_batch(conn, open_id)
     reasons = _abandon_reasons(pipeline, batch, heads, offsets, identity)
     if reasons is None:
-        return (batch if dry_run else claim(conn, batch, run_id)), None
+        return (batch if dry_run else claim(conn, batch, run_id, job_retry=job_retry)), None
     why, error = reasons
     if dry_run:
         log.info("pipeline=%s dry run: would abandon batch %s (%s)", pipeline.name, batch.batch_id, why)

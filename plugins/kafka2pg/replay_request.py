@@ -125,7 +125,7 @@ def parse_ranges(value: Any, name: str = "offset_ranges") -> tuple[OffsetRange, 
 def _whole(value: Any) -> Any:
     """A JSON number written 500.0 (a run conf, an API client) as the int it is, where a float
     holds it exactly; anything else as given (refused below if not an int)."""
-    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:  # 2**53 + 1 reads as 2**53
         return int(value)
     return value
 

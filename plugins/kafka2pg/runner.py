@@ -201,7 +201,9 @@ def _stage(result: RunResult, spark, settings, pipeline, batch_id: int, epoch: i
 def _next_batch(settings, pipeline, current: _Staged, run_id, max_records_per_batch) -> Batch | None:
     """The lookahead after an open batch; after one already promoted (a retried job), the next run's plan."""
     if current.state is BatchState.PROMOTED:
-        opened = open_batch(settings, pipeline, max_records_per_batch=max_records_per_batch, run_id=run_id)
+        opened = open_batch(
+            settings, pipeline, max_records_per_batch=max_records_per_batch, run_id=run_id, job_retry=True
+        )
         log.info("pipeline=%s %s", pipeline.name, opened.message)
         return opened.batch
     batch = plan_lookahead(

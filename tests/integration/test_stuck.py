@@ -240,9 +240,9 @@ def test_a_batch_failing_twice_in_one_run_is_not_stuck_and_in_a_second_run_it_is
     produce(env.settings.bootstrap_servers, env.topic, sample_events(4, seed=75))
     batch = open_batch(env.settings, env.pipeline, run_id="run-a").batch
 
-    def fail_in(run_id: str | None) -> int:
+    def fail_in(run_id: str | None, job_retry: bool = True) -> int:
         with transaction(env.settings.database_url) as conn:
-            claimed = claim(conn, load_batch(conn, batch.batch_id), run_id)
+            claimed = claim(conn, load_batch(conn, batch.batch_id), run_id, job_retry=job_retry)
         record_failure(env.settings, env.pipeline.name, batch.batch_id, claimed.epoch, "stage", OSError("disk full"))
         return db.execute("SELECT failures FROM kafka2pg.batches WHERE batch_id = %s", (batch.batch_id,)).fetchone()[0]
 
@@ -250,6 +250,7 @@ def test_a_batch_failing_twice_in_one_run_is_not_stuck_and_in_a_second_run_it_is
     assert fail_in("run-a") == 1  # Airflow's retry within run-a
     assert fail_in("run-a") == 1
     assert fail_in("run-b") == 2  # the next run: STUCK
-    assert fail_in(None) == 3  # a claim without a run, or by the CLI, is a run of its own
-    assert fail_in("cli") == 4
+    assert fail_in("run-b", job_retry=False) == 3  # run-b cleared in Airflow's UI: its plan claims it again
+    assert fail_in(None) == 4  # a claim without a run, or by the CLI, is a run of its own
     assert fail_in("cli") == 5
+    assert fail_in("cli") == 6

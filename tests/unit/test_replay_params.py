@@ -17,6 +17,8 @@ def test_offset_ranges_from_the_form_or_the_command_line():
     assert parse_ranges("1:5-9, 0:0-3") == parse_ranges(form)
     # JSON has one number type: 9.0 from a run conf is 9; a fraction or a float past 2**53 is not
     assert parse_ranges([{"partition": 1.0, "start": 5.0, "end": 9.0}]) == (OffsetRange(1, 5, 9),)
+    with pytest.raises(ConfigError, match="integers >= 0"):  # 2**53 + 1 reads as 2**53: not exact
+        parse_ranges([{"partition": 0, "start": 0, "end": float(2**53)}])
     assert type(parse_ranges([{"partition": 1.0, "start": 5.0, "end": 9.0}])[0].end) is int
     for inexact in (9.5, 2.0**60):
         with pytest.raises(ConfigError, match="integers >= 0"):

@@ -133,3 +133,24 @@ def test_an_entry_in_error_in_the_pipelines_file_hides_none_of_the_others(
     assert "pipeline mistyped: not audited: ConfigError: " in shown.err and "textt" in shown.err
     assert shown.err.strip().splitlines()[-1].endswith("also not audited: mistyped")
     assert cli.main(["verify", "--pipeline", "mistyped"]) == 2  # named: its error alone
+
+
+@pytest.mark.parametrize(("audited", "code"), [("ok", 2), ("missing", 1)])
+def test_an_error_in_the_blocked_check_keeps_the_audit_and_its_exit_code(
+    three_pipelines, monkeypatch, capsys, audited, code
+):
+    """Other than Kafka not answering (unknown, said): the audit is printed all the same; exit 1
+    for what it found, else 2 (not checked) naming the error."""
+    from kafka2pg.exceptions import ConfigError
+
+    def blocked_words(settings, pipeline, conn):
+        raise ConfigError("the topic's ID cannot be read")
+
+    monkeypatch.setattr(audit, "audit_pipeline", audits_of({"clean": "ok", "broken": audited, "unreadable": "ok"}))
+    monkeypatch.setattr(migrations, "readiness_error", lambda settings, pipeline, conn: None)
+    monkeypatch.setattr(opening, "blocked_words", blocked_words)
+    assert cli.main(["verify", "--pipeline", "broken"]) == code
+    shown = capsys.readouterr()
+    assert "result: " in shown.out  # the audit, printed
+    assert "whether the ledger still fits the topic could not be checked: ConfigError: the topic's ID" in shown.err
+    assert ("not audited: Kafka2PgError: the audit above found nothing, but" in shown.err) is (code == 2), shown.err
