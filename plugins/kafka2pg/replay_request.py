@@ -116,6 +116,9 @@ def parse_ranges(value: Any, name: str = "offset_ranges") -> tuple[OffsetRange, 
         values = [_whole(item[key]) for key in ("partition", "start", "end")]
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
             raise ConfigError(f"replay {name} {shown}: partition, start and end must be integers >= 0")
+        for (field, limit), given in zip(_LIMITS.items(), values, strict=True):
+            if given > limit:
+                raise ConfigError(f"replay {name} {_shown(shown)}: the {field} is above {limit}")
         if values[2] <= values[1]:
             raise ConfigError(f"replay {name} {shown}: end (exclusive) must be greater than start")
         ranges.append(OffsetRange(*values))

@@ -32,6 +32,8 @@ def test_offset_ranges_from_the_form_or_the_command_line():
     [
         ([{"partition": 0, "start": 5, "end": 5}], "must be greater than start"),
         ([{"partition": 0, "start": -1, "end": 5}], "integers >= 0"),
+        ([{"partition": 2**31, "start": 0, "end": 5}], "the partition is above 2147483647"),
+        ([{"partition": 0, "start": 0, "end": 2**63}], "the end is above 9223372036854775807"),
         ([{"partition": 0, "start": 0}], "exactly the keys"),
         ("0:5", "partition:start-end"),
         ("0:0-10,", "got '' \\(part 2 of '0:0-10,'\\)"),
