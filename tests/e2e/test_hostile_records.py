@@ -319,6 +319,12 @@ KINDS = {
             },
         ),
     ),
+    "jsonb numbers printing past 1 GB": (
+        raw("u31", b',"payload":[' + b",".join([b"1e99999"] * 700) + b"]}"),  # 70 MB of digits as text
+        None,
+        [],
+        ("quarantine", "field 'payload': its numbers print more than 67,108,864 characters longer than"),
+    ),
     "Schema Registry header": (
         b"\x00\x00\x00\x01\x85" + doc("u1r"),
         None,
