@@ -32,6 +32,7 @@ from kafka2pg.database import isolate_refused, session_settings, statement_refus
 from kafka2pg.exceptions import BatchStateError
 from kafka2pg.lifecycle import BatchState
 from kafka2pg.migrations import PROVENANCE, RAW, staging_columns
+from kafka2pg.planner import NO_TIMESTAMP_MS
 from kafka2pg.withheld_imports import withheld
 
 # What the chunk writer gets from the Kafka reader (kafka2pg.kafka_reader, or Spark's Kafka source
@@ -157,9 +158,9 @@ UNREADABLE_TIMESTAMP = (
 )
 
 
-# Kafka's "no timestamp" (RecordBatch.NO_TIMESTAMP): a record of the v0 message format, or one a
-# client wrote without a time. Both readers hand it over as the instant 1969-12-31T23:59:59.999Z.
-NO_TIMESTAMP_US = -1_000
+# Kafka's "no timestamp" (a record of the v0 message format, or one a client wrote without a
+# time), in the microseconds both readers hand it over in: the instant 1969-12-31T23:59:59.999Z.
+NO_TIMESTAMP_US = NO_TIMESTAMP_MS * 1_000
 
 
 def no_timestamp_as_null(record_batch: pa.RecordBatch) -> pa.RecordBatch:

@@ -279,6 +279,11 @@ class Column:
         return f"allowed values {shown}"
 
 
+def float_bound(bound: int | float | None) -> float | None:
+    """A range's bound as the float GX compares, or as older kafka2pg versions read it."""
+    return None if bound is None else float(bound)
+
+
 def _bound_words(bound: int | float | None) -> str:
     """A range's bound without a whole number's ".0": 100000 for 100000.0 (below 1e16, where
     Python's str turns to an exponent); a whole number written without a point as written."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from psycopg import Connection, sql
 
-from kafka2pg.config import Pipeline
+from kafka2pg.config import Pipeline, float_bound
 from kafka2pg.withheld_imports import withheld
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,11 @@ def suite_for(pipeline: Pipeline, expected_rows: int) -> list[Expectation]:
             suite.append(
                 Expectation(
                     "ExpectColumnValuesToBeBetween",
-                    {"column": column.name, "min_value": _float(column.minimum), "max_value": _float(column.maximum)},
+                    {
+                        "column": column.name,
+                        "min_value": float_bound(column.minimum),
+                        "max_value": float_bound(column.maximum),
+                    },
                     f"declared {column.range_words}",
                 )
             )
@@ -159,10 +163,6 @@ def load_accepted(conn: Connection, pipeline: Pipeline, batch_id: int):
         else:
             frame[column.name] = pd.to_numeric(frame[column.name])
     return frame
-
-
-def _float(bound: int | float | None) -> float | None:
-    return None if bound is None else float(bound)
 
 
 def _double_holds(pg_type: str) -> bool:

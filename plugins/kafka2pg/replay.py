@@ -29,7 +29,7 @@ from kafka2pg.batch_store import (
     transition,
 )
 from kafka2pg.checks import KEY_PROMOTED_REASON
-from kafka2pg.config import Pipeline, Settings
+from kafka2pg.config import Pipeline, Settings, float_bound
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, ReplayRefusedError
 from kafka2pg.kafka_offsets import TopicAdmin
@@ -434,10 +434,6 @@ def differences_of(conn: Connection, pipeline: Pipeline, batch_id: int, in_range
     return found
 
 
-def _as_float(bound: int | float | None) -> float | None:
-    return None if bound is None else float(bound)
-
-
 def _comparable_reason(reason: sql.Composable, pipeline: Pipeline) -> sql.Composable:
     """SQL: a quarantine reason as a replay compares it. Batch ids vary between runs; a declared
     rule's reason compares by its column and rule, not the value it quotes (stored unquoted and
@@ -471,7 +467,7 @@ def _comparable_reason(reason: sql.Composable, pipeline: Pipeline) -> sql.Compos
         " '(declared range \\[[^],]+, -?\\d+)\\.0\\]$', '\\1]')"
     ).format(reason)
     for column in pipeline.columns:  # bounds once read as floats: 1e16 read "1e+16", 2**53 + 1 read 2**53
-        floats = dataclasses.replace(column, minimum=_as_float(column.minimum), maximum=_as_float(column.maximum))
+        floats = dataclasses.replace(column, minimum=float_bound(column.minimum), maximum=float_bound(column.maximum))
         if column.ranged and floats.range_words != column.range_words:
             was, now = literal(f"declared {floats.range_words}"), literal(f"declared {column.range_words}")
             reason = sql.SQL("replace({}, {}, {})").format(reason, was, now)
