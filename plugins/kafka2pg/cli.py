@@ -30,7 +30,7 @@ from kafka2pg.config import (
     topic_name,
 )
 from kafka2pg.exceptions import BatchStateError, ConfigError, Kafka2PgError, SchemaNotReadyError
-from kafka2pg.locations import COMMAND, state_dir
+from kafka2pg.locations import COMMAND, preview_first, state_dir
 from kafka2pg.task_log import printable
 
 log = logging.getLogger("kafka2pg")
@@ -115,7 +115,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
         data = ", ".join(str(p) for p in local_stack.stack_data(current))
         print(
             f"local stack stopped; its data stays in {data}: `{COMMAND} stack start` brings it back, "
-            f"`{COMMAND} stack reset --confirm` deletes it"
+            f"{preview_first('stack reset')} deletes it"
         )
         return 0
     _, done = local_stack.start_or_resume(cache, secured=args.secured)

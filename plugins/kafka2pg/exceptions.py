@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Self
 
 from kafka2pg.lifecycle import BatchState
-from kafka2pg.locations import COMMAND
+from kafka2pg.locations import preview_first
 
 # The stage job's exit code for a terminal error (a rejected batch, a configuration error): the
 # stage operator fails its task without a retry, which could not mend it.
@@ -348,13 +348,13 @@ class RetentionLossError(Kafka2PgError):
         partition, start, end = rng
         if kind == "replay":
             way_on = (
-                f"`{COMMAND} abandon --pipeline {pipeline} --batch-id {batch_id} --confirm` discards this replay "
+                f"{preview_first(f'abandon --pipeline {pipeline} --batch-id {batch_id}')} discards this replay "
                 "(the target stays as it was); a replay from the low watermark on can then run."
             )
         else:
+            reset = f"reset --pipeline {pipeline} --partition {partition} --to-offset {low_watermark} --reason ..."
             way_on = (
-                f"`{COMMAND} reset --pipeline {pipeline} --partition {partition} --to-offset {low_watermark} "
-                "--reason ... --confirm` abandons the batch and goes on from what Kafka still holds, the offsets "
+                f"{preview_first(reset)} abandons the batch and goes on from what Kafka still holds, the offsets "
                 "before it lost (the batch's staged rows are deleted then: copy them from its staging table first "
                 "if they are needed). A retention longer than a batch may wait for its gate prevents this."
             )
@@ -383,8 +383,8 @@ class OffsetRegressionError(Kafka2PgError):
             f"pipeline {pipeline!r}, topic {topic!r}, partition {partition}: the ledger head "
             f"{head} is beyond the high watermark {high_watermark}. The topic was probably "
             "deleted and recreated, shrunk, or restored from a backup. Nothing was read. "
-            f"Inspect the topic, then realign the partition explicitly: `{COMMAND} reset --pipeline {pipeline} "
-            f"--partition {partition} --to-offset <offset> --confirm`.",
+            "Inspect the topic, then realign the partition explicitly: "
+            f"{preview_first(f'reset --pipeline {pipeline} --partition {partition} --to-offset <offset>')}.",
             pipeline=pipeline,
             topic=topic,
             partition=partition,
@@ -396,12 +396,13 @@ class OffsetRegressionError(Kafka2PgError):
     def recreated(cls, pipeline: str, topic: str, partitions: list[int], ledgered: str, now: str) -> Self:
         """The ledger's heads of `partitions` are positions in a topic of the same name whose ID
         was `ledgered`; the topic's ID is `now`: it was deleted and recreated, offsets from 0 again."""
+        reset = f"reset --pipeline {pipeline} --partition <p> --to-offset <offset>"
         return cls(
             f"pipeline {pipeline!r}, topic {topic!r}: the ledger heads of partition(s) {partitions} are offsets in "
             f"the topic with ID {ledgered}, but the topic now has ID {now}: it was deleted and recreated, and its "
             "offsets start again from 0, so the heads no longer say what was loaded. Nothing was read. Realign "
-            f"each partition explicitly: `{COMMAND} reset --pipeline {pipeline} --partition <p> --to-offset <offset> "
-            "--confirm` (`--archive-old-rows` moves the old topic's rows away, whose offsets the new records reuse), "
+            f"each partition explicitly: {preview_first(reset)} (`--archive-old-rows` moves the old topic's rows "
+            "away, whose offsets the new records reuse), "
             "or `--drop` instead of `--to-offset <offset>` for a partition the new topic does not have.",
             pipeline=pipeline,
             topic=topic,
@@ -431,8 +432,8 @@ class OffsetRegressionError(Kafka2PgError):
         return cls(
             f"pipeline {pipeline!r}, topic {topic!r}: the ledger has heads for partition(s) {partitions} that "
             "the topic no longer has. It was probably deleted and recreated with fewer partitions. Nothing "
-            f"was read. Inspect the topic, then drop each one's head: `{COMMAND} reset --pipeline {pipeline} "
-            "--partition <p> --drop --confirm`.",
+            "was read. Inspect the topic, then drop each one's head: "
+            f"{preview_first(f'reset --pipeline {pipeline} --partition <p> --drop')}.",
             pipeline=pipeline,
             topic=topic,
             partitions=partitions,

@@ -25,6 +25,15 @@ CHECKOUT = _checkout()
 #: How a user runs kafka2pg's command here, for messages that tell them to: the checkout's
 #: wrapper, or the installed package's console script.
 COMMAND = "./kafka2pg" if CHECKOUT else "kafka2pg"
+
+
+def preview_first(arguments: str) -> str:
+    """A command that changes data, as a message suggests it: `arguments` without `--confirm`
+    (a preview that changes nothing), then the same with it. A command copied from a message
+    never applies a change unread."""
+    return f"`{COMMAND} {arguments}` then, if its preview is right, the same with `--confirm`"
+
+
 #: The checkout's pipelines file; installed, it is in Airflow's DAGs folder (`config.default_pipelines_file`).
 CHECKOUT_PIPELINES_FILE = CHECKOUT / "dags" / "pipelines.yaml" if CHECKOUT else None
 # The wheel carries the top-level sql/ inside the package (pyproject.toml's force-include).

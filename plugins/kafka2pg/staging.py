@@ -48,7 +48,7 @@ from kafka2pg.kafka_config import kafka_config
 from kafka2pg.kafka_offsets import topic_id
 from kafka2pg.kafka_reader import raw_records_at, read_ranges
 from kafka2pg.lifecycle import Action, BatchState, stage_action
-from kafka2pg.locations import COMMAND, PACKAGE_DIR
+from kafka2pg.locations import COMMAND, PACKAGE_DIR, preview_first
 from kafka2pg.planner import BatchPlan, OffsetRange, describe_ranges
 from kafka2pg.raw_bytes import fill_raw_bytes, staging_place
 from kafka2pg.rows import staged_counts
@@ -359,8 +359,9 @@ def _kafka_error(text: str, settings: Settings, pipeline: Pipeline, batch: Batch
             f"{where}: Spark's Kafka source cannot read a record of it: {_java_message(text, _SPARK_RECORD_REFUSAL)} "
             "The default reader, kafka_reader: librdkafka, reads such a record and quarantines it (its Kafka "
             "timestamp named) while the rest lands: set it for this pipeline if its Kafka connection needs no "
-            f"Java-only property, or move the partition's ledger head past it with `{COMMAND} reset --pipeline "
-            f"{pipeline.name} --partition <p> --to-offset <offset + 1> --confirm` (recorded in kafka2pg.ledger_resets; "
+            "Java-only property, or move the partition's ledger head past it with "
+            f"{preview_first(f'reset --pipeline {pipeline.name} --partition <p> --to-offset <offset + 1>')} (recorded "
+            "in kafka2pg.ledger_resets; "
             "the records skipped are not loaded). Nothing was staged; the batch stays planned.",
             pipeline=pipeline.name,
             batch_id=batch.batch_id,

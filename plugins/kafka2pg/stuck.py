@@ -24,7 +24,7 @@ from kafka2pg.exceptions import (
     StageInterrupted,
 )
 from kafka2pg.lifecycle import CLI_RUN_ID, OPEN
-from kafka2pg.locations import COMMAND
+from kafka2pg.locations import COMMAND, preview_first
 from kafka2pg.replay_process import process_locks, running_pid
 from kafka2pg.task_log import printable
 
@@ -254,7 +254,7 @@ ABANDONS = (
     "and finishes it first"
 )
 # The command that discards an open replay batch its run or process will not finish.
-ABANDON_COMMAND = f"`{COMMAND} abandon --pipeline {{pipeline}} --batch-id {{batch_id}} --confirm`"
+ABANDON_COMMAND = preview_first("abandon --pipeline {pipeline} --batch-id {batch_id}")
 REPLAY_LEFT = (
     "leaves it: only its replay run's retries carry it on; once that run has ended without it, "
     f"{ABANDON_COMMAND} discards it"

@@ -179,7 +179,8 @@ def test_a_replay_postgresql_refuses_says_so_in_one_line_and_names_its_batch_lef
     assert state == "validated"
     assert (
         f"replay batch {batch_id} is left open (validated), and this process will not carry it on: "
-        f"`./kafka2pg abandon --pipeline {env.pipeline.name} --batch-id {batch_id} --confirm` discards it"
+        f"`./kafka2pg abandon --pipeline {env.pipeline.name} --batch-id {batch_id}` then, if its preview is right, "
+        "the same with `--confirm` discards it"
     ) in out.stderr
 
 

@@ -92,7 +92,8 @@ BUILT = {
         {"pipeline": "orders", "topic": "orders-topic", "partition": 0, "head": 50, "high_watermark": 10},
         [
             "partition 0: the ledger head 50 is beyond the high watermark 10",
-            "`./kafka2pg reset --pipeline orders --partition 0 --to-offset <offset> --confirm`",
+            "`./kafka2pg reset --pipeline orders --partition 0 --to-offset <offset>` then, if its preview is right, "
+            "the same with `--confirm`.",
         ],
     ),
     "partitions_gone": (
@@ -100,7 +101,8 @@ BUILT = {
         {"pipeline": "orders", "topic": "orders-topic", "partitions": [2, 3]},
         [
             "heads for partition(s) [2, 3] that the topic no longer has",
-            "`./kafka2pg reset --pipeline orders --partition <p> --drop --confirm`",
+            "`./kafka2pg reset --pipeline orders --partition <p> --drop` then, if its preview is right, the same "
+            "with `--confirm`.",
         ],
     ),
     "held": (
@@ -243,3 +245,22 @@ def test_a_secret_holding_another_is_hidden_whole_and_an_empty_one_hides_nothing
     hidden = exceptions.without_secrets(text, ["Tr0ub", "svc:Tr0ub4dor&3", "Tr0ub4dor&3", ""])
     assert hidden == "login refused for '***' (password ***)"
     assert exceptions.without_secrets("nothing to hide", ["", "absent"]) == "nothing to hide"
+
+
+def test_a_suggested_change_is_its_preview_first():
+    """A message names a command that changes data (reset, abandon, undo, stack reset) without
+    `--confirm`: the same command with it applies the change, so one copied from an error first
+    shows what it would change. No message in the package suggests a command ending in `--confirm`."""
+    import re
+    from pathlib import Path
+
+    package = Path(exceptions.__file__).parent
+    suggested = [
+        f"{path.name}:{number}"
+        for path in package.rglob("*.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"--confirm`(?! applies| to apply)", line) and "`--confirm`" not in line
+    ]
+    assert suggested == []
+    gone = str(OffsetRegressionError.partitions_gone("orders", "orders-topic", [2]))
+    assert "`./kafka2pg reset --pipeline orders --partition <p> --drop` then, if its preview is right" in gone

@@ -66,7 +66,10 @@ def test_status_lists_each_open_batch_once_a_stuck_one_by_its_stuck_line_and_jso
 
     # The oldest open live batch is resumed, a later one (a lookahead) abandoned, a replay's left to
     # its run, and each replay's line says how to discard it once its run will not finish it.
-    abandon = "`./kafka2pg abandon --pipeline orders --batch-id {} --confirm` discards it"
+    abandon = (
+        "`./kafka2pg abandon --pipeline orders --batch-id {}` then, if its preview is right, the same with "
+        "`--confirm` discards it"
+    )
     replay_left = f"leaves it: only its replay run's retries carry it on; once that run has ended without it, {abandon}"
     cli_left = (
         "leaves it: the `./kafka2pg replay` process that planned it is gone (no session holds its lock), and only it "

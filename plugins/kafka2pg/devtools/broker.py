@@ -27,7 +27,7 @@ from kafka2pg.devtools.secured_listeners import (
 )
 from kafka2pg.exceptions import StackError
 from kafka2pg.jars import DEFAULT_CACHE, resolve_jars
-from kafka2pg.locations import COMMAND
+from kafka2pg.locations import COMMAND, preview_first
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +234,8 @@ def start_recorded_kafka(kafka: KafkaProcess, cache: Path) -> KafkaProcess:
     if not (Path(kafka.data_dir) / "logs" / "meta.properties").exists():
         raise StackError(
             f"the Kafka broker's data recorded in {kafka.data_dir} is gone (no logs/meta.properties): nothing "
-            f"was started. `{COMMAND} stack reset --confirm` forgets this stack (and deletes what is left of "
-            f"it); `{COMMAND} stack start` then starts a new, empty one."
+            f"was started. {preview_first('stack reset')} forgets this stack (and deletes what is left of it); "
+            f"`{COMMAND} stack start` then starts a new, empty one."
         )
     wait_for_exit(kafka.pid, f"the Kafka broker of {kafka.data_dir}")
     return start_kafka(Path(kafka.data_dir), cache)

@@ -18,7 +18,7 @@ from kafka2pg.devtools import local_stack
 from kafka2pg.devtools.airflow_cli import dags_test, ensure_airflow_db
 from kafka2pg.exceptions import StackError
 from kafka2pg.jars import resolve_jars
-from kafka2pg.locations import COMMAND, state_dir
+from kafka2pg.locations import COMMAND, preview_first, state_dir
 
 PIPELINE = "orders"
 
@@ -40,9 +40,8 @@ def run(*, events: int, keep: bool) -> int:
         # The demo counts what it lands from an empty stack, and never deletes data it did not make.
         raise StackError(
             f"a local stack already exists in {local_stack.stack_dir(cache)}, with its data: the demo starts "
-            f"its own, empty one (a demo running in another terminal, or one kept with --keep?). `{COMMAND} stack "
-            f"reset` shows what that stack holds and `{COMMAND} stack reset --confirm`, once nothing uses it, "
-            "stops and deletes it; then run the demo again."
+            f"its own, empty one (a demo running in another terminal, or one kept with --keep?). Once nothing uses "
+            f"it, {preview_first('stack reset')} stops and deletes it; then run the demo again."
         )
     print("[1/6] Kafka and Spark jars (resolved from Maven Central once, then cached)")
     resolve_jars(cache)

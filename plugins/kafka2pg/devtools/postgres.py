@@ -22,7 +22,7 @@ from kafka2pg.devtools.processes import (
     wait_for_exit,
 )
 from kafka2pg.exceptions import StackError
-from kafka2pg.locations import COMMAND
+from kafka2pg.locations import COMMAND, preview_first
 
 
 @dataclass
@@ -94,8 +94,7 @@ def _new_cluster_dir(work_dir: Path) -> Path:
     if base.exists():
         raise StackError(
             f"{base} already exists (a cluster no recorded stack names?): nothing was started. "
-            f"`{COMMAND} stack reset` shows what it would delete, `{COMMAND} stack reset --confirm` "
-            "deletes it; or move the folder away."
+            f"{preview_first('stack reset')} deletes it; or move the folder away."
         )
     base.mkdir(parents=True)
     _give_to_postgres(base)
@@ -281,7 +280,7 @@ def start_recorded_postgres(pg: PostgresProcess, timeout_s: float = 60) -> tuple
     if not (data_dir / "PG_VERSION").exists():
         raise StackError(
             f"the PostgreSQL data directory recorded in {data_dir} is gone: nothing was started. "
-            f"`{COMMAND} stack reset --confirm` forgets this stack (and deletes what is left of it); "
+            f"{preview_first('stack reset')} forgets this stack (and deletes what is left of it); "
             f"`{COMMAND} stack start` then starts a new, empty one."
         )
     wait_for_exit(pg.pid, f"the postmaster of {data_dir}")

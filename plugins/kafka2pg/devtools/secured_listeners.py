@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from kafka2pg.exceptions import StackError
-from kafka2pg.locations import COMMAND
+from kafka2pg.locations import COMMAND, preview_first
 
 SECURED_DIR = "secured"  # under the broker's data dir: CA, certificates, keys, users and passwords
 SCRAM_MECHANISM = "SCRAM-SHA-512"
@@ -104,7 +104,7 @@ def secured_properties(secured: SecuredListener) -> list[str]:
 def unsecured_error(what: str) -> StackError:
     return StackError(
         f"{what} was started without secured listeners, and a recorded stack keeps the listeners it started "
-        f"with: nothing was started or changed. For secured listeners: `{COMMAND} stack reset --confirm` "
+        f"with: nothing was started or changed. For secured listeners: {preview_first('stack reset')} "
         f"(deletes the stack's data), then `{COMMAND} stack start --secured` (in code: "
         "start_stack(..., secured=True))."
     )
@@ -174,7 +174,7 @@ def load_secured(directory: Path, sasl_ssl_port: int, ssl_port: int) -> SecuredL
     except FileNotFoundError as exc:
         raise StackError(
             f"the secured listeners' users and passwords ({credentials}) are gone, and the SCRAM users formatted "
-            f"into the broker's metadata cannot be recovered: `{COMMAND} stack reset --confirm`, then "
+            f"into the broker's metadata cannot be recovered: {preview_first('stack reset')}, then "
             f"`{COMMAND} stack start --secured` makes a new stack (its topics and records are deleted)."
         ) from exc
     return SecuredListener(
