@@ -89,6 +89,11 @@ def _refuse_records_gone(
     )
 
 
+def _held(kafka: TopicAdmin) -> tuple[str | None, dict[int, int]]:
+    """The topic's ID and each partition's low watermark: what Kafka holds now."""
+    return kafka.topic_id(), {o.partition: o.low for o in kafka.offsets()}
+
+
 def undo_batch(
     settings: Settings,
     pipeline: Pipeline,
@@ -115,7 +120,7 @@ def undo_batch(
             batch_id=batch_id,
             topic=pipeline.topic,
         )
-    topic_id, lows = kafka.topic_id(), {o.partition: o.low for o in kafka.offsets()}  # before any lock
+    topic_id, lows = _held(kafka)  # before any lock: the preview and the refusals need no wait
     with transaction(settings.database_url, waits=f"pipeline={pipeline.name} undo of batch {batch_id}") as conn:
         # Plan lock, then the open live batch: no live promotion moves a head while this runs.
         lock_plan(conn, pipeline.name)
@@ -186,6 +191,9 @@ def undo_batch(
             return Undo(batch_id, ranges, rows, False, message)
         # Serialised with replays finishing on these partitions (they delete and insert rows there).
         lock_partitions(conn, pipeline.name, [p.partition for p in parts], f"undo of batch {batch_id}")
+        # Asked again under every lock: retention may have deleted the range's first records while
+        # this waited for them (a gate holding the open batch, a replay holding the range).
+        _refuse_records_gone(where, pipeline, batch, *_held(kafka))
         rows = count_rows(conn, pipeline, in_range)
         if open_id is not None:
             abandon_lookaheads(conn, pipeline, f"batch {batch_id} was undone")
