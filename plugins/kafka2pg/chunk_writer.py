@@ -29,9 +29,9 @@ from kafka2pg.admission import (
 from kafka2pg.config import Pipeline
 from kafka2pg.copy_binary import HEADER, TRAILER, copy_rows
 from kafka2pg.database import isolate_refused, session_settings, statement_refusals
-from kafka2pg.exceptions import BatchStateError
+from kafka2pg.exceptions import BatchStateError, ConfigError
 from kafka2pg.lifecycle import BatchState
-from kafka2pg.migrations import PROVENANCE, RAW, staging_columns
+from kafka2pg.migrations import PROVENANCE, RAW, column_types, retyped_columns, staging_columns
 from kafka2pg.planner import NO_TIMESTAMP_MS
 from kafka2pg.withheld_imports import withheld
 
@@ -62,6 +62,20 @@ def staging_copy(pipeline: Pipeline) -> StagingCopy:
     columns = sql.SQL(", ").join(map(sql.Identifier, ["batch_id", "chunk", *staging_columns(pipeline)]))
     statement = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT binary)").format(table, columns)
     return StagingCopy(statement, (*_HEAD_TYPES, *(c.type for c in pipeline.columns), *_TAIL_TYPES))
+
+
+def _refuse_retyped_staging(conn: psycopg.Connection, pipeline: Pipeline, batch_id: int) -> None:
+    """A binary COPY carries no types: a staging table `migrate` made again with another type of
+    the same width (bigint to double precision, integer to date) would take this job's bytes as
+    other values, silently. Refused when the table's types are not this job's pipelines file's."""
+    retyped = retyped_columns(pipeline, column_types(conn, "kafka2pg", pipeline.staging_table))
+    if retyped:
+        raise ConfigError(
+            f"pipeline {pipeline.name!r} batch {batch_id}: kafka2pg.{pipeline.staging_table} no longer has the "
+            f"column types this stage job was started with ({'; '.join(retyped)}): `migrate` ran with a changed "
+            "pipelines file while the job ran. Nothing was staged; the batch stays planned, and a run started with "
+            "the pipelines file `migrate` used stages it."
+        )
 
 
 def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: int, topic: str):
@@ -108,6 +122,7 @@ def chunk_writer(database_url: str, pipeline: Pipeline, batch_id: int, epoch: in
                 "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"kafka2pg.stage:{batch_id}:{chunk}",)
             )
             conn.execute(sql.SQL("DELETE FROM {} WHERE batch_id = %s AND chunk = %s").format(table), (batch_id, chunk))
+            _refuse_retyped_staging(conn, pipeline, batch_id)  # the DELETE's lock keeps the table as checked
             for record_batch in batches:
                 if not record_batch.num_rows:
                     continue

@@ -248,6 +248,9 @@ def _read_and_write(
             ) from None
         if isinstance(exc, (Py4JNetworkError, ConnectionError)):  # the JVM is gone: no Spark error to read
             raise SparkSessionLost.staging(pipeline.name, batch.batch_id) from exc
+        retyped = _python_message(str(exc), ConfigError.__name__)
+        if retyped is not None:  # a chunk writer's refusal of a staging table made again under it
+            raise ConfigError(retyped) from None
         timed_out = _python_message(str(exc), StatementTimeoutError.__name__)
         if timed_out is not None:  # a chunk writer's statement: its message says what to change
             raise StatementTimeoutError(

@@ -116,6 +116,32 @@ def test_a_changed_column_type_stops_the_run_until_migrate_makes_staging_again_a
     require_ready(env.settings, changed)  # the target's type is the user's to change
 
 
+def test_a_stage_job_started_before_migrate_retyped_staging_stages_nothing(make_pipeline, spark, db):
+    """`migrate` made the staging table again with a column of another type of the same width
+    (bigint to double precision) while a stage job started with the old pipelines file was about
+    to write: its binary COPY would store the old bytes as other numbers, silently. Its chunk
+    writer refuses, naming the column; nothing staged, the batch stays planned."""
+    from kafka2pg.exceptions import ConfigError
+
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(3, seed=98)))
+    planned = open_batch(env.settings, env.pipeline).batch.batch_id
+    retyped = tuple(
+        dataclasses.replace(c, type="double precision") if c.name == "customer_id" else c for c in env.pipeline.columns
+    )
+    migrate(env.settings.database_url, [dataclasses.replace(env.pipeline, columns=retyped)])
+
+    with pytest.raises(ConfigError) as refused:
+        stage_batch(spark, env.settings, env.pipeline, planned)
+    message = str(refused.value)
+    assert "column customer_id is double precision, the pipeline declares bigint" in message, message
+    assert "Nothing was staged; the batch stays planned" in message, message
+    staging = sql.Identifier("kafka2pg", env.pipeline.staging_table)
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(staging)).fetchone()[0] == 0
+    state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (planned,)).fetchone()[0]
+    assert state == "planned"
+
+
 @pytest.fixture
 def own_database(base_settings, db):
     """A database of its own in the test cluster (migrations change the whole schema), dropped after."""
