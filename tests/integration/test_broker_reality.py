@@ -820,3 +820,40 @@ def test_a_topic_recreated_with_fewer_partitions_says_to_drop_the_heads_of_those
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(20, seed=49)))
     assert run_batch(env).promoted == 20
     assert_audit_clean(env)
+
+
+def test_raw_bytes_are_never_read_from_a_topic_recreated_since_the_batch(make_pipeline, spark, db, monkeypatch, caplog):
+    """The promotion died after its commit, before it read the refused row's raw bytes; the topic
+    was then deleted and recreated, and holds other records at the same offsets: the retry leaves
+    the row without raw bytes (its typed values and provenance stay), never another record's."""
+    import kafka2pg.steps
+    from kafka2pg.quality import validate_batch
+    from kafka2pg.steps import promote_batch
+
+    env = make_pipeline(partitions=1)
+    events = list(sample_events(10, seed=85))
+    events[3]["customer_id"] = 100_000
+    target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
+    db.execute(sql.SQL("ALTER TABLE {} ADD CONSTRAINT small_customer CHECK (customer_id < 10000)").format(target))
+    produce(env.settings.bootstrap_servers, env.topic, events)
+    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, batch_id)
+    validate_batch(env.settings, env.pipeline, batch_id)
+
+    def dies(*args, **kwargs):
+        raise RuntimeError("the promotion's process died here")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(kafka2pg.steps, "keep_raw_bytes", dies)
+        with pytest.raises(RuntimeError):
+            promote_batch(env.settings, env.pipeline, batch_id)
+    recreate_topic(env)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(10, seed=86)))
+
+    with caplog.at_level(logging.WARNING, logger="kafka2pg.raw_bytes"):
+        again = promote_batch(env.settings, env.pipeline, batch_id)
+
+    assert again.already_promoted
+    raw = "SELECT kafka_offset, raw_value FROM kafka2pg.quarantine WHERE batch_id = %s"
+    assert db.execute(raw, (batch_id,)).fetchall() == [(3, None)]
+    assert "the topic was deleted and recreated since the batch was read" in caplog.text
