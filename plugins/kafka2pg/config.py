@@ -103,6 +103,24 @@ DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 _OWN_LOG_CONFIG = re.compile(r"-Dlog4j2?[.]configurationFile=", re.IGNORECASE)
 
 
+# Spark settings whose values are secrets, by name: Spark's own default spark.redaction.regex
+# (secret, password, token, access.key) and the names cloud stores give their keys and
+# credentials (fs.azure.account.key.*, fs.s3a.secret.key, *.credentials.*, SAS signatures).
+SECRET_SPARK_KEY = re.compile(
+    r"secret|password|passphrase|token|credential|access[.]?key|account[.]key|signature", re.I
+)
+# A JVM system property in JVM options (`-Dname=value`), whose value is a secret when its name says so.
+_JVM_PROPERTY = re.compile(r"-D([^=\s]+)=(\S+)")
+
+
+def spark_conf_secrets(spark_conf: dict[str, str]) -> list[str]:
+    """The secrets in a pipeline's `spark_conf`: the values of settings named as secrets, and of
+    JVM system properties so named in its JVM options (`-Djavax.net.ssl.trustStorePassword=…`)."""
+    named = [value for key, value in spark_conf.items() if SECRET_SPARK_KEY.search(key)]
+    properties = (m for value in spark_conf.values() for m in _JVM_PROPERTY.finditer(value))
+    return [value for value in named + [m.group(2) for m in properties if SECRET_SPARK_KEY.search(m.group(1))] if value]
+
+
 def keep_log_options(spark_conf: dict[str, str], level: str = SPARK_LOG_LEVELS[0]) -> dict[str, str]:
     """A pipeline's `spark_conf`, where it sets the driver's JVM options (which replace
     kafka2pg's), with kafka2pg's logging configuration at `level` added to them, unless they
@@ -510,7 +528,7 @@ def read_pipelines(path: Path | None = None) -> tuple[dict[str, Pipeline], dict[
     except (PermissionError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: the pipelines file cannot be read ({exc})") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(document, dict) or not isinstance(document.get("pipelines"), list):
         raise ConfigError(f"{path}: expected a top-level 'pipelines:' list")
     pipelines: dict[str, Pipeline] = {}
@@ -806,11 +824,25 @@ def _business_key(value: Any, columns: tuple[Column, ...], where: str) -> tuple[
     return tuple(keys)
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What PyYAML found wrong, and where (line and column), without the line itself: a pipelines
+    file's line may hold a secret (a spark_conf value), and the error is shown in Airflow's UI."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return type(exc).__name__
+    said = [
+        f"{words} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else str(words)
+        for words, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark))
+        if words
+    ]
+    return "; ".join(said) or type(exc).__name__
+
+
 def _spark_conf(value: Any, where: str) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ConfigError(f"{where}.spark_conf: expected a mapping of Spark settings, got {value!r}")
+        # Not the value: it may hold the secrets of the settings it meant to give.
+        raise ConfigError(f"{where}.spark_conf: expected a mapping of Spark settings, got a {type(value).__name__}")
     wrong = sorted(_key_text(k) for k, v in value.items() if not isinstance(v, str | int | float | bool))
     if wrong:
         raise ConfigError(f"{where}.spark_conf: {', '.join(wrong)}: expected a string or number as the value")

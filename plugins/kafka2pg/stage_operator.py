@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
-from kafka2pg.config import Pipeline, keep_log_options, stage_jvm_options
+from kafka2pg.config import SECRET_SPARK_KEY, Pipeline, keep_log_options, stage_jvm_options
 from kafka2pg.exceptions import TERMINAL_EXIT, ConfigError, SparkSessionLost, SparkUnavailableError, is_task_timeout
 from kafka2pg.jars import spark_kafka_source
 
@@ -35,12 +35,16 @@ def spark_submit_conf(pipeline: Pipeline, batches: int) -> tuple[str | None, dic
     unless the pipeline's spark_conf names its own) and, for `kafka_reader: spark`, Spark's Kafka
     source (the jars set-up resolved, KAFKA2PG_SPARK_JARS, or `spark.jars.packages`). kafka2pg's
     Spark defaults are applied by the job's session (staging.SPARK_DEFAULTS); JVM options and
-    packages only work on spark-submit's command line."""
+    packages only work on spark-submit's command line; settings named as secrets stay off it."""
     level = pipeline.spark_log_level
     jvm_options = stage_jvm_options(batches, log_level=level, kafka_reader=pipeline.kafka_reader)
     # Only Spark's Kafka source needs jars: the librdkafka reader is Python, shipped with the package.
     jars, source_conf = spark_kafka_source() if pipeline.kafka_reader == "spark" else (None, {})
-    conf = {"spark.driver.extraJavaOptions": jvm_options, **source_conf, **keep_log_options(pipeline.spark_conf, level)}
+    # Not the settings named as secrets: spark-submit's command line shows in `ps` and in the task
+    # log's submit line; the job's session (staging.spark_session) gives them to Spark before its
+    # context starts, which is when Spark reads them.
+    own = {k: v for k, v in keep_log_options(pipeline.spark_conf, level).items() if not SECRET_SPARK_KEY.search(k)}
+    conf = {"spark.driver.extraJavaOptions": jvm_options, **source_conf, **own}
     return jars, conf
 
 

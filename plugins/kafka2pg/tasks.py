@@ -14,7 +14,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from urllib.parse import unquote
 
-from kafka2pg.config import Pipeline, Settings, get_pipeline, pipelines_file_from_env
+from kafka2pg.config import Pipeline, Settings, get_pipeline, pipelines_file_from_env, spark_conf_secrets
 from kafka2pg.exceptions import Kafka2PgError, RunConfNotAppliedError, UnknownRunConfError
 from kafka2pg.task_log import fit, promotion_summary, step_summary, validation_summary
 
@@ -43,23 +43,24 @@ def resolve(pipeline_name: str, pipelines_file: Path | str | None = None) -> tup
     path = Path(pipelines_file) if pipelines_file else pipelines_file_from_env()
     pipeline = get_pipeline(pipeline_name, path)
     settings = dataclasses.replace(settings_for(pipeline), pipelines_file=path)
-    mask_secrets(settings)
+    mask_secrets(settings, spark_conf_secrets(pipeline.spark_conf))
     return settings, pipeline
 
 
-def mask_secrets(settings: Settings) -> None:
-    """Airflow's log masker learns the services' secrets, so that a task log line quoting one
-    (Spark's, a client library's, spark-submit's output) shows *** instead. Airflow registers a
-    connection's password and its extras under names it deems sensitive itself; not a password
-    (or the client key's `sslpassword`) in KAFKA2PG_DATABASE_URL, a `sasl.jaas.config`, an inline
-    PEM key or the lines of the key file `ssl.key.location` names."""
+def mask_secrets(settings: Settings, others: Iterable[str] = ()) -> None:
+    """Airflow's log masker learns the services' secrets (and `others`: the pipeline's spark_conf
+    ones), so that a task log line quoting one (Spark's, a client library's, spark-submit's
+    output) shows *** instead. Airflow registers a connection's password and its extras under
+    names it deems sensitive itself; not a password (or the client key's `sslpassword`) in
+    KAFKA2PG_DATABASE_URL, a `sasl.jaas.config`, an inline PEM key or the lines of the key file
+    `ssl.key.location` names."""
     import psycopg
     from airflow.sdk.log import mask_secret
     from psycopg.conninfo import conninfo_to_dict
 
     from kafka2pg.database import typed_password
 
-    for secret in settings.kafka.secrets():
+    for secret in (*settings.kafka.secrets(), *others):
         mask_secret(secret)
     typed = typed_password(settings.database_url)  # as written in a URL, and decoded
     passwords = [typed, unquote(typed)]

@@ -154,7 +154,11 @@ def test_good_file_parses_with_defaults(tmp_path):
             {"columns": [{"name": "event_id", "type": "text", "required": False}]},
             r"\(orders\)\.columns\[0\]\.required: 'event_id' is in business_key.*remove `required: false`",
         ),
-        ({"spark_conf": ["spark.x=1"]}, r"\(orders\)\.spark_conf: expected a mapping of Spark settings"),
+        # Not the value: it may hold the secrets of the settings it meant to give.
+        (
+            {"spark_conf": ["spark.x.secret=1"]},
+            r"\(orders\)\.spark_conf: expected a mapping of Spark settings, got a list$",
+        ),
         ({"spark_conf": {"spark.x": None}}, r"\(orders\)\.spark_conf: spark.x: expected a string or number"),
         ({"spark_log_level": "info"}, r"\(orders\)\.spark_log_level: expected one of WARN, ERROR, INFO, DEBUG"),
         # YAML's lists and mappings where a type name goes (unhashable: a TypeError escaped).
@@ -194,6 +198,14 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("pipelines: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_pipelines(bad)
+    # Where, not the line: it may hold a secret (a spark_conf value), and the error shows in Airflow's UI.
+    bad.write_text('pipelines:\n  - name: a\n    spark_conf:\n      spark.authenticate.secret: "Rpc-s3cret-1187\n')
+    with pytest.raises(ConfigError) as invalid:
+        load_pipelines(bad)
+    assert str(invalid.value).endswith(
+        "not valid YAML: while scanning a quoted scalar (line 4, column 34); found unexpected end of stream "
+        "(line 5, column 1)"
+    ), str(invalid.value)
     with pytest.raises(ConfigError, match="a directory, not a pipelines file"):
         load_pipelines(tmp_path)
     binary = tmp_path / "binary.yaml"

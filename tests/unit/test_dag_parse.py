@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from airflow.sdk.exceptions import AirflowFailException
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -480,3 +481,47 @@ def test_a_live_dag_whose_replay_dag_airflow_refuses_is_not_registered_beside_it
     assert dags["kafka2pg_other"].task_ids == ["configuration_error"]
     assert "read_and_stage" in dags["kafka2pg_good"].task_ids
     assert [dag.dag_id for dag, _ in DagContext.autoregistered_dags] == []
+
+
+def test_spark_conf_secrets_stay_off_spark_submits_command_line_and_out_of_the_task_log(tmp_path, monkeypatch):
+    """A pipeline's spark_conf holding Spark's RPC secret, a cloud store's key and a trust store's
+    password in the driver's JVM options: spark-submit's command line (in `ps`, and in the task
+    log's submit line) gets the settings Spark reads at launch, not the ones named as secrets (the
+    job's session gives those to Spark); Airflow's masker learns every secret value."""
+    from airflow.sdk.log import redact
+
+    from kafka2pg.config import Settings, get_pipeline, spark_conf_secrets
+    from kafka2pg.kafka_config import KafkaConfig
+    from kafka2pg.stage_operator import spark_submit_conf
+    from kafka2pg.tasks import mask_secrets
+
+    monkeypatch.setenv("KAFKA2PG_STATE_DIR", str(tmp_path / "state"))
+    spec = yaml.safe_load((ROOT / "dags" / "pipelines.yaml").read_text())["pipelines"][0]
+    spec["spark_conf"] = {
+        "spark.authenticate": "true",
+        "spark.authenticate.secret": "Rpc-s3cret-1187",
+        "spark.hadoop.fs.azure.account.key.acct.blob.core.windows.net": "QWNjb3VudEtleQ==",
+        "spark.kubernetes.authenticate.oauthToken": "k8s-tok-5531",
+        "spark.driver.extraJavaOptions": "-Djavax.net.ssl.trustStorePassword=Trust-pw-2209 -Dx.y=plain",
+        "spark.driver.memory": "1g",
+    }
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": [spec]}))
+    pipeline = get_pipeline(spec["name"], tmp_path / "pipelines.yaml")
+
+    conf = spark_submit_conf(pipeline, 1)[1]
+
+    assert (conf["spark.authenticate"], conf["spark.driver.memory"]) == ("true", "1g")
+    submitted = " ".join(f"{k}={v}" for k, v in conf.items())
+    for secret in ("Rpc-s3cret-1187", "QWNjb3VudEtleQ==", "k8s-tok-5531"):
+        assert secret not in submitted, submitted
+    assert "-Djavax.net.ssl.trustStorePassword=Trust-pw-2209" in conf["spark.driver.extraJavaOptions"]  # JVM-only
+    secrets = spark_conf_secrets(pipeline.spark_conf)
+    assert sorted(secrets) == sorted(["Rpc-s3cret-1187", "QWNjb3VudEtleQ==", "k8s-tok-5531", "Trust-pw-2209"])
+    line = f"Spark-Submit cmd: spark-submit --conf {submitted} (Rpc-s3cret-1187, k8s-tok-5531)"
+    mask_secrets(
+        Settings(database_url="postgresql://etl@db/x", kafka=KafkaConfig.of({"bootstrap.servers": "b"})), secrets
+    )
+    shown = redact(line)
+    for secret in secrets:
+        assert secret not in shown, shown
+    assert "-Dx.y=plain" in shown
