@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from kafka2pg.config import Pipeline
+from kafka2pg.files import write_whole
 from kafka2pg.task_log import html_cell as _cell
 from kafka2pg.task_log import html_text
 
@@ -63,9 +64,9 @@ def write_report(state_dir: Path, pipeline: Pipeline, payload: dict) -> Path:
     directory = report_dir(state_dir, pipeline)
     directory.mkdir(parents=True, exist_ok=True)
     batch_id = payload["batch_id"]
-    (directory / f"batch-{batch_id}.json").write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
+    write_whole(directory / f"batch-{batch_id}.json", json.dumps(payload, indent=2, default=str))
     path = directory / f"batch-{batch_id}.html"
-    path.write_text(render_html(payload), encoding="utf-8")
+    write_whole(path, render_html(payload))
     return path
 
 

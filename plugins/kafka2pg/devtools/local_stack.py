@@ -19,6 +19,7 @@ from kafka2pg.devtools.broker import KafkaProcess, start_kafka, start_recorded_k
 from kafka2pg.devtools.postgres import PostgresProcess, start_postgres, start_recorded_postgres, stop_postgres
 from kafka2pg.devtools.processes import stop_pid
 from kafka2pg.devtools.secured_listeners import CREDENTIALS, unsecured_error
+from kafka2pg.files import write_whole
 from kafka2pg.locations import default_state_dir
 
 DEFAULT_CACHE = default_state_dir()
@@ -135,9 +136,9 @@ def start_or_resume(cache: Path = DEFAULT_CACHE, *, secured: bool = False) -> tu
 def save_stack(stack: Stack, cache: Path = DEFAULT_CACHE) -> Path:
     directory = stack_dir(cache)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "state.json").write_text(json.dumps(asdict(stack), indent=2))
+    write_whole(directory / "state.json", json.dumps(asdict(stack), indent=2))
     env_file = directory / "stack.env"
-    env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in stack.env().items()))
+    write_whole(env_file, "".join(f"export {k}={shlex.quote(v)}\n" for k, v in stack.env().items()))
     return env_file
 
 
