@@ -107,6 +107,8 @@ def _keep_raw_bytes(settings: Settings, pipeline: Pipeline, batch_id: int, place
             ).format(table=place.table, reason=place.reason),
             (batch_id,),
         ).fetchall()
+    if not lacking:
+        return 0
     by_partition: dict[int, list[int]] = {}
     for partition, offset in lacking:
         by_partition.setdefault(partition, []).append(offset)

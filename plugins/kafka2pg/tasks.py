@@ -197,6 +197,7 @@ def promote(
         seconds = time.monotonic() - started
         log.info("pipeline=%s %s", pipeline_name, result.message)
         event = run_event_of(settings, pipeline, batch_id, run_id)
+        _keep_further_raw_bytes(settings, pipeline, event)
         try:  # the batch is promoted: a summary that needs Kafka must not fail the task
             log.info("\n%s", batch_report(settings, pipeline, batch_id))
         except Kafka2PgError as exc:
@@ -208,6 +209,18 @@ def promote(
         "quarantined": result.quarantined,
         "asset_event": _logged(pipeline_name, event),
     }
+
+
+def _keep_further_raw_bytes(settings: Settings, pipeline: Pipeline, event) -> None:
+    """The raw bytes of the quarantined rows of the further batches the run's Spark job promoted
+    itself: a job killed between such a promotion's commit and its reading them again from Kafka
+    leaves no step of that batch to do it (a retried job resumes open batches only). Best effort;
+    when nothing lacks them, one query per further batch of a run that quarantined any row."""
+    from kafka2pg.raw_bytes import QUARANTINE, keep_raw_bytes
+
+    if event is not None and event.extra["quarantined"]:
+        for further in event.extra["batch_ids"][1:]:
+            keep_raw_bytes(settings, pipeline, further, QUARANTINE)
 
 
 def _logged(pipeline_name: str, event) -> dict | None:

@@ -48,3 +48,32 @@ def test_a_run_announces_the_batches_it_promoted_and_a_replay_its_range(make_pip
 
     verified = replay(env, ReplayRequest("verify-only", ranges, requested_by="test"))
     assert run_event_of(settings, pipeline, verified.batch_id, None) is None, "a verify-only replay changes no table"
+
+
+def test_the_runs_promote_task_fills_the_raw_bytes_its_further_batches_were_left_without(
+    make_pipeline, run_batch, db, monkeypatch
+):
+    """A Spark job of batches_per_run > 1 promoted a further batch and was killed before it read
+    that batch's quarantined record again from Kafka (its raw bytes): no step of that batch runs
+    again, so the run's promote task fills them."""
+    from kafka2pg import tasks
+
+    env = make_pipeline(partitions=1)
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)
+    monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
+    produce(env.settings.bootstrap_servers, env.topic, [*sample_events(20, seed=13), b"not json"])
+    first = run_batch(env, max_records_per_batch=20, run_id="run-a")
+    further = run_batch(env, max_records_per_batch=20, run_id="run-a")
+    raw = "SELECT raw_value FROM kafka2pg.quarantine WHERE batch_id = %s"
+    assert db.execute(raw, (further.batch_id,)).fetchall() == [(b"not json",)]
+    db.execute(
+        "UPDATE kafka2pg.quarantine SET raw_key = NULL, raw_value = NULL, raw_headers = NULL WHERE batch_id = %s",
+        (further.batch_id,),
+    )  # as the killed job left it
+
+    epoch = db.execute("SELECT epoch FROM kafka2pg.batches WHERE batch_id = %s", (first.batch_id,)).fetchone()[0]
+    done = tasks.promote(env.pipeline.name, first.batch_id, epoch, run_id="run-a")
+
+    assert done["asset_event"]["extra"]["batch_ids"] == [first.batch_id, further.batch_id]
+    assert db.execute(raw, (further.batch_id,)).fetchall() == [(b"not json",)]
