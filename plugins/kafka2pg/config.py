@@ -104,21 +104,44 @@ _OWN_LOG_CONFIG = re.compile(r"-Dlog4j2?[.]configurationFile=", re.IGNORECASE)
 
 
 # Spark settings whose values are secrets, by name: Spark's own default spark.redaction.regex
-# (secret, password, token, access.key) and the names cloud stores give their keys and
-# credentials (fs.azure.account.key.*, fs.s3a.secret.key, *.credentials.*, SAS signatures).
-SECRET_SPARK_KEY = re.compile(
-    r"secret|password|passphrase|token|credential|access[.]?key|account[.]key|signature", re.I
+# (secret, password, token, access.key) and the names Hadoop's stores give their keys and
+# credentials (fs.azure.account.key.*, fs.azure.sas.*, fs.s3a.secret.key, fs.s3a.encryption.key,
+# fs.gs.auth.service.account.private.key, *.credentials.*) ...
+_SECRET_NAME = re.compile(
+    r"secret|password|passphrase|token|credential|access[.]?key|account[.]key|[.]sas[.]|encryption[.]key"
+    r"|private[._-]?key",
+    re.I,
 )
-# A JVM system property in JVM options (`-Dname=value`), whose value is a secret when its name says so.
-_JVM_PROPERTY = re.compile(r"-D([^=\s]+)=(\S+)")
+# ... but not the settings so named that hold no secret: a switch, a class or provider, a path
+# (`spark.kubernetes.driver.secrets.<name>` is where a Kubernetes secret is mounted), a reference.
+_NOT_SECRET = re.compile(
+    r"[.](enabled|provider|providers|class|type|mode|regex)$|(file|path|location|dir)$|[.]secrets[.]|secretKeyRef|"
+    r"renewal[.]credentials",
+    re.I,
+)
+# A JVM system property in JVM options (`-Dname=value`, the value perhaps quoted).
+_JVM_PROPERTY = re.compile(r"""-D([^=\s]+)=("[^"]*"|'[^']*'|\S+)""")
+
+
+def secret_setting(name: str) -> bool:
+    """Whether a Spark setting (or JVM system property) of this name holds a secret."""
+    return bool(_SECRET_NAME.search(name)) and not _NOT_SECRET.search(name)
 
 
 def spark_conf_secrets(spark_conf: dict[str, str]) -> list[str]:
     """The secrets in a pipeline's `spark_conf`: the values of settings named as secrets, and of
-    JVM system properties so named in its JVM options (`-Djavax.net.ssl.trustStorePassword=…`)."""
-    named = [value for key, value in spark_conf.items() if SECRET_SPARK_KEY.search(key)]
-    properties = (m for value in spark_conf.values() for m in _JVM_PROPERTY.finditer(value))
-    return [value for value in named + [m.group(2) for m in properties if SECRET_SPARK_KEY.search(m.group(1))] if value]
+    JVM system properties so named in its JVM options (`-Djavax.net.ssl.trustStorePassword=…`,
+    quoted or not); not a switch's or a number's words, which the log masker would hide
+    wherever they appear."""
+    named = [value for key, value in spark_conf.items() if secret_setting(key)]
+    for value in spark_conf.values():
+        for m in _JVM_PROPERTY.finditer(value):
+            if secret_setting(m.group(1)):
+                named += [m.group(2), m.group(2).strip("\"'")]
+    return [v for v in dict.fromkeys(named) if v and v.lower() not in ("true", "false") and not _NUMBER.fullmatch(v)]
+
+
+_NUMBER = re.compile(r"[-+]?[0-9.]+")
 
 
 def keep_log_options(spark_conf: dict[str, str], level: str = SPARK_LOG_LEVELS[0]) -> dict[str, str]:
@@ -529,6 +552,10 @@ def read_pipelines(path: Path | None = None) -> tuple[dict[str, Pipeline], dict[
         raise ConfigError(f"{path}: the pipelines file cannot be read ({exc})") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
+    except (ValueError, TypeError, OverflowError):  # a tagged value its tag cannot read (`!!int x`)
+        raise ConfigError(
+            f"{path}: not valid YAML: a value its tag (`!!int`, `!!float`, `!!timestamp`, ...) cannot read"
+        ) from None
     if not isinstance(document, dict) or not isinstance(document.get("pipelines"), list):
         raise ConfigError(f"{path}: expected a top-level 'pipelines:' list")
     pipelines: dict[str, Pipeline] = {}
@@ -827,6 +854,8 @@ def _business_key(value: Any, columns: tuple[Column, ...], where: str) -> tuple[
 def _yaml_problem(exc: yaml.YAMLError) -> str:
     """What PyYAML found wrong, and where (line and column), without the line itself: a pipelines
     file's line may hold a secret (a spark_conf value), and the error is shown in Airflow's UI."""
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML refuses: its code and position, no text
+        return " ".join(str(exc).split())
     if not isinstance(exc, yaml.MarkedYAMLError):
         return type(exc).__name__
     said = [

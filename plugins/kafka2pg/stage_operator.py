@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
-from kafka2pg.config import SECRET_SPARK_KEY, Pipeline, keep_log_options, stage_jvm_options
+from kafka2pg.config import Pipeline, keep_log_options, secret_setting, stage_jvm_options
 from kafka2pg.exceptions import TERMINAL_EXIT, ConfigError, SparkSessionLost, SparkUnavailableError, is_task_timeout
 from kafka2pg.jars import spark_kafka_source
 
@@ -43,7 +43,7 @@ def spark_submit_conf(pipeline: Pipeline, batches: int) -> tuple[str | None, dic
     # Not the settings named as secrets: spark-submit's command line shows in `ps` and in the task
     # log's submit line; the job's session (staging.spark_session) gives them to Spark before its
     # context starts, which is when Spark reads them.
-    own = {k: v for k, v in keep_log_options(pipeline.spark_conf, level).items() if not SECRET_SPARK_KEY.search(k)}
+    own = {k: v for k, v in keep_log_options(pipeline.spark_conf, level).items() if not secret_setting(k)}
     conf = {"spark.driver.extraJavaOptions": jvm_options, **source_conf, **own}
     return jars, conf
 

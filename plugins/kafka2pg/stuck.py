@@ -265,7 +265,7 @@ REPLAY_LEFT_CLI = (
 )
 REPLAY_RUNNING_CLI = (
     f"leaves it to the `{COMMAND} replay` process running it (its session: backend pid {{pid}}); if that process "
-    f"hangs, stop it, then {ABANDON_COMMAND} discards it"
+    f"hangs, stop it; {ABANDON_COMMAND} discards it"
 )
 
 

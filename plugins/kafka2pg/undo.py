@@ -55,8 +55,8 @@ _NEW_START = {
 def _refuse_records_gone(
     where: str, pipeline: Pipeline, batch: Batch, topic_id: str | None, lows: dict[int, int]
 ) -> None:
-    """An undo deletes rows the next live run is to load again: refused when Kafka (asked before
-    the locks: its topic ID and low watermarks) no longer holds their records (retention deleted
+    """An undo deletes rows the next live run is to load again: refused when Kafka (its topic ID
+    and low watermarks, asked before the locks and again under them) no longer holds their records (retention deleted
     them since, or the topic was deleted and recreated), which would lose those rows for good,
     not even as a recorded gap where the batch started a partition."""
     if batch.plan.in_another_topic(topic_id):

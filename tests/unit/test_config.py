@@ -206,6 +206,12 @@ def test_missing_file_and_bad_yaml(tmp_path):
         "not valid YAML: while scanning a quoted scalar (line 4, column 34); found unexpected end of stream "
         "(line 5, column 1)"
     ), str(invalid.value)
+    bad.write_text(
+        "pipelines:\n  - name: a\n    spark_conf:\n      spark.authenticate.secret: !!float Rpc-s3cret-1187\n"
+    )
+    with pytest.raises(ConfigError) as invalid:
+        load_pipelines(bad)
+    assert "Rpc-s3cret-1187" not in str(invalid.value) and "a value its tag" in str(invalid.value)
     with pytest.raises(ConfigError, match="a directory, not a pipelines file"):
         load_pipelines(tmp_path)
     binary = tmp_path / "binary.yaml"

@@ -502,8 +502,15 @@ def test_spark_conf_secrets_stay_off_spark_submits_command_line_and_out_of_the_t
         "spark.authenticate.secret": "Rpc-s3cret-1187",
         "spark.hadoop.fs.azure.account.key.acct.blob.core.windows.net": "QWNjb3VudEtleQ==",
         "spark.kubernetes.authenticate.oauthToken": "k8s-tok-5531",
-        "spark.driver.extraJavaOptions": "-Djavax.net.ssl.trustStorePassword=Trust-pw-2209 -Dx.y=plain",
+        "spark.hadoop.fs.azure.sas.c.acct.blob.core.windows.net": "sv=2024&sig=SasSig-7702",
+        "spark.driver.extraJavaOptions": (
+            '-Djavax.net.ssl.trustStorePassword=Trust-pw-2209 -Dx.y=plain -Dk.password="a b"'
+        ),
         "spark.driver.memory": "1g",
+        # Named so, and no secret: a switch, a provider class, where a Kubernetes secret is mounted.
+        "spark.security.credentials.hive.enabled": "false",
+        "spark.hadoop.fs.s3a.aws.credentials.provider": "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider",
+        "spark.kubernetes.driver.secrets.db-cert": "/etc/secrets",
     }
     (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": [spec]}))
     pipeline = get_pipeline(spec["name"], tmp_path / "pipelines.yaml")
@@ -512,11 +519,22 @@ def test_spark_conf_secrets_stay_off_spark_submits_command_line_and_out_of_the_t
 
     assert (conf["spark.authenticate"], conf["spark.driver.memory"]) == ("true", "1g")
     submitted = " ".join(f"{k}={v}" for k, v in conf.items())
-    for secret in ("Rpc-s3cret-1187", "QWNjb3VudEtleQ==", "k8s-tok-5531"):
+    for secret in ("Rpc-s3cret-1187", "QWNjb3VudEtleQ==", "k8s-tok-5531", "SasSig-7702"):
         assert secret not in submitted, submitted
+    assert conf["spark.kubernetes.driver.secrets.db-cert"] == "/etc/secrets"
     assert "-Djavax.net.ssl.trustStorePassword=Trust-pw-2209" in conf["spark.driver.extraJavaOptions"]  # JVM-only
     secrets = spark_conf_secrets(pipeline.spark_conf)
-    assert sorted(secrets) == sorted(["Rpc-s3cret-1187", "QWNjb3VudEtleQ==", "k8s-tok-5531", "Trust-pw-2209"])
+    assert sorted(secrets) == sorted(
+        [
+            "Rpc-s3cret-1187",
+            "QWNjb3VudEtleQ==",
+            "k8s-tok-5531",
+            "sv=2024&sig=SasSig-7702",
+            "Trust-pw-2209",
+            '"a b"',
+            "a b",
+        ]
+    )
     line = f"Spark-Submit cmd: spark-submit --conf {submitted} (Rpc-s3cret-1187, k8s-tok-5531)"
     mask_secrets(
         Settings(database_url="postgresql://etl@db/x", kafka=KafkaConfig.of({"bootstrap.servers": "b"})), secrets
@@ -524,4 +542,4 @@ def test_spark_conf_secrets_stay_off_spark_submits_command_line_and_out_of_the_t
     shown = redact(line)
     for secret in secrets:
         assert secret not in shown, shown
-    assert "-Dx.y=plain" in shown
+    assert "-Dx.y=plain" in shown and "hive.enabled=false" in shown and "/etc/secrets" in shown

@@ -77,7 +77,7 @@ def test_status_lists_each_open_batch_once_a_stuck_one_by_its_stuck_line_and_jso
     )
     cli_running = (
         "leaves it to the `./kafka2pg replay` process running it (its session: backend pid 4242); if that process "
-        "hangs, stop it, then " + abandon.format(11)
+        "hangs, stop it; " + abandon.format(11)
     )
     assert [b.next_run for b in opened] == [RESUMES, ABANDONS, replay_left.format(9), cli_left, cli_running]
     assert [b.batch_id for b in status.stuck] == [7]
