@@ -139,7 +139,7 @@ def test_status_and_abandon_tell_a_running_replay_process_from_a_killed_one(make
         audited = cli(env, "verify", "--pipeline", name)
         assert audited.returncode == 0 and "result: clean" in audited.stdout, audited.stdout + audited.stderr[-3000:]
         assert f"open: batch {batch_id} (replay, " in audited.stdout
-        assert f"kafka2pg abandon --pipeline {name} --batch-id {batch_id} --confirm" in audited.stdout
+        assert f"kafka2pg abandon --pipeline {name} --batch-id {batch_id}` then, if its preview" in audited.stdout
         done = cli(env, "abandon", "--pipeline", name, "--batch-id", str(batch_id), "--reason", "killed", "--confirm")
         assert done.returncode == 0, done.stderr[-3000:]
         state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()[0]

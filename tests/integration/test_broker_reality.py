@@ -388,8 +388,9 @@ def test_a_staged_batch_whose_gap_kafka_can_no_longer_witness_is_held_saying_how
         assert "range [10, 21) there has 1 offset(s) without a staged record" in message, message
     assert ledger(db, env) == [(0, 0, 10, "batch", 10)]
 
-    reset = f"reset --pipeline {env.pipeline.name} --partition 0 --to-offset 15 --reason ... --confirm"
-    assert reset in message, message
+    reset = f"reset --pipeline {env.pipeline.name} --partition 0 --to-offset 15 --reason ..."
+    assert f"`./kafka2pg {reset}` then, if its preview is right, the same with `--confirm`" in message, message
+    reset += " --confirm"
     monkeypatch.setenv("KAFKA2PG_PIPELINES", str(env.settings.pipelines_file))
     monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", env.settings.bootstrap_servers)
     monkeypatch.setenv("KAFKA2PG_DATABASE_URL", env.settings.database_url)

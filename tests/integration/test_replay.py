@@ -499,7 +499,7 @@ def test_abandoning_a_replay_its_run_left_open_drops_only_its_staging_rows_and_f
     request = ReplayRequest("replace", (OffsetRange(0, 0, 20),), requested_by="test")
     replaying = open_replay(env.settings, env.pipeline, request, run_id=CLI_RUN_ID).batch
     stage_batch(spark, env.settings, env.pipeline, replaying.batch_id)
-    abandon = f"kafka2pg abandon --pipeline {env.pipeline.name} --batch-id {replaying.batch_id} --confirm"
+    abandon = f"kafka2pg abandon --pipeline {env.pipeline.name} --batch-id {replaying.batch_id}` then, if its preview"
     with pytest.raises(ReplayRefusedError, match=abandon):
         undo_batch(env.settings, env.pipeline, replaying.batch_id, confirm=True)
     with pytest.raises(ReplayRefusedError, match="only an open replay batch can be abandoned"):
