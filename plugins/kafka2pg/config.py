@@ -119,6 +119,8 @@ _NOT_SECRET = re.compile(
     r"renewal[.]credentials",
     re.I,
 )
+# A value the log masker must not learn: it would hide every number of its digits in the task log.
+_NUMBER = re.compile(r"[-+]?[0-9.]+")
 # A JVM system property in JVM options (`-Dname=value`, the value perhaps quoted).
 _JVM_PROPERTY = re.compile(r"""-D([^=\s]+)=("[^"]*"|'[^']*'|\S+)""")
 
@@ -139,9 +141,6 @@ def spark_conf_secrets(spark_conf: dict[str, str]) -> list[str]:
             if secret_setting(m.group(1)):
                 named += [m.group(2), m.group(2).strip("\"'")]
     return [v for v in dict.fromkeys(named) if v and v.lower() not in ("true", "false") and not _NUMBER.fullmatch(v)]
-
-
-_NUMBER = re.compile(r"[-+]?[0-9.]+")
 
 
 def keep_log_options(spark_conf: dict[str, str], level: str = SPARK_LOG_LEVELS[0]) -> dict[str, str]:

@@ -19,7 +19,6 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import NO_NESTED_LOOPS, planner, transaction
 from kafka2pg.kafka_offsets import topic_id
 from kafka2pg.kafka_reader import RawRecord, raw_records_at
-from kafka2pg.planner import BatchPlan
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +114,16 @@ def _keep_raw_bytes(settings: Settings, pipeline: Pipeline, batch_id: int, place
     found = raw_records_at(settings.kafka, pipeline.topic, by_partition, settings.kafka_timeout_s)
     if found:
         with transaction(settings.database_url) as conn:
-            planned = load_batch(conn, batch_id).plan.topic_id
+            plan = load_batch(conn, batch_id).plan
         now = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)  # after the read: what it read
-        if BatchPlan(pipeline.name, pipeline.topic, (), planned).in_another_topic(now):
+        if plan.in_another_topic(now):
             log.warning(
                 "pipeline=%s batch_id=%s the raw bytes of rows quarantined without them were not kept: the topic "
                 "was deleted and recreated since the batch was read (topic ID %s, now %s), and its offsets now "
                 "hold other records; the rows keep their typed values and provenance",
                 pipeline.name,
                 batch_id,
-                planned,
+                plan.topic_id,
                 now,
             )
             return 0
