@@ -18,7 +18,7 @@ from kafka2pg.config import Pipeline, Settings
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, OffsetRegressionError, RangeLockedError
 from kafka2pg.kafka_offsets import PartitionOffsets, TopicAdmin
-from kafka2pg.locations import COMMAND
+from kafka2pg.locations import COMMAND, preview_first
 
 log = logging.getLogger(__name__)
 
@@ -232,31 +232,7 @@ def reset_head(
     """
     kafka = TopicAdmin(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     offsets, identity = {o.partition: o for o in kafka.offsets()}, kafka.topic_id()
-    if to_offset is not None:
-        broker = offsets.get(partition)
-        if broker is None or not broker.low <= to_offset <= broker.high:
-            where = (
-                f"does not exist (the topic has {len(offsets)}: {_listed(sorted(offsets))}); `--drop` removes the head "
-                "of a partition the topic no longer has"
-                if broker is None
-                else f"holds offsets [{broker.low}, {broker.high})"
-            )
-            raise BatchStateError(
-                f"pipeline {pipeline.name!r}: cannot reset partition {partition} to {to_offset}: the partition {where}",
-                pipeline=pipeline.name,
-                topic=pipeline.topic,
-                partition=partition,
-                offsets=to_offset,
-                low_watermark=broker and broker.low,
-                high_watermark=broker and broker.high,
-            )
-    elif partition in offsets:
-        raise BatchStateError(
-            f"partition {partition} of {pipeline.topic!r} exists: give --to-offset",
-            pipeline=pipeline.name,
-            topic=pipeline.topic,
-            partition=partition,
-        )
+    _refuse_unheld(pipeline, partition, to_offset, offsets)
     with transaction(settings.database_url, waits=f"pipeline={pipeline.name} reset of partition {partition}") as conn:
         lock_plan(conn, pipeline.name)
         open_id = open_batch_id(conn, pipeline)  # before the heads: see open_batch
@@ -359,6 +335,25 @@ def reset_head(
         if not confirm:
             return Reset(partition, current, to_offset, open_id, False, message)
         lock_partitions(conn, pipeline.name, [partition], f"ledger reset of partition {partition}")
+        # Asked again under every lock: while this waited (a gate holding the open batch, a replay
+        # the range), retention may have deleted the new head's records or the topic been recreated.
+        now, now_id = {o.partition: o for o in kafka.offsets()}, kafka.topic_id()
+        if now_id != identity:
+            again = f"--to-offset {to_offset}" if to_offset is not None else "--drop"
+            again += " --archive-old-rows" if archive_old_rows else ""
+            raise BatchStateError(
+                f"pipeline {pipeline.name!r}: topic {pipeline.topic!r} was deleted and recreated while the reset of "
+                f"partition {partition} waited for its locks (its ID was {identity}, now {now_id}). Nothing was "
+                "changed; "
+                + preview_first(f"reset --pipeline {pipeline.name} --partition {partition} {again} --reason ...")
+                + " resets it in the topic as it is now",
+                pipeline=pipeline.name,
+                topic=pipeline.topic,
+                partition=partition,
+            )
+        _refuse_unheld(
+            pipeline, partition, to_offset, now, " (retention deleted records while it waited for its locks)"
+        )
         if open_id is not None:
             abandon_lookaheads(conn, pipeline, f"ledger reset: {reason}")
             abandon_unpromoted(conn, pipeline, load_batch(conn, open_id), f"ledger reset: {reason}")
@@ -383,6 +378,38 @@ def reset_head(
             )
     log.warning("ledger reset: %s (reason: %s)", message, reason)
     return Reset(partition, current, to_offset, open_id, True, message)
+
+
+def _refuse_unheld(
+    pipeline: Pipeline, partition: int, to_offset: int | None, offsets: dict[int, PartitionOffsets], since: str = ""
+) -> None:
+    """A head must be an offset the partition holds (low watermark to end); `--drop` only for a
+    partition the topic no longer has."""
+    broker = offsets.get(partition)
+    if to_offset is not None and (broker is None or not broker.low <= to_offset <= broker.high):
+        where = (
+            f"does not exist (the topic has {len(offsets)}: {_listed(sorted(offsets))}); `--drop` removes the head "
+            "of a partition the topic no longer has"
+            if broker is None
+            else f"holds offsets [{broker.low}, {broker.high}){since}"
+        )
+        raise BatchStateError(
+            f"pipeline {pipeline.name!r}: cannot reset partition {partition} to {to_offset}: the partition {where}"
+            + ("; nothing was changed" if since else ""),
+            pipeline=pipeline.name,
+            topic=pipeline.topic,
+            partition=partition,
+            offsets=to_offset,
+            low_watermark=broker and broker.low,
+            high_watermark=broker and broker.high,
+        )
+    if to_offset is None and broker is not None:
+        raise BatchStateError(
+            f"partition {partition} of {pipeline.topic!r} exists: give --to-offset",
+            pipeline=pipeline.name,
+            topic=pipeline.topic,
+            partition=partition,
+        )
 
 
 def _listed(partitions: list[int]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from decimal import Decimal
 
@@ -694,6 +695,57 @@ def test_a_reset_forward_says_which_offsets_kafka_holds_that_will_never_be_loade
     planned = open_batch(env.settings, env.pipeline).batch
     same = reset_head(env.settings, env.pipeline, 0, 30, reason="abandon it", confirm=False)
     assert f"head 30 -> 30; unfinished batch {planned.batch_id} is abandoned" in same.message, same.message
+
+
+@pytest.mark.parametrize("change", ["records deleted", "topic recreated"])
+def test_a_reset_asks_kafka_again_once_it_holds_its_locks(make_pipeline, run_batch, db, heads, change):
+    """The new head was an offset Kafka held when the reset began; retention deleted it (or the
+    topic was recreated) while the reset waited for the partition's range lock (a replay finishing
+    there): refused under the lock, nothing changed, not a head below the low watermark (or in a
+    topic gone) that stops every next run."""
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(20, seed=43)))
+    run_batch(env)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(10, seed=44)))
+    outcome: list[BaseException | object] = []
+    with psycopg.connect(env.settings.database_url) as holder:
+        holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s), 0)", (f"kafka2pg.range:{env.pipeline.name}",))
+
+        def reset() -> None:
+            try:
+                outcome.append(reset_head(env.settings, env.pipeline, 0, 25, reason="skip", confirm=True))
+            except BaseException as exc:  # noqa: BLE001 - the test reads what the thread met
+                outcome.append(exc)
+
+        worker = threading.Thread(target=reset, daemon=True)
+        worker.start()
+        deadline = time.monotonic() + 120
+        while not db.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = 0"
+        ).fetchone()[0]:
+            assert worker.is_alive() and time.monotonic() < deadline, outcome
+            time.sleep(0.1)
+        if change == "records deleted":
+            client = AdminClient(client_config(env.settings.bootstrap_servers, 10))
+            deleted = client.delete_records([TopicPartition(env.topic, 0, 27)])
+            assert next(iter(deleted.values())).result(timeout=30).low_watermark == 27
+            refused = (
+                "cannot reset partition 0 to 25: the partition holds offsets [27, 30) (retention deleted records while "
+                "it waited for its locks); nothing was changed"
+            )
+        else:  # the new topic holds offset 25 too: only its ID tells
+            recreate_topic(env)
+            produce(env.settings.bootstrap_servers, env.topic, list(sample_events(30, seed=45)))
+            refused = "was deleted and recreated while the reset of partition 0 waited for its locks"
+        holder.rollback()
+    worker.join(120)
+    assert not worker.is_alive()
+    assert isinstance(outcome[0], BatchStateError), outcome
+    assert refused in str(outcome[0])
+    assert heads(env) == {0: 20}
+    assert not db.execute(
+        "SELECT count(*) FROM kafka2pg.ledger_resets WHERE pipeline = %s", (env.pipeline.name,)
+    ).fetchone()[0]
 
 
 def test_a_time_window_maps_to_per_partition_offsets(make_pipeline, monkeypatch, capsys):
