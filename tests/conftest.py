@@ -253,6 +253,46 @@ def heads(db):
 
 
 @pytest.fixture
+def behind_range_lock(db):
+    """`with behind_range_lock(env, action) as outcome:` runs `action` in a thread while a
+    transaction holds the pipeline's range lock of partition 0 (as a replay finishing there does),
+    and enters once the action waits for it; leaving releases the lock and joins the thread:
+    `outcome[0]` is what the action returned or raised."""
+    import threading
+    import time
+    from contextlib import contextmanager
+
+    import psycopg
+
+    @contextmanager
+    def waiting(env: PipelineEnv, action):
+        outcome: list = []
+
+        def run() -> None:
+            try:
+                outcome.append(action())
+            except BaseException as exc:  # noqa: BLE001 - the test reads what the thread met
+                outcome.append(exc)
+
+        worker = threading.Thread(target=run, daemon=True)
+        with psycopg.connect(env.settings.database_url) as holder:
+            holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s), 0)", (f"kafka2pg.range:{env.pipeline.name}",))
+            worker.start()
+            deadline = time.monotonic() + 120
+            while not db.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = 0"
+            ).fetchone()[0]:
+                assert worker.is_alive() and time.monotonic() < deadline, outcome
+                time.sleep(0.1)
+            yield outcome
+            holder.rollback()
+        worker.join(120)
+        assert not worker.is_alive()
+
+    return waiting
+
+
+@pytest.fixture
 def ledgered(db):
     """What kafka2pg.batches and the ledger say about batches, in an Asset event's terms:
     `ledgered(batch_id, ...)`, the first id being the run's planned batch."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from decimal import Decimal
+from functools import partial
 
 import psycopg
 import pytest
@@ -698,7 +698,9 @@ def test_a_reset_forward_says_which_offsets_kafka_holds_that_will_never_be_loade
 
 
 @pytest.mark.parametrize("change", ["records deleted", "topic recreated"])
-def test_a_reset_asks_kafka_again_once_it_holds_its_locks(make_pipeline, run_batch, db, heads, change):
+def test_a_reset_asks_kafka_again_once_it_holds_its_locks(
+    make_pipeline, run_batch, db, heads, behind_range_lock, change
+):
     """The new head was an offset Kafka held when the reset began; retention deleted it (or the
     topic was recreated) while the reset waited for the partition's range lock (a replay finishing
     there): refused under the lock, nothing changed, not a head below the low watermark (or in a
@@ -707,24 +709,8 @@ def test_a_reset_asks_kafka_again_once_it_holds_its_locks(make_pipeline, run_bat
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(20, seed=43)))
     run_batch(env)
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(10, seed=44)))
-    outcome: list[BaseException | object] = []
-    with psycopg.connect(env.settings.database_url) as holder:
-        holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s), 0)", (f"kafka2pg.range:{env.pipeline.name}",))
-
-        def reset() -> None:
-            try:
-                outcome.append(reset_head(env.settings, env.pipeline, 0, 25, reason="skip", confirm=True))
-            except BaseException as exc:  # noqa: BLE001 - the test reads what the thread met
-                outcome.append(exc)
-
-        worker = threading.Thread(target=reset, daemon=True)
-        worker.start()
-        deadline = time.monotonic() + 120
-        while not db.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = 0"
-        ).fetchone()[0]:
-            assert worker.is_alive() and time.monotonic() < deadline, outcome
-            time.sleep(0.1)
+    reset = partial(reset_head, env.settings, env.pipeline, 0, 25, reason="skip", confirm=True)
+    with behind_range_lock(env, reset) as outcome:
         if change == "records deleted":
             client = AdminClient(client_config(env.settings.bootstrap_servers, 10))
             deleted = client.delete_records([TopicPartition(env.topic, 0, 27)])
@@ -737,9 +723,6 @@ def test_a_reset_asks_kafka_again_once_it_holds_its_locks(make_pipeline, run_bat
             recreate_topic(env)
             produce(env.settings.bootstrap_servers, env.topic, list(sample_events(30, seed=45)))
             refused = "was deleted and recreated while the reset of partition 0 waited for its locks"
-        holder.rollback()
-    worker.join(120)
-    assert not worker.is_alive()
     assert isinstance(outcome[0], BatchStateError), outcome
     assert refused in str(outcome[0])
     assert heads(env) == {0: 20}

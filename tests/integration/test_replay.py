@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from functools import partial
 
 import psycopg
 import pytest
@@ -649,7 +650,7 @@ def test_an_undo_is_refused_when_kafka_no_longer_holds_the_records_it_would_have
     assert heads(env) == ends
 
 
-def test_an_undo_asks_kafka_again_once_it_holds_its_locks(make_pipeline, run_batch, db, heads):
+def test_an_undo_asks_kafka_again_once_it_holds_its_locks(make_pipeline, run_batch, db, heads, behind_range_lock):
     """Kafka held the newest batch's records when the undo began, and retention deleted the first
     of them while it waited for a range lock (a replay finishing on the partition): refused once
     it holds the lock, nothing changed, not a rewind to offsets no run can load again."""
@@ -660,30 +661,11 @@ def test_an_undo_asks_kafka_again_once_it_holds_its_locks(make_pipeline, run_bat
     produce(env.settings.bootstrap_servers, env.topic, sample_events(20, seed=96))
     newest = run_batch(env)
     ends = heads(env)
-    outcome: list[BaseException | object] = []
-    with psycopg.connect(env.settings.database_url) as holder:
-        holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s), 0)", (f"kafka2pg.range:{env.pipeline.name}",))
-
-        def undo() -> None:
-            try:
-                outcome.append(undo_batch(env.settings, env.pipeline, newest.batch_id, confirm=True))
-            except BaseException as exc:  # noqa: BLE001 - the test reads what the thread met
-                outcome.append(exc)
-
-        worker = threading.Thread(target=undo, daemon=True)
-        worker.start()
-        deadline = time.monotonic() + 120
-        while not db.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = 0"
-        ).fetchone()[0]:
-            assert worker.is_alive() and time.monotonic() < deadline, outcome
-            time.sleep(0.1)
+    undo = partial(undo_batch, env.settings, env.pipeline, newest.batch_id, confirm=True)
+    with behind_range_lock(env, undo) as outcome:
         client = AdminClient(client_config(env.settings.bootstrap_servers, 10))
         deleted = client.delete_records([TopicPartition(env.topic, 0, start + 1)])
         assert next(iter(deleted.values())).result(timeout=30).low_watermark == start + 1
-        holder.rollback()
-    worker.join(120)
-    assert not worker.is_alive()
     assert isinstance(outcome[0], ReplayRefusedError), outcome
     assert f"records p0[{start}, {start + 1}) are gone from Kafka" in str(outcome[0])
     target = sql.Identifier(env.pipeline.target_schema, env.pipeline.target_table)
