@@ -1,5 +1,6 @@
 """The comparative benchmark runs end to end on a tiny backlog, so it cannot rot (no timing asserted)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,7 @@ def test_write_once_benchmark_smoke_measures_every_path_on_rows_that_landed():
     assert "PostgreSQL backend CPU, 3000 staged rows, best of 1, per 1M rows:" in done.stdout, done.stdout
     for label in ("staging write", "gate SQL", "promotion now", "write-once promotion", "write-once: COPY"):
         assert f"  {label}" in done.stdout, done.stdout
+    assert "The client side's CPU (this process), 3000 framed rows, best of 1, per 1M rows:" in done.stdout
+    for label in ("now: staging COPY encoding", "write-once: IPC files written", "write-once: the gate's counts"):
+        assert f"  {label}" in done.stdout, done.stdout
+    assert re.search(r"both sides: now [\d.]+, write-once [\d.]+ core-s per 1M", done.stdout), done.stdout
