@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
@@ -534,6 +535,33 @@ def load_pipelines(path: Path | None = None) -> dict[str, Pipeline]:
     return pipelines
 
 
+class _Inexact(float):
+    """A float whose YAML text has digits no float keeps (`written`): 0.30000000000000001 is 0.3."""
+
+    written: str
+
+
+class _PipelinesLoader(yaml.SafeLoader):
+    """YAML's safe loader, marking a float written with more digits than it keeps (`_Inexact`):
+    a range bound read as another number would change the rule silently."""
+
+
+def _float_as_written(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+    value = loader.construct_yaml_float(node)
+    try:
+        exact = not math.isfinite(value) or Decimal(node.value.replace("_", "")) == Decimal(repr(value))
+    except InvalidOperation:  # YAML 1.1's base-60 floats (1:30.5): not a decimal text
+        exact = True
+    if exact:
+        return value
+    marked = _Inexact(value)
+    marked.written = node.value
+    return marked
+
+
+_PipelinesLoader.add_constructor("tag:yaml.org,2002:float", _float_as_written)
+
+
 def read_pipelines(path: Path | None = None) -> tuple[dict[str, Pipeline], dict[str, ConfigError]]:
     """The pipelines file, each pipeline checked on its own: (the valid pipelines by name, the
     error of every other one by its name, or `pipelines[i]` where it has no usable name), both in
@@ -542,7 +570,7 @@ def read_pipelines(path: Path | None = None) -> tuple[dict[str, Pipeline], dict[
     without a `pipelines:` list, raises `ConfigError`."""
     path = Path(path or pipelines_file_from_env())
     try:
-        document = yaml.safe_load(path.read_text())
+        document = yaml.load(path.read_text(), _PipelinesLoader)  # a SafeLoader: plain data only
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: pipelines file not found (set KAFKA2PG_PIPELINES)") from exc
     except IsADirectoryError as exc:
@@ -1165,6 +1193,11 @@ def _rules(raw: dict, here: str, pg_type: str) -> tuple:
         bound = _finite(value)
         if bound is None:
             raise ConfigError(f"{here}.{key}: expected a finite number, got {value!r}")
+        if isinstance(value, _Inexact):
+            raise ConfigError(
+                f"{here}.{key}: {value.written} has more significant digits than a bound keeps (it is read as a "
+                f"float: {bound!r}); write it with at most 15, or as a whole number (kept exact)"
+            )
         # A whole number stays exact: as a float, 9007199254740993 would be 9007199254740992.
         bounds.append(value if isinstance(value, int) else bound)
     if None not in bounds and bounds[0] > bounds[1]:

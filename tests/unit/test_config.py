@@ -770,3 +770,40 @@ def test_the_cli_ends_ctrl_c_a_gone_reader_and_postgresqls_refusals_without_a_tr
     assert "Traceback (most recent call last)" in capsys.readouterr().err
     with pytest.raises(ZeroDivisionError):  # a defect of kafka2pg's own keeps its trace
         cli._run(argparse.Namespace(func=raising(ZeroDivisionError())))
+
+
+@pytest.mark.parametrize(
+    ("written", "read"),
+    [
+        ("123456789012345678.25", 1.2345678901234568e17),
+        ("0.30000000000000001", 0.3),
+        ("!!float 1.00000000000000001", 1.0),
+    ],
+)
+def test_a_bound_written_with_more_digits_than_a_float_keeps_is_refused(tmp_path, written, read):
+    """A range bound is read as a float: one whose text a float does not keep would be another
+    rule than the one written, silently."""
+    path = write(tmp_path, columns=[GOOD["columns"][0], column(type="numeric(20,2)", max=1.5)])
+    path.write_text(path.read_text().replace("max: 1.5", f"max: {written}"))
+    with pytest.raises(
+        ConfigError, match=r"columns\[1\]\.max: .* has more significant digits than a bound keeps"
+    ) as info:
+        load_pipelines(path)
+    assert f"{written.removeprefix('!!float ')} has more" in str(info.value) and f"float: {read!r})" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("written", "bound"),
+    [
+        ("0.1", 0.1),
+        ("123456789012345.5", 123456789012345.5),
+        ("1_000.25", 1000.25),
+        ("1.5e+3", 1500.0),
+        ("12345678901234567890123", 12345678901234567890123),
+    ],
+)
+def test_a_bound_a_float_keeps_or_a_whole_number_is_read_as_written(tmp_path, written, bound):
+    path = write(tmp_path, columns=[GOOD["columns"][0], column(type="numeric(30,2)", max=1.5)])
+    path.write_text(path.read_text().replace("max: 1.5", f"max: {written}"))
+    (loaded,) = [c for c in get_pipeline("orders", path).columns if c.name == "n"]
+    assert loaded.maximum == bound and type(loaded.maximum) is type(bound)
