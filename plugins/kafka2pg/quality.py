@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import psycopg
@@ -126,7 +127,7 @@ def _validate(
             payload = report_payload(
                 pipeline, batch_id, **_report(batch, sql_checks, gx_rows, quarantined, bool(summary))
             )
-            store_result(conn, batch_id, payload)
+            validated_at = store_result(conn, batch_id, payload)
             verdict = gate_verdict(sum(not c.success for c in checks))
             error = {"error": summary[:2000]} if verdict is BatchState.REJECTED else {}
             # report_path: the export of an earlier verdict is not this one's (set again after the export).
@@ -135,7 +136,7 @@ def _validate(
         raise_staging_lost(pipeline, batch_id)
     if any(c.flagged for c in checks):
         keep_raw_bytes(settings, pipeline, batch_id, staging_place(pipeline))
-    report = _write_report(settings, pipeline, payload)  # a file: after the batch's lock is released
+    report = _write_report(settings, pipeline, payload, validated_at)  # files: after the batch's lock is released
     if summary:
         raise QualityGateFailed.rejected(pipeline.name, batch_id, failed, report, pipeline.staging_table)
     flagged = sum(c.flagged for c in checks)
@@ -231,33 +232,59 @@ def _report(batch: Batch, sql_checks: list[Check], gx_rows: list[dict], quaranti
     }
 
 
-def _write_report(settings: Settings, pipeline: Pipeline, payload: dict) -> Path | None:
+def _write_report(settings: Settings, pipeline: Pipeline, payload: dict, validated_at: datetime) -> Path | None:
     """Export the stored result as files, then record where (a crash in between leaves report_path unset).
 
-    Best effort: the verdict and its stored result are committed already, so files that cannot be
-    written (disk full, no permission) are logged, leave the batch without a report_path, and None
-    is returned; the report stays in the database (`kafka2pg report --html`, the plugin's page).
+    The files are the batch's current result's: when the batch was validated again while this
+    wrote them (a re-staged batch's next gate, whose export may have come first), the newer
+    stored result is exported over them before report_path is set. Best effort: the verdict and
+    its stored result are committed already, so files that cannot be written (disk full, no
+    permission) are logged, leave the batch without a report_path, and None is returned; the
+    report stays in the database (`kafka2pg report --html`, the plugin's page).
     """
     from kafka2pg.data_docs import report_dir
 
     batch_id = payload["batch_id"]
+    path = None
     try:
-        path = write_report(settings.state_dir, pipeline, payload)
-    except OSError as exc:
+        for _ in range(_EXPORTS):
+            try:
+                path = write_report(settings.state_dir, pipeline, payload)
+            except OSError as exc:
+                log.warning(
+                    "pipeline=%s batch_id=%s quality report not written to %s (%s); the gate's verdict stands, "
+                    "the report is in the database",
+                    pipeline.name,
+                    batch_id,
+                    report_dir(settings.state_dir, pipeline),
+                    exc,
+                )
+                path = None
+            with transaction(settings.database_url) as conn:
+                # FOR SHARE: no later verdict replaces the result before report_path names its files.
+                current = conn.execute(
+                    "SELECT validated_at, result FROM kafka2pg.quality_results WHERE batch_id = %s FOR SHARE",
+                    (batch_id,),
+                ).fetchone()
+                if current is None:  # staged again since: no verdict stands, the next gate exports its own
+                    return None
+                if current[0] == validated_at:
+                    conn.execute(
+                        "UPDATE kafka2pg.batches SET report_path = %s WHERE batch_id = %s",
+                        (path and str(path), batch_id),
+                    )
+                    return path
+            if path is None:  # nothing written over the later verdict's files
+                return None
+            validated_at, payload = current
         log.warning(
-            "pipeline=%s batch_id=%s quality report not written to %s (%s); the gate's verdict stands, "
-            "the report is in the database",
+            "pipeline=%s batch_id=%s quality report exported to %s while the batch was validated again %s times; "
+            "report_path not set (the report is in the database)",
             pipeline.name,
             batch_id,
-            report_dir(settings.state_dir, pipeline),
-            exc,
+            path,
+            _EXPORTS,
         )
-        path = None
-    try:
-        with transaction(settings.database_url) as conn:  # a file of an earlier verdict is not this one's
-            conn.execute(
-                "UPDATE kafka2pg.batches SET report_path = %s WHERE batch_id = %s", (path and str(path), batch_id)
-            )
     except (psycopg.Error, Kafka2PgError) as exc:
         log.warning(
             "pipeline=%s batch_id=%s quality report exported to %s but not recorded on the batch (%s); the "
@@ -267,7 +294,12 @@ def _write_report(settings: Settings, pipeline: Pipeline, payload: dict) -> Path
             path,
             exc,
         )
-    return path
+        return path
+    return None
+
+
+# How many times an export follows a batch validated again while it wrote the files.
+_EXPORTS = 3
 
 
 def _gx_version() -> str:

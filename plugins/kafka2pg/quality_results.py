@@ -5,20 +5,22 @@ transaction with the verdict, read back to render the report (Airflow pages, `ka
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from functools import partial
 
 from psycopg import Connection
 from psycopg.types.json import Json
 
 
-def store_result(conn: Connection, batch_id: int, payload: dict) -> None:
-    """Record (or replace, for a batch validated again) the batch's result, in the caller's transaction."""
-    conn.execute(
+def store_result(conn: Connection, batch_id: int, payload: dict) -> datetime:
+    """Record (or replace, for a batch validated again) the batch's result, in the caller's
+    transaction; its `validated_at`, which tells this result from a later one of the batch."""
+    return conn.execute(
         "INSERT INTO kafka2pg.quality_results (batch_id, verdict, result) VALUES (%s, %s, %s)"
         " ON CONFLICT (batch_id) DO UPDATE SET verdict = EXCLUDED.verdict, result = EXCLUDED.result,"
-        " validated_at = now()",
+        " validated_at = now() RETURNING validated_at",
         (batch_id, payload["verdict"], Json(payload, dumps=partial(json.dumps, default=str))),
-    )
+    ).fetchone()[0]
 
 
 def load_result(conn: Connection, pipeline: str, batch_id: int) -> dict | None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from kafka2pg import cli
+from kafka2pg import cli, quality
+from kafka2pg.data_docs import write_report
 from kafka2pg.devtools.producer import produce, sample_events
 from kafka2pg.exceptions import QualityGateFailed
 from kafka2pg.locations import COMMAND
@@ -214,3 +215,35 @@ def test_a_batch_staged_again_after_its_staging_was_lost_has_no_report_until_val
         and " checks, 0 failed" in said
     ), said
     assert cli.main(["report", "--html", "--pipeline", env.pipeline.name]) == 0
+
+
+def test_the_exported_report_is_the_batchs_latest_verdict_when_it_was_validated_again_meanwhile(
+    make_pipeline, spark, db, monkeypatch
+):
+    """A gate whose file export came after a later verdict of the same batch (staged again and
+    validated by a newer attempt, whose export finished first) exports that later verdict over
+    its own files, and report_path names them: the files never show a verdict the batch no longer has."""
+    env = make_pipeline(partitions=1)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(5, seed=72)))
+    batch_id = open_batch(env.settings, env.pipeline).batch.batch_id
+    stage_batch(spark, env.settings, env.pipeline, batch_id)
+    exports: list[dict] = []
+
+    def later_verdict_first(state_dir, pipeline, payload):
+        if not exports:  # the later attempt's verdict is committed while this one's files are written
+            later = {**payload, "generated_at": "later", "counts": {**payload["counts"], "to quarantine": 99}}
+            db.execute(
+                "UPDATE kafka2pg.quality_results SET result = %s, validated_at = now() WHERE batch_id = %s",
+                (json.dumps(later), batch_id),
+            )
+        exports.append(payload)
+        return write_report(state_dir, pipeline, payload)
+
+    monkeypatch.setattr(quality, "write_report", later_verdict_first)
+    result = validate_batch(env.settings, env.pipeline, batch_id)
+
+    assert [e["generated_at"] == "later" for e in exports] == [False, True]
+    (path,) = db.execute("SELECT report_path FROM kafka2pg.batches WHERE batch_id = %s", (batch_id,)).fetchone()
+    assert path == str(result.report)
+    exported = json.loads(Path(path).with_suffix(".json").read_text())
+    assert exported == stored(db, batch_id)[1] and exported["counts"]["to quarantine"] == 99
