@@ -1,5 +1,7 @@
-"""The pipeline DAG on a real Spark standalone cluster (a master and two workers, separate JVMs):
-executors in the workers read Kafka and write staging, exactly once, even when a worker dies mid-stage.
+"""The pipeline DAG on a real Spark standalone cluster (a master and two workers, separate JVMs)
+with Spark's RPC authentication on: executors in the workers read Kafka and write staging, exactly
+once, even when a worker dies mid-stage. The pipelines give the cluster's secret in `spark_conf`,
+which reaches the stage job's session only, never spark-submit's command line or the task log.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from kafka2pg.kafka_offsets import partition_offsets
 PARTITIONS = 6
 EVENTS = 3000
 DEADLINE_S = 300  # for states a loaded machine reaches late (a Spark application's start, a run's end)
+SECRET = "cluster-rpc-s3cret-4411"
+# What a pipeline run on the cluster gives Spark: authentication on, with the cluster's secret.
+AUTHENTICATED = {"spark.authenticate": "true", "spark.authenticate.secret": SECRET}
 
 
 @pytest.fixture(scope="module")
 def spark_cluster(tmp_path_factory):
-    started = start_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2)
+    started = start_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2, secret=SECRET)
     yield started
     stop_cluster(started)
 
@@ -68,11 +73,17 @@ def executor_work(cluster: SparkCluster, pipeline_name: str) -> tuple[dict, dict
 def test_dag_run_on_a_standalone_cluster_is_read_and_written_by_the_workers_executors(
     cluster, make_pipeline, airflow_env, db, tmp_path
 ):
-    env = make_pipeline(partitions=PARTITIONS)
+    env = make_pipeline(partitions=PARTITIONS, spark_conf=AUTHENTICATED)
     produced = produce_sample(env.settings.bootstrap_servers, env.topic, EVENTS, seed=23)
     code, output, _ = dags_test(env.pipeline.dag_id, on_cluster(airflow_env(env), cluster), tmp_path / "run.log")
     assert code == 0, output[-3000:]
     assert_exactly_once(db, env, produced)
+    # The master required the secret, and the run gave it without showing it.
+    with open(cluster.log_file, errors="replace") as master_log:
+        assert "authentication enabled" in master_log.read()
+    submits = re.findall(r"Spark-Submit cmd: .*", output)
+    assert submits and not [line for line in submits if "spark.authenticate.secret" in line], submits
+    assert SECRET not in output and SECRET not in (tmp_path / "run.log").read_text(errors="replace")
 
     # In local mode no application reaches the master and no worker launches an executor.
     app, logs = executor_work(cluster, env.pipeline.name)
@@ -85,6 +96,7 @@ def test_dag_run_on_a_standalone_cluster_is_read_and_written_by_the_workers_exec
     # environment has none of it. The tasks read Kafka with librdkafka: no Kafka source jars.
     assert re.search(r"Fetching spark://\S+/files/kafka2pg-\d+\.zip", text), text[-3000:]
     assert "spark-sql-kafka" not in text, text[-3000:]
+    assert SECRET not in text
 
 
 def _planned_batch(db, env, running: Future) -> int:
@@ -127,7 +139,7 @@ def _wait_until_gone(pids: list[int]) -> None:
 def test_worker_killed_mid_stage_loses_and_duplicates_nothing(
     cluster, make_pipeline, airflow_env, base_settings, db, tmp_path
 ):
-    env = make_pipeline(partitions=PARTITIONS)
+    env = make_pipeline(partitions=PARTITIONS, spark_conf=AUTHENTICATED)
     produced = produce_sample(env.settings.bootstrap_servers, env.topic, EVENTS, seed=24)
     run_env = on_cluster(airflow_env(env), cluster)
     with ThreadPoolExecutor(1) as pool, psycopg.connect(base_settings.database_url, autocommit=True) as holder:

@@ -49,6 +49,8 @@ class SparkCluster:
     memory: str
     # Executors of killed workers that were still running at the kill: stopped with the cluster.
     orphans: list[int] = field(default_factory=list)
+    # The master's and workers' Spark properties (--properties-file): RPC authentication's secret.
+    properties_file: str | None = None
 
     @property
     def master_url(self) -> str:
@@ -128,7 +130,7 @@ def _start_worker(cluster: SparkCluster, index: int) -> SparkWorker:
     work_dir.mkdir(parents=True, exist_ok=True)
     log_file = Path(cluster.work_dir) / f"worker-{index}.log"
     args = [cluster.master_url, "--host", "127.0.0.1", "--cores", str(cluster.cores), "--memory", cluster.memory]
-    args += ["--work-dir", str(work_dir), "--webui-port", str(webui_port)]
+    args += ["--work-dir", str(work_dir), "--webui-port", str(webui_port), *_properties(cluster)]
     # The executors' scratch folders (spark-<uuid>/executor-<uuid>) under the cluster's folder, not
     # /tmp: the worker makes them in its SPARK_LOCAL_DIRS and a killed executor leaves them behind.
     local_dirs = work_dir / "local"
@@ -137,17 +139,36 @@ def _start_worker(cluster: SparkCluster, index: int) -> SparkWorker:
     return SparkWorker(pid, webui_port, str(work_dir), str(log_file))
 
 
+def _properties(cluster: SparkCluster) -> list[str]:
+    return ["--properties-file", cluster.properties_file] if cluster.properties_file else []
+
+
 def start_cluster(
-    work_dir: Path, workers: int = 2, *, cores: int = 1, memory: str = "1g", timeout_s: float = 180
+    work_dir: Path,
+    workers: int = 2,
+    *,
+    cores: int = 1,
+    memory: str = "1g",
+    timeout_s: float = 180,
+    secret: str | None = None,
 ) -> SparkCluster:
     """Start a master and `workers` workers (`cores` and `memory` each) under `work_dir`; wait until
-    the master lists every worker ALIVE. Stops whatever started if that does not happen in time."""
+    the master lists every worker ALIVE. Stops whatever started if that does not happen in time.
+    With `secret`, Spark's RPC authentication is on (`spark.authenticate`, in the daemons'
+    properties file, readable by its owner only): an application must give the same secret."""
     work_dir.mkdir(parents=True, exist_ok=True)
+    properties = None
+    if secret is not None:
+        properties = work_dir / "spark-daemons.conf"
+        fd = os.open(properties, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"spark.authenticate true\nspark.authenticate.secret {secret}\n")
     port, webui_port = free_ports(2)
     log_file = work_dir / "master.log"
-    master_args = ["--host", "127.0.0.1", "--port", str(port), "--webui-port", str(webui_port)]
-    pid = _spark_class("org.apache.spark.deploy.master.Master", master_args, log_file)
-    cluster = SparkCluster(pid, port, webui_port, str(work_dir), str(log_file), [], cores, memory)
+    cluster = SparkCluster(0, port, webui_port, str(work_dir), str(log_file), [], cores, memory)
+    cluster.properties_file = properties and str(properties)
+    master_args = ["--host", "127.0.0.1", "--port", str(port), "--webui-port", str(webui_port), *_properties(cluster)]
+    cluster.pid = _spark_class("org.apache.spark.deploy.master.Master", master_args, log_file)
     try:
         for index in range(workers):
             cluster.workers.append(_start_worker(cluster, index))
