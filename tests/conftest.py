@@ -279,8 +279,11 @@ def behind_range_lock(db):
             holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s), 0)", (f"kafka2pg.range:{env.pipeline.name}",))
             worker.start()
             deadline = time.monotonic() + 120
-            while not db.execute(
+            while not db.execute(  # the range lock's key, as kafka2pg.ledger.lock_partitions takes it
                 "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = 0"
+                " AND objsubid = 2 AND classid = hashtext(%s)::oid"
+                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+                (f"kafka2pg.range:{env.pipeline.name}",),
             ).fetchone()[0]:
                 assert worker.is_alive() and time.monotonic() < deadline, outcome
                 time.sleep(0.1)

@@ -1195,8 +1195,8 @@ def _rules(raw: dict, here: str, pg_type: str) -> tuple:
             raise ConfigError(f"{here}.{key}: expected a finite number, got {value!r}")
         if isinstance(value, _Inexact):
             raise ConfigError(
-                f"{here}.{key}: {value.written} has more significant digits than a bound keeps (it is read as a "
-                f"float: {bound!r}); write it with at most 15, or as a whole number (kept exact)"
+                f"{here}.{key}: {value.written} is read as the float {bound!r}, not the number written (a bound is "
+                "a float): write it with at most 15 significant digits, or as a whole number (kept exact)"
             )
         # A whole number stays exact: as a float, 9007199254740993 would be 9007199254740992.
         bounds.append(value if isinstance(value, int) else bound)

@@ -261,12 +261,20 @@ def _write_report(settings: Settings, pipeline: Pipeline, payload: dict, validat
                 )
                 path = None
             with transaction(settings.database_url) as conn:
-                # FOR SHARE: no later verdict replaces the result before report_path names its files.
+                # The batch's row first, as every writer of its result locks it: no later verdict
+                # replaces the result before report_path names its files.
+                conn.execute("SELECT FROM kafka2pg.batches WHERE batch_id = %s FOR NO KEY UPDATE", (batch_id,))
                 current = conn.execute(
-                    "SELECT validated_at, result FROM kafka2pg.quality_results WHERE batch_id = %s FOR SHARE",
-                    (batch_id,),
+                    "SELECT validated_at, result FROM kafka2pg.quality_results WHERE batch_id = %s", (batch_id,)
                 ).fetchone()
-                if current is None:  # staged again since: no verdict stands, the next gate exports its own
+                if current is None:
+                    log.warning(
+                        "pipeline=%s batch_id=%s was staged again while its quality report was exported to %s: "
+                        "those files show a verdict the batch no longer has (the next gate exports its own)",
+                        pipeline.name,
+                        batch_id,
+                        path,
+                    )
                     return None
                 if current[0] == validated_at:
                     conn.execute(
@@ -276,6 +284,14 @@ def _write_report(settings: Settings, pipeline: Pipeline, payload: dict, validat
                     return path
             if path is None:  # nothing written over the later verdict's files
                 return None
+            log.warning(
+                "pipeline=%s batch_id=%s was validated again while its quality report was exported: %s shows "
+                "that later verdict (%s)",
+                pipeline.name,
+                batch_id,
+                path,
+                current[1].get("verdict"),
+            )
             validated_at, payload = current
         log.warning(
             "pipeline=%s batch_id=%s quality report exported to %s while the batch was validated again %s times; "
