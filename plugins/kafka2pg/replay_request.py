@@ -113,7 +113,7 @@ def parse_ranges(value: Any, name: str = "offset_ranges") -> tuple[OffsetRange, 
     for shown, item in items:
         if not isinstance(item, Mapping) or set(item) != {"partition", "start", "end"}:
             raise ConfigError(f"replay {name} {shown}: expected exactly the keys partition, start, end")
-        values = [_whole(item[key]) for key in ("partition", "start", "end")]
+        values = [whole_number(item[key]) for key in ("partition", "start", "end")]
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
             raise ConfigError(f"replay {name} {shown}: partition, start and end must be integers >= 0")
         for (field, limit), given in zip(_LIMITS.items(), values, strict=True):
@@ -125,9 +125,10 @@ def parse_ranges(value: Any, name: str = "offset_ranges") -> tuple[OffsetRange, 
     return tuple(sorted(ranges, key=lambda r: (r.partition, r.start)))
 
 
-def _whole(value: Any) -> Any:
-    """A JSON number written 500.0 (a run conf, an API client) as the int it is, where a float
-    holds it exactly; anything else as given (refused below if not an int)."""
+def whole_number(value: Any) -> Any:
+    """A JSON number written 500.0 (a run conf, an API client: JSON has one number type, and
+    Airflow's Param schema "integer" accepts it) as the int it is, where a float holds it exactly;
+    anything else as given, for the caller to refuse if not an int."""
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:  # 2**53 + 1 reads as 2**53
         return int(value)
     return value

@@ -14,8 +14,15 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from urllib.parse import unquote
 
-from kafka2pg.config import Pipeline, Settings, get_pipeline, pipelines_file_from_env, spark_conf_secrets
+from kafka2pg.config import (
+    Pipeline,
+    Settings,
+    get_pipeline,
+    pipelines_file_from_env,
+    spark_conf_secrets,
+)
 from kafka2pg.exceptions import Kafka2PgError, RunConfNotAppliedError, UnknownRunConfError
+from kafka2pg.replay_request import whole_number
 from kafka2pg.task_log import fit, promotion_summary, step_summary, validation_summary
 
 log = logging.getLogger("kafka2pg")
@@ -114,7 +121,7 @@ def plan(
     from kafka2pg.opening import open_batch
 
     started = time.monotonic()
-    max_records_per_batch, batches_per_run = _whole(max_records_per_batch), _whole(batches_per_run)
+    max_records_per_batch, batches_per_run = whole_number(max_records_per_batch), whole_number(batches_per_run)
     with airflow_errors():
         settings, pipeline = resolve(pipeline_name, pipelines_file)
         require_ready(settings, pipeline)
@@ -145,14 +152,6 @@ def plan(
         "batches": batches_per_run or pipeline.batches_per_run,
         "max_records_per_batch": max_records_per_batch or pipeline.max_records_per_batch,
     }
-
-
-def _whole(value: int | float | None) -> int | None:
-    """A run conf's count as an int: Airflow's Param schema "integer" accepts JSON's 5.0 (JSON has
-    one number type), which would reach the stage job as "5.0", a value its --batches refuses."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
 
 
 def validate(

@@ -7,6 +7,7 @@ from airflow.exceptions import AirflowFailException
 
 from kafka2pg.exceptions import RunConfNotAppliedError, UnknownRunConfError
 from kafka2pg.planner import OffsetRange
+from kafka2pg.replay_request import whole_number
 from kafka2pg.task_log import LOG_WIDTH, fit, shorten_ranges, step_summary, table
 from kafka2pg.tasks import check_run_conf
 
@@ -152,5 +153,5 @@ def test_a_whole_number_from_a_json_run_conf_reaches_the_plan_as_an_int(monkeypa
     monkeypatch.setattr(kafka2pg.opening, "open_batch", open_batch)
     assert tasks.plan("orders", max_records_per_batch=5.0, batches_per_run=2.0) is None
     assert seen["cap"] == 5 and type(seen["cap"]) is int
-    assert tasks._whole(2.0) == 2 and type(tasks._whole(2.0)) is int
-    assert tasks._whole(None) is None and tasks._whole(7) == 7 and tasks._whole(2.5) == 2.5
+    assert whole_number(2.0) == 2 and type(whole_number(2.0)) is int
+    assert whole_number(None) is None and whole_number(7) == 7 and whole_number(2.5) == 2.5
