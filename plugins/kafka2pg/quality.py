@@ -285,12 +285,12 @@ def _write_report(settings: Settings, pipeline: Pipeline, payload: dict, validat
             if path is None:  # nothing written over the later verdict's files
                 return None
             log.warning(
-                "pipeline=%s batch_id=%s was validated again while its quality report was exported: %s shows "
-                "that later verdict (%s)",
+                "pipeline=%s batch_id=%s was validated again while its quality report was exported: exporting "
+                "that later verdict (%s) to %s instead",
                 pipeline.name,
                 batch_id,
-                path,
                 current[1].get("verdict"),
+                path,
             )
             validated_at, payload = current
         log.warning(
