@@ -541,9 +541,42 @@ class _Inexact(float):
     written: str
 
 
+class _MisreadInt(int):
+    """A number YAML 1.1 reads in a base its text does not show (`written`): 010 is the octal
+    number 8, 1:30 the base-60 number 90 (`reading` says which)."""
+
+    written: str
+    reading: str
+
+
+class _MisreadFloat(float):
+    """A float YAML 1.1 reads in base 60 (`written`): 1:30.5 is 90.5."""
+
+    written: str
+    reading = "the base-60 number"
+
+
+_MISREAD = (_MisreadInt, _MisreadFloat)
+
+
 class _PipelinesLoader(yaml.SafeLoader):
-    """YAML's safe loader, marking a float written with more digits than it keeps (`_Inexact`):
-    a range bound read as another number would change the rule silently."""
+    """YAML's safe loader, marking a float written with more digits than it keeps (`_Inexact`)
+    and a number read in a base its text does not show (`_MISREAD`): a value read as another
+    number than the one it looks like would change the pipeline silently."""
+
+
+def _int_as_written(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    value = loader.construct_yaml_int(node)
+    digits = node.value.replace("_", "").lstrip("+-")
+    if ":" in digits:
+        reading = "the base-60 number"
+    elif len(digits) > 1 and digits.startswith("0") and digits.isdigit() and int(digits, 10) != abs(value):
+        reading = "the octal number"  # 010; not 00 or 07, which are the same number either way
+    else:
+        return value
+    marked = _MisreadInt(value)
+    marked.written, marked.reading = node.value, reading
+    return marked
 
 
 def _float_as_written(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
@@ -551,7 +584,9 @@ def _float_as_written(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
     try:
         exact = not math.isfinite(value) or Decimal(node.value.replace("_", "")) == Decimal(repr(value))
     except InvalidOperation:  # YAML 1.1's base-60 floats (1:30.5): not a decimal text
-        exact = True
+        base60 = _MisreadFloat(value)
+        base60.written = node.value
+        return base60
     if exact:
         return value
     marked = _Inexact(value)
@@ -560,6 +595,27 @@ def _float_as_written(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
 
 
 _PipelinesLoader.add_constructor("tag:yaml.org,2002:float", _float_as_written)
+_PipelinesLoader.add_constructor("tag:yaml.org,2002:int", _int_as_written)
+
+
+def _refuse_misread(value: Any, here: str) -> None:
+    """Refuse a number anywhere in a pipeline's entry that YAML read in a base its text does not
+    show (spark_conf's values not quoted: they may be secrets)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_misread(item, f"{here}.{_key_text(key)}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_misread(item, f"{here}[{index}]")
+    elif isinstance(value, _MISREAD):
+        if ".spark_conf." in f"{here}.":
+            what = f"a number with a leading zero or a colon is read by YAML 1.1 as {value.reading}"
+        else:
+            what = f"{value.written} is read by YAML 1.1 as {value.reading} {value!r}"
+        raise ConfigError(
+            f"{here}: {what}, not the decimal number it looks like: write the number meant without a leading "
+            "zero or colon, or quote it if it is text"
+        )
 
 
 def read_pipelines(path: Path | None = None) -> tuple[dict[str, Pipeline], dict[str, ConfigError]]:
@@ -716,6 +772,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         )
     name = _identifier(raw, "name", where, MAX_PIPELINE_NAME)
     where = f"{where} ({name})"
+    _refuse_misread(raw, where)
     topic = topic_name(raw.get("topic"), f"{where}.topic")
     schema, table = _target(raw.get("target_table"), where)
     columns = _columns(raw.get("columns"), where)
@@ -1211,7 +1268,10 @@ def _rules(raw: dict, here: str, pg_type: str) -> tuple:
             raise ConfigError(f"{here}.allowed: expected a non-empty list of values, got {allowed!r}")
         wrong = [v for v in allowed if not _holds(pg_type, kind, v)]
         if wrong:
-            raise ConfigError(f"{here}.allowed: values {wrong!r} are not of the column's type {pg_type}")
+            # YAML 1.1 reads an unquoted NO, off or 42 as a boolean or a number.
+            unquoted = kind is str and any(isinstance(v, bool | int | float) for v in wrong)
+            hint = ": quote the values meant as text (YAML reads yes/no/on/off as booleans)" if unquoted else ""
+            raise ConfigError(f"{here}.allowed: values {wrong!r} are not of the column's type {pg_type}{hint}")
         allowed = tuple(allowed)
     on_violation = _choice(raw, "on_violation", here, ("fail", "quarantine"))
     if on_violation == "quarantine" and bounds == [None, None] and allowed is None:

@@ -807,3 +807,65 @@ def test_a_bound_a_float_keeps_or_a_whole_number_is_read_as_written(tmp_path, wr
     path.write_text(path.read_text().replace("max: 1.5", f"max: {written}"))
     (loaded,) = [c for c in get_pipeline("orders", path).columns if c.name == "n"]
     assert loaded.maximum == bound and type(loaded.maximum) is type(bound)
+
+
+def _written(tmp_path, text: str):
+    """A good pipelines file with `text` appended to its pipeline's fields."""
+    path = write(tmp_path)
+    path.write_text(path.read_text() + "".join(f"  {line}\n" for line in text.splitlines()))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "said"),
+    [
+        ("max_records_per_batch: 010", "max_records_per_batch", "010 is read by YAML 1.1 as the octal number 8,"),
+        ("batches_per_run: -0_20", "batches_per_run", "-0_20 is read by YAML 1.1 as the octal number -16,"),
+        ("task_timeout_minutes: 1:30", "task_timeout_minutes", "1:30 is read by YAML 1.1 as the base-60 number 90,"),
+        (
+            "data_loss_warning_hours: 1:30.5",
+            "data_loss_warning_hours",
+            "1:30.5 is read by YAML 1.1 as the base-60 number 90.5,",
+        ),
+        (
+            "columns:\n- {name: event_id, type: text}\n- {name: k, type: integer, allowed: [1, 012]}",
+            "columns[1].allowed[1]",
+            "012 is read by YAML 1.1 as the octal number 10,",
+        ),
+        ("batches_per_run: 00010", "batches_per_run", "00010 is read by YAML 1.1 as the octal number 8,"),
+        ("spark_conf: {spark.secret.pin: 0755}", "spark_conf.spark.secret.pin", "a number with a leading zero"),
+    ],
+)
+def test_a_number_yaml_reads_in_a_base_its_text_does_not_show_is_refused(tmp_path, text, field, said):
+    """PyYAML reads YAML 1.1: 010 is 8 and 1:30 is 90. Read silently, the pipeline would run with
+    another number than the one written; the error names the field (a spark_conf value unquoted)."""
+    path = _written(tmp_path, text)  # a second `columns:` replaces the first
+    with pytest.raises(ConfigError) as info:
+        get_pipeline("orders", path)
+    message = str(info.value)
+    assert f"pipelines[0] (orders).{field}: {said}" in message, message
+    assert "without a leading zero or colon, or quote it" in message
+    if "spark_conf" in text:
+        assert "0755" not in message and "493" not in message
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "value"),
+    [
+        ("max_records_per_batch: 07", "max_records_per_batch", 7),  # the same number in either base
+        ("max_records_per_batch: 1_000", "max_records_per_batch", 1000),
+        ("max_records_per_batch: 0x10", "max_records_per_batch", 16),  # its base shown
+    ],
+)
+def test_a_number_whose_text_shows_its_base_is_read_as_written(tmp_path, text, field, value):
+    path = _written(tmp_path, text)
+    assert getattr(get_pipeline("orders", path), field) == value
+
+
+def test_allowed_text_values_yaml_reads_as_booleans_or_numbers_are_named_with_the_fix(tmp_path):
+    text = "columns:\n- {name: event_id, type: text}\n- {name: country, type: text, allowed: [DK, NO, SE]}"
+    with pytest.raises(ConfigError, match=r"values \[False\] are not of the column's type text: quote the values"):
+        get_pipeline("orders", _written(tmp_path, text))
+    spec = {"name": "k", "type": "bigint", "allowed": [1, "2"]}  # not text: no such advice
+    with pytest.raises(ConfigError, match=r"values \['2'\] are not of the column's type bigint$"):
+        get_pipeline("orders", write(tmp_path, columns=[GOOD["columns"][0], spec]))
