@@ -150,10 +150,8 @@ def arrow_gate(table: pa.Table, pipeline: Pipeline) -> dict:
 def rows_for_gx(table: pa.Table, pipeline: Pipeline):
     """The accepted rows' columns the GX suite reads, as the pandas frame `expectations.load_accepted` makes."""
     accepted = table.filter(pc.is_null(table.column("quarantine_reason")))
-    ranged = {c.name for c in pipeline.columns if c.ranged and c.name not in pipeline.business_key}
-    checked = {*pipeline.business_key, *pipeline.required_columns, *ranged}
-    checked |= {c.name for c in pipeline.columns if c.allowed}
-    names = [*expectations.PROVENANCE, *(c.name for c in pipeline.columns if c.name in checked)]
+    names, ranged_columns = expectations.gx_columns(pipeline)
+    ranged = {c.name for c in ranged_columns}
     as_text = {c.name for c in pipeline.columns if c.type == "jsonb"}
     columns = [
         pc.cast(accepted.column(n), pa.float64())

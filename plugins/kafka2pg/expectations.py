@@ -23,7 +23,7 @@ from typing import Any
 
 from psycopg import Connection, sql
 
-from kafka2pg.config import Pipeline, float_bound
+from kafka2pg.config import Column, Pipeline, float_bound
 from kafka2pg.withheld_imports import withheld
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,15 @@ def suite_for(pipeline: Pipeline, expected_rows: int) -> list[Expectation]:
     return suite
 
 
+def gx_columns(pipeline: Pipeline) -> tuple[list[str], list[Column]]:
+    """The columns the suite looks at, provenance first and the rest in the pipeline's order, and
+    the ranged columns among them it compares as floats (a business key's range is not its)."""
+    ranged = [c for c in pipeline.columns if c.ranged and c.name not in pipeline.business_key]
+    checked = {*pipeline.business_key, *pipeline.required_columns, *(c.name for c in ranged)}
+    checked |= {c.name for c in pipeline.columns if c.allowed}
+    return [*PROVENANCE, *(c.name for c in pipeline.columns if c.name in checked)], ranged
+
+
 def load_accepted(conn: Connection, pipeline: Pipeline, batch_id: int):
     """The batch's staged rows not flagged for quarantine, as a pandas DataFrame.
 
@@ -133,10 +142,7 @@ def load_accepted(conn: Connection, pipeline: Pipeline, batch_id: int):
     """
     import pandas as pd
 
-    ranged = [c for c in pipeline.columns if c.ranged and c.name not in pipeline.business_key]  # as floats
-    checked = {*pipeline.business_key, *pipeline.required_columns, *(c.name for c in ranged)}
-    checked |= {c.name for c in pipeline.columns if c.allowed}
-    columns = [*PROVENANCE, *(c.name for c in pipeline.columns if c.name in checked)]
+    columns, ranged = gx_columns(pipeline)
     as_double = {c.name for c in ranged if _double_holds(c.type)}
     # A jsonb column can only be required (never a key, ranged or with allowed values): the suite
     # looks at its NULLs only, so it is read as text. Parsed into Python it would cost time and fail

@@ -39,7 +39,7 @@ from kafka2pg.data_docs import report_payload, write_report
 from kafka2pg.database import transaction
 from kafka2pg.exceptions import BatchStateError, Kafka2PgError, QualityGateFailed, timeouts_named
 from kafka2pg.lifecycle import Action, BatchState, gate_verdict, validate_action
-from kafka2pg.quality_results import store_result
+from kafka2pg.quality_results import load_result, store_result
 from kafka2pg.raw_bytes import keep_raw_bytes, staging_place
 from kafka2pg.rows import staged_counts
 
@@ -265,7 +265,7 @@ def _write_report(settings: Settings, pipeline: Pipeline, payload: dict, validat
                 # replaces the result before report_path names its files.
                 conn.execute("SELECT FROM kafka2pg.batches WHERE batch_id = %s FOR NO KEY UPDATE", (batch_id,))
                 current = conn.execute(
-                    "SELECT validated_at, result FROM kafka2pg.quality_results WHERE batch_id = %s", (batch_id,)
+                    "SELECT validated_at FROM kafka2pg.quality_results WHERE batch_id = %s", (batch_id,)
                 ).fetchone()
                 if current is None:
                     log.warning(
@@ -282,17 +282,18 @@ def _write_report(settings: Settings, pipeline: Pipeline, payload: dict, validat
                         (path and str(path), batch_id),
                     )
                     return path
-            if path is None:  # nothing written over the later verdict's files
-                return None
+                if path is None:  # nothing written over the later verdict's files
+                    return None
+                later = load_result(conn, pipeline.name, batch_id)  # under the batch's lock: that verdict's
             log.warning(
                 "pipeline=%s batch_id=%s was validated again while its quality report was exported: exporting "
                 "that later verdict (%s) to %s instead",
                 pipeline.name,
                 batch_id,
-                current[1].get("verdict"),
+                later.get("verdict"),
                 path,
             )
-            validated_at, payload = current
+            validated_at, payload = current[0], later
         log.warning(
             "pipeline=%s batch_id=%s quality report exported to %s while the batch was validated again %s times; "
             "report_path not set (the report is in the database)",
