@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from importlib import metadata
@@ -559,6 +560,13 @@ class _MisreadFloat(float):
 _MISREAD = (_MisreadInt, _MisreadFloat)
 
 
+class _Mapping(dict):
+    """A mapping as YAML read it; `repeated`: its keys written more than once (PyYAML keeps the
+    last one's value), a merge key's (`<<`) overridden keys not counted."""
+
+    repeated: tuple = ()
+
+
 class _PipelinesLoader(yaml.SafeLoader):
     """YAML's safe loader, marking a float written with more digits than it keeps (`_Inexact`)
     and a number read in a base its text does not show (`_MISREAD`): a value read as another
@@ -594,19 +602,44 @@ def _float_as_written(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
     return marked
 
 
+def _mapping_as_written(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Iterator[dict]:
+    data = _Mapping()
+    yield data
+    seen, repeated = set(), []
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node)
+        try:
+            if key in seen and key not in repeated:
+                repeated.append(key)
+            seen.add(key)
+        except TypeError:  # an unhashable key, which construct_mapping refuses
+            continue
+    data.update(loader.construct_mapping(node))
+    data.repeated = tuple(repeated)
+
+
 _PipelinesLoader.add_constructor("tag:yaml.org,2002:float", _float_as_written)
 _PipelinesLoader.add_constructor("tag:yaml.org,2002:int", _int_as_written)
+_PipelinesLoader.add_constructor("tag:yaml.org,2002:map", _mapping_as_written)
 
 
-def _refuse_misread(value: Any, here: str) -> None:
-    """Refuse a number anywhere in a pipeline's entry that YAML read in a base its text does not
-    show (spark_conf's values not quoted: they may be secrets)."""
+def _refuse_unlike_written(value: Any, here: str) -> None:
+    """Refuse what a pipeline's entry holds other than as written: a key given twice (only the
+    last counts) or a number YAML read in a base its text does not show (spark_conf's values
+    not quoted: they may be secrets)."""
     if isinstance(value, dict):
+        if getattr(value, "repeated", ()):
+            keys = ", ".join(_key_text(key) for key in value.repeated)
+            raise ConfigError(
+                f"{here}: {keys} given more than once (YAML keeps only the last, silently): give each key once"
+            )
         for key, item in value.items():
-            _refuse_misread(item, f"{here}.{_key_text(key)}")
+            _refuse_unlike_written(item, f"{here}.{_key_text(key)}")
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            _refuse_misread(item, f"{here}[{index}]")
+            _refuse_unlike_written(item, f"{here}[{index}]")
     elif isinstance(value, _MISREAD):
         if ".spark_conf." in f"{here}.":
             what = f"a number with a leading zero or a colon is read by YAML 1.1 as {value.reading}"
@@ -641,6 +674,8 @@ def read_pipelines(path: Path | None = None) -> tuple[dict[str, Pipeline], dict[
         ) from None
     if not isinstance(document, dict) or not isinstance(document.get("pipelines"), list):
         raise ConfigError(f"{path}: expected a top-level 'pipelines:' list")
+    if "pipelines" in document.repeated:
+        raise ConfigError(f"{path}: 'pipelines:' given more than once (YAML keeps only the last, silently)")
     pipelines: dict[str, Pipeline] = {}
     indexes: dict[str, int] = {}  # a valid pipeline's place in the file
     broken: dict[str, ConfigError] = {}
@@ -772,7 +807,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         )
     name = _identifier(raw, "name", where, MAX_PIPELINE_NAME)
     where = f"{where} ({name})"
-    _refuse_misread(raw, where)
+    _refuse_unlike_written(raw, where)
     topic = topic_name(raw.get("topic"), f"{where}.topic")
     schema, table = _target(raw.get("target_table"), where)
     columns = _columns(raw.get("columns"), where)

@@ -810,8 +810,9 @@ def test_a_bound_a_float_keeps_or_a_whole_number_is_read_as_written(tmp_path, wr
 
 
 def _written(tmp_path, text: str):
-    """A good pipelines file with `text` appended to its pipeline's fields."""
-    path = write(tmp_path)
+    """A good pipelines file with `text` appended to its pipeline's fields (in place of its columns
+    when `text` gives them)."""
+    path = write_all(tmp_path, {k: v for k, v in GOOD.items() if k != "columns" or not text.startswith("columns:")})
     path.write_text(path.read_text() + "".join(f"  {line}\n" for line in text.splitlines()))
     return path
 
@@ -839,7 +840,7 @@ def _written(tmp_path, text: str):
 def test_a_number_yaml_reads_in_a_base_its_text_does_not_show_is_refused(tmp_path, text, field, said):
     """PyYAML reads YAML 1.1: 010 is 8 and 1:30 is 90. Read silently, the pipeline would run with
     another number than the one written; the error names the field (a spark_conf value unquoted)."""
-    path = _written(tmp_path, text)  # a second `columns:` replaces the first
+    path = _written(tmp_path, text)
     with pytest.raises(ConfigError) as info:
         get_pipeline("orders", path)
     message = str(info.value)
@@ -869,3 +870,34 @@ def test_allowed_text_values_yaml_reads_as_booleans_or_numbers_are_named_with_th
     spec = {"name": "k", "type": "bigint", "allowed": [1, "2"]}  # not text: no such advice
     with pytest.raises(ConfigError, match=r"values \['2'\] are not of the column's type bigint$"):
         get_pipeline("orders", write(tmp_path, columns=[GOOD["columns"][0], spec]))
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "keys"),
+    [
+        ("max_records_per_batch: 5\nmax_records_per_batch: 50", "pipelines[0] (orders)", "max_records_per_batch"),
+        (
+            "columns:\n- {name: event_id, type: text}\n- {name: n, type: bigint, max: 5, max: 50, min: 1, min: 0}",
+            "pipelines[0] (orders).columns[1]",
+            "max, min",
+        ),
+        ("spark_conf:\n  spark.a: x\n  spark.a: y", "pipelines[0] (orders).spark_conf", "spark.a"),
+    ],
+)
+def test_a_key_given_twice_is_refused_not_read_as_its_last_value(tmp_path, text, where, keys):
+    """PyYAML keeps a repeated key's last value without a word: the pipeline would run with
+    whichever came last, the other silently ignored."""
+    with pytest.raises(ConfigError) as info:
+        get_pipeline("orders", _written(tmp_path, text))
+    assert f"{where}: {keys} given more than once (YAML keeps only the last, silently)" in str(info.value)
+
+
+def test_a_merge_keys_values_may_be_overridden_and_pipelines_given_twice_is_refused(tmp_path):
+    path = write(tmp_path)
+    base = "defaults: &base {max_records_per_batch: 5, batches_per_run: 2}\n"
+    path.write_text(base + path.read_text() + "  <<: *base\n  max_records_per_batch: 7\n")
+    pipeline = get_pipeline("orders", path)  # YAML's merge: the entry's own key wins, as YAML means
+    assert (pipeline.max_records_per_batch, pipeline.batches_per_run) == (7, 2)
+    path.write_text(path.read_text() + "pipelines: []\n")
+    with pytest.raises(ConfigError, match="'pipelines:' given more than once"):
+        load_pipelines(path)
