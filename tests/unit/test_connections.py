@@ -298,3 +298,22 @@ def test_an_ignored_url_libpq_misreads_is_not_shown(pipelines, monkeypatch):
     assert "KAFKA2PG_DATABASE_URL (a URL libpq misreads: percent-encode" in warnings
     assert "KAFKA2PG_KAFKA_CONFIG (k1:9093, with other properties) is set too and ignored" in warnings
     assert not any(secret in warnings for secret in ("admin", "p/w", "Kafka$ecret", "clientX"))
+
+
+def test_a_key_given_twice_in_a_connections_json_is_refused_naming_the_key_not_its_values(pipelines, monkeypatch):
+    """JSON keeps a repeated key's last value silently: a client setting given twice (a SASL
+    mechanism, a protocol) would run with whichever came last."""
+    monkeypatch.setenv("KAFKA2PG_DATABASE_URL", "postgresql://u@h/db")
+    extra = '{"bootstrap.servers": "k:9092", "sasl.password": "S3cr3tA", "sasl.password": "S3cr3tB"}'
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", json.dumps({"conn_type": "kafka", "extra": extra}))
+    with pytest.raises(ConfigError) as info:  # the extra as stored (a string, as the UI stores it)
+        settings_for(pipelines["orders"])
+    message = str(info.value)
+    assert "the Airflow connection 'kafka2pg_kafka': 'sasl.password' given more than once in its JSON" in message
+    assert "S3cr3t" not in message
+    variable = '{"conn_type": "kafka", "extra": {"bootstrap.servers": "k:9092", "acks": "all", "acks": "1"}}'
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", variable)  # the variable's JSON, read by Airflow first
+    with pytest.raises(ConfigError, match=r"'acks' given more than once in its JSON"):
+        settings_for(pipelines["orders"])
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", variable.replace('"acks": "1"', '"retries": "1"'))
+    assert settings_for(pipelines["orders"]).kafka  # each key once: read
