@@ -581,9 +581,37 @@ class _Mapping(dict):
 
 
 class _PipelinesLoader(yaml.SafeLoader):
-    """YAML's safe loader, marking a float written with more digits than it keeps (`_Inexact`)
-    and a number read in a base its text does not show (`_MISREAD`): a value read as another
-    number than the one it looks like would change the pipeline silently."""
+    """YAML's safe loader, marking a float written with more digits than it keeps (`_Inexact`),
+    a number read in a base its text does not show (`_MISREAD`) and a mapping's keys given more
+    than once (`_Mapping.repeated`): a value read as another than the one it looks like, or one
+    of two values dropped, would change the pipeline silently."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.repeated: dict[yaml.Node, tuple] = {}  # a mapping node's keys given twice, as written
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """Note the node's repeated keys as written (the first time it is flattened, before the
+        mappings it merges are put into it; a merge key given twice too: the later one would win),
+        with those of the mappings it merges, then flatten it as YAML does."""
+        if node in self.repeated:
+            super().flatten_mapping(node)
+            return
+        keys, merged = [], []
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                keys.append("<<")
+                merged.extend(value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node])
+            elif key_node.tag == "tag:yaml.org,2002:value":  # `=`, which flattening makes a string
+                keys.append("=")
+            else:
+                keys.append(self.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else object())
+        self.repeated[node] = ()  # a mapping merging itself (through an alias) is flattened once
+        super().flatten_mapping(node)
+        repeated = [key for n, key in enumerate(keys) if key in keys[:n]]
+        for other in merged:
+            repeated.extend(self.repeated.get(other, ()))
+        self.repeated[node] = tuple(dict.fromkeys(repeated))
 
 
 def _int_as_written(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
@@ -624,22 +652,11 @@ def _bool_as_written(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> bool | _
     return word
 
 
-def _mapping_as_written(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Iterator[dict]:
+def _mapping_as_written(loader: _PipelinesLoader, node: yaml.MappingNode) -> Iterator[dict]:
     data = _Mapping()
     yield data
-    seen, repeated = set(), []
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        key = loader.construct_object(key_node)
-        try:
-            if key in seen and key not in repeated:
-                repeated.append(key)
-            seen.add(key)
-        except TypeError:  # an unhashable key, which construct_mapping refuses
-            continue
     data.update(loader.construct_mapping(node))
-    data.repeated = tuple(repeated)
+    data.repeated = loader.repeated.get(node, ())
 
 
 _PipelinesLoader.add_constructor("tag:yaml.org,2002:float", _float_as_written)
@@ -648,10 +665,15 @@ _PipelinesLoader.add_constructor("tag:yaml.org,2002:map", _mapping_as_written)
 _PipelinesLoader.add_constructor("tag:yaml.org,2002:bool", _bool_as_written)
 
 
-def _refuse_unlike_written(value: Any, here: str) -> None:
+def _refuse_unlike_written(value: Any, here: str, seen: set[int] | None = None) -> None:
     """Refuse what a pipeline's entry holds other than as written: a key given twice (only the
     last counts) or a number YAML read in a base its text does not show (spark_conf's values
-    not quoted: they may be secrets)."""
+    not quoted: they may be secrets). A mapping or list an alias repeats is looked at once."""
+    seen = set() if seen is None else seen
+    if isinstance(value, dict | list):
+        if id(value) in seen:
+            return
+        seen.add(id(value))
     if isinstance(value, dict):
         if getattr(value, "repeated", ()):
             keys = ", ".join(_key_text(key) for key in value.repeated)
@@ -659,10 +681,11 @@ def _refuse_unlike_written(value: Any, here: str) -> None:
                 f"{here}: {keys} given more than once (YAML keeps only the last, silently): give each key once"
             )
         for key, item in value.items():
-            _refuse_unlike_written(item, f"{here}.{_key_text(key)}")
+            _refuse_unlike_written(key, f"{here}: the key {_key_text(key)}", seen)
+            _refuse_unlike_written(item, f"{here}.{_key_text(key)}", seen)
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            _refuse_unlike_written(item, f"{here}[{index}]")
+            _refuse_unlike_written(item, f"{here}[{index}]", seen)
     elif isinstance(value, _MISREAD):
         if ".spark_conf." in f"{here}.":
             what = f"a number with a leading zero or a colon is read by YAML 1.1 as {value.reading}"
@@ -695,10 +718,10 @@ def read_pipelines(path: Path | None = None) -> tuple[dict[str, Pipeline], dict[
         raise ConfigError(
             f"{path}: not valid YAML: a value its tag (`!!int`, `!!float`, `!!timestamp`, ...) cannot read"
         ) from None
+    if "pipelines" in getattr(document, "repeated", ()):
+        raise ConfigError(f"{path}: 'pipelines:' given more than once (YAML keeps only the last, silently)")
     if not isinstance(document, dict) or not isinstance(document.get("pipelines"), list):
         raise ConfigError(f"{path}: expected a top-level 'pipelines:' list")
-    if "pipelines" in document.repeated:
-        raise ConfigError(f"{path}: 'pipelines:' given more than once (YAML keeps only the last, silently)")
     pipelines: dict[str, Pipeline] = {}
     indexes: dict[str, int] = {}  # a valid pipeline's place in the file
     broken: dict[str, ConfigError] = {}

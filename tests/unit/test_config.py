@@ -15,6 +15,7 @@ from kafka2pg.config import (
     default_pipelines_file,
     get_pipeline,
     load_pipelines,
+    read_pipelines,
 )
 from kafka2pg.exceptions import ConfigError, UnknownPipelineError
 
@@ -933,3 +934,43 @@ def test_a_merge_keys_values_may_be_overridden_and_pipelines_given_twice_is_refu
     path.write_text(path.read_text() + "pipelines: []\n")
     with pytest.raises(ConfigError, match="'pipelines:' given more than once"):
         load_pipelines(path)
+
+
+ENTRY = "- {name: orders, topic: orders, target_table: public.orders, columns: [{name: event_id, type: text}]"
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("d: &d {batches_per_run: 2, batches_per_run: 3}\npipelines:\n" + ENTRY + ", <<: *d}", "batches_per_run given"),
+        (
+            "d: &d {batches_per_run: 2}\ne: &e {batches_per_run: 3}\npipelines:\n" + ENTRY + ", <<: *d, <<: *e}",
+            "<< given",
+        ),
+        (
+            "pipelines:\n" + ENTRY + ", spark_conf: {010: x}}",
+            "spark_conf: the key 8: 010 is read by YAML 1.1 as the octal",
+        ),
+        ("pipelines:\n" + ENTRY + ", spark_conf: &r {x: *r}}", "spark_conf: x: expected a string or number"),
+    ],
+)
+def test_yaml_merges_aliases_and_keys_are_read_as_written_or_refused_per_pipeline(tmp_path, text, said):
+    """A key given twice in a mapping a pipeline merges (or two merge keys, the later silently
+    winning) and a key in a base its text does not show are that pipeline's errors; an alias of
+    the mapping holding it is looked at once (no recursion without end)."""
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(text + "\n" + ENTRY.replace("orders", "other") + "}\n")
+    pipelines, broken = read_pipelines(path)
+    assert list(pipelines) == ["other"] and said in str(broken["orders"]), broken
+
+
+def test_yaml_forms_that_repeat_no_key_still_load(tmp_path):
+    """`=` as a key (YAML 1.1's value key, text once flattened), and a mapping whose own key
+    overrides one it merges, merged again elsewhere after it was flattened."""
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(
+        "x: {=: 1}\nbase: &base {spark.a: '1', spark.b: '1'}\npipelines:\n"
+        + ENTRY
+        + ", spark_conf: &conf {<<: *base, spark.b: '2'}}\nlater: {<<: *conf}\n"
+    )
+    assert load_pipelines(path)["orders"].spark_conf == {"spark.a": "1", "spark.b": "2"}
