@@ -482,6 +482,26 @@ class Settings:
         }
 
 
+def repeated_json_keys(text: Any) -> list[str]:
+    """The keys a JSON text gives more than once in one object (none when it is no JSON)."""
+    repeated: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        seen = set()
+        for key, _ in items:
+            if key in seen and key not in repeated:
+                repeated.append(key)
+            seen.add(key)
+        return dict(items)
+
+    if isinstance(text, str):
+        try:
+            json.loads(text, object_pairs_hook=pairs)
+        except ValueError:
+            return []
+    return repeated
+
+
 def kafka_from_env(env: dict[str, str]) -> KafkaConfig | None:
     """KAFKA2PG_KAFKA_CONFIG (JSON client properties; `bootstrap.servers` from
     KAFKA2PG_BOOTSTRAP_SERVERS when it has none) or KAFKA2PG_BOOTSTRAP_SERVERS; None if neither."""
@@ -492,6 +512,12 @@ def kafka_from_env(env: dict[str, str]) -> KafkaConfig | None:
             raise ConfigError(
                 f"KAFKA2PG_KAFKA_CONFIG is not a JSON object of Kafka client properties ({exc.msg})"
             ) from None
+        repeated = repeated_json_keys(env["KAFKA2PG_KAFKA_CONFIG"])
+        if repeated:  # JSON keeps the last silently
+            raise ConfigError(
+                f"KAFKA2PG_KAFKA_CONFIG: {', '.join(map(repr, repeated))} given more than once (only the last would "
+                "count, silently): give each key once"
+            )
         servers = env.get("KAFKA2PG_BOOTSTRAP_SERVERS")
         if isinstance(properties, dict) and "bootstrap.servers" not in properties and servers:
             properties = {"bootstrap.servers": servers, **properties}

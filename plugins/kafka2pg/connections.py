@@ -8,7 +8,6 @@ Airflow is imported only when a lookup happens (tasks, the CLI), never at DAG-pa
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -26,6 +25,7 @@ from kafka2pg.config import (
     Settings,
     common_settings,
     kafka_from_env,
+    repeated_json_keys,
 )
 from kafka2pg.database import describe, password_misread
 from kafka2pg.exceptions import ConfigError
@@ -260,33 +260,15 @@ def _extra(connection: Any, conn_id: str) -> dict:
     # JSON keeps a repeated key's last value without a word: its extra as stored, and the
     # AIRFLOW_CONN_* variable's JSON (which Airflow has read before the extra is stored).
     variable = os.environ.get(f"AIRFLOW_CONN_{conn_id.upper()}", "").strip()
-    repeated = _repeated_keys(connection.extra) or _repeated_keys(variable if variable.startswith("{") else None)
+    repeated = repeated_json_keys(connection.extra) or repeated_json_keys(
+        variable if variable.startswith("{") else None
+    )
     if repeated:
         raise ConfigError(
             f"the Airflow connection {conn_id!r}: {', '.join(map(repr, repeated))} given more than once in its JSON "
             "(only the last would count, silently): give each key once"
         )
     return extra
-
-
-def _repeated_keys(text: Any) -> list[str]:
-    """The keys a JSON text gives more than once in one object (none when it is no JSON)."""
-    repeated: list[str] = []
-
-    def pairs(items: list[tuple[str, Any]]) -> dict:
-        seen = set()
-        for key, _ in items:
-            if key in seen and key not in repeated:
-                repeated.append(key)
-            seen.add(key)
-        return dict(items)
-
-    if isinstance(text, str):
-        try:
-            json.loads(text, object_pairs_hook=pairs)
-        except ValueError:
-            return []
-    return repeated
 
 
 def _airflow_connection(conn_id: str) -> Any | None:

@@ -402,6 +402,16 @@ def test_the_environments_client_properties_take_their_servers_from_bootstrap_se
         kafka_from_env({"KAFKA2PG_KAFKA_CONFIG": json.dumps(properties)})
 
 
+def test_the_environments_client_properties_giving_a_key_twice_are_refused_naming_the_key_not_its_values():
+    from kafka2pg.config import kafka_from_env
+
+    text = '{"bootstrap.servers": "b:1", "sasl.password": "Pw1x", "sasl.password": "Pw2x", "acks": "all"}'
+    with pytest.raises(ConfigError) as info:  # JSON would keep the last silently
+        kafka_from_env({"KAFKA2PG_KAFKA_CONFIG": text})
+    assert "KAFKA2PG_KAFKA_CONFIG: 'sasl.password' given more than once" in str(info.value)
+    assert "Pw1x" not in str(info.value) and "Pw2x" not in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
