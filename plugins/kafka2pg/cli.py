@@ -684,8 +684,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.run(events=args.events, keep=args.keep)
 
 
+class _Once(argparse._StoreAction):
+    """An option's value, given once: argparse keeps the last of a repeated option silently
+    (`replay --offsets 0:0-100 --offsets 1:0-50` would replay partition 1 only)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        given = namespace.__dict__.setdefault("_given_once", set())
+        if option_string is not None and self.dest in given:
+            parser.error(f"{'/'.join(self.option_strings)} given more than once: give it once")
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _Parser(argparse.ArgumentParser):
+    """kafka2pg's parser (and its subcommands'): an option that takes a value takes one."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _Once)
+        self.register("action", "store", _Once)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kafka2pg",
         description="Exactly-once Kafka -> PostgreSQL micro-batches.",
         epilog="In a checkout, the ./kafka2pg wrapper also takes: setup (only the set-up), test [pytest args] (the "

@@ -974,3 +974,28 @@ def test_yaml_forms_that_repeat_no_key_still_load(tmp_path):
         + ", spark_conf: &conf {<<: *base, spark.b: '2'}}\nlater: {<<: *conf}\n"
     )
     assert load_pipelines(path)["orders"].spark_conf == {"spark.a": "1", "spark.b": "2"}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["replay", "--pipeline", "orders", "--offsets", "0:0-100", "--offsets", "1:0-50"],
+        ["replay", "--pipeline", "orders", "--offsets", "0:0-1", "--mode", "verify-only", "--mode", "replace"],
+        ["reset", "--pipeline", "orders", "--partition", "0", "--partition", "1", "--drop"],
+        ["undo", "--pipeline", "orders", "--batch-id", "7", "--batch-id", "8"],
+        ["status", "--pipeline", "orders", "--pipeline", "payments"],
+    ],
+)
+def test_an_option_given_twice_is_refused_not_read_as_its_last_value(argv, capsys):
+    """argparse keeps a repeated option's last value silently: a replay given two ranges would
+    replay the second only."""
+    from kafka2pg.cli import build_parser
+
+    repeated = next(a for n, a in enumerate(argv) if a.startswith("--") and a in argv[:n])
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2
+    assert f"error: {repeated} given more than once: give it once" in capsys.readouterr().err
+    second = argv.index(repeated, argv.index(repeated) + 1)
+    once = argv[:second] + argv[second + 2 :]
+    assert build_parser().parse_args(once).command == argv[0]  # each once: read
