@@ -34,31 +34,24 @@ from kafka2pg.locations import COMMAND, state_dir
 
 log = logging.getLogger(__name__)
 
-# libpq parameters a postgres connection's extra may carry; the provider's own keys (cursor,
-# iam, aws_conn_id, ...) are not libpq's and are left out.
-_LIBPQ_EXTRAS = frozenset(
+# What a postgres connection's extra may carry: any parameter of the libpq psycopg runs on (not
+# `replication`: a replication connection runs no SQL kafka2pg sends), which, as the provider's
+# hook passes them, wins over the connection's fields; and the provider's own keys, which are
+# not libpq's and kafka2pg leaves out (it does not fetch IAM or Azure tokens: the password is
+# the connection's).
+_LIBPQ_EXTRAS = frozenset(d.keyword.decode() for d in psycopg.pq.Conninfo.get_defaults()) - {"replication"}
+_PROVIDER_EXTRAS = frozenset(
     {
-        "sslmode",
-        "sslrootcert",
-        "sslcert",
-        "sslkey",
-        "sslpassword",
-        "sslcrl",
-        "sslsni",
-        "channel_binding",
-        "gssencmode",
-        "krbsrvname",
-        "connect_timeout",
-        "application_name",
-        "options",
-        "target_session_attrs",
-        "keepalives",
-        "keepalives_idle",
-        "keepalives_interval",
-        "keepalives_count",
-        "client_encoding",
-        "service",
-        "passfile",
+        "iam",
+        "redshift",
+        "redshift-serverless",
+        "cursor",
+        "cluster-identifier",
+        "workgroup-name",
+        "aws_conn_id",
+        "sqlalchemy_scheme",
+        "sqlalchemy_query",
+        "azure_conn_id",
     }
 )
 
@@ -214,15 +207,20 @@ def _postgres_url(conn_id: str) -> str | None:
             "JSON object"
         )
     extra = _extra(connection, conn_id)
-    params = {k: str(v) for k, v in extra.items() if k in _LIBPQ_EXTRAS}
-    return make_conninfo(
-        host=connection.host or "localhost",
-        port=str(connection.port or 5432),
-        user=connection.login or "",
-        password=connection.password or "",
-        dbname=connection.schema or "postgres",
-        **params,
-    )
+    unknown = sorted(k for k in extra if k not in _LIBPQ_EXTRAS | _PROVIDER_EXTRAS)
+    if unknown:  # left out, a misspelt sslmode would connect without the TLS it asks for
+        raise ConfigError(
+            f"the Airflow connection {conn_id!r}: its extra gives {', '.join(map(repr, unknown))}, no parameter of "
+            f"libpq {psycopg.pq.version() // 10000} (nor the postgres provider's own keys): correct or remove them"
+        )
+    fields = {
+        "host": connection.host or "localhost",
+        "port": str(connection.port or 5432),
+        "user": connection.login or "",
+        "password": connection.password or "",
+        "dbname": connection.schema or "postgres",
+    }
+    return make_conninfo(**{**fields, **{k: str(v) for k, v in extra.items() if k in _LIBPQ_EXTRAS}})
 
 
 def _uri_misread(conn_id: str) -> bool:

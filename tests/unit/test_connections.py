@@ -317,3 +317,31 @@ def test_a_key_given_twice_in_a_connections_json_is_refused_naming_the_key_not_i
         settings_for(pipelines["orders"])
     monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", variable.replace('"acks": "1"', '"retries": "1"'))
     assert settings_for(pipelines["orders"]).kafka  # each key once: read
+
+
+def test_every_libpq_parameter_in_a_postgres_extra_is_used_and_any_other_key_refused(pipelines, monkeypatch):
+    """A libpq parameter outside a fixed list was dropped silently (`require_auth`,
+    `ssl_min_protocol_version`: a hardened connection connected with less); a key libpq does not
+    have (a misspelt `sslmode`) is refused, as the provider's hook would fail on it."""
+    monkeypatch.setenv("KAFKA2PG_BOOTSTRAP_SERVERS", "k:9092")
+    hardened = {
+        "sslmode": "verify-full",
+        "ssl_min_protocol_version": "TLSv1.3",
+        "require_auth": "scram-sha-256",
+        "tcp_user_timeout": "5000",
+        "dbname": "from_extra",  # as the provider's hook: the extra's parameters win over the fields
+        "iam": False,  # the provider's own key: left out
+    }
+    connection = {"conn_type": "postgres", "host": "db", "login": "rt", "password": "pw", "schema": "wh"}
+    monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", json.dumps({**connection, "extra": hardened}))
+    assert conninfo_to_dict(settings_for(pipelines["orders"]).database_url) == {
+        "host": "db",
+        "port": "5432",
+        "user": "rt",
+        "password": "pw",
+        **{k: v for k, v in hardened.items() if k != "iam"},
+    }
+    for wrong in ({"sslmod": "verify-full"}, {"replication": "database"}):
+        monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", json.dumps({**connection, "extra": wrong}))
+        with pytest.raises(ConfigError, match=rf"its extra gives '{next(iter(wrong))}', no parameter of libpq"):
+            settings_for(pipelines["orders"])
