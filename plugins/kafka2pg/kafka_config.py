@@ -37,6 +37,11 @@ SECRET_PROPERTIES = frozenset(
 # A property for the Java client only (Spark's source), given with this prefix, goes to Spark as is
 # and is left out of librdkafka's config.
 JAVA_ONLY_PREFIX = "kafka."
+# Properties that take a whole number (milliseconds, bytes, counts), by the name's last word; not
+# librdkafka's linger.ms (alias queue.buffering.max.ms), which takes a fraction.
+_WHOLE_NUMBER_KEY = re.compile(
+    r"^(?!(linger|queue\.buffering\.max)\.ms$).*(^|\.)(ms|bytes|kbytes|messages|count|retries|size)$"
+)
 # librdkafka properties that mean the same, under the same name, in the Java client.
 _SAME_IN_JAVA = frozenset(
     {
@@ -129,10 +134,26 @@ class KafkaConfig:
         for key, value in properties.items():
             if not isinstance(key, str) or isinstance(value, dict | list) or value is None:
                 raise ConfigError(f"{where}: property {key!r} must be a name with a string, number or boolean value")
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)  # JSON's 30000.0: librdkafka reads "30000"
             items[key] = str(value).lower() if isinstance(value, bool) else str(value)
         refused = sorted(items.keys() & _REFUSED.keys())
         if refused:
             raise ConfigError(f"{where}: " + "; ".join(f"property `{key}` is {_REFUSED[key]}" for key in refused))
+        for key, text in items.items():
+            if _WHOLE_NUMBER_KEY.search(key) and not re.fullmatch(r"-?[0-9]+", text.strip()):
+                raise ConfigError(
+                    f"{where}: property `{key}` takes a whole number, got {text!r}: librdkafka would read only its "
+                    "leading digits (30s as 30, 1e4 as 1), the Java client refuse it; write the number alone"
+                )
+        if {"sasl.mechanism", "sasl.mechanisms"} <= items.keys() and (
+            items["sasl.mechanism"].upper() != items["sasl.mechanisms"].upper()
+        ):
+            raise ConfigError(
+                f"{where}: sasl.mechanism {items['sasl.mechanism']!r} and its alias sasl.mechanisms "
+                f"{items['sasl.mechanisms']!r} differ (librdkafka would use one, kafka2pg's messages and the Java "
+                "client the other): give one of them"
+            )
         if not items.get("bootstrap.servers", "").strip():
             raise ConfigError(f"{where}: `bootstrap.servers` is missing (e.g. broker1:9092,broker2:9092)")
         protocol = items.get("security.protocol", "PLAINTEXT").upper()

@@ -219,11 +219,38 @@ def test_java_only_properties_go_to_spark_only_and_unknown_ones_to_librdkafka_on
             },
             "with sasl.mechanism PLAIN needs sasl.username [(]the client",
         ),
+        # librdkafka read only the leading digits: 30 ms, 1 ms, 1 byte.
+        (
+            {"bootstrap.servers": "b:1", "socket.timeout.ms": "30s"},
+            "`socket.timeout.ms` takes a whole number, got '30s'",
+        ),
+        ({"bootstrap.servers": "b:1", "session.timeout.ms": "1e4"}, "`session.timeout.ms` takes a whole number"),
+        ({"bootstrap.servers": "b:1", "fetch.min.bytes": 1.5}, "`fetch.min.bytes` takes a whole number, got '1.5'"),
+        ({"bootstrap.servers": "b:1", "kafka.request.timeout.ms": "NaN"}, "`kafka.request.timeout.ms` takes a whole"),
+        (
+            {
+                "bootstrap.servers": "b:1",
+                "security.protocol": "SASL_SSL",
+                "sasl.mechanism": "PLAIN",
+                "sasl.mechanisms": "SCRAM-SHA-512",
+                "sasl.username": "u",
+                "sasl.password": "pw",
+            },
+            "sasl.mechanism 'PLAIN' and its alias sasl.mechanisms 'SCRAM-SHA-512' differ",
+        ),
     ],
 )
 def test_bad_kafka_configuration_is_refused_naming_the_property(properties, message):
     with pytest.raises(ConfigError, match=message):
         KafkaConfig.of(properties).spark_options()
+
+
+def test_numbers_librdkafka_reads_as_written_are_taken():
+    kafka = KafkaConfig.of(
+        {"bootstrap.servers": "b:1", "session.timeout.ms": 1e4, "linger.ms": "0.5", "fetch.min.bytes": " 10 "}
+    )
+    assert kafka.confluent()["session.timeout.ms"] == "10000"  # JSON's 1e4 is 10000.0: a whole number
+    assert (kafka.confluent()["linger.ms"], kafka.confluent()["fetch.min.bytes"]) == ("0.5", " 10 ")
 
 
 @pytest.mark.parametrize(("librdkafka", "java"), [("none", ""), ("NONE", ""), ("https", "https")])
@@ -416,7 +443,7 @@ def test_the_environments_client_properties_giving_a_key_twice_are_refused_namin
     ("extra", "message"),
     [
         ({"nonsense.prop": "1"}, 'No such configuration property: "nonsense.prop"'),
-        ({"socket.timeout.ms": "soon"}, 'Invalid value for configuration property "socket.timeout.ms"'),
+        ({"api.version.request": "maybe"}, 'Expected bool value for "api.version.request"'),
     ],
 )
 def test_a_configuration_librdkafka_refuses_is_a_config_error_naming_it_for_each_client(extra, message):
