@@ -450,12 +450,13 @@ class Settings:
         and KAFKA2PG_DATABASE_URL."""
         env = dict(os.environ if env is None else env)
         kafka = kafka_from_env(env)
-        if kafka is None or not env.get("KAFKA2PG_DATABASE_URL"):
+        database_url = locations.env_setting(env, "KAFKA2PG_DATABASE_URL")
+        if kafka is None or not database_url:
             missing = [
                 n
                 for n, ok in (
                     ("KAFKA2PG_BOOTSTRAP_SERVERS", kafka),
-                    ("KAFKA2PG_DATABASE_URL", env.get("KAFKA2PG_DATABASE_URL")),
+                    ("KAFKA2PG_DATABASE_URL", database_url),
                 )
                 if not ok
             ]
@@ -467,7 +468,7 @@ class Settings:
             )
         return cls(
             kafka=kafka,
-            database_url=env["KAFKA2PG_DATABASE_URL"],
+            database_url=database_url,
             **common_settings(env),
         )
 
@@ -505,31 +506,32 @@ def repeated_json_keys(text: Any) -> list[str]:
 def kafka_from_env(env: dict[str, str]) -> KafkaConfig | None:
     """KAFKA2PG_KAFKA_CONFIG (JSON client properties; `bootstrap.servers` from
     KAFKA2PG_BOOTSTRAP_SERVERS when it has none) or KAFKA2PG_BOOTSTRAP_SERVERS; None if neither."""
-    if env.get("KAFKA2PG_KAFKA_CONFIG"):
+    text = locations.env_setting(env, "KAFKA2PG_KAFKA_CONFIG")
+    servers = locations.env_setting(env, "KAFKA2PG_BOOTSTRAP_SERVERS")
+    if text:
         try:
-            properties = json.loads(env["KAFKA2PG_KAFKA_CONFIG"])
+            properties = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(
                 f"KAFKA2PG_KAFKA_CONFIG is not a JSON object of Kafka client properties ({exc.msg})"
             ) from None
-        repeated = repeated_json_keys(env["KAFKA2PG_KAFKA_CONFIG"])
+        repeated = repeated_json_keys(text)
         if repeated:  # JSON keeps the last silently
             raise ConfigError(
                 f"KAFKA2PG_KAFKA_CONFIG: {', '.join(map(repr, repeated))} given more than once (only the last would "
                 "count, silently): give each key once"
             )
-        servers = env.get("KAFKA2PG_BOOTSTRAP_SERVERS")
         if isinstance(properties, dict) and "bootstrap.servers" not in properties and servers:
             properties = {"bootstrap.servers": servers, **properties}
         return KafkaConfig.of(properties, "KAFKA2PG_KAFKA_CONFIG")
-    if env.get("KAFKA2PG_BOOTSTRAP_SERVERS"):
-        return KafkaConfig.plain(env["KAFKA2PG_BOOTSTRAP_SERVERS"])
+    if servers:
+        return KafkaConfig.plain(servers)
     return None
 
 
 def common_settings(env: dict[str, str]) -> dict[str, Any]:
     """The settings that come from the environment however the services are found."""
-    timeout = env.get("KAFKA2PG_KAFKA_TIMEOUT_S", "10")
+    timeout = locations.env_setting(env, "KAFKA2PG_KAFKA_TIMEOUT_S", "10")
     try:
         kafka_timeout_s = float(timeout)
     except ValueError as exc:
@@ -539,7 +541,7 @@ def common_settings(env: dict[str, str]) -> dict[str, Any]:
     if not 1 <= kafka_timeout_s <= 300:
         raise ConfigError(f"KAFKA2PG_KAFKA_TIMEOUT_S must be 1 to 300 seconds, got {timeout!r}")
     return {
-        "spark_master": env.get("KAFKA2PG_SPARK_MASTER", "local[*]"),
+        "spark_master": locations.env_setting(env, "KAFKA2PG_SPARK_MASTER", "local[*]"),
         "pipelines_file": pipelines_file_from_env(env=env),
         "kafka_timeout_s": kafka_timeout_s,
         "state_dir": locations.state_dir(env),
@@ -549,7 +551,7 @@ def common_settings(env: dict[str, str]) -> dict[str, Any]:
 def pipelines_file_from_env(default: Path | None = None, env: dict[str, str] | None = None) -> Path:
     """The pipelines file: KAFKA2PG_PIPELINES, else `default` (the DAG file passes the `pipelines.yaml`
     beside it), else `default_pipelines_file()`. Needs no service settings."""
-    value = (os.environ if env is None else env).get("KAFKA2PG_PIPELINES")
+    value = locations.env_setting(env, "KAFKA2PG_PIPELINES")
     return Path(value) if value else Path(default or default_pipelines_file())
 
 

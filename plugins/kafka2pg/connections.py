@@ -30,7 +30,7 @@ from kafka2pg.config import (
 from kafka2pg.database import describe, password_misread
 from kafka2pg.exceptions import ConfigError
 from kafka2pg.kafka_config import KafkaConfig
-from kafka2pg.locations import COMMAND, state_dir
+from kafka2pg.locations import COMMAND, env_setting, state_dir
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def _database(conn_id: str, env: dict[str, str], who: str, any_id: bool = False)
     """The connection's URL, else (for the default connection id, or any with `any_id`)
     KAFKA2PG_DATABASE_URL; a warning when both lead to different places."""
     url = _postgres_url(conn_id)
-    fallback = env.get("KAFKA2PG_DATABASE_URL") if any_id or conn_id == DEFAULT_POSTGRES_CONN_ID else None
+    fallback = env_setting(env, "KAFKA2PG_DATABASE_URL") if any_id or conn_id == DEFAULT_POSTGRES_CONN_ID else None
     if url and fallback and not _same_conninfo(url, fallback):
         used = describe(url)
         if password_misread(fallback):  # `describe` would show what libpq took for its host or port
@@ -134,7 +134,7 @@ def _kafka(conn_id: str, env: dict[str, str], who: str) -> KafkaConfig | None:
         return config
     if config is None:
         return kafka_from_env(env)
-    variables = [v for v in ("KAFKA2PG_KAFKA_CONFIG", "KAFKA2PG_BOOTSTRAP_SERVERS") if env.get(v)]
+    variables = [v for v in ("KAFKA2PG_KAFKA_CONFIG", "KAFKA2PG_BOOTSTRAP_SERVERS") if env_setting(env, v)]
     if variables:
         try:
             fallback = kafka_from_env(env)

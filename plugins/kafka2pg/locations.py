@@ -7,6 +7,7 @@ Nothing else in the package spells a checkout path; everything asks this module.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -49,8 +50,15 @@ def default_state_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kafka2pg"
 
 
+def env_setting(env: Mapping[str, str] | None, name: str, default: str | None = None) -> str | None:
+    """The environment variable `name` without surrounding white space; `default` when it is unset
+    or blank, as `${NAME:-default}` in a shell (and the ./kafka2pg wrapper) reads it."""
+    value = (os.environ if env is None else env).get(name)
+    return value.strip() if value and value.strip() else default
+
+
 def state_dir(env: dict[str, str] | None = None) -> Path:
     """KAFKA2PG_STATE_DIR (made absolute: the stack's processes and files refer to it from other
     directories), or the default above."""
-    value = (os.environ if env is None else env).get("KAFKA2PG_STATE_DIR")
+    value = env_setting(env, "KAFKA2PG_STATE_DIR")
     return Path(value).expanduser().absolute() if value else default_state_dir()

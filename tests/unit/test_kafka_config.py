@@ -569,3 +569,22 @@ def test_librdkafka_quoting_an_oauthbearer_setting_shows_none_of_its_secrets():
         {"bootstrap.servers": "b", "sasl.oauthbearer.assertion.private.key.passphrase": "Pass-7781-q"}
     )
     assert passphrase.secrets() == ["Pass-7781-q"]
+
+
+def test_blank_settings_in_the_environment_are_unset_and_white_space_around_a_value_is_not_part_of_it(tmp_path):
+    """As `${NAME:-default}` (and the ./kafka2pg wrapper): a blank KAFKA2PG_SPARK_MASTER was ''
+    (local[*] in the wrapper), a blank KAFKA2PG_DATABASE_URL counted as set (libpq then takes
+    the local socket and the PG* variables), and KAFKA2PG_STATE_DIR=' /x' was '<cwd>/ /x'."""
+    env = {
+        "KAFKA2PG_BOOTSTRAP_SERVERS": " b:1 ",
+        "KAFKA2PG_DATABASE_URL": "postgresql://u@h/db\n",
+        "KAFKA2PG_SPARK_MASTER": "",
+        "KAFKA2PG_STATE_DIR": f" {tmp_path} ",
+        "KAFKA2PG_KAFKA_TIMEOUT_S": " 5 ",
+        "KAFKA2PG_KAFKA_CONFIG": "  ",
+    }
+    settings = Settings.from_env(env)
+    assert (settings.bootstrap_servers, settings.database_url) == ("b:1", "postgresql://u@h/db")
+    assert (settings.spark_master, settings.state_dir, settings.kafka_timeout_s) == ("local[*]", tmp_path, 5.0)
+    with pytest.raises(ConfigError, match=r"environment variable\(s\) KAFKA2PG_DATABASE_URL not set"):
+        Settings.from_env({**env, "KAFKA2PG_DATABASE_URL": " "})
