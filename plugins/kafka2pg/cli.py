@@ -617,17 +617,20 @@ def cmd_abandon(args: argparse.Namespace) -> int:
 
 
 def cmd_offsets(args: argparse.Namespace) -> int:
-    from kafka2pg.kafka_offsets import TopicAdmin
-    from kafka2pg.replay_request import kafka_ms, parse_time
+    from datetime import UTC
 
-    begin, until = parse_time(args.start, "--from", "offsets"), parse_time(args.end, "--to", "offsets")
+    from kafka2pg.kafka_offsets import TopicAdmin
+    from kafka2pg.replay_request import kafka_ms, parse_window
+
+    begin, until = parse_window(args.start, args.end, ("--from", "--to"), "offsets")
     if begin >= until:
         raise ConfigError(f"time window: --from {args.start} must be before --to {args.end}")
     low, high = kafka_ms(begin), kafka_ms(until)
     settings, pipeline = _pipeline(args)
     kafka = TopicAdmin(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
     start, end = kafka.offsets_for_times(low), kafka.offsets_for_times(high)
-    print(f"topic {pipeline.topic}: records with timestamps in [{args.start}, {args.end})")
+    shown = [moment.astimezone(UTC).isoformat().replace("+00:00", "Z") for moment in (begin, until)]
+    print(f"topic {pipeline.topic}: records with timestamps in [{shown[0]}, {shown[1]}) (UTC)")
     for partition in sorted(start):
         print(f"  partition {partition}: offsets [{start[partition]}, {end[partition]})")
     return 0
@@ -834,7 +837,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="re-load (or verify) a range already loaded, with the current config")
     p.add_argument("--pipeline", required=True)
     p.add_argument("--offsets", help="per-partition ranges, end exclusive: 0:100-200,1:0-50")
-    p.add_argument("--from", dest="start", help="time window start (ISO-8601, inclusive), instead of --offsets")
+    p.add_argument(
+        "--from", dest="start", help="time window start (ISO-8601, inclusive, UTC if no zone), instead of --offsets"
+    )
     p.add_argument("--to", dest="end", help="time window end (exclusive)")
     p.add_argument("--mode", choices=["replace", "verify-only"], default="replace")
     p.add_argument("--reason", default="", help="recorded in kafka2pg.replays")

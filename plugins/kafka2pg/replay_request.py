@@ -45,16 +45,33 @@ class ReplayRequest:
             seen.add(r.partition)
 
 
+def parse_window(start: Any, end: Any, names: tuple[str, str], command: str = "replay") -> tuple[datetime, datetime]:
+    """A time window's two ends, as `parse_time` reads each; refused when one names a time zone
+    other than UTC and the other names none (read as UTC): 09:00+01:00 to 10:00 would be two
+    hours, not one."""
+    window = parse_time(start, names[0], command), parse_time(end, names[1], command)
+    zones = [_as_written(value, name, command).utcoffset() for value, name in zip((start, end), names, strict=True)]
+    if None in zones and any(zone for zone in zones):  # a zone ahead of or behind UTC, beside none
+        raise ConfigError(
+            f"{command}: {names[0]} {start!r} and {names[1]} {end!r}: one names a time zone and the other none "
+            "(a time without a zone is read as UTC): give both a zone (Z for UTC) or neither"
+        )
+    return window
+
+
+def _as_written(value: Any, name: str, command: str) -> datetime:
+    if isinstance(value, datetime):
+        return value
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise ConfigError(f"{command} {name}: not an ISO-8601 time: {value!r} (e.g. 2026-11-22T00:00:00Z)") from exc
+
+
 def parse_time(value: Any, name: str, command: str = "replay") -> datetime:
     """ISO-8601 text (or a datetime) -> aware datetime; no zone means UTC. Errors name `command`
     and the field `name` the user gave it as."""
-    if isinstance(value, datetime):
-        moment = value
-    else:
-        try:
-            moment = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-        except ValueError as exc:
-            raise ConfigError(f"{command} {name}: not an ISO-8601 time: {value!r} (e.g. 2026-11-22T00:00:00Z)") from exc
+    moment = _as_written(value, name, command)
     moment = moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
     try:
         moment.astimezone(UTC)
@@ -175,7 +192,7 @@ def request_from_params(
     if start or end:
         if not (start and end):
             raise ConfigError(f"replay: a time window needs both {begin} and {until}")
-        window = (parse_time(start, begin), parse_time(end, until))
+        window = parse_window(start, end, (begin, until))
         return ReplayRequest(mode, (), window, requested_by, reason)
     if run_type == "scheduled":
         return None

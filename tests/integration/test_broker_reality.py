@@ -756,6 +756,7 @@ def test_a_time_window_maps_to_per_partition_offsets(make_pipeline, monkeypatch,
     assert cli.main(["offsets", "--pipeline", env.pipeline.name, *window]) == 0
     shown = capsys.readouterr().out
     assert "partition 0: offsets [3, 8)" in shown and "partition 1: offsets [3, 8)" in shown, shown
+    assert "records with timestamps in [2026-09-21T14:13:23Z, 2026-09-21T14:13:27.500000Z) (UTC)" in shown
 
 
 def test_gap_that_does_not_add_up_holds_the_batch(make_pipeline, spark, db):

@@ -6,7 +6,14 @@ import pytest
 
 from kafka2pg.exceptions import ConfigError
 from kafka2pg.planner import OffsetRange
-from kafka2pg.replay_request import ReplayRequest, kafka_ms, parse_ranges, parse_time, request_from_params
+from kafka2pg.replay_request import (
+    ReplayRequest,
+    kafka_ms,
+    parse_ranges,
+    parse_time,
+    parse_window,
+    request_from_params,
+)
 
 DAY = (datetime(2026, 11, 1, tzinfo=UTC), datetime(2026, 11, 2, tzinfo=UTC))
 
@@ -63,6 +70,18 @@ def test_time_window_without_a_zone_is_utc_and_must_be_ordered():
         request_from_params({"from_time": "2026-11-02T00:00:00Z"})
     with pytest.raises(ConfigError, match="not an ISO-8601"):
         request_from_params({"from_time": "yesterday", "to_time": "today"})
+
+
+def test_a_window_with_a_zone_at_one_end_and_none_at_the_other_is_refused_unless_the_zone_is_utc():
+    """09:00+01:00 to 10:00 read the end as UTC: a window of two hours where one was meant."""
+    with pytest.raises(ConfigError, match=r"one names a time zone and the other none .*give both a zone"):
+        request_from_params({"from_time": "2026-03-01T09:00+01:00", "to_time": "2026-03-01T10:00"})
+    with pytest.raises(ConfigError, match=r"offsets: --from '2026-03-01T09:00' and --to '2026-03-01T10:00-05:00'"):
+        parse_window("2026-03-01T09:00", "2026-03-01T10:00-05:00", ("--from", "--to"), "offsets")
+    both = request_from_params({"from_time": "2026-03-01T09:00+01:00", "to_time": "2026-03-01T10:00+01:00"})
+    assert both.window == (datetime(2026, 3, 1, 8, tzinfo=UTC), datetime(2026, 3, 1, 9, tzinfo=UTC))
+    utc = request_from_params({"from_time": "2026-03-01T09:00", "to_time": "2026-03-01T10:00+00:00"})
+    assert utc.window == (datetime(2026, 3, 1, 9, tzinfo=UTC), datetime(2026, 3, 1, 10, tzinfo=UTC))
 
 
 def test_errors_name_the_fields_as_the_user_wrote_them():
