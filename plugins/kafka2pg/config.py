@@ -588,19 +588,6 @@ class _MisreadFloat(float):
 _MISREAD = (_MisreadInt, _MisreadFloat)
 
 
-class _Word(str):
-    """One of YAML 1.1's boolean words other than true and false (yes, no, on, off, as YAML 1.2
-    reads them: text), with the boolean YAML 1.1 reads it as (`boolean`): a field taking text
-    reads `OFF` or `NO` as written, one taking true or false still reads `yes` (`_as_bool`)."""
-
-    boolean: bool
-
-
-def _as_bool(value: Any) -> Any:
-    """`value` as a field taking true or false reads it: a `_Word` as its boolean."""
-    return value.boolean if isinstance(value, _Word) else value
-
-
 class _Mapping(dict):
     """A mapping as YAML read it; `repeated`: its keys written more than once (PyYAML keeps the
     last one's value), a merge key's (`<<`) overridden keys not counted."""
@@ -671,15 +658,6 @@ def _float_as_written(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
     return marked
 
 
-def _bool_as_written(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> bool | _Word:
-    value = loader.construct_yaml_bool(node)
-    if node.value.lower() in ("true", "false"):
-        return value
-    word = _Word(node.value)
-    word.boolean = value
-    return word
-
-
 def _mapping_as_written(loader: _PipelinesLoader, node: yaml.MappingNode) -> Iterator[dict]:
     data = _Mapping()
     yield data
@@ -690,7 +668,6 @@ def _mapping_as_written(loader: _PipelinesLoader, node: yaml.MappingNode) -> Ite
 _PipelinesLoader.add_constructor("tag:yaml.org,2002:float", _float_as_written)
 _PipelinesLoader.add_constructor("tag:yaml.org,2002:int", _int_as_written)
 _PipelinesLoader.add_constructor("tag:yaml.org,2002:map", _mapping_as_written)
-_PipelinesLoader.add_constructor("tag:yaml.org,2002:bool", _bool_as_written)
 
 
 def _refuse_unlike_written(value: Any, here: str, seen: set[int] | None = None) -> None:
@@ -892,7 +869,7 @@ def _parse_pipeline(raw: Any, where: str) -> Pipeline:
         _check_locations(columns, fallback, "value_root_fallback", where)
     business_key = _business_key(raw.get("business_key"), columns, where)
     for index, spec in enumerate(raw["columns"]):
-        if _as_bool(spec.get("required")) is False and spec["name"] in business_key:
+        if spec.get("required") is False and spec["name"] in business_key:
             raise ConfigError(
                 f"{where}.columns[{index}].required: {spec['name']!r} is in business_key, and a business key is "
                 "always required (a record without it is quarantined): remove `required: false`"
@@ -1068,7 +1045,7 @@ def _spark_conf(value: Any, where: str) -> dict[str, str]:
     wrong = sorted(_key_text(k) for k, v in value.items() if not isinstance(v, str | int | float | bool))
     if wrong:
         raise ConfigError(f"{where}.spark_conf: {', '.join(wrong)}: expected a string or number as the value")
-    return {str(k): str(_as_bool(v)) for k, v in value.items()}  # `yes` as True, as YAML 1.1 reads it
+    return {str(k): str(v) for k, v in value.items()}
 
 
 _CONN_ID = re.compile(r"[A-Za-z0-9_.-]{1,250}")
@@ -1234,7 +1211,7 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
                 "object), not both"
             )
         json_field = ".".join(path) if path else _json_field(raw.get("field", name), here)
-        required = _as_bool(raw.get("required", False))
+        required = raw.get("required", False)
         if not isinstance(required, bool):
             raise ConfigError(f"{here}.required: expected true or false, got {required!r}")
         minimum, maximum, allowed, on_violation = _rules(raw, here, pg_type)
@@ -1316,7 +1293,7 @@ def _epoch(raw: dict, here: str, pg_type: str) -> EpochUnit | None:
 
 
 def _quoted_numbers(raw: dict, here: str, pg_type: str) -> bool:
-    value = _as_bool(raw.get("quoted_numbers", False))
+    value = raw.get("quoted_numbers", False)
     if not isinstance(value, bool):
         raise ConfigError(f"{here}.quoted_numbers: expected true or false, got {value!r}")
     if value and not _NUMERIC.fullmatch(pg_type):
@@ -1375,17 +1352,13 @@ def _rules(raw: dict, here: str, pg_type: str) -> tuple:
             raise ConfigError(f"{here}.allowed: only {', '.join(_ALLOWED_TYPES)} columns can list allowed values")
         if not isinstance(allowed, list) or not allowed:
             raise ConfigError(f"{here}.allowed: expected a non-empty list of values, got {allowed!r}")
-        wrong = [v for v in allowed if not _holds(pg_type, kind, _as_bool(v) if kind is bool else v)]
+        wrong = [v for v in allowed if not _holds(pg_type, kind, v)]
         if wrong:
-            # YAML reads an unquoted 42 or false as a number or a boolean.
+            # YAML 1.1 reads an unquoted NO, off or 42 as a boolean or a number.
             unquoted = kind is str and any(isinstance(v, bool | int | float) for v in wrong)
-            hint = (
-                ": quote the values meant as text (YAML reads unquoted numbers, true and false as such)"
-                if unquoted
-                else ""
-            )
+            hint = ": quote the values meant as text (YAML reads yes/no/on/off as booleans)" if unquoted else ""
             raise ConfigError(f"{here}.allowed: values {wrong!r} are not of the column's type {pg_type}{hint}")
-        allowed = tuple(_as_bool(v) if kind is bool else str(v) if isinstance(v, _Word) else v for v in allowed)
+        allowed = tuple(allowed)
     on_violation = _choice(raw, "on_violation", here, ("fail", "quarantine"))
     if on_violation == "quarantine" and bounds == [None, None] and allowed is None:
         raise ConfigError(f"{here}.on_violation: the column declares no rule to violate (min, max or allowed)")
@@ -1405,4 +1378,4 @@ def _choice(raw: dict, key: str, where: str, choices: tuple[str, ...]) -> Any:
     value = raw.get(key, choices[0])
     if value not in choices:
         raise ConfigError(f"{where}.{key}: expected one of {', '.join(choices)}, got {value!r}")
-    return str(value)
+    return value
