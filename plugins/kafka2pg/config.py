@@ -949,7 +949,7 @@ def _field_path(value: Any, here: str, what: str) -> tuple[str, ...]:
     names = value.split(".") if isinstance(value, str) else value
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise ConfigError(
-            f"{here}: expected {what}, as a dotted path (payload, after) or a list of field names, got {value!r}"
+            f"{here}: expected {what}, as a dotted path (payload, after) or a list of field names, got {_got(value)}"
         )
     for name in names:
         if not _field_name(name):
@@ -996,7 +996,7 @@ def topic_name(value: Any, where: str) -> str:
     if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", value) or value in (".", ".."):
         raise ConfigError(
             f"{where}{': ' if where else ''}expected a Kafka topic name (1-249 characters of A-Z a-z 0-9 . _ -, "
-            f"not '.' or '..'), got {value!r}"
+            f"not '.' or '..'), got {_got(value)}"
         )
     return value
 
@@ -1004,7 +1004,7 @@ def topic_name(value: Any, where: str) -> str:
 def _business_key(value: Any, columns: tuple[Column, ...], where: str) -> tuple[str, ...]:
     keys = [value] if isinstance(value, str) else [] if value is None else value
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise ConfigError(f"{where}.business_key: expected a column name or a list of column names, got {value!r}")
+        raise ConfigError(f"{where}.business_key: expected a column name or a list of column names, got {_got(value)}")
     by_name = {c.name: c for c in columns}
     for i, key in enumerate(keys):
         if key not in by_name:
@@ -1054,7 +1054,9 @@ _CONN_ID = re.compile(r"[A-Za-z0-9_.-]{1,250}")
 def _conn_id(raw: dict, key: str, where: str, default: str) -> str:
     value = raw.get(key, default)
     if not isinstance(value, str) or not _CONN_ID.fullmatch(value):
-        raise ConfigError(f"{where}.{key}: expected an Airflow connection id (letters, digits, _ . -), got {value!r}")
+        raise ConfigError(
+            f"{where}.{key}: expected an Airflow connection id (letters, digits, _ . -), got {_got(value)}"
+        )
     return value
 
 
@@ -1063,7 +1065,7 @@ def _consumer_group(raw: dict, where: str) -> str | None:
     if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", value)):
         raise ConfigError(
             f"{where}.lag_consumer_group: expected a Kafka consumer group id (1-249 characters of A-Z a-z 0-9 . _ -), "
-            f"got {value!r}"
+            f"got {_got(value)}"
         )
     return value
 
@@ -1122,7 +1124,7 @@ def _schedule(raw: dict, where: str) -> str | None:
         return None
     expected = f"{where}.schedule: expected a cron expression or one of {', '.join(SCHEDULE_PRESETS)}"
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{expected}, got {value!r}")
+        raise ConfigError(f"{expected}, got {_got(value)}")
     if value.strip().lower() in ("none", "null", "~"):
         raise ConfigError(
             f"{expected}, got the text {value!r}: for runs only when triggered, leave schedule out (or write null)"
@@ -1145,7 +1147,7 @@ def _croniter_reads(value: str) -> bool:
 def _cron(raw: dict, key: str, where: str, default: str) -> str:
     value = raw.get(key, default)
     if not isinstance(value, str) or len(value.split()) != 5:
-        raise ConfigError(f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {value!r}")
+        raise ConfigError(f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {_got(value)}")
     if not _croniter_reads(value):
         raise ConfigError(
             f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {value!r} "
@@ -1159,7 +1161,7 @@ def _identifier(raw: dict, key: str, where: str, max_length: int = PG_NAME_MAX) 
     if not isinstance(value, str) or not _IDENTIFIER.fullmatch(value) or len(value) > max_length:
         raise ConfigError(
             f"{where}.{key}: expected a lower-case identifier ([a-z_][a-z0-9_]*, at most {max_length} "
-            f"characters), got {value!r}"
+            f"characters), got {_got(value)}"
         )
     return value
 
@@ -1171,7 +1173,7 @@ def _target(value: Any, where: str) -> tuple[str, str]:
     if len(parts) != 2 or not all(_IDENTIFIER.fullmatch(p) and len(p) <= PG_NAME_MAX for p in parts):
         raise ConfigError(
             f"{where}.target_table: expected 'table' or 'schema.table' in lower case (each at most "
-            f"{PG_NAME_MAX} characters of a-z 0-9 _), got {value!r}"
+            f"{PG_NAME_MAX} characters of a-z 0-9 _), got {_got(value)}"
         )
     schema, table = parts
     if schema == _CONTROL_SCHEMA or (schema, table) in _CONTROL_TABLES:
@@ -1260,7 +1262,9 @@ def _column_type(value: Any, here: str) -> str:
     match = _DECIMAL.fullmatch(pg_type) if isinstance(pg_type, str) else None
     if match is None:
         supported = ", ".join(_SPARK_TYPES)
-        raise ConfigError(f"{here}.type: unsupported type {value!r} (supported: {supported}, numeric(p,s))")
+        raise ConfigError(
+            f"{here}.type: unsupported type {value!r} (supported: {supported}, numeric(p,s)){_boolean_note(value)}"
+        )
     precision, scale = int(match[1]), int(match[2])
     if not 1 <= precision <= MAX_NUMERIC_PRECISION:
         raise ConfigError(
@@ -1275,7 +1279,7 @@ def _json_field(value: Any, here: str) -> str:
     if not _field_name(value):
         raise ConfigError(
             f"{here}.field: expected the JSON field name (no control characters such as a newline, no lone surrogate), "
-            f"got {value!r}"
+            f"got {_got(value)}"
         )
     return value
 
@@ -1374,8 +1378,24 @@ def _positive_int(raw: dict, key: str, where: str, default: int | None) -> int |
     return value
 
 
+def _got(value: Any) -> str:
+    """`value` as a refusal of text shows it, with `_boolean_note`."""
+    return f"{value!r}{_boolean_note(value)}"
+
+
+def _boolean_note(value: Any) -> str:
+    """For a boolean (or a list holding one) where text belongs: how YAML 1.1 came to read it,
+    since the word the file shows is gone by then."""
+    if isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value)):
+        return (
+            " (YAML reads an unquoted yes, no, on, off, true or false as a boolean:"
+            " quote a word meant as text: 'no', 'OFF')"
+        )
+    return ""
+
+
 def _choice(raw: dict, key: str, where: str, choices: tuple[str, ...]) -> Any:
     value = raw.get(key, choices[0])
     if value not in choices:
-        raise ConfigError(f"{where}.{key}: expected one of {', '.join(choices)}, got {value!r}")
+        raise ConfigError(f"{where}.{key}: expected one of {', '.join(choices)}, got {_got(value)}")
     return value

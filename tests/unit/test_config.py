@@ -864,6 +864,42 @@ def test_a_number_whose_text_shows_its_base_is_read_as_written(tmp_path, text, f
     assert getattr(get_pipeline("orders", path), field) == value
 
 
+_BOOLEAN_HINT = r"(True|False|\[.*\]).* \(YAML reads an unquoted yes, no, on, off, true or false as a boolean: quote"
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("columns:\n- {name: event_id, type: text}\n- {name: no, type: text}", "columns[1].name"),
+        ("columns:\n- {name: event_id, type: text}\n- {name: ok, type: text, field: On}", "columns[1].field"),
+        ("columns:\n- {name: event_id, type: text}\n- {name: ok, type: yes}", "columns[1].type"),
+        ("spark_log_level: OFF", "spark_log_level"),
+        ("duplicate_policy: off", "duplicate_policy"),
+        ("lag_consumer_group: yes", "lag_consumer_group"),
+        ("postgres_conn_id: on", "postgres_conn_id"),
+        ("value_root: no", "value_root"),
+    ],
+)
+def test_a_word_yaml_reads_as_a_boolean_where_text_belongs_is_refused_with_the_fix(tmp_path, text, field):
+    with pytest.raises(ConfigError, match=rf"\.{re.escape(field)}: .*{_BOOLEAN_HINT}"):
+        get_pipeline("orders", _written(tmp_path, text))
+
+
+@pytest.mark.parametrize(("field", "value"), [("business_key", ["event_id", False]), ("topic", True)])
+def test_a_boolean_where_a_topic_or_key_name_belongs_is_refused_with_the_fix(tmp_path, field, value):
+    with pytest.raises(ConfigError, match=rf"\.{field}: .*{_BOOLEAN_HINT}"):
+        get_pipeline("orders", write(tmp_path, **{field: value}))
+
+
+def test_the_boolean_hint_is_not_given_for_other_wrong_values_and_quoting_the_word_loads(tmp_path):
+    with pytest.raises(ConfigError, match=r"spark_log_level: expected one of .*, got 3$"):
+        get_pipeline("orders", _written(tmp_path, "spark_log_level: 3"))
+    quoted = "columns:\n- {name: event_id, type: text}\n- {name: 'no', type: text}\nspark_log_level: 'OFF'"
+    pipeline = get_pipeline("orders", _written(tmp_path, quoted))
+    assert (pipeline.columns[1].name, pipeline.spark_log_level) == ("no", "OFF")
+    assert type(pipeline.columns[1].name) is str
+
+
 def test_allowed_text_values_yaml_reads_as_booleans_or_numbers_are_named_with_the_fix(tmp_path):
     text = "columns:\n- {name: event_id, type: text}\n- {name: country, type: text, allowed: [DK, NO, SE]}"
     with pytest.raises(ConfigError, match=r"values \[False\] are not of the column's type text: quote the values"):
