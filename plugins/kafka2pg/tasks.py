@@ -58,8 +58,8 @@ def mask_secrets(settings: Settings, others: Iterable[str] = ()) -> None:
     """Airflow's log masker learns the services' secrets (and `others`: the pipeline's spark_conf
     ones), so that a task log line quoting one (Spark's, a client library's, spark-submit's
     output) shows *** instead. Airflow registers a connection's password and its extras under
-    names it deems sensitive itself; not a password (or the client key's `sslpassword`) in
-    KAFKA2PG_DATABASE_URL, a `sasl.jaas.config`, an inline PEM key or the lines of the key file
+    names it deems sensitive itself; not a password (or the client key's `sslpassword`, libpq's
+    SCRAM keys) in KAFKA2PG_DATABASE_URL, a `sasl.jaas.config`, an inline PEM key or the lines of the key file
     `ssl.key.location` names."""
     import psycopg
     from airflow.sdk.log import mask_secret
@@ -73,7 +73,8 @@ def mask_secrets(settings: Settings, others: Iterable[str] = ()) -> None:
     passwords = [typed, unquote(typed)]
     with suppress(psycopg.Error):  # a malformed URL fails the task where it is used, saying so
         params = conninfo_to_dict(settings.database_url)
-        passwords += [params.get("password"), params.get("sslpassword")]  # the client key's too
+        # The client key's password too, and libpq 18's SCRAM keys (each stands in for the password).
+        passwords += [params.get(k) for k in ("password", "sslpassword", "scram_client_key", "scram_server_key")]
     for password in passwords:
         if password:
             mask_secret(str(password))

@@ -511,6 +511,11 @@ def test_a_task_has_airflow_mask_the_services_secrets_in_its_log(tmp_path, monke
     # The client key's password, given in the URL's query.
     mask_secrets(Settings(database_url="postgresql://etl@db/x?sslkey=/k.pem&sslpassword=Key-pw-6612", kafka=kafka))
     assert redact("could not load the key (Key-pw-6612)") == "could not load the key (***)"
+    # libpq 18's SCRAM keys, each as good as the password to whoever reads them.
+    client_key, server_key = "c2NyYW1DbGllbnRLZXk0NDE5", "c2NyYW1TZXJ2ZXJLZXk4ODI3"
+    url = f"postgresql://etl@db/x?scram_client_key={client_key}&scram_server_key={server_key}"
+    mask_secrets(Settings(database_url=url, kafka=kafka))
+    assert redact(f"keys {client_key} {server_key}") == "keys *** ***"
 
 
 @pytest.mark.parametrize(
