@@ -483,8 +483,17 @@ class Settings:
         }
 
 
-def repeated_json_keys(text: Any) -> list[str]:
-    """The keys a JSON text gives more than once in one object (none when it is no JSON)."""
+def given_twice(where: str, keys: list[str], reader: str = "JSON") -> ConfigError:
+    """The refusal of `keys` a text gives more than once in one object: `reader` (JSON, YAML)
+    keeps only the last value of each, without a word."""
+    return ConfigError(
+        f"{where}: {', '.join(keys)} given more than once ({reader} keeps only the last, silently): give each key once"
+    )
+
+
+def json_and_repeats(text: str) -> tuple[Any, list[str]]:
+    """The JSON document `text` holds, and the keys it gives more than once in one object (JSON
+    keeps the last); `json.JSONDecodeError` when it is no JSON."""
     repeated: list[str] = []
 
     def pairs(items: list[tuple[str, Any]]) -> dict:
@@ -495,12 +504,15 @@ def repeated_json_keys(text: Any) -> list[str]:
             seen.add(key)
         return dict(items)
 
-    if isinstance(text, str):
-        try:
-            json.loads(text, object_pairs_hook=pairs)
-        except ValueError:
-            return []
-    return repeated
+    return json.loads(text, object_pairs_hook=pairs), repeated
+
+
+def repeated_json_keys(text: Any) -> list[str]:
+    """The keys a JSON text gives more than once in one object (none when it is no JSON)."""
+    try:
+        return json_and_repeats(text)[1] if isinstance(text, str) else []
+    except ValueError:
+        return []
 
 
 def kafka_from_env(env: dict[str, str]) -> KafkaConfig | None:
@@ -510,17 +522,13 @@ def kafka_from_env(env: dict[str, str]) -> KafkaConfig | None:
     servers = locations.env_setting(env, "KAFKA2PG_BOOTSTRAP_SERVERS")
     if text:
         try:
-            properties = json.loads(text)
+            properties, repeated = json_and_repeats(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(
                 f"KAFKA2PG_KAFKA_CONFIG is not a JSON object of Kafka client properties ({exc.msg})"
             ) from None
-        repeated = repeated_json_keys(text)
-        if repeated:  # JSON keeps the last silently
-            raise ConfigError(
-                f"KAFKA2PG_KAFKA_CONFIG: {', '.join(map(repr, repeated))} given more than once (only the last would "
-                "count, silently): give each key once"
-            )
+        if repeated:
+            raise given_twice("KAFKA2PG_KAFKA_CONFIG", list(map(repr, repeated)))
         if isinstance(properties, dict) and "bootstrap.servers" not in properties and servers:
             properties = {"bootstrap.servers": servers, **properties}
         return KafkaConfig.of(properties, "KAFKA2PG_KAFKA_CONFIG")
@@ -681,10 +689,7 @@ def _refuse_unlike_written(value: Any, here: str, seen: set[int] | None = None) 
         seen.add(id(value))
     if isinstance(value, dict):
         if getattr(value, "repeated", ()):
-            keys = ", ".join(_key_text(key) for key in value.repeated)
-            raise ConfigError(
-                f"{here}: {keys} given more than once (YAML keeps only the last, silently): give each key once"
-            )
+            raise given_twice(here, [_key_text(key) for key in value.repeated], "YAML")
         for key, item in value.items():
             _refuse_unlike_written(key, f"{here}: the key {_key_text(key)}", seen)
             _refuse_unlike_written(item, f"{here}.{_key_text(key)}", seen)

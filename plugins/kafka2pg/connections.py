@@ -24,6 +24,7 @@ from kafka2pg.config import (
     Pipeline,
     Settings,
     common_settings,
+    given_twice,
     kafka_from_env,
     repeated_json_keys,
 )
@@ -262,10 +263,7 @@ def _extra(connection: Any, conn_id: str) -> dict:
         variable if variable.startswith("{") else None
     )
     if repeated:
-        raise ConfigError(
-            f"the Airflow connection {conn_id!r}: {', '.join(map(repr, repeated))} given more than once in its JSON "
-            "(only the last would count, silently): give each key once"
-        )
+        raise given_twice(f"the Airflow connection {conn_id!r}, its JSON", list(map(repr, repeated)))
     return extra
 
 

@@ -309,11 +309,11 @@ def test_a_key_given_twice_in_a_connections_json_is_refused_naming_the_key_not_i
     with pytest.raises(ConfigError) as info:  # the extra as stored (a string, as the UI stores it)
         settings_for(pipelines["orders"])
     message = str(info.value)
-    assert "the Airflow connection 'kafka2pg_kafka': 'sasl.password' given more than once in its JSON" in message
+    assert "the Airflow connection 'kafka2pg_kafka', its JSON: 'sasl.password' given more than once" in message
     assert "S3cr3t" not in message
     variable = '{"conn_type": "kafka", "extra": {"bootstrap.servers": "k:9092", "acks": "all", "acks": "1"}}'
     monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", variable)  # the variable's JSON, read by Airflow first
-    with pytest.raises(ConfigError, match=r"'acks' given more than once in its JSON"):
+    with pytest.raises(ConfigError, match=r"its JSON: 'acks' given more than once"):
         settings_for(pipelines["orders"])
     monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_KAFKA", variable.replace('"acks": "1"', '"retries": "1"'))
     assert settings_for(pipelines["orders"]).kafka  # each key once: read
