@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # `replication`: a replication connection runs no SQL kafka2pg sends), which, as the provider's
 # hook passes them, wins over the connection's fields; and the provider's own keys, which are
 # not libpq's and kafka2pg leaves out (it does not fetch IAM or Azure tokens: the password is
-# the connection's).
+# the connection's, and a connection with `iam` set is refused).
 _LIBPQ_EXTRAS = frozenset(d.keyword.decode() for d in psycopg.pq.Conninfo.get_defaults()) - {"replication"}
 _PROVIDER_EXTRAS = frozenset(
     {
@@ -213,6 +213,12 @@ def _postgres_url(conn_id: str) -> str | None:
         raise ConfigError(
             f"the Airflow connection {conn_id!r}: its extra gives {', '.join(map(repr, unknown))}, no parameter of "
             f"libpq {psycopg.pq.version() // 10000} (nor the postgres provider's own keys): correct or remove them"
+        )
+    if extra.get("iam", False):  # the provider's test: any value Python takes for true
+        raise ConfigError(
+            f"the Airflow connection {conn_id!r}: its extra asks for a token in place of the password "
+            f"(iam: {extra['iam']!r}{', azure_conn_id' if 'azure_conn_id' in extra else ''}), which kafka2pg does not "
+            "fetch: it signs in with the connection's login and password. Give those and remove `iam`"
         )
     fields = {
         "host": connection.host or "localhost",

@@ -341,6 +341,10 @@ def test_every_libpq_parameter_in_a_postgres_extra_is_used_and_any_other_key_ref
         "password": "pw",
         **{k: v for k, v in hardened.items() if k != "iam"},
     }
+    for token in ({"iam": True, "aws_conn_id": "aws"}, {"iam": "true", "azure_conn_id": "az"}):  # no token fetched
+        monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", json.dumps({**connection, "extra": token}))
+        with pytest.raises(ConfigError, match=r"its extra asks for a token in place of the password \(iam: "):
+            settings_for(pipelines["orders"])
     for wrong in ({"sslmod": "verify-full"}, {"replication": "database"}):
         monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", json.dumps({**connection, "extra": wrong}))
         with pytest.raises(ConfigError, match=rf"its extra gives '{next(iter(wrong))}', no parameter of libpq"):
