@@ -689,6 +689,8 @@ def _refuse_unlike_written(value: Any, here: str, seen: set[int] | None = None) 
         seen.add(id(value))
     if isinstance(value, dict):
         if getattr(value, "repeated", ()):
+            if "<<" in value.repeated:  # PyYAML merges both: what they share comes from the later
+                raise ConfigError(f"{here}: << given more than once: merge the mappings with one, <<: [*a, *b]")
             raise given_twice(here, [_key_text(key) for key in value.repeated], "YAML")
         for key, item in value.items():
             _refuse_unlike_written(key, f"{here}: the key {_key_text(key)}", seen)

@@ -949,7 +949,7 @@ ENTRY = "- {name: orders, topic: orders, target_table: public.orders, columns: [
         ("d: &d {batches_per_run: 2, batches_per_run: 3}\npipelines:\n" + ENTRY + ", <<: *d}", "batches_per_run given"),
         (
             "d: &d {batches_per_run: 2}\ne: &e {batches_per_run: 3}\npipelines:\n" + ENTRY + ", <<: *d, <<: *e}",
-            "<< given",
+            "<< given more than once: merge the mappings with one, <<: [*a, *b]",
         ),
         (
             "pipelines:\n" + ENTRY + ", spark_conf: {010: x}}",
