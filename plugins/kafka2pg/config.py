@@ -689,9 +689,18 @@ def _refuse_unlike_written(value: Any, here: str, seen: set[int] | None = None) 
         seen.add(id(value))
     if isinstance(value, dict):
         if getattr(value, "repeated", ()):
-            if "<<" in value.repeated:  # PyYAML merges both: what they share comes from the later
-                raise ConfigError(f"{here}: << given more than once: merge the mappings with one, <<: [*a, *b]")
-            raise given_twice(here, [_key_text(key) for key in value.repeated], "YAML")
+            others = [_key_text(key) for key in value.repeated if key != "<<"]
+            if "<<" not in value.repeated:
+                raise given_twice(here, others, "YAML")
+            # PyYAML merges both: what they share comes from the later. In one `<<: [...]` the
+            # first listed wins, so the later mapping goes first to keep what was read.
+            merges = (
+                "<< given more than once (PyYAML merges each; what they share comes from the later one): merge "
+                "them with one << listing the later first, <<: [*later, *earlier] (in a list the first listed wins)"
+            )
+            if others:
+                raise ConfigError(f"{str(given_twice(here, others, 'YAML'))}; and {merges}")
+            raise ConfigError(f"{here}: {merges}")
         for key, item in value.items():
             _refuse_unlike_written(key, f"{here}: the key {_key_text(key)}", seen)
             _refuse_unlike_written(item, f"{here}.{_key_text(key)}", seen)
@@ -923,13 +932,18 @@ def _field_name(name: Any) -> bool:
 
 
 def _value_root(value: Any, where: str) -> tuple[str, ...]:
-    return _field_path(value, f"{where}.value_root", "the JSON object the columns' fields are in")
+    return _field_path(
+        value, f"{where}.value_root", "the JSON object the columns' fields are in", "for the record's own object"
+    )
 
 
 def _value_root_fallback(value: Any, root: tuple[str, ...], where: str) -> tuple[str, ...]:
     here = f"{where}.value_root_fallback"
     fallback = _field_path(
-        value, here, "the JSON object the columns' fields are in where the value_root's is null or missing"
+        value,
+        here,
+        "the JSON object the columns' fields are in where the value_root's is null or missing",
+        "for no fallback",
     )
     if fallback and not root:
         raise ConfigError(
@@ -949,14 +963,16 @@ def _value_root_fallback(value: Any, root: tuple[str, ...], where: str) -> tuple
 MAX_PATH_NAMES = 100
 
 
-def _field_path(value: Any, here: str, what: str) -> tuple[str, ...]:
-    """A dotted path (`payload`, `envelope.data`) or a list of field names (for a name with a dot)."""
+def _field_path(value: Any, here: str, what: str, off: str) -> tuple[str, ...]:
+    """A dotted path (`payload`, `envelope.data`) or a list of field names (for a name with a dot);
+    `off`: what leaving it out means (for a `no` YAML read as false)."""
     if value is None:
         return ()
     names = value.split(".") if isinstance(value, str) else value
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise ConfigError(
-            f"{here}: expected {what}, as a dotted path (payload, after) or a list of field names, got {_got(value)}"
+            f"{here}: expected {what}, as a dotted path (payload, after) or a list of field names, "
+            f"got {_got(value, off=off)}"
         )
     for name in names:
         if not _field_name(name):
@@ -1072,7 +1088,7 @@ def _consumer_group(raw: dict, where: str) -> str | None:
     if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", value)):
         raise ConfigError(
             f"{where}.lag_consumer_group: expected a Kafka consumer group id (1-249 characters of A-Z a-z 0-9 . _ -), "
-            f"got {_got(value)}"
+            f"got {_got(value, off='to commit the heads to no consumer group')}"
         )
     return value
 
@@ -1131,7 +1147,7 @@ def _schedule(raw: dict, where: str) -> str | None:
         return None
     expected = f"{where}.schedule: expected a cron expression or one of {', '.join(SCHEDULE_PRESETS)}"
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{expected}, got {_got(value)}")
+        raise ConfigError(f"{expected}, got {_got(value, off='for runs only when triggered')}")
     if value.strip().lower() in ("none", "null", "~"):
         raise ConfigError(
             f"{expected}, got the text {value!r}: for runs only when triggered, leave schedule out (or write null)"
@@ -1213,7 +1229,9 @@ def _columns(value: Any, where: str) -> tuple[Column, ...]:
         if name in _SYSTEM_COLUMNS:
             raise ConfigError(f"{here}.name: {name!r} is a PostgreSQL system column of every table: rename it")
         pg_type = _column_type(raw.get("type"), here)
-        path = _field_path(raw.get("path"), f"{here}.path", "the field's names from the record's own object")
+        path = _field_path(
+            raw.get("path"), f"{here}.path", "the field's names from the record's own object", "to read its field"
+        )
         if path and "field" in raw:
             raise ConfigError(
                 f"{here}: give field (a name in the value_root's object) or path (from the record's own "
@@ -1385,24 +1403,35 @@ def _positive_int(raw: dict, key: str, where: str, default: int | None) -> int |
     return value
 
 
-def _got(value: Any) -> str:
+def _got(value: Any, *, off: str = "", quoting: bool = True) -> str:
     """`value` as a refusal of text shows it, with `_boolean_note`."""
-    return f"{value!r}{_boolean_note(value)}"
+    return f"{value!r}{_boolean_note(value, off=off, quoting=quoting)}"
 
 
-def _boolean_note(value: Any) -> str:
+# The words YAML 1.1 (PyYAML) reads as booleans, in any of their three casings.
+BOOLEAN_WORDS = frozenset({"yes", "no", "on", "off", "true", "false"})
+
+
+def _boolean_note(value: Any, *, off: str = "", quoting: bool = True) -> str:
     """For a boolean (or a list holding one) where text belongs: how YAML 1.1 came to read it,
-    since the word the file shows is gone by then."""
-    if isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value)):
-        return (
-            " (YAML reads an unquoted yes, no, on, off, true or false as a boolean:"
-            " quote a word meant as text: 'no', 'OFF')"
-        )
-    return ""
+    since the word the file shows is gone by then. `off`: for a field that null leaves off, what
+    leaving it out means (a `no` or `off` was likely meant so, and quoted it would be a name);
+    `quoting`: whether quoting the word can give a value the field takes."""
+    if not (isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value))):
+        return ""
+    advice = []
+    if off and value is False:
+        advice.append(f"{off}, leave the key out (or write null)")
+    if quoting:
+        advice.append("quote a word meant as text: 'no', 'OFF'")
+    return " (YAML reads an unquoted yes, no, on, off, true or false as a boolean" + (
+        f": {'; '.join(advice)})" if advice else ")"
+    )
 
 
 def _choice(raw: dict, key: str, where: str, choices: tuple[str, ...]) -> Any:
     value = raw.get(key, choices[0])
     if value not in choices:
-        raise ConfigError(f"{where}.{key}: expected one of {', '.join(choices)}, got {_got(value)}")
+        quoting = any(c.lower() in BOOLEAN_WORDS for c in choices)  # spark_log_level's OFF
+        raise ConfigError(f"{where}.{key}: expected one of {', '.join(choices)}, got {_got(value, quoting=quoting)}")
     return value

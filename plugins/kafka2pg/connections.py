@@ -215,10 +215,14 @@ def _postgres_url(conn_id: str) -> str | None:
             f"libpq {psycopg.pq.version() // 10000} (nor the postgres provider's own keys): correct or remove them"
         )
     if extra.get("iam", False):  # the provider's test: any value Python takes for true
+        # Text is true to the provider whatever it says ('false' too): said, as the refusal looks odd otherwise.
+        as_text = (
+            " (the postgres provider takes any text but the empty one as true)" if isinstance(extra["iam"], str) else ""
+        )
         raise ConfigError(
             f"the Airflow connection {conn_id!r}: its extra asks for a token in place of the password "
-            f"(iam: {extra['iam']!r}{', azure_conn_id' if 'azure_conn_id' in extra else ''}), which kafka2pg does not "
-            "fetch: it signs in with the connection's login and password. Give those and remove `iam`"
+            f"(iam: {extra['iam']!r}{as_text}{', azure_conn_id' if 'azure_conn_id' in extra else ''}), which kafka2pg "
+            "does not fetch: it signs in with the connection's login and password. Give those and remove `iam`"
         )
     fields = {
         "host": connection.host or "localhost",

@@ -874,10 +874,9 @@ _BOOLEAN_HINT = r"(True|False|\[.*\]).* \(YAML reads an unquoted yes, no, on, of
         ("columns:\n- {name: event_id, type: text}\n- {name: ok, type: text, field: On}", "columns[1].field"),
         ("columns:\n- {name: event_id, type: text}\n- {name: ok, type: yes}", "columns[1].type"),
         ("spark_log_level: OFF", "spark_log_level"),
-        ("duplicate_policy: off", "duplicate_policy"),
         ("lag_consumer_group: yes", "lag_consumer_group"),
         ("postgres_conn_id: on", "postgres_conn_id"),
-        ("value_root: no", "value_root"),
+        ("value_root: yes", "value_root"),
     ],
 )
 def test_a_word_yaml_reads_as_a_boolean_where_text_belongs_is_refused_with_the_fix(tmp_path, text, field):
@@ -889,6 +888,28 @@ def test_a_word_yaml_reads_as_a_boolean_where_text_belongs_is_refused_with_the_f
 def test_a_boolean_where_a_topic_or_key_name_belongs_is_refused_with_the_fix(tmp_path, field, value):
     with pytest.raises(ConfigError, match=rf"\.{field}: .*{_BOOLEAN_HINT}"):
         get_pipeline("orders", write(tmp_path, **{field: value}))
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "means"),
+    [
+        ("lag_consumer_group: off", "lag_consumer_group", "to commit the heads to no consumer group"),
+        ("schedule: no", "schedule", "for runs only when triggered"),
+        ("value_root: no", "value_root", "for the record's own object"),
+    ],
+)
+def test_a_no_or_off_yaml_reads_as_false_where_null_means_off_says_to_leave_the_key_out(tmp_path, text, field, means):
+    """Quoted, `'off'` would be a consumer group named off (or a field named no): the refusal
+    says first how to leave the field off, which is what the word most likely meant."""
+    hint = rf"got False \(YAML reads an unquoted .* as a boolean: {means}, leave the key out \(or write null\); quote"
+    with pytest.raises(ConfigError, match=rf"\.{field}: .*{hint}"):
+        get_pipeline("orders", _written(tmp_path, text))
+
+
+@pytest.mark.parametrize("text", ["duplicate_policy: off", "kafka_reader: yes", "value_format: on"])
+def test_a_boolean_where_quoting_cannot_give_an_allowed_choice_is_explained_without_the_quoting_advice(tmp_path, text):
+    with pytest.raises(ConfigError, match=r"got (True|False) \(YAML reads an unquoted .* as a boolean\)$"):
+        get_pipeline("orders", _written(tmp_path, text))
 
 
 def test_the_boolean_hint_is_not_given_for_other_wrong_values_and_quoting_the_word_loads(tmp_path):
@@ -949,7 +970,12 @@ ENTRY = "- {name: orders, topic: orders, target_table: public.orders, columns: [
         ("d: &d {batches_per_run: 2, batches_per_run: 3}\npipelines:\n" + ENTRY + ", <<: *d}", "batches_per_run given"),
         (
             "d: &d {batches_per_run: 2}\ne: &e {batches_per_run: 3}\npipelines:\n" + ENTRY + ", <<: *d, <<: *e}",
-            "<< given more than once: merge the mappings with one, <<: [*a, *b]",
+            "<< given more than once (PyYAML merges each; what they share comes from the later one): merge them "
+            "with one << listing the later first, <<: [*later, *earlier] (in a list the first listed wins)",
+        ),
+        (
+            "d: &d {batches_per_run: 2}\npipelines:\n" + ENTRY + ", <<: *d, <<: *d, topic: a, topic: b}",
+            "topic given more than once (YAML keeps only the last, silently): give each key once; and << given",
         ),
         (
             "pipelines:\n" + ENTRY + ", spark_conf: {010: x}}",
@@ -978,6 +1004,15 @@ def test_yaml_forms_that_repeat_no_key_still_load(tmp_path):
         + ", spark_conf: &conf {<<: *base, spark.b: '2'}}\nlater: {<<: *conf}\n"
     )
     assert load_pipelines(path)["orders"].spark_conf == {"spark.a": "1", "spark.b": "2"}
+
+
+def test_the_one_merge_key_the_refusal_of_two_suggests_keeps_what_the_two_gave(tmp_path):
+    """`<<: *d, <<: *e` reads what both give from e; the suggested `<<: [*later, *earlier]` too."""
+    path = tmp_path / "pipelines.yaml"
+    anchors = "d: &d {batches_per_run: 2, max_records_per_batch: 5}\ne: &e {batches_per_run: 3}\npipelines:\n"
+    path.write_text(anchors + ENTRY + ", <<: [*e, *d]}\n")
+    pipeline = load_pipelines(path)["orders"]
+    assert (pipeline.batches_per_run, pipeline.max_records_per_batch) == (3, 5)
 
 
 @pytest.mark.parametrize(

@@ -341,9 +341,13 @@ def test_every_libpq_parameter_in_a_postgres_extra_is_used_and_any_other_key_ref
         "password": "pw",
         **{k: v for k, v in hardened.items() if k != "iam"},
     }
-    for token in ({"iam": True, "aws_conn_id": "aws"}, {"iam": "true", "azure_conn_id": "az"}):  # no token fetched
+    tokens = (  # no token fetched; text is true to the provider, 'false' too, and the refusal says so
+        ({"iam": True, "aws_conn_id": "aws"}, r"True\)"),
+        ({"iam": "false", "azure_conn_id": "az"}, r"'false' \(the postgres provider takes any text but the empty"),
+    )
+    for token, shown in tokens:
         monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", json.dumps({**connection, "extra": token}))
-        with pytest.raises(ConfigError, match=r"its extra asks for a token in place of the password \(iam: "):
+        with pytest.raises(ConfigError, match=rf"its extra asks for a token in place of the password \(iam: {shown}"):
             settings_for(pipelines["orders"])
     for wrong in ({"sslmod": "verify-full"}, {"replication": "database"}):
         monkeypatch.setenv("AIRFLOW_CONN_KAFKA2PG_POSTGRES", json.dumps({**connection, "extra": wrong}))
