@@ -7,6 +7,7 @@ second run that is a no-op without Spark.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -19,6 +20,7 @@ from kafka2pg.devtools.airflow_cli import dags_test, ensure_airflow_db
 from kafka2pg.exceptions import StackError
 from kafka2pg.jars import resolve_jars
 from kafka2pg.locations import COMMAND, preview_first, state_dir
+from kafka2pg.task_log import fit, printable
 
 PIPELINE = "orders"
 
@@ -32,6 +34,31 @@ def _task_states(output: str) -> str:
 def _plan_message(output: str) -> str:
     found = re.search(r"pipeline=\S+ (nothing new[^\[]*|planned batch[^\[]*|resuming[^\[]*)", output)
     return found.group(1).strip() if found else "(plan message not found in the log)"
+
+
+# Rows of the target the demo shows: what landed, as a user's query would see it.
+SAMPLE_ROWS = 3
+
+
+def _sample(table: str, landed: int, columns: list[str], rows: list[tuple]) -> str:
+    """The target's first rows by provenance, a row per paragraph of `column: value` (the table is
+    too wide for columns side by side); long values are cut."""
+    if not rows:
+        return f"no rows in {table}"
+    lines = [f"the first {len(rows)} of the {landed} rows in {table} (by partition and offset):"]
+    for row in rows:
+        values = (f"{name}: {_cut(printable(_text(value)))}" for name, value in zip(columns, row, strict=True))
+        lines.append(fit("  " + ", ".join(values), indent="    "))
+    return "\n".join(lines)
+
+
+def _text(value: object) -> str:
+    """A value as PostgreSQL's text shows it: jsonb as JSON (psycopg reads it into Python)."""
+    return json.dumps(value) if isinstance(value, dict | list) else str(value)
+
+
+def _cut(text: str, most: int = 60) -> str:
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def run(*, events: int, keep: bool) -> int:
@@ -128,8 +155,17 @@ def _run_with_stack(stack: local_stack.Stack, events: int, cache: Path) -> int:
         ).fetchone()[0]
         target = sql.Identifier(pipeline.target_schema, pipeline.target_table)
         landed = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0]
+        sample = conn.execute(
+            sql.SQL("SELECT * FROM {} ORDER BY kafka_topic, kafka_partition, kafka_offset LIMIT {}").format(
+                target, sql.Literal(SAMPLE_ROWS)
+            )
+        )
+        columns = [c.name for c in sample.description]
+        rows = sample.fetchall()
     print()
     print(batch_report(settings, pipeline, last) if last else ledger_report(settings, pipeline))
+    print()
+    print(_sample(f"{pipeline.target_schema}.{pipeline.target_table}", landed, columns, rows))
     print()
     verdict = landed == events and code2 == 0 and noop
     print(f"{'OK' if verdict else 'FAILED'}: produced {events}, landed {landed}")
