@@ -1147,7 +1147,7 @@ def _schedule(raw: dict, where: str) -> str | None:
         return None
     expected = f"{where}.schedule: expected a cron expression or one of {', '.join(SCHEDULE_PRESETS)}"
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{expected}, got {_got(value, off='for runs only when triggered')}")
+        raise ConfigError(f"{expected}, got {_got(value, off='for runs only when triggered', quoting=False)}")
     if value.strip().lower() in ("none", "null", "~"):
         raise ConfigError(
             f"{expected}, got the text {value!r}: for runs only when triggered, leave schedule out (or write null)"
@@ -1170,7 +1170,9 @@ def _croniter_reads(value: str) -> bool:
 def _cron(raw: dict, key: str, where: str, default: str) -> str:
     value = raw.get(key, default)
     if not isinstance(value, str) or len(value.split()) != 5:
-        raise ConfigError(f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {_got(value)}")
+        raise ConfigError(
+            f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {_got(value, quoting=False)}"
+        )
     if not _croniter_reads(value):
         raise ConfigError(
             f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {value!r} "
@@ -1288,7 +1290,8 @@ def _column_type(value: Any, here: str) -> str:
     if match is None:
         supported = ", ".join(_SPARK_TYPES)
         raise ConfigError(
-            f"{here}.type: unsupported type {value!r} (supported: {supported}, numeric(p,s)){_boolean_note(value)}"
+            f"{here}.type: unsupported type {value!r} (supported: {supported}, numeric(p,s))"
+            f"{_boolean_note(value, quoting=False)}"
         )
     precision, scale = int(match[1]), int(match[2])
     if not 1 <= precision <= MAX_NUMERIC_PRECISION:
@@ -1403,7 +1406,7 @@ def _positive_int(raw: dict, key: str, where: str, default: int | None) -> int |
     return value
 
 
-def _got(value: Any, *, off: str = "", quoting: bool = True) -> str:
+def _got(value: Any, *, off: str = "", quoting: bool | str = True) -> str:
     """`value` as a refusal of text shows it, with `_boolean_note`."""
     return f"{value!r}{_boolean_note(value, off=off, quoting=quoting)}"
 
@@ -1412,18 +1415,18 @@ def _got(value: Any, *, off: str = "", quoting: bool = True) -> str:
 BOOLEAN_WORDS = frozenset({"yes", "no", "on", "off", "true", "false"})
 
 
-def _boolean_note(value: Any, *, off: str = "", quoting: bool = True) -> str:
+def _boolean_note(value: Any, *, off: str = "", quoting: bool | str = True) -> str:
     """For a boolean (or a list holding one) where text belongs: how YAML 1.1 came to read it,
     since the word the file shows is gone by then. `off`: for a field that null leaves off, what
     leaving it out means (a `no` or `off` was likely meant so, and quoted it would be a name);
-    `quoting`: whether quoting the word can give a value the field takes."""
+    `quoting`: whether quoting the word can give a value the field takes (text: the advice)."""
     if not (isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value))):
         return ""
     advice = []
     if off and value is False:
         advice.append(f"{off}, leave the key out (or write null)")
     if quoting:
-        advice.append("quote a word meant as text: 'no', 'OFF'")
+        advice.append(quoting if isinstance(quoting, str) else "quote a word meant as text: 'no', 'OFF'")
     return " (YAML reads an unquoted yes, no, on, off, true or false as a boolean" + (
         f": {'; '.join(advice)})" if advice else ")"
     )
@@ -1432,6 +1435,7 @@ def _boolean_note(value: Any, *, off: str = "", quoting: bool = True) -> str:
 def _choice(raw: dict, key: str, where: str, choices: tuple[str, ...]) -> Any:
     value = raw.get(key, choices[0])
     if value not in choices:
-        quoting = any(c.lower() in BOOLEAN_WORDS for c in choices)  # spark_log_level's OFF
+        words = [f"'{c}'" for c in choices if c.lower() in BOOLEAN_WORDS]  # spark_log_level's OFF
+        quoting = f"quoted, as written here: {' or '.join(words)}" if words else False
         raise ConfigError(f"{where}.{key}: expected one of {', '.join(choices)}, got {_got(value, quoting=quoting)}")
     return value

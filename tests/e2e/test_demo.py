@@ -71,7 +71,9 @@ def test_the_demo_runs_from_a_checkout_whose_path_has_a_space(where, tmp_path):
     assert done.returncode == 0, f"./kafka2pg demo failed (log {log}):\n{output[-5000:]}"
     assert f"OK: produced {EVENTS}, landed {EVENTS}" in output, output[-3000:]
     # What landed, as rows: the first by provenance, every column named.
-    sample = output.split(f"the first 3 of the {EVENTS} rows in public.orders (by partition and offset):\n")[1]
+    header = f"the first 3 of the {EVENTS} rows in public.orders (by partition and offset):\n"
+    assert header in output, output[-3000:]
+    sample = output.split(header)[1]
     assert sample.startswith("  event_id: ") and "kafka_partition: 0, kafka_offset: 0" in sample, output[-3000:]
     assert "could not make the Spark class-data archive" not in output, output[-5000:]
     # What a newcomer reads: no warning of Airflow's about its own set-up, one line for the migrations.

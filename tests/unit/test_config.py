@@ -872,7 +872,6 @@ _BOOLEAN_HINT = r"(True|False|\[.*\]).* \(YAML reads an unquoted yes, no, on, of
     [
         ("columns:\n- {name: event_id, type: text}\n- {name: no, type: text}", "columns[1].name"),
         ("columns:\n- {name: event_id, type: text}\n- {name: ok, type: text, field: On}", "columns[1].field"),
-        ("columns:\n- {name: event_id, type: text}\n- {name: ok, type: yes}", "columns[1].type"),
         ("spark_log_level: OFF", "spark_log_level"),
         ("lag_consumer_group: yes", "lag_consumer_group"),
         ("postgres_conn_id: on", "postgres_conn_id"),
@@ -891,25 +890,45 @@ def test_a_boolean_where_a_topic_or_key_name_belongs_is_refused_with_the_fix(tmp
 
 
 @pytest.mark.parametrize(
-    ("text", "field", "means"),
+    ("text", "field", "means", "then"),
     [
-        ("lag_consumer_group: off", "lag_consumer_group", "to commit the heads to no consumer group"),
-        ("schedule: no", "schedule", "for runs only when triggered"),
-        ("value_root: no", "value_root", "for the record's own object"),
+        ("lag_consumer_group: off", "lag_consumer_group", "to commit the heads to no consumer group", "; quote"),
+        ("schedule: no", "schedule", "for runs only when triggered", r"\)$"),  # no quoted word is a schedule
+        ("value_root: no", "value_root", "for the record's own object", "; quote"),
     ],
 )
-def test_a_no_or_off_yaml_reads_as_false_where_null_means_off_says_to_leave_the_key_out(tmp_path, text, field, means):
+def test_a_no_or_off_yaml_reads_as_false_where_null_means_off_says_to_leave_the_key_out(
+    tmp_path, text, field, means, then
+):
     """Quoted, `'off'` would be a consumer group named off (or a field named no): the refusal
     says first how to leave the field off, which is what the word most likely meant."""
-    hint = rf"got False \(YAML reads an unquoted .* as a boolean: {means}, leave the key out \(or write null\); quote"
+    hint = rf"got False \(YAML reads an unquoted .* as a boolean: {means}, leave the key out \(or write null\){then}"
     with pytest.raises(ConfigError, match=rf"\.{field}: .*{hint}"):
         get_pipeline("orders", _written(tmp_path, text))
 
 
-@pytest.mark.parametrize("text", ["duplicate_policy: off", "kafka_reader: yes", "value_format: on"])
-def test_a_boolean_where_quoting_cannot_give_an_allowed_choice_is_explained_without_the_quoting_advice(tmp_path, text):
-    with pytest.raises(ConfigError, match=r"got (True|False) \(YAML reads an unquoted .* as a boolean\)$"):
+@pytest.mark.parametrize(
+    "text",
+    [
+        "duplicate_policy: off",
+        "kafka_reader: yes",
+        "value_format: on",
+        "schedule: yes",
+        "replay_interval: on",
+        "columns:\n- {name: event_id, type: text}\n- {name: ok, type: yes}",
+    ],
+)
+def test_a_boolean_where_quoting_cannot_give_an_allowed_value_is_explained_without_the_quoting_advice(tmp_path, text):
+    with pytest.raises(
+        ConfigError, match=r"(True|False)( \(supported: .*\))? \(YAML reads an unquoted .* as a boolean\)$"
+    ):
         get_pipeline("orders", _written(tmp_path, text))
+
+
+def test_a_boolean_where_a_choice_is_a_boolean_word_names_that_choice_as_written(tmp_path):
+    """`spark_log_level: off` quoted is `'off'`, still refused: the choice is `OFF`."""
+    with pytest.raises(ConfigError, match=r"got False \(YAML reads .* as a boolean: quoted, as written here: 'OFF'\)$"):
+        get_pipeline("orders", _written(tmp_path, "spark_log_level: off"))
 
 
 def test_the_boolean_hint_is_not_given_for_other_wrong_values_and_quoting_the_word_loads(tmp_path):

@@ -7,7 +7,6 @@ second run that is a no-op without Spark.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -40,21 +39,20 @@ def _plan_message(output: str) -> str:
 SAMPLE_ROWS = 3
 
 
-def _sample(table: str, landed: int, columns: list[str], rows: list[tuple]) -> str:
-    """The target's first rows by provenance, a row per paragraph of `column: value` (the table is
-    too wide for columns side by side); long values are cut."""
+def _sample(table: str, landed: int, columns: list[str], rows: list[tuple[str | None, ...]]) -> str:
+    """The target's first rows by provenance, their values as PostgreSQL's text, a row per
+    paragraph of `column: value` (the table is too wide for columns side by side); long values
+    are cut, control characters escaped, a NULL shown as NULL."""
     if not rows:
         return f"no rows in {table}"
     lines = [f"the first {len(rows)} of the {landed} rows in {table} (by partition and offset):"]
     for row in rows:
-        values = (f"{name}: {_cut(printable(_text(value)))}" for name, value in zip(columns, row, strict=True))
+        values = (
+            f"{name}: {'NULL' if value is None else printable(_cut(value))}"
+            for name, value in zip(columns, row, strict=True)
+        )
         lines.append(fit("  " + ", ".join(values), indent="    "))
     return "\n".join(lines)
-
-
-def _text(value: object) -> str:
-    """A value as PostgreSQL's text shows it: jsonb as JSON (psycopg reads it into Python)."""
-    return json.dumps(value) if isinstance(value, dict | list) else str(value)
 
 
 def _cut(text: str, most: int = 60) -> str:
@@ -155,13 +153,14 @@ def _run_with_stack(stack: local_stack.Stack, events: int, cache: Path) -> int:
         ).fetchone()[0]
         target = sql.Identifier(pipeline.target_schema, pipeline.target_table)
         landed = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(target)).fetchone()[0]
-        sample = conn.execute(
-            sql.SQL("SELECT * FROM {} ORDER BY kafka_topic, kafka_partition, kafka_offset LIMIT {}").format(
-                target, sql.Literal(SAMPLE_ROWS)
+        columns = [c.name for c in conn.execute(sql.SQL("SELECT * FROM {} LIMIT 0").format(target)).description]
+        rows = conn.execute(  # every value as PostgreSQL's text shows it
+            sql.SQL("SELECT {} FROM {} ORDER BY kafka_topic, kafka_partition, kafka_offset LIMIT {}").format(
+                sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(c)) for c in columns),
+                target,
+                sql.Literal(SAMPLE_ROWS),
             )
-        )
-        columns = [c.name for c in sample.description]
-        rows = sample.fetchall()
+        ).fetchall()
     print()
     print(batch_report(settings, pipeline, last) if last else ledger_report(settings, pipeline))
     print()
