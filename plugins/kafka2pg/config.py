@@ -699,7 +699,7 @@ def _refuse_unlike_written(value: Any, here: str, seen: set[int] | None = None) 
                 "them with one << listing the later first, <<: [*later, *earlier] (in a list the first listed wins)"
             )
             if others:
-                raise ConfigError(f"{str(given_twice(here, others, 'YAML'))}; and {merges}")
+                raise ConfigError(f"{given_twice(here, others, 'YAML')}; and {merges}")
             raise ConfigError(f"{here}: {merges}")
         for key, item in value.items():
             _refuse_unlike_written(key, f"{here}: the key {_key_text(key)}", seen)
@@ -1147,7 +1147,7 @@ def _schedule(raw: dict, where: str) -> str | None:
         return None
     expected = f"{where}.schedule: expected a cron expression or one of {', '.join(SCHEDULE_PRESETS)}"
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{expected}, got {_got(value, off='for runs only when triggered', quoting=False)}")
+        raise ConfigError(f"{expected}, got {_got(value, off='for runs only when triggered', quote='')}")
     if value.strip().lower() in ("none", "null", "~"):
         raise ConfigError(
             f"{expected}, got the text {value!r}: for runs only when triggered, leave schedule out (or write null)"
@@ -1171,7 +1171,7 @@ def _cron(raw: dict, key: str, where: str, default: str) -> str:
     value = raw.get(key, default)
     if not isinstance(value, str) or len(value.split()) != 5:
         raise ConfigError(
-            f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {_got(value, quoting=False)}"
+            f"{where}.{key}: expected a 5-field cron expression like '0 0 * * *', got {_got(value, quote='')}"
         )
     if not _croniter_reads(value):
         raise ConfigError(
@@ -1291,7 +1291,7 @@ def _column_type(value: Any, here: str) -> str:
         supported = ", ".join(_SPARK_TYPES)
         raise ConfigError(
             f"{here}.type: unsupported type {value!r} (supported: {supported}, numeric(p,s))"
-            f"{_boolean_note(value, quoting=False)}"
+            f"{_boolean_note(value, quote='')}"
         )
     precision, scale = int(match[1]), int(match[2])
     if not 1 <= precision <= MAX_NUMERIC_PRECISION:
@@ -1406,27 +1406,31 @@ def _positive_int(raw: dict, key: str, where: str, default: int | None) -> int |
     return value
 
 
-def _got(value: Any, *, off: str = "", quoting: bool | str = True) -> str:
+# What `_boolean_note` advises where quoting the word gives a value the field takes.
+QUOTE_ADVICE = "quote a word meant as text: 'no', 'OFF'"
+
+
+def _got(value: Any, *, off: str = "", quote: str = QUOTE_ADVICE) -> str:
     """`value` as a refusal of text shows it, with `_boolean_note`."""
-    return f"{value!r}{_boolean_note(value, off=off, quoting=quoting)}"
+    return f"{value!r}{_boolean_note(value, off=off, quote=quote)}"
 
 
 # The words YAML 1.1 (PyYAML) reads as booleans, in any of their three casings.
 BOOLEAN_WORDS = frozenset({"yes", "no", "on", "off", "true", "false"})
 
 
-def _boolean_note(value: Any, *, off: str = "", quoting: bool | str = True) -> str:
+def _boolean_note(value: Any, *, off: str = "", quote: str = QUOTE_ADVICE) -> str:
     """For a boolean (or a list holding one) where text belongs: how YAML 1.1 came to read it,
     since the word the file shows is gone by then. `off`: for a field that null leaves off, what
     leaving it out means (a `no` or `off` was likely meant so, and quoted it would be a name);
-    `quoting`: whether quoting the word can give a value the field takes (text: the advice)."""
+    `quote`: the advice on quoting the word, empty where no quoted word is a value the field takes."""
     if not (isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value))):
         return ""
     advice = []
     if off and value is False:
         advice.append(f"{off}, leave the key out (or write null)")
-    if quoting:
-        advice.append(quoting if isinstance(quoting, str) else "quote a word meant as text: 'no', 'OFF'")
+    if quote:
+        advice.append(quote)
     return " (YAML reads an unquoted yes, no, on, off, true or false as a boolean" + (
         f": {'; '.join(advice)})" if advice else ")"
     )
@@ -1436,6 +1440,6 @@ def _choice(raw: dict, key: str, where: str, choices: tuple[str, ...]) -> Any:
     value = raw.get(key, choices[0])
     if value not in choices:
         words = [f"'{c}'" for c in choices if c.lower() in BOOLEAN_WORDS]  # spark_log_level's OFF
-        quoting = f"quoted, as written here: {' or '.join(words)}" if words else False
-        raise ConfigError(f"{where}.{key}: expected one of {', '.join(choices)}, got {_got(value, quoting=quoting)}")
+        quote = f"quoted, as written here: {' or '.join(words)}" if words else ""
+        raise ConfigError(f"{where}.{key}: expected one of {', '.join(choices)}, got {_got(value, quote=quote)}")
     return value
