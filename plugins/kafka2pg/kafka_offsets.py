@@ -151,20 +151,21 @@ _NO_TOPIC_ID = "AAAAAAAAAAAAAAAAAAAAAA"
 class TopicAdmin:
     """Questions about one topic through one client: a step that asks several (the offsets, the
     topic's ID, its retention) sets up one connection to the cluster, not one per question (with
-    SASL and TLS, each set-up is a handshake). Each question reads the topic's metadata afresh."""
+    SASL and TLS, each set-up is a handshake). Each question reads the topic's metadata afresh.
+    The client is made at the first question: a configuration librdkafka refuses fails there."""
 
     def __init__(self, kafka: KafkaLike, topic: str, timeout_s: float = 10.0) -> None:
         self.kafka, self.topic, self.timeout_s = kafka, topic, timeout_s
-        self.admin = admin_client(kafka, timeout_s)
-        self._asked = False
+        self.admin: AdminClient | None = None
 
     def _ask(self) -> tuple[AdminClient, str, KafkaLike, float]:
         """Before each question but the first: the connection errors reported while an earlier one
         was answered are not this one's (a failure names what it met, or the client's start did)."""
-        if self._asked and isinstance(self.admin, _Admin):
+        if self.admin is None:
+            self.admin = admin_client(self.kafka, self.timeout_s)
+        elif isinstance(self.admin, _Admin):
             self.admin.poll(0)
             self.admin.connection_errors.clear()
-        self._asked = True
         return self.admin, self.topic, self.kafka, self.timeout_s
 
     def offsets(self) -> list[PartitionOffsets]:

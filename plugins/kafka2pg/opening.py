@@ -62,17 +62,18 @@ def open_batch(
     run_id: str | None = None,
     dry_run: bool = False,
     job_retry: bool = False,
+    kafka: TopicAdmin | None = None,
 ) -> OpenedBatch:
     """Resume the pipeline's unfinished batch, or plan and record the next one.
 
     `job_retry`: called by a retried stage job of several batches of the same run
-    (`batch_store.claim`).
+    (`batch_store.claim`). `kafka`: the client the caller asks its topic with, else a new one.
 
     Rule: an unfinished live batch (planned/staged/validated) is resumed with its exact
     ranges while every head it expects is still in place; otherwise it is marked `abandoned`
     (it never promoted anything, so nothing is undone) and a fresh batch is planned.
     """
-    kafka = topic_admin(settings, pipeline)
+    kafka = kafka or topic_admin(settings, pipeline)
     offsets, identity = kafka.offsets(), kafka.topic_id()
     with transaction(settings.database_url) as conn:
         with waits_logged(settings.database_url, conn, f"pipeline={pipeline.name} the plan"):
@@ -231,6 +232,7 @@ def plan_lookahead(
     *,
     max_records_per_batch: int | None = None,
     run_id: str | None = None,
+    kafka: TopicAdmin | None = None,
 ) -> Batch | None:
     """Plan the batch that follows batch `after_id` (claimed by this run at `after_epoch`: still
     open, or promoted by this run since) from its planned ends; if one is already planned after
@@ -239,9 +241,10 @@ def plan_lookahead(
     For every partition `after_id` reads, its compare-and-set expects that batch's new head,
     so there it promotes only once that one has; other partitions are planned from the ledger's
     heads, as any batch. If `after_id` is rejected or fenced, the run (or the next one's plan
-    step) abandons the lookahead. None: nothing new.
+    step) abandons the lookahead. None: nothing new. `kafka`: the client the caller asks its
+    topic with (the run's, for all its plans and stages), else a new one.
     """
-    kafka = topic_admin(settings, pipeline)
+    kafka = kafka or topic_admin(settings, pipeline)
     offsets, identity = kafka.offsets(), kafka.topic_id()
     with transaction(settings.database_url) as conn:
         lock_plan(conn, pipeline.name)

@@ -30,7 +30,7 @@ from kafka2pg.exceptions import LedgerConflictError, StageInterrupted
 from kafka2pg.expectations import warm_up_in_background
 from kafka2pg.ledger import lock_plan
 from kafka2pg.lifecycle import BatchState, is_open
-from kafka2pg.opening import open_batch, plan_lookahead
+from kafka2pg.opening import open_batch, plan_lookahead, topic_admin
 from kafka2pg.quality import validate_batch
 from kafka2pg.scratch import job_scratch
 from kafka2pg.staging import kafka_group_id, package_zip, spark_session, stage_batch, stop_session
@@ -88,22 +88,24 @@ def run_batches(
     if batches < 1:
         raise ValueError(f"batches must be at least 1, got {batches}")
     result = RunResult()
+    # One client for the topic questions of all the run's plans and stages, asked from this thread.
+    kafka = topic_admin(settings, pipeline)
     if batches == 1:
-        current = _stage(result, spark, settings, pipeline, batch_id, epoch, stop)
+        current = _stage(result, spark, settings, pipeline, batch_id, epoch, stop, kafka)
         result.message = current.message
         return result
     # The first quality gate's GX import, paid beside Spark's start (run_job starts it before the
     # session) and the first stages; every finishing thread joins it before it validates, so GX
     # is never imported by two threads.
     warming = warm_up_in_background()
-    current = _stage(result, spark, settings, pipeline, batch_id, epoch, stop)
+    current = _stage(result, spark, settings, pipeline, batch_id, epoch, stop, kafka)
     finishing = None  # the thread finishing `current`, when it was started early
     while current is not None:
         following = planning_error = None
         if len(result.promoted) + 1 < batches and not _stopped(stop):
             try:
                 following = _timed(
-                    result, "plan", _next_batch, settings, pipeline, current, run_id, max_records_per_batch
+                    result, "plan", _next_batch, settings, pipeline, current, run_id, max_records_per_batch, kafka
                 )
             except Exception as exc:  # noqa: BLE001 - the staged batch is still finished first, then this raises
                 planning_error = exc
@@ -114,7 +116,7 @@ def run_batches(
         staged = early = None
         if following is not None and not _stopped(stop):  # SIGTERM during planning: stage nothing more
             try:
-                staged = _stage(result, spark, settings, pipeline, following.batch_id, following.epoch, stop)
+                staged = _stage(result, spark, settings, pipeline, following.batch_id, following.epoch, stop, kafka)
             except BaseException as exc:  # noqa: BLE001 - re-raised below, once the finishing thread is done
                 stage_error = exc
             if staged is not None and not _stopped(stop):
@@ -175,10 +177,12 @@ class _Staged:
     message: str
 
 
-def _stage(result: RunResult, spark, settings, pipeline, batch_id: int, epoch: int | None, stop) -> _Staged:
+def _stage(result: RunResult, spark, settings, pipeline, batch_id: int, epoch: int | None, stop, kafka) -> _Staged:
     started = time.monotonic()
     with recording_failures(settings, pipeline.name, batch_id, epoch, "stage"):
-        staged = _timed(result, "stage", stage_batch, spark, settings, pipeline, batch_id, epoch, stop=stop)
+        staged = _timed(
+            result, "stage", stage_batch, spark, settings, pipeline, batch_id, epoch, stop=stop, kafka=kafka
+        )
     log.info(
         "%s",
         step_summary(
@@ -198,11 +202,11 @@ def _stage(result: RunResult, spark, settings, pipeline, batch_id: int, epoch: i
     return _Staged(batch_id, epoch, staged.state, staged.message)
 
 
-def _next_batch(settings, pipeline, current: _Staged, run_id, max_records_per_batch) -> Batch | None:
+def _next_batch(settings, pipeline, current: _Staged, run_id, max_records_per_batch, kafka) -> Batch | None:
     """The lookahead after an open batch; after one already promoted (a retried job), the next run's plan."""
     if current.state is BatchState.PROMOTED:
         opened = open_batch(
-            settings, pipeline, max_records_per_batch=max_records_per_batch, run_id=run_id, job_retry=True
+            settings, pipeline, max_records_per_batch=max_records_per_batch, run_id=run_id, job_retry=True, kafka=kafka
         )
         log.info("pipeline=%s %s", pipeline.name, opened.message)
         return opened.batch
@@ -213,6 +217,7 @@ def _next_batch(settings, pipeline, current: _Staged, run_id, max_records_per_ba
         current.epoch,
         max_records_per_batch=max_records_per_batch,
         run_id=run_id,
+        kafka=kafka,
     )
     if batch is not None:
         log.info("pipeline=%s batch %s planned after batch %s", pipeline.name, batch.batch_id, current.batch_id)

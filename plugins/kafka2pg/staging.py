@@ -45,7 +45,7 @@ from kafka2pg.exceptions import (
     StatementTimeoutError,
 )
 from kafka2pg.kafka_config import kafka_config
-from kafka2pg.kafka_offsets import topic_id
+from kafka2pg.kafka_offsets import TopicAdmin
 from kafka2pg.kafka_reader import raw_records_at, read_ranges
 from kafka2pg.lifecycle import Action, BatchState, stage_action
 from kafka2pg.locations import COMMAND, PACKAGE_DIR, preview_first
@@ -129,12 +129,16 @@ def stage_batch(
     epoch: int | None = None,
     *,
     stop: threading.Event | None = None,
+    kafka: TopicAdmin | None = None,
 ) -> StageResult:
     """Read the batch's ranges from Kafka and (re)write its staging rows; idempotent.
 
     `epoch` is the run's claim on the batch (None: the current one); every write checks it,
     so a zombie attempt fenced off by a newer run stops before changing anything. `stop`
     set (SIGTERM) means: give up before marking the batch staged (`StageInterrupted`).
+    `kafka`: the client the caller asks its topic with (a run's, for all its plans and
+    stages: each new client is a connection set up, a TLS handshake on a secured cluster),
+    else one for this stage.
     """
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
@@ -163,15 +167,12 @@ def stage_batch(
     )
     if slow := strict_only_note(pipeline):
         log.warning("pipeline=%s %s", pipeline.name, slow)
-    if batch.plan.topic_id is not None and batch.plan.ranges:
-        now = topic_id(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
-        if batch.plan.in_another_topic(now):
-            raise OffsetRegressionError.recreated_since_planned(
-                pipeline.name, pipeline.topic, batch_id, batch.plan.topic_id, now
-            )
+    kafka = kafka or TopicAdmin(settings.kafka, pipeline.topic, settings.kafka_timeout_s)
+    _check_topic_identity(kafka, pipeline, batch, read=False)
     rows = _read_and_write(spark, settings, pipeline, batch, stop) if batch.plan.ranges else []
     reads = _merge_stats(rows, batch)
     _raise_if_stopped(stop, pipeline, batch_id)
+    _check_topic_identity(kafka, pipeline, batch, read=True)
     # The headers of the records refused while staging (their key and value are staged), read
     # again from Kafka by offset before any lock is taken; records without headers are left alone.
     refused = {r.partition: r.refused for r in reads if r.refused}
@@ -201,6 +202,20 @@ def stage_batch(
         transition(conn, batch, BatchState.STAGED, records_read=total, rows_staged=total, rows_quarantined=quarantined)
     message = f"batch {batch_id}: read {total} records, {quarantined} to quarantine"
     return StageResult(batch_id, BatchState.STAGED, reads, message, batch.plan.ranges)
+
+
+def _check_topic_identity(kafka: TopicAdmin, pipeline: Pipeline, batch: Batch, *, read: bool) -> None:
+    """Before the read: the topic is still the one the batch was planned in. Again after it: a
+    topic deleted and recreated meanwhile has another ID (a topic's ID is never given again), so
+    the same ID after the read proves every record read came from the planned topic. Not asked
+    for a batch with nothing to read, or planned where Kafka gave no topic ID."""
+    if batch.plan.topic_id is None or not batch.plan.ranges:
+        return
+    now = kafka.topic_id()
+    if batch.plan.in_another_topic(now):
+        raise OffsetRegressionError.recreated_since_planned(
+            pipeline.name, pipeline.topic, batch.batch_id, batch.plan.topic_id, now, read=read
+        )
 
 
 def _read_and_write(

@@ -450,19 +450,55 @@ def test_a_topic_recreated_shorter_between_plan_and_read_stages_nothing(reader, 
     produce(env.settings.bootstrap_servers, env.topic, list(sample_events(60, seed=41)))
     with pytest.raises(OffsetRegressionError) as recreated:
         stage_batch(spark, env.settings, env.pipeline, planned.batch_id, planned.epoch)
-    assert recreated.value.batch_id == planned.batch_id
-    assert recreated.value.planned_topic_id == planned.plan.topic_id != recreated.value.topic_id
-    assert "was deleted and recreated" in str(recreated.value)
+    assert "was deleted and recreated, and the planned offsets are not the records" in str(recreated.value)
     assert staged_counts(db, env.pipeline, planned.batch_id) == {}
+    left_planned_then_abandoned(env, db, planned, recreated.value, 60)
+
+
+def left_planned_then_abandoned(env, db, planned, recreated: OffsetRegressionError, new_records: int) -> None:
+    """The stage refused batch `planned` as read from the topic recreated with `new_records`: it
+    stays planned, and the next run abandons it and plans the new topic from its start (the
+    ledger has no head yet)."""
+    assert recreated.batch_id == planned.batch_id
+    assert recreated.planned_topic_id == planned.plan.topic_id != recreated.topic_id
     state = db.execute("SELECT state FROM kafka2pg.batches WHERE batch_id = %s", (planned.batch_id,)).fetchone()[0]
     assert state == "planned"
-    # The next run abandons it; the ledger has no head yet, so the new topic is planned from its start.
     fresh = open_batch(env.settings, env.pipeline).batch
-    assert fresh.batch_id != planned.batch_id and fresh.plan.ranges == (OffsetRange(0, 0, 60),)
+    assert fresh.batch_id != planned.batch_id and fresh.plan.ranges == (OffsetRange(0, 0, new_records),)
     state, error = db.execute(
         "SELECT state, error FROM kafka2pg.batches WHERE batch_id = %s", (planned.batch_id,)
     ).fetchone()
     assert state == "abandoned" and "was deleted and recreated since it was planned" in error
+
+
+@pytest.mark.parametrize("reader", ["librdkafka", "spark"])
+def test_a_topic_recreated_while_the_batch_is_read_stages_nothing_read_from_it(
+    reader, make_pipeline, spark, db, monkeypatch
+):
+    """Deleted and recreated after the stage's check before the read, and refilled: the read finds
+    records at the planned offsets, the new topic's. The topic's ID, asked again once the read is
+    over, says so: the batch stays planned and the next run abandons it."""
+    import kafka2pg.staging
+
+    env = make_pipeline(partitions=1, kafka_reader=reader)
+    produce(env.settings.bootstrap_servers, env.topic, list(sample_events(100, seed=48)))
+    planned = open_batch(env.settings, env.pipeline).batch
+    assert planned.plan.ranges == (OffsetRange(0, 0, 100),)
+    real_read = kafka2pg.staging._read_and_write
+
+    def recreated_before_the_read(*args):
+        recreate_topic(env)
+        produce(env.settings.bootstrap_servers, env.topic, list(sample_events(100, seed=49)))
+        return real_read(*args)
+
+    monkeypatch.setattr(kafka2pg.staging, "_read_and_write", recreated_before_the_read)
+    with pytest.raises(OffsetRegressionError) as recreated:
+        stage_batch(spark, env.settings, env.pipeline, planned.batch_id, planned.epoch)
+    monkeypatch.undo()
+    assert "deleted and recreated while the batch was read" in str(recreated.value)
+    assert sum(staged_counts(db, env.pipeline, planned.batch_id).values()) == 100, "the new topic's records were read"
+    left_planned_then_abandoned(env, db, planned, recreated.value, 100)
+    assert staged_counts(db, env.pipeline, planned.batch_id) == {}, "the abandoned batch's rows are gone"
 
 
 def test_a_topic_recreated_and_refilled_beyond_the_head_is_refused_until_a_reset(make_pipeline, run_batch, replay, db):

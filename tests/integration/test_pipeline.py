@@ -199,14 +199,31 @@ def batch_states(db, env):
     ).fetchall()
 
 
-def test_one_run_catches_up_a_backlog_in_several_batches_of_one_spark_session(make_pipeline, spark, db, heads):
+def test_one_run_catches_up_a_backlog_in_several_batches_of_one_spark_session(
+    make_pipeline, spark, db, heads, monkeypatch
+):
     """batches_per_run > 1: the stage job finishes each batch (gate, promotion) and plans the next."""
+    import threading
+
+    import kafka2pg.kafka_offsets
+
     env = make_pipeline(max_records_per_batch=100)
     events = list(sample_events(350, seed=21))
     produce(env.settings.bootstrap_servers, env.topic, [*events, events[5], events[300]])  # two producer retries
     first = open_batch(env.settings, env.pipeline, run_id="run-1").batch
+    real_client, clients = kafka2pg.kafka_offsets.admin_client, []
+
+    def counted(*args):
+        clients.append(threading.current_thread() is threading.main_thread())
+        return real_client(*args)
+
+    monkeypatch.setattr(kafka2pg.kafka_offsets, "admin_client", counted)
     result = run_batches(spark, env.settings, env.pipeline, first.batch_id, first.epoch, batches=3, run_id="run-1")
+    monkeypatch.undo()
     assert len(result.promoted) == 3 and result.staged == result.promoted and result.records == 300
+    # Three stages (each asks the topic's ID before and after its read) and two lookahead plans:
+    # one Kafka client set up for all of them.
+    assert clients.count(True) == 1, clients
     assert result.promoted[0] == first.batch_id
     assert count(db, env) + quarantined(db, env) == 300
     assert (result.rows_promoted, result.rows_quarantined) == (count(db, env), quarantined(db, env))
