@@ -418,15 +418,16 @@ class OffsetRegressionError(Kafka2PgError):
         """Batch `batch_id` was planned in the topic with ID `planned`; it now has ID `now` (`read`:
         found once the batch was read, which may then have read the new topic's records)."""
         what = (
-            " while the batch was read, which may have read the new topic's records under the planned offsets. "
-            "Nothing read counts: the batch stays planned and none of its rows is validated or promoted."
+            " while the batch was being read: the read may have taken the new topic's records at the planned "
+            "offsets. Nothing read counts: the batch stays planned and none of its rows is validated or promoted."
             if read
             else ", and the planned offsets are not the records planned. Nothing was read."
         )
         return cls(
             f"pipeline {pipeline!r}, topic {topic!r}: batch {batch_id} was planned in the topic with ID {planned}, "
-            f"but the topic now has ID {now}: it was deleted and recreated{what} The next run abandons the batch, "
-            "and says how to realign the ledger if its heads are offsets in the old topic.",
+            f"but the topic now has ID {now}: it was deleted and recreated{what} The next run abandons the batch "
+            "once no ledger head is an offset in the old topic; until then it stops and says how to realign the "
+            "ledger.",
             pipeline=pipeline,
             topic=topic,
             batch_id=batch_id,

@@ -172,7 +172,6 @@ def stage_batch(
     rows = _read_and_write(spark, settings, pipeline, batch, stop) if batch.plan.ranges else []
     reads = _merge_stats(rows, batch)
     _raise_if_stopped(stop, pipeline, batch_id)
-    _check_topic_identity(kafka, pipeline, batch, read=True)
     # The headers of the records refused while staging (their key and value are staged), read
     # again from Kafka by offset before any lock is taken; records without headers are left alone.
     refused = {r.partition: r.refused for r in reads if r.refused}
@@ -181,6 +180,7 @@ def stage_batch(
         for k, r in raw_records_at(settings.kafka, pipeline.topic, refused, settings.kafka_timeout_s).items()
         if r.headers
     }
+    _check_topic_identity(kafka, pipeline, batch, read=True)  # after every read of the batch's records
     with transaction(settings.database_url) as conn:
         batch = load_claimed(conn, pipeline, batch_id, epoch)
         _check_stageable(batch, pipeline)
@@ -205,9 +205,10 @@ def stage_batch(
 
 
 def _check_topic_identity(kafka: TopicAdmin, pipeline: Pipeline, batch: Batch, *, read: bool) -> None:
-    """Before the read: the topic is still the one the batch was planned in. Again after it: a
-    topic deleted and recreated meanwhile has another ID (a topic's ID is never given again), so
-    the same ID after the read proves every record read came from the planned topic. Not asked
+    """Before the read: the topic is still the one the batch was planned in. Again after it and
+    the refused records' header lookup: a topic deleted and recreated meanwhile has another ID (a
+    topic's ID is never given again), so the same ID then proves every record read came from the
+    planned topic. Not asked
     for a batch with nothing to read, or planned where Kafka gave no topic ID."""
     if batch.plan.topic_id is None or not batch.plan.ranges:
         return

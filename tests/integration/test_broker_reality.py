@@ -495,7 +495,7 @@ def test_a_topic_recreated_while_the_batch_is_read_stages_nothing_read_from_it(
     with pytest.raises(OffsetRegressionError) as recreated:
         stage_batch(spark, env.settings, env.pipeline, planned.batch_id, planned.epoch)
     monkeypatch.undo()
-    assert "deleted and recreated while the batch was read" in str(recreated.value)
+    assert "deleted and recreated while the batch was being read" in str(recreated.value)
     assert sum(staged_counts(db, env.pipeline, planned.batch_id).values()) == 100, "the new topic's records were read"
     left_planned_then_abandoned(env, db, planned, recreated.value, 100)
     assert staged_counts(db, env.pipeline, planned.batch_id) == {}, "the abandoned batch's rows are gone"
